@@ -1,0 +1,25 @@
+# Two commands on a fresh clone: `make parity` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: parity test bench clean
+
+$(STAMP): requirements.lock pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet -r requirements.lock
+	$(BIN)/pip install --quiet --no-deps -e .
+	touch $(STAMP)
+
+parity: $(STAMP)
+	$(BIN)/mha-parity $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q $(ARGS)
+
+bench: $(STAMP)
+	$(BIN)/mha-bench --preset quick --json bench.json --markdown bench.md --plot bench.png $(ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,6 @@
+"""The classic multi-head attention in Flax NNX, same semantics as `mha_torch`. Never imports torch."""
+
+from mha_jax.attention import MultiHeadAttention, attention_core, fused_attention_core
+from mha_jax.chunked import chunked_attention
+
+__all__ = ["MultiHeadAttention", "attention_core", "fused_attention_core", "chunked_attention"]

@@ -1,0 +1,5 @@
+"""The classic multi-head attention in PyTorch. Never imports jax."""
+
+from mha_torch.attention import MultiHeadAttention, attention_core, fused_attention_core
+
+__all__ = ["MultiHeadAttention", "attention_core", "fused_attention_core"]
