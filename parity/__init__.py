@@ -1,0 +1,1 @@
+"""The one place that imports both frameworks: conversion, the float64 oracle, the harness, the benchmark."""

@@ -1,0 +1,419 @@
+"""One weight-conversion layer: every format to and from one canonical state dict.
+
+The canonical format is a plain ``dict[str, numpy.ndarray]`` with the classic
+state_dict names and torch's layout (a Linear ``weight`` is (out, in)):
+
+    q_proj.weight (E, E)  q_proj.bias (E,)   ... k_proj, v_proj, out_proj likewise
+
+Every conversion below is an explicit table: name -> name and layout -> layout,
+every shape checked, missing and unexpected keys named in the error, no layout
+guessed from a suffix or an ndim. Dtypes pass through unchanged (bfloat16 as
+``ml_dtypes.bfloat16`` NumPy arrays); asking for another dtype is an error, never
+a silent cast. Weight files are safetensors, never pickle.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+
+from mha_spec import check_config
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "out_proj")
+CANONICAL_KEYS = tuple(f"{p}.{w}" for p in PROJECTIONS for w in ("weight", "bias"))
+SUPPORTED_DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32), np.dtype(np.float64))
+
+# Our projection name -> the flax (linen and nnx) MultiHeadAttention submodule name.
+FLAX_NAMES = {"q_proj": "query", "k_proj": "key", "v_proj": "value", "out_proj": "out"}
+
+FILE_FORMAT = "mha-parity"
+FILE_FORMAT_VERSION = "1"
+
+
+# ---------------------------------------------------------------- checks
+
+
+def _check_keys(found, expected, what: str) -> None:
+    found, expected = set(found), set(expected)
+    missing, unexpected = sorted(expected - found), sorted(found - expected)
+    if missing or unexpected:
+        raise ValueError(f"{what}: missing keys {missing}, unexpected keys {unexpected}")
+
+
+def _check_shape(arr, shape, name: str) -> None:
+    if tuple(arr.shape) != tuple(shape):
+        raise ValueError(f"{name} has shape {tuple(arr.shape)}, expected {tuple(shape)}")
+
+
+def check_state_dict(sd) -> tuple[int, np.dtype]:
+    """Validate a canonical state dict; return (embed_dim, dtype)."""
+    if not isinstance(sd, Mapping):
+        raise TypeError(f"state dict must be a mapping of name -> numpy array, got {type(sd).__name__}")
+    _check_keys(sd.keys(), CANONICAL_KEYS, "state dict")
+    for name in CANONICAL_KEYS:
+        if not isinstance(sd[name], np.ndarray):
+            raise TypeError(f"{name} must be a numpy.ndarray, got {type(sd[name]).__name__}")
+    w = sd["q_proj.weight"]
+    if w.ndim != 2:
+        raise ValueError(f"q_proj.weight has shape {w.shape}, expected (E, E)")
+    E = w.shape[0]
+    for p in PROJECTIONS:
+        _check_shape(sd[f"{p}.weight"], (E, E), f"{p}.weight")
+        _check_shape(sd[f"{p}.bias"], (E,), f"{p}.bias")
+    dtypes = {name: sd[name].dtype for name in CANONICAL_KEYS}
+    if len(set(dtypes.values())) != 1:
+        raise TypeError(f"state dict mixes dtypes: {dtypes}")
+    dtype = w.dtype
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"unsupported dtype {dtype}; expected one of {[str(d) for d in SUPPORTED_DTYPES]}")
+    return E, dtype
+
+
+def _pop_dtype(kwargs: dict, key: str, dtype: np.dtype, as_numpy) -> None:
+    """Reject a requested dtype that differs from the weights' (no silent cast)."""
+    if key in kwargs:
+        asked = kwargs.pop(key)
+        if asked is not None and np.dtype(as_numpy(asked)) != dtype:
+            raise TypeError(f"{key}={asked} differs from the weights' dtype {dtype}; convert the state dict explicitly")
+
+
+# ---------------------------------------------------------------- torch
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def _torch_dtype(dtype: np.dtype):
+    torch = _torch()
+    return {
+        np.dtype(np.float16): torch.float16,
+        np.dtype(ml_dtypes.bfloat16): torch.bfloat16,
+        np.dtype(np.float32): torch.float32,
+        np.dtype(np.float64): torch.float64,
+    }[np.dtype(dtype)]
+
+
+def _numpy_dtype_of_torch(torch_dtype) -> np.dtype:
+    torch = _torch()
+    table = {torch.float16: np.float16, torch.bfloat16: ml_dtypes.bfloat16, torch.float32: np.float32, torch.float64: np.float64}
+    if torch_dtype not in table:
+        raise TypeError(f"unsupported torch dtype {torch_dtype}")
+    return np.dtype(table[torch_dtype])
+
+
+def tensor_to_numpy(t) -> np.ndarray:
+    """A torch tensor as a NumPy copy, bit for bit (bfloat16 via ml_dtypes)."""
+    torch = _torch()
+    t = t.detach().cpu()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16).copy()
+    return t.numpy().copy()
+
+
+def numpy_to_tensor(a: np.ndarray, device=None):
+    """A NumPy array as a torch tensor, bit for bit (bfloat16 via ml_dtypes)."""
+    torch = _torch()
+    a = np.ascontiguousarray(a)
+    if a.dtype == ml_dtypes.bfloat16:
+        t = torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16)
+    else:
+        t = torch.from_numpy(a.copy())
+    return t if device is None else t.to(device)
+
+
+def from_torch(m) -> dict[str, np.ndarray]:
+    """mha_torch.MultiHeadAttention -> canonical state dict."""
+    from mha_torch import MultiHeadAttention
+
+    if not isinstance(m, MultiHeadAttention):
+        raise TypeError(f"expected mha_torch.MultiHeadAttention, got {type(m).__name__}")
+    state = m.state_dict()
+    _check_keys(state.keys(), CANONICAL_KEYS, "mha_torch state_dict")
+    sd = {name: tensor_to_numpy(state[name]) for name in CANONICAL_KEYS}
+    check_state_dict(sd)
+    return sd
+
+
+def to_torch(sd, num_heads: int, **module_kwargs):
+    """Canonical state dict -> mha_torch.MultiHeadAttention in the weights' dtype."""
+    from mha_torch import MultiHeadAttention
+
+    E, dtype = check_state_dict(sd)
+    _pop_dtype(module_kwargs, "dtype", dtype, _numpy_dtype_of_torch)
+    m = MultiHeadAttention(E, num_heads, dtype=_torch_dtype(dtype), **module_kwargs)
+    device = m.q_proj.weight.device
+    m.load_state_dict({name: numpy_to_tensor(sd[name], device) for name in CANONICAL_KEYS}, strict=True)
+    return m
+
+
+def from_torch_mha(m) -> dict[str, np.ndarray]:
+    """torch.nn.MultiheadAttention (batch_first=True, packed in_proj_weight, bias) -> canonical."""
+    torch = _torch()
+    if not isinstance(m, torch.nn.MultiheadAttention):
+        raise TypeError(f"expected torch.nn.MultiheadAttention, got {type(m).__name__}")
+    if not m.batch_first:
+        raise ValueError("torch.nn.MultiheadAttention must have batch_first=True (our layout is [B, L, E])")
+    if not m._qkv_same_embed_dim or m.in_proj_weight is None:
+        raise ValueError("torch.nn.MultiheadAttention must use a packed in_proj_weight (kdim == vdim == embed_dim)")
+    if m.in_proj_bias is None or m.out_proj.bias is None:
+        raise ValueError("torch.nn.MultiheadAttention must have bias=True")
+    if m.bias_k is not None or m.add_zero_attn:
+        raise ValueError("add_bias_kv and add_zero_attn have no counterpart in the classic module")
+    E = m.embed_dim
+    w_in, b_in = tensor_to_numpy(m.in_proj_weight), tensor_to_numpy(m.in_proj_bias)
+    _check_shape(w_in, (3 * E, E), "in_proj_weight")
+    _check_shape(b_in, (3 * E,), "in_proj_bias")
+    sd = {}
+    for i, p in enumerate(("q_proj", "k_proj", "v_proj")):  # in_proj rows are [q; k; v]
+        sd[f"{p}.weight"] = w_in[i * E : (i + 1) * E].copy()
+        sd[f"{p}.bias"] = b_in[i * E : (i + 1) * E].copy()
+    sd["out_proj.weight"] = tensor_to_numpy(m.out_proj.weight)
+    sd["out_proj.bias"] = tensor_to_numpy(m.out_proj.bias)
+    check_state_dict(sd)
+    return sd
+
+
+def to_torch_mha(sd, num_heads: int, **module_kwargs):
+    """Canonical state dict -> torch.nn.MultiheadAttention(batch_first=True) in the weights' dtype."""
+    torch = _torch()
+    E, dtype = check_state_dict(sd)
+    _pop_dtype(module_kwargs, "dtype", dtype, _numpy_dtype_of_torch)
+    if module_kwargs.pop("batch_first", True) is not True:
+        raise ValueError("to_torch_mha builds batch_first=True modules only (our layout is [B, L, E])")
+    m = torch.nn.MultiheadAttention(E, num_heads, batch_first=True, dtype=_torch_dtype(dtype), **module_kwargs)
+    device = m.in_proj_weight.device
+    state = {
+        "in_proj_weight": np.concatenate([sd[f"{p}.weight"] for p in ("q_proj", "k_proj", "v_proj")], axis=0),
+        "in_proj_bias": np.concatenate([sd[f"{p}.bias"] for p in ("q_proj", "k_proj", "v_proj")], axis=0),
+        "out_proj.weight": sd["out_proj.weight"],
+        "out_proj.bias": sd["out_proj.bias"],
+    }
+    m.load_state_dict({k: numpy_to_tensor(v, device) for k, v in state.items()}, strict=True)
+    return m
+
+
+# ---------------------------------------------------------------- jax / flax
+
+
+def _check_jax_dtype(dtype: np.dtype) -> None:
+    import jax
+
+    if dtype == np.float64 and not jax.config.jax_enable_x64:
+        raise TypeError("float64 weights need jax_enable_x64, or jax would silently store float32")
+
+
+def from_jax(m) -> dict[str, np.ndarray]:
+    """mha_jax.MultiHeadAttention -> canonical state dict (kernel (in, out) -> weight (out, in))."""
+    from mha_jax import MultiHeadAttention
+
+    if not isinstance(m, MultiHeadAttention):
+        raise TypeError(f"expected mha_jax.MultiHeadAttention, got {type(m).__name__}")
+    sd = {}
+    for p in PROJECTIONS:
+        layer = getattr(m, p)
+        sd[f"{p}.weight"] = np.ascontiguousarray(np.asarray(layer.kernel[...]).T)
+        sd[f"{p}.bias"] = np.array(layer.bias[...])
+    check_state_dict(sd)
+    return sd
+
+
+def to_jax(sd, num_heads: int, **module_kwargs):
+    """Canonical state dict -> mha_jax.MultiHeadAttention with param_dtype = the weights' dtype."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from mha_jax import MultiHeadAttention
+
+    E, dtype = check_state_dict(sd)
+    _check_jax_dtype(dtype)
+    _pop_dtype(module_kwargs, "param_dtype", dtype, np.dtype)
+    rngs = module_kwargs.pop("rngs", None) or nnx.Rngs(0)
+    m = MultiHeadAttention(E, num_heads, rngs=rngs, param_dtype=dtype, **module_kwargs)
+    for p in PROJECTIONS:
+        layer = getattr(m, p)
+        layer.kernel[...] = jnp.asarray(sd[f"{p}.weight"].T)  # (E_in, E_out)
+        layer.bias[...] = jnp.asarray(sd[f"{p}.bias"])
+    return m
+
+
+def torch_to_jax(m):
+    """mha_torch -> mha_jax, keeping num_heads and masked_rows."""
+    return to_jax(from_torch(m), m.num_heads, masked_rows=m.masked_rows)
+
+
+def jax_to_torch(m):
+    """mha_jax -> mha_torch, keeping num_heads and masked_rows."""
+    return to_torch(from_jax(m), m.num_heads, masked_rows=m.masked_rows)
+
+
+def _to_flax_layout(sd, num_heads: int) -> dict[str, dict[str, np.ndarray]]:
+    """Canonical -> {query|key|value|out: {kernel, bias}} in flax's per-head layout.
+
+    Heads are split as feature index n * H + h, exactly as view(B, L, N, H) does.
+      in-projections: weight (N*H, E) -> kernel (E, N, H);  bias (N*H,) -> (N, H)
+      out-projection: weight (E, N*H) -> kernel (N, H, E);  bias (E,)   -> (E,)
+    """
+    E, dtype = check_state_dict(sd)
+    check_config(E, num_heads, "nan")
+    N, H = num_heads, E // num_heads
+    tree = {}
+    for p in ("q_proj", "k_proj", "v_proj"):
+        tree[FLAX_NAMES[p]] = {
+            "kernel": np.ascontiguousarray(sd[f"{p}.weight"].T.reshape(E, N, H)),
+            "bias": sd[f"{p}.bias"].reshape(N, H).copy(),
+        }
+    tree["out"] = {
+        "kernel": np.ascontiguousarray(sd["out_proj.weight"].T.reshape(N, H, E)),
+        "bias": sd["out_proj.bias"].copy(),
+    }
+    return tree
+
+
+def _from_flax_layout(tree: Mapping, what: str) -> dict[str, np.ndarray]:
+    """{query|key|value|out: {kernel, bias}} (flax layout) -> canonical; the inverse table."""
+    _check_keys(tree.keys(), FLAX_NAMES.values(), what)
+    for name in FLAX_NAMES.values():
+        _check_keys(tree[name].keys(), ("kernel", "bias"), f"{what}[{name!r}]")
+    qk = np.asarray(tree["query"]["kernel"])
+    if qk.ndim != 3:
+        raise ValueError(f"{what}['query']['kernel'] has shape {qk.shape}, expected (E, N, H)")
+    E, N, H = qk.shape
+    if N * H != E:
+        raise ValueError(f"{what}: query kernel {qk.shape} has N*H={N * H} != E={E}; qkv_features must equal in_features")
+    sd = {}
+    for p in ("q_proj", "k_proj", "v_proj"):
+        name = FLAX_NAMES[p]
+        kernel, bias = np.asarray(tree[name]["kernel"]), np.asarray(tree[name]["bias"])
+        _check_shape(kernel, (E, N, H), f"{what}[{name!r}]['kernel']")
+        _check_shape(bias, (N, H), f"{what}[{name!r}]['bias']")
+        sd[f"{p}.weight"] = np.ascontiguousarray(kernel.reshape(E, N * H).T)
+        sd[f"{p}.bias"] = bias.reshape(N * H).copy()
+    kernel, bias = np.asarray(tree["out"]["kernel"]), np.asarray(tree["out"]["bias"])
+    _check_shape(kernel, (N, H, E), f"{what}['out']['kernel']")
+    _check_shape(bias, (E,), f"{what}['out']['bias']")
+    sd["out_proj.weight"] = np.ascontiguousarray(kernel.reshape(N * H, E).T)
+    sd["out_proj.bias"] = bias.copy()
+    check_state_dict(sd)
+    return sd
+
+
+def from_flax_linen(variables) -> dict[str, np.ndarray]:
+    """Variables of flax.linen.MultiHeadDotProductAttention ({"params": ...}) -> canonical."""
+    if not isinstance(variables, Mapping):
+        raise TypeError(f"expected a mapping {{'params': ...}}, got {type(variables).__name__}")
+    _check_keys(variables.keys(), ("params",), "flax.linen variables")
+    return _from_flax_layout(variables["params"], "flax.linen params")
+
+
+def to_flax_linen(sd, num_heads: int) -> dict:
+    """Canonical -> {"params": ...} for flax.linen.MultiHeadDotProductAttention(num_heads, ...).apply."""
+    return {"params": _to_flax_layout(sd, num_heads)}
+
+
+def from_flax_nnx(m) -> dict[str, np.ndarray]:
+    """flax.nnx.MultiHeadAttention (bias, no qk-norm, no GQA, qkv_features = in = out) -> canonical."""
+    from flax import nnx
+
+    if not isinstance(m, nnx.MultiHeadAttention):
+        raise TypeError(f"expected flax.nnx.MultiHeadAttention, got {type(m).__name__}")
+    if not m.use_bias or m.normalize_qk:
+        raise ValueError("flax.nnx.MultiHeadAttention must have use_bias=True and normalize_qk=False")
+    if m.num_kv_heads != m.num_heads:
+        raise ValueError(f"grouped heads (num_kv_heads={m.num_kv_heads} != num_heads={m.num_heads}) are not supported")
+    tree = {
+        FLAX_NAMES[p]: {"kernel": np.asarray(getattr(m, FLAX_NAMES[p]).kernel[...]), "bias": np.asarray(getattr(m, FLAX_NAMES[p]).bias[...])}
+        for p in PROJECTIONS
+    }
+    return _from_flax_layout(tree, "flax.nnx.MultiHeadAttention")
+
+
+def to_flax_nnx(sd, num_heads: int, **module_kwargs):
+    """Canonical -> flax.nnx.MultiHeadAttention(num_heads, E) with param_dtype = the weights' dtype."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    E, dtype = check_state_dict(sd)
+    _check_jax_dtype(dtype)
+    _pop_dtype(module_kwargs, "param_dtype", dtype, np.dtype)
+    rngs = module_kwargs.pop("rngs", None) or nnx.Rngs(0)
+    module_kwargs.setdefault("decode", False)
+    m = nnx.MultiHeadAttention(num_heads, E, param_dtype=dtype, rngs=rngs, **module_kwargs)
+    for name, params in _to_flax_layout(sd, num_heads).items():
+        layer = getattr(m, name)
+        layer.kernel[...] = jnp.asarray(params["kernel"])
+        layer.bias[...] = jnp.asarray(params["bias"])
+    return m
+
+
+# ---------------------------------------------------------------- files
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A loaded weight file: the weights plus what is needed to rebuild the module."""
+
+    state_dict: dict
+    num_heads: int
+    masked_rows: str
+
+    def to_torch(self, **module_kwargs):
+        return to_torch(self.state_dict, self.num_heads, masked_rows=self.masked_rows, **module_kwargs)
+
+    def to_jax(self, **module_kwargs):
+        return to_jax(self.state_dict, self.num_heads, masked_rows=self.masked_rows, **module_kwargs)
+
+
+def save(sd, path, *, num_heads: int, masked_rows: str = "nan") -> None:
+    """Write a canonical state dict to a safetensors file, with num_heads and masked_rows in its metadata."""
+    from safetensors.numpy import save_file
+
+    E, _ = check_state_dict(sd)
+    check_config(E, num_heads, masked_rows)
+    metadata = {
+        "format": FILE_FORMAT,
+        "format_version": FILE_FORMAT_VERSION,
+        "embed_dim": str(E),
+        "num_heads": str(num_heads),
+        "masked_rows": masked_rows,
+    }
+    path = os.fspath(path)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix=".tmp")
+    os.close(fd)
+    try:
+        save_file({k: np.ascontiguousarray(sd[k]) for k in CANONICAL_KEYS}, tmp, metadata=metadata)
+        os.replace(tmp, path)  # atomic: a reader never sees half a file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def load(path) -> Checkpoint:
+    """Read a file written by `save`; everything needed to rebuild the module comes from the file."""
+    from safetensors import safe_open
+
+    path = os.fspath(path)
+    try:
+        with safe_open(path, framework="numpy") as f:
+            metadata = f.metadata() or {}
+            sd = {k: f.get_tensor(k) for k in f.keys()}
+    except (OSError, FileNotFoundError):
+        raise
+    except Exception as e:  # safetensors raises its own error type on a non-safetensors file
+        raise ValueError(f"{path} is not a readable safetensors file: {e}") from e
+    if metadata.get("format") != FILE_FORMAT:
+        raise ValueError(f"{path} has no {FILE_FORMAT!r} metadata (found {sorted(metadata)}); was it written by parity.convert.save?")
+    for field in ("num_heads", "masked_rows"):
+        if field not in metadata:
+            raise ValueError(f"{path} metadata lacks {field!r}")
+    E, _ = check_state_dict(sd)
+    num_heads = int(metadata["num_heads"])
+    check_config(E, num_heads, metadata["masked_rows"])
+    return Checkpoint(sd, num_heads, metadata["masked_rows"])
