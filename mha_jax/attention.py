@@ -69,7 +69,7 @@ def attention_core(q, k, v, keep=None, *, masked_rows="nan", precision=None):
     if keep is not None:
         weights = jnp.where(row_any, weights, masked_row_fill(masked_rows, acc, jnp.array(1.0 / S, acc)))
     weights = weights.astype(dtype)
-    context = jnp.einsum("BNTS,BSNH->BTNH", weights, v, precision=precision)
+    context = jnp.einsum("BNTS,BSNH->BTNH", weights, v, precision=precision, preferred_element_type=acc).astype(dtype)
     return context, weights
 
 
@@ -137,7 +137,9 @@ class MultiHeadAttention(nnx.Module):
     def _project(self, layer: nnx.Linear, x, dtype):
         kernel = layer.kernel[...].astype(dtype)  # (E_in, E_out)
         bias = layer.bias[...].astype(dtype)
-        return jnp.einsum("BTE,EF->BTF", x, kernel, precision=self.precision) + bias
+        # Accumulate in >= float32 (XLA's CPU dot would otherwise accumulate float16 in float16).
+        y = jnp.einsum("BTE,EF->BTF", x, kernel, precision=self.precision, preferred_element_type=accumulation_dtype(dtype))
+        return (y + bias).astype(dtype)
 
     def __call__(self, query, key, value, mask=None, need_weights: bool = True):
         for name, x in (("query", query), ("key", key), ("value", value)):

@@ -1,0 +1,63 @@
+"""Shared fixtures. Sizes are tiny and pairwise distinct so a swapped axis fails loudly."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+import pytest
+
+# float64 cases need x64; every module here is explicit about dtypes, so turning
+# it on for the session changes no float32/16-bit result.
+jax.config.update("jax_enable_x64", True)
+
+
+@dataclass(frozen=True)
+class Sizes:
+    B: int = 3
+    T: int = 5  # query length
+    S: int = 7  # key/value length
+    E: int = 12
+    N: int = 3  # heads, so H = 4
+
+
+SIZES = Sizes()
+
+
+def make_state_dict(rng: np.random.Generator, E: int, scale: float = 0.5) -> dict[str, np.ndarray]:
+    """Random float64 weights in the canonical layout (biases nonzero, so a dropped bias shows)."""
+    sd = {}
+    for p in ("q_proj", "k_proj", "v_proj", "out_proj"):
+        sd[f"{p}.weight"] = rng.uniform(-scale, scale, (E, E))
+        sd[f"{p}.bias"] = rng.uniform(-scale, scale, (E,))
+    return sd
+
+
+def make_inputs(rng: np.random.Generator, s: Sizes = SIZES):
+    q = rng.standard_normal((s.B, s.T, s.E))
+    k = rng.standard_normal((s.B, s.S, s.E))
+    v = rng.standard_normal((s.B, s.S, s.E))
+    return q, k, v
+
+
+def random_keep_mask(rng: np.random.Generator, shape, fully_masked_row=(0, 1)) -> np.ndarray:
+    """A bool keep-mask with one query row that may attend to nothing."""
+    keep = rng.random(shape) > 0.4
+    keep[..., :, 0] = True  # every other row keeps at least one key
+    b, t = fully_masked_row
+    if keep.ndim == 2:
+        keep[t, :] = False
+    else:
+        keep[b, ..., t, :] = False
+    return keep
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(1234)
+
+
+@pytest.fixture
+def sd64(rng):
+    return make_state_dict(rng, SIZES.E)
