@@ -1,0 +1,240 @@
+"""parity.convert: bit-exact round trips, explicit layouts, ecosystem peers, safetensors files."""
+
+from __future__ import annotations
+
+import pickle
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from flax import linen, nnx
+
+from conftest import SIZES, make_inputs, random_keep_mask
+from helpers import DTYPES, build, cast_sd, np_dtype, run
+from parity import convert, reference
+from parity.tolerances import compare, tolerance_for
+
+S = SIZES
+
+
+def assert_bit_identical(a: dict, b: dict):
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert a[name].dtype == b[name].dtype, name
+        assert a[name].shape == b[name].shape, name
+        assert a[name].tobytes() == b[name].tobytes(), name
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_torch_jax_torch_is_bit_identical(dtype, sd64):
+    sd = cast_sd(sd64, np_dtype(dtype))
+    tm = convert.to_torch(sd, S.N, masked_rows="uniform")
+    jm = convert.torch_to_jax(tm)
+    back = convert.jax_to_torch(jm)
+    assert (jm.num_heads, jm.masked_rows, back.num_heads, back.masked_rows) == (S.N, "uniform", S.N, "uniform")
+    assert back.q_proj.weight.dtype == tm.q_proj.weight.dtype
+    for name, t in tm.state_dict().items():
+        assert torch.equal(t, back.state_dict()[name]), name
+    assert_bit_identical(convert.from_torch(back), sd)
+    assert_bit_identical(convert.from_jax(jm), sd)
+    assert jm.q_proj.kernel[...].dtype == np_dtype(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fmt", ["torch_mha", "flax_nnx"])
+def test_ecosystem_round_trips_are_bit_identical(dtype, fmt, sd64):
+    sd = cast_sd(sd64, np_dtype(dtype))
+    to, frm = getattr(convert, f"to_{fmt}"), getattr(convert, f"from_{fmt}")
+    assert_bit_identical(frm(to(sd, S.N)), sd)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_flax_linen_round_trip_is_bit_identical(dtype, sd64):
+    sd = cast_sd(sd64, np_dtype(dtype))
+    assert_bit_identical(convert.from_flax_linen(convert.to_flax_linen(sd, S.N)), sd)
+
+
+def test_flax_layout_table(sd64):
+    """Head n owns features n*H .. n*H+H-1 of the classic layout; flax's kernel axes are (E, N, H) and (N, H, E)."""
+    H = S.E // S.N
+    p = convert.to_flax_linen(sd64, S.N)["params"]
+    n, h, e = 2, 1, 5
+    assert p["query"]["kernel"][e, n, h] == sd64["q_proj.weight"][n * H + h, e]
+    assert p["value"]["bias"][n, h] == sd64["v_proj.bias"][n * H + h]
+    assert p["out"]["kernel"][n, h, e] == sd64["out_proj.weight"][e, n * H + h]
+
+
+def test_torch_mha_packing(sd64):
+    m = convert.to_torch_mha(sd64, S.N)
+    E = S.E
+    np.testing.assert_array_equal(m.in_proj_weight.detach().numpy()[E : 2 * E], sd64["k_proj.weight"])
+    np.testing.assert_array_equal(m.in_proj_bias.detach().numpy()[2 * E :], sd64["v_proj.bias"])
+
+
+# ------------------------------------------------------------- peers fed converted weights
+
+
+def _ours(sd, policy, q, k, v, keep, framework="torch"):
+    out, w = run(framework, build(framework, sd, S.N, masked_rows=policy), q, k, v, keep)
+    return out, w
+
+
+@pytest.mark.parametrize("need_weights", [True, False])
+def test_torch_mha_peer(need_weights, sd64, rng):
+    """torch.nn.MultiheadAttention masks where True: pass ~keep, per batch*head for a 3-D mask.
+
+    With need_weights=True a fully masked row is NaN (our "nan"); with need_weights=False it
+    takes SDPA's fast path and gives a zero context (our "zero").
+    """
+    q, k, v = make_inputs(rng)
+    keep = random_keep_mask(rng, (S.B, S.T, S.S))
+    peer = convert.to_torch_mha(sd64, S.N)
+    attn_mask = torch.from_numpy(~np.repeat(keep, S.N, axis=0))  # (B*N, T, S), True = masked
+    with torch.no_grad():
+        out, w = peer(*(torch.from_numpy(x) for x in (q, k, v)), attn_mask=attn_mask, need_weights=need_weights, average_attn_weights=False)
+    policy = "nan" if need_weights else "zero"
+    ours_out, ours_w = _ours(sd64, policy, q, k, v, keep)
+    tol = tolerance_for("float64").forward
+    c = compare(out.numpy(), ours_out, tol)
+    assert c.passed, c
+    if need_weights:
+        c = compare(w.numpy(), ours_w, tol)
+        assert c.passed, c
+
+
+def test_sdpa_peer_is_the_zero_policy(sd64, rng):
+    q, k, v = make_inputs(rng)
+    keep = random_keep_mask(rng, (S.B, S.T, S.S))
+    H = S.E // S.N
+
+    def proj(x, p):
+        y = x @ sd64[f"{p}.weight"].T + sd64[f"{p}.bias"]
+        return torch.from_numpy(y.reshape(*y.shape[:2], S.N, H).transpose(0, 2, 1, 3))
+
+    ctx = F.scaled_dot_product_attention(proj(q, "q_proj"), proj(k, "k_proj"), proj(v, "v_proj"), attn_mask=torch.from_numpy(keep[:, None]))
+    ctx = ctx.numpy().transpose(0, 2, 1, 3).reshape(S.B, S.T, S.E)
+    out = ctx @ sd64["out_proj.weight"].T + sd64["out_proj.bias"]
+    c = compare(out, _ours(sd64, "zero", q, k, v, keep)[0], tolerance_for("float64").forward)
+    assert c.passed, c
+
+
+@pytest.mark.parametrize("peer_kind", ["linen", "nnx"])
+def test_flax_peers_are_the_uniform_policy(peer_kind, sd64, rng):
+    """flax masks where False (same polarity as ours) and gives fully masked rows uniform weights.
+
+    flax computes its softmax in float32 even for float64 inputs, so it is compared in
+    float32 with the float32 tolerance (its float64 deviation is the harness's to report).
+    """
+    sd = cast_sd(sd64, np.float32)
+    q, k, v = (x.astype(np.float32) for x in make_inputs(rng))
+    keep = random_keep_mask(rng, (S.B, S.T, S.S))
+    if peer_kind == "linen":
+        variables = convert.to_flax_linen(sd, S.N)
+        out = linen.MultiHeadDotProductAttention(num_heads=S.N).apply(variables, q, k, v, mask=keep[:, None])
+    else:
+        out = convert.to_flax_nnx(sd, S.N)(q, k, v, mask=jnp.asarray(keep[:, None]))
+    ours = _ours(sd, "uniform", q, k, v, keep, framework="jax")[0]
+    c = compare(np.asarray(out), ours, tolerance_for("float32").forward)
+    assert c.passed, c
+    exact = reference.forward(sd64, q, k, v, keep, num_heads=S.N, masked_rows="uniform")
+    assert compare(np.asarray(out), exact.output, tolerance_for("float32").forward).passed
+
+
+# ------------------------------------------------------------- strictness
+
+
+def test_missing_and_unexpected_keys_are_named(sd64):
+    sd = dict(sd64)
+    del sd["k_proj.bias"]
+    sd["k_proj.bais"] = sd64["k_proj.bias"]
+    with pytest.raises(ValueError, match=r"missing keys \['k_proj.bias'\], unexpected keys \['k_proj.bais'\]"):
+        convert.to_torch(sd, S.N)
+
+
+def test_wrong_shapes_and_types_are_errors(sd64):
+    sd = dict(sd64, **{"v_proj.weight": sd64["v_proj.weight"][:, :-1]})
+    with pytest.raises(ValueError, match=r"v_proj.weight has shape \(12, 11\), expected \(12, 12\)"):
+        convert.to_jax(sd, S.N)
+    sd = dict(sd64, **{"out_proj.bias": sd64["out_proj.bias"].astype(np.float32)})
+    with pytest.raises(TypeError, match="mixes dtypes"):
+        convert.to_torch(sd, S.N)
+    sd = dict(sd64, **{"q_proj.bias": torch.zeros(12)})
+    with pytest.raises(TypeError, match="q_proj.bias must be a numpy.ndarray"):
+        convert.check_state_dict(sd)
+    with pytest.raises(ValueError, match="embed_dim=12 is not divisible by num_heads=5"):
+        convert.to_flax_linen(sd64, 5)
+
+
+def test_no_silent_dtype_change(sd64):
+    sd16 = cast_sd(sd64, np.float16)
+    with pytest.raises(TypeError, match="differs from the weights' dtype float16"):
+        convert.to_torch(sd16, S.N, dtype=torch.float32)
+    with pytest.raises(TypeError, match="differs from the weights' dtype float16"):
+        convert.to_jax(sd16, S.N, param_dtype=jnp.float32)
+    import jax
+
+    with jax.enable_x64(False):
+        with pytest.raises(TypeError, match="jax_enable_x64"):
+            convert.to_jax(sd64, S.N)
+
+
+def test_flax_linen_bad_tree(sd64):
+    variables = convert.to_flax_linen(sd64, S.N)
+    with pytest.raises(ValueError, match=r"missing keys \['params'\]"):
+        convert.from_flax_linen(variables["params"])
+    del variables["params"]["out"]["bias"]
+    with pytest.raises(ValueError, match=r"\['out'\]: missing keys \['bias'\]"):
+        convert.from_flax_linen(variables)
+
+
+def test_torch_mha_unsupported_configs_are_named():
+    with pytest.raises(ValueError, match="batch_first=True"):
+        convert.from_torch_mha(torch.nn.MultiheadAttention(12, 3))
+    with pytest.raises(ValueError, match="packed in_proj_weight"):
+        convert.from_torch_mha(torch.nn.MultiheadAttention(12, 3, batch_first=True, kdim=8, vdim=8))
+    with pytest.raises(ValueError, match="GQA|grouped"):
+        convert.from_flax_nnx(nnx.MultiHeadAttention(4, 12, num_kv_heads=2, rngs=nnx.Rngs(0), decode=False))
+
+
+# ------------------------------------------------------------- files
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_save_load_round_trip(dtype, sd64, tmp_path, rng):
+    sd = cast_sd(sd64, np_dtype(dtype))
+    path = tmp_path / "mha.safetensors"
+    convert.save(sd, path, num_heads=S.N, masked_rows="zero")
+    ckpt = convert.load(path)
+    assert (ckpt.num_heads, ckpt.masked_rows) == (S.N, "zero")
+    assert_bit_identical(ckpt.state_dict, sd)
+    tm, jm = ckpt.to_torch(), ckpt.to_jax()  # nothing but the file is needed
+    assert (tm.num_heads, tm.masked_rows, jm.num_heads, jm.masked_rows) == (S.N, "zero", S.N, "zero")
+    assert_bit_identical(convert.from_torch(tm), sd)
+    assert not list(tmp_path.glob("*.tmp"))  # the atomic write left nothing behind
+
+
+def test_load_refuses_pickles_and_foreign_files(sd64, tmp_path):
+    pkl = tmp_path / "weights.pt"
+    pkl.write_bytes(pickle.dumps(sd64))
+    with pytest.raises(ValueError, match="not a readable safetensors file"):
+        convert.load(pkl)
+    from safetensors.numpy import save_file
+
+    foreign = tmp_path / "foreign.safetensors"
+    save_file(sd64, str(foreign))
+    with pytest.raises(ValueError, match="no 'mha-parity' metadata"):
+        convert.load(foreign)
+    with pytest.raises(ValueError, match="masked_rows='ignore'"):
+        convert.save(sd64, tmp_path / "x.safetensors", num_heads=S.N, masked_rows="ignore")
+
+
+def test_bfloat16_tensor_numpy_bridge_is_bit_exact(rng):
+    bits = rng.integers(0, 2**16, 1000, dtype=np.uint16).view(np.int16)
+    a = bits.view(ml_dtypes.bfloat16)
+    t = convert.numpy_to_tensor(a)
+    assert t.dtype == torch.bfloat16
+    back = convert.tensor_to_numpy(t)
+    assert back.dtype == ml_dtypes.bfloat16 and back.tobytes() == a.tobytes()
