@@ -8,7 +8,7 @@ oracle's own maths run in that dtype (`reference.forward(..., dtype=...)`), plus
 `atol` as a floor for the case where that yardstick error is ~0. So a 16-bit
 tolerance comes from a measurement, not from taste.
 
-How the numbers were chosen (measured with tests/measure_tolerances.py, written
+How the numbers were chosen (measured with scripts/measure_tolerances.py, written
 in the README's "Tolerances" section): see the comment on each entry.
 """
 
@@ -36,11 +36,18 @@ class DtypeTolerance:
 
 TOLERANCES: dict[str, DtypeTolerance] = {
     # The issue's bar: float64 paths agree with the float64 oracle to 1e-12.
+    # Measured worst forward error, 4 paths x 3 sizes up to E=512 x 3 seeds: 4.4e-16.
     "float64": DtypeTolerance(forward=Tolerance(1e-12, 1e-12), gradient=Tolerance(1e-12, 1e-12)),
-    # float32 eps is 1.2e-7; measured worst forward error at the test sizes ~1e-6 (E<=512).
-    "float32": DtypeTolerance(forward=Tolerance(1e-5, 1e-5), gradient=Tolerance(5e-5, 5e-5)),
-    "bfloat16": DtypeTolerance(forward=Tolerance(1e-2, 0.0), gradient=Tolerance(5e-2, 0.0), three_way_k=3.0),
-    "float16": DtypeTolerance(forward=Tolerance(1e-3, 0.0), gradient=Tolerance(5e-3, 0.0), three_way_k=3.0),
+    # float32 eps is 1.2e-7; measured worst forward error (same sweep): 1.4e-7, so ~7x margin.
+    # Gradients sum over B*T (or B*S) terms and are larger in magnitude: 10x the forward entry.
+    "float32": DtypeTolerance(forward=Tolerance(1e-6, 1e-5), gradient=Tolerance(1e-5, 1e-4)),
+    # 16-bit: three-way judge. Measured ratio of our error to the yardstick: 0.97-1.01 (bfloat16),
+    # 0.97-1.26 (float16), so k=3 leaves >2x margin while a real bug (a wrong scale, a
+    # dropped bias) is 10-100x the yardstick. The atol here is only a floor for a yardstick
+    # that happens to be ~0; it sits well below the smallest yardstick measured
+    # (6.2e-4 bfloat16, 7.8e-5 float16 at E=512).
+    "bfloat16": DtypeTolerance(forward=Tolerance(5e-5, 0.0), gradient=Tolerance(5e-4, 0.0), three_way_k=3.0),
+    "float16": DtypeTolerance(forward=Tolerance(5e-6, 0.0), gradient=Tolerance(5e-5, 0.0), three_way_k=3.0),
 }
 
 
