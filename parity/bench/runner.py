@@ -1,0 +1,370 @@
+"""Plan a sweep, run it in worker subprocesses, and turn what comes back into rows.
+
+Isolation: by default each (framework, case) group runs in its own worker, so
+the peak-memory probe, the XLA and inductor compile caches and the allocator
+state of one case never leak into another, while the several implementations
+and passes of that case share one start-up (importing torch or jax + flax costs
+1.5-3 s per process here, which per (implementation, case, pass) would eat the
+quick preset's budget several times over). Workers run one at a time, never in
+parallel: they would compete for the same cores.
+
+If a worker dies (killed for memory, a segfault) or an item exceeds its time
+limit, the item it was on becomes an `error` row and a fresh worker takes the rest.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.metadata
+import json
+import os
+import platform
+import queue
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import psutil
+
+from parity.bench.measure import apply_peak
+from parity.bench.spec import Case, Impl, Preset, Timing, empty_row, estimate_bytes, pass_flops
+from parity.bench.worker import TAG
+
+DEVICES = ("cpu", "gpu", "tpu")
+MEM_HEADROOM = 0.8  # skip an item whose estimate exceeds this fraction of available memory
+
+
+def detect_devices() -> dict[str, str | None]:
+    """{device: None if present else why not}, from device nodes: no framework import needed."""
+    found = {"cpu": None}
+    nvidia = glob.glob("/dev/nvidia[0-9]*") or glob.glob("/dev/kfd")
+    found["gpu"] = None if nvidia else "no GPU found (no /dev/nvidia* or /dev/kfd device node)"
+    found["tpu"] = None if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*") else "no TPU found (no /dev/accel* or /dev/vfio device)"
+    return found
+
+
+def resolve_device(requested: str) -> tuple[str, str | None]:
+    """(device, reason it is absent or None). auto = the best present: gpu, then tpu, then cpu."""
+    found = detect_devices()
+    if requested == "auto":
+        for dev in ("gpu", "tpu", "cpu"):
+            if found[dev] is None:
+                return dev, None
+    if requested not in DEVICES:
+        raise ValueError(f"device {requested!r} is not one of {DEVICES + ('auto',)}")
+    return requested, found[requested]
+
+
+def framework_device(framework: str, device: str) -> str:
+    """What each framework runs on: torch uses cuda for gpu and stays on cpu with a TPU."""
+    if framework == "torch":
+        return "cuda" if device == "gpu" else "cpu"
+    return device
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    preset: Preset
+    device: str = "cpu"  # resolved: cpu | gpu | tpu
+    device_absent: str | None = None
+    impls: tuple[Impl, ...] = ()
+    cases: tuple[Case, ...] = ()
+    passes: tuple[str, ...] = ("fwd", "fwd+bwd")
+    threads: int | None = None
+    precision: str = "highest"  # highest | default
+    seed: int = 0
+    isolation: str = "case"  # case | framework
+    item_timeout_s: float = 900.0
+    timing: Timing = field(default_factory=Timing)
+    available_bytes: int | None = None
+
+    def __post_init__(self):
+        if self.precision not in ("highest", "default"):
+            raise ValueError(f"precision must be 'highest' or 'default', got {self.precision!r}")
+        if self.isolation not in ("case", "framework"):
+            raise ValueError(f"isolation must be 'case' or 'framework', got {self.isolation!r}")
+
+
+@dataclass(frozen=True)
+class Item:
+    id: int
+    impl: Impl
+    case: Case
+    pass_: str
+    skip: str | None = None
+
+    def spec(self) -> dict:
+        return {"id": self.id, "impl": self.impl.key, "case": self.case.fields(), "pass": self.pass_}
+
+
+def plan(cfg: RunConfig) -> list[Item]:
+    """Every (case, implementation, pass), with a skip reason for what must not run."""
+    avail = cfg.available_bytes if cfg.available_bytes is not None else psutil.virtual_memory().available
+    items = []
+    for case in cfg.cases:
+        for impl in cfg.impls:
+            for pass_ in cfg.passes:
+                skip = None
+                if cfg.device_absent:
+                    skip = f"device {cfg.device} not present: {cfg.device_absent}"
+                elif case.dtype == "float16" and framework_device(impl.framework, cfg.device) == "cpu":
+                    skip = "float16 not benchmarked on CPU (no native half-precision matmul; emulated)"
+                else:
+                    need = estimate_bytes(impl, case, pass_)
+                    if need > MEM_HEADROOM * avail:
+                        skip = (
+                            f"estimated memory {need / 2**30:.1f} GiB > {MEM_HEADROOM:.0%} of available "
+                            f"{avail / 2**30:.1f} GiB ({'materialises B·N·T·S scores' if impl.materializes else 'activations'})"
+                        )
+                items.append(Item(len(items), impl, case, pass_, skip))
+    return items
+
+
+def _groups(cfg: RunConfig, items: list[Item]) -> list[tuple[str, list[Item]]]:
+    groups: dict = {}
+    for it in items:
+        if it.skip:
+            continue
+        key = (it.impl.framework, it.case) if cfg.isolation == "case" else (it.impl.framework,)
+        groups.setdefault(key, []).append(it)
+    return [(key[0], its) for key, its in groups.items()]
+
+
+# ---------------------------------------------------------------- workers
+
+Spawn = Callable[[dict, dict], subprocess.Popen]
+
+
+def _spawn(spec: dict, env: dict) -> subprocess.Popen:
+    fd, path = tempfile.mkstemp(prefix="mha-bench-", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(spec, f)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "parity.bench.worker", path],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )
+    proc.spec_path = path
+    return proc
+
+
+def _worker_env(cfg: RunConfig, scratch: str) -> dict:
+    env = dict(os.environ)
+    # A fresh inductor cache per worker: torch.compile times are cold compiles, not disk-cache hits.
+    env["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-", dir=scratch)
+    # Allocate GPU memory on demand so that JAX's peak is the program's, not a 75% preallocation.
+    env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
+    return env
+
+
+def _pump(stream, q: queue.Queue, tag: str) -> None:
+    for line in stream:
+        q.put((tag, line))
+    q.put((tag, None))
+
+
+@dataclass
+class Collected:
+    rows: dict = field(default_factory=dict)  # item id -> row
+    peaks: list = field(default_factory=list)  # every matmul-peak measurement of the run
+    envs: dict = field(default_factory=dict)  # framework -> env report
+
+
+def run_group(
+    cfg: RunConfig, framework: str, items: list[Item], peaks: list[dict], out: Collected,
+    on_event: Callable[[str, object], None], scratch: str, spawn: Spawn = _spawn,
+) -> None:
+    """Run items in workers until each has a row; a dead or stuck worker costs one item."""
+    pending = list(items)
+    by_id = {it.id: it for it in items}
+    while pending:
+        spec = {
+            "framework": framework, "device": framework_device(framework, cfg.device), "threads": cfg.threads,
+            "precision": cfg.precision, "seed": cfg.seed, "timing": asdict(cfg.timing),
+            "peaks": peaks, "items": [it.spec() for it in pending],
+        }
+        proc = spawn(spec, _worker_env(cfg, scratch))
+        q: queue.Queue = queue.Queue()
+        threads = [
+            threading.Thread(target=_pump, args=(proc.stdout, q, "out"), daemon=True),
+            threading.Thread(target=_pump, args=(proc.stderr, q, "err"), daemon=True),
+        ]
+        for t in threads:
+            t.start()
+        stderr_tail: list[str] = []
+        current, started_at, open_streams, timed_out = None, time.monotonic(), 2, False
+        while open_streams:
+            try:
+                tag, line = q.get(timeout=1.0)
+            except queue.Empty:
+                if time.monotonic() - started_at > cfg.item_timeout_s:
+                    timed_out = True
+                    proc.kill()
+                continue
+            if line is None:
+                open_streams -= 1
+                continue
+            if tag == "err":
+                stderr_tail = (stderr_tail + [line.rstrip()])[-20:]
+                continue
+            if not line.startswith(TAG):
+                continue
+            kind, _, payload = line[len(TAG):].partition("\t")
+            data = json.loads(payload)
+            if kind == "ENV":
+                out.envs.setdefault(framework, data)
+            elif kind == "PEAK":
+                out.peaks.append(data)
+            elif kind == "START":
+                current, started_at = data, time.monotonic()
+                on_event("start", by_id[data])
+            elif kind == "ROW":
+                out.rows[data.pop("id")] = data
+                current = None
+                on_event("row", data)
+        rc = proc.wait()
+        try:
+            os.unlink(proc.spec_path)
+        except (AttributeError, OSError):
+            pass
+        pending = [it for it in pending if it.id not in out.rows]
+        if not pending:
+            break
+        if timed_out:
+            why = f"timed out: no result within {cfg.item_timeout_s:.0f} s, worker killed"
+        elif rc < 0:
+            why = f"worker killed by signal {-rc}" + (" (SIGKILL: likely out of memory)" if rc == -9 else "")
+        else:
+            why = f"worker exited with code {rc}"
+        tail = " | ".join(stderr_tail[-3:])
+        message = f"{why}; stderr: {tail}" if tail else why
+        victims = [by_id[current]] if current is not None else pending  # died outside an item: all fail
+        for it in victims:
+            out.rows[it.id] = empty_row(it.impl, it.case, it.pass_, device=cfg.device, status="error", message=message[:800])
+            on_event("row", out.rows[it.id])
+        pending = [it for it in pending if it.id not in out.rows]
+
+
+def execute(cfg: RunConfig, items: list[Item], on_event=lambda kind, data: None, spawn: Spawn = _spawn) -> Collected:
+    out = Collected()
+    for it in items:
+        if it.skip:
+            out.rows[it.id] = empty_row(it.impl, it.case, it.pass_, device=cfg.device, status="skip", message=it.skip)
+            on_event("row", out.rows[it.id])
+    with tempfile.TemporaryDirectory(prefix="mha-bench-") as scratch:
+        for framework, group in _groups(cfg, items):
+            # Every worker re-measures the peak for its dtypes: the run's peak is the best of
+            # them all, so a burst of load during one measurement cannot lower the bar.
+            dtypes = sorted({it.case.dtype for it in group})
+            peaks = [{"dtype": d, "sizes": list(cfg.preset.peak_sizes)} for d in dtypes]
+            run_group(cfg, framework, group, peaks, out, on_event, scratch, spawn)
+    return out
+
+
+# ---------------------------------------------------------------- post-processing
+
+FINGERPRINT_RTOL = {"float32": 1e-3, "bfloat16": 3e-2, "float16": 1e-2}
+REFERENCE_ORDER = ("ours-torch:eager:weights", "ours-torch:eager:fused", "ours-jax:jit:weights")
+
+
+def finish(items: list[Item], out: Collected, precision: str = "highest") -> list[dict]:
+    """Rows in plan order with GFLOP/s, peak fraction, equal-work check and ratio to the fastest."""
+    rows = []
+    for it in items:
+        row = out.rows[it.id]
+        rows.append(apply_peak(row, pass_flops(it.case, it.pass_), device_peak(out.peaks, it.case.dtype)))
+    _check_fingerprints(items, rows, precision)
+    _ratios(items, rows)
+    return rows
+
+
+def device_peak(peaks: list, dtype: str) -> float | None:
+    """The device's peak for a dtype: the best matmul rate any worker of either framework reached.
+
+    One peak per device and dtype, not per framework: a framework with a slower
+    matmul must not get a lower bar, and every peak_fraction reads on one scale.
+    """
+    rates = [rec["gflops"] for rec in peaks if rec["dtype"] == dtype and rec.get("gflops")]
+    return max(rates) if rates else None
+
+
+def _check_fingerprints(items, rows, precision) -> None:
+    """Every implementation of a case must compute the same output: compare mean |out|."""
+    by_case: dict = {}
+    for it, row in zip(items, rows):
+        if row["status"] == "ok" and row.get("out_fingerprint") is not None:
+            by_case.setdefault(it.case, []).append((it, row))
+    for case, members in by_case.items():
+        ref = next((m for key in REFERENCE_ORDER for m in members if m[0].impl.key == key), members[0])
+        ref_fp = ref[1]["out_fingerprint"]
+        rtol = FINGERPRINT_RTOL[case.dtype] * (10 if precision == "default" else 1)
+        for it, row in members:
+            fp = row["out_fingerprint"]
+            if abs(fp - ref_fp) > rtol * abs(ref_fp):
+                row["status"] = "error"
+                row["message"] = (
+                    f"output mean|out| {fp:.6g} differs from {ref[0].impl.key}'s {ref_fp:.6g} "
+                    f"by more than {rtol:g} relative: not the same computation"
+                )
+
+
+def _ratios(items, rows) -> None:
+    fastest: dict = {}
+    for it, row in zip(items, rows):
+        if row["status"] == "ok":
+            key = (it.case, it.pass_)
+            fastest[key] = min(fastest.get(key, float("inf")), row["median_s"])
+    for it, row in zip(items, rows):
+        if row["status"] == "ok":
+            row["ratio"] = row["median_s"] / fastest[(it.case, it.pass_)]
+
+
+def environment(cfg: RunConfig, out: Collected) -> dict:
+    def version(pkg):
+        try:
+            return importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    cpu_model = platform.processor() or None
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu_model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu_model)
+    except OSError:
+        pass
+    return {
+        "python": platform.python_version(),
+        "versions": {p: version(p) for p in ("jax", "jaxlib", "flax", "optax", "torch", "numpy", "ml_dtypes")},
+        "platform": platform.platform(),
+        "cpu_model": cpu_model,
+        "cpu_count": os.cpu_count(),
+        "memory_total_bytes": psutil.virtual_memory().total,
+        "device": cfg.device,
+        "device_absent": cfg.device_absent,
+        "device_names": {fw: {k: v for k, v in e.items() if k.endswith("_device")} for fw, e in out.envs.items()},
+        "threads_requested": cfg.threads,
+        "threads": {fw: len(e.get("cpus", [])) for fw, e in out.envs.items()},
+        "precision": cfg.precision,
+        "precision_settings": {
+            fw: {k: v for k, v in e.items() if "precision" in k} for fw, e in out.envs.items()
+        },
+        "XLA_FLAGS": os.environ.get("XLA_FLAGS"),
+        "inductor_env": {k: v for k, v in os.environ.items() if k.startswith(("TORCHINDUCTOR_", "TORCH_COMPILE"))},
+        "inductor_config": out.envs.get("torch", {}).get("torch_inductor"),
+        "inductor_cache": "fresh per worker (cold compiles)",
+        "isolation": cfg.isolation,
+        "preset": cfg.preset.name,
+        "timing": asdict(cfg.timing),
+        "peaks": [
+            {"dtype": dt, "gflops": device_peak(out.peaks, dt)} for dt in sorted({p["dtype"] for p in out.peaks})
+        ],
+        "peak_measurements": out.peaks,
+        "loadavg_end": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "flops_formula": "fwd = 2·B·E²·(2·Nq + 2·Nk) + 4·B·Nq·Nk·E; fwd+bwd = 3 × fwd",
+        "unavailable": {fw: e.get("unavailable") for fw, e in out.envs.items() if e.get("unavailable")},
+    }
