@@ -1,0 +1,5 @@
+"""`python -m parity` is the `mha-parity` command."""
+
+from parity.cli import main
+
+raise SystemExit(main())
