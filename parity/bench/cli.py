@@ -63,6 +63,7 @@ def run_parser() -> argparse.ArgumentParser:
                    help="highest: pin float32 matmuls to full precision in both frameworks (default)")
     p.add_argument("--budget", type=float, help="seconds of timed repeats per item (overrides the preset)")
     p.add_argument("--min-repeats", type=int)
+    p.add_argument("--peak-sizes", type=_ints, help="square matmul sizes for the measured peak (overrides the preset)")
     p.add_argument("--isolation", choices=("case", "framework"), default="case",
                    help="one worker per (framework, case) [default] or per framework")
     p.add_argument("--item-timeout", type=float, default=1800.0, help="seconds before a stuck item is killed")
@@ -95,6 +96,8 @@ def build_config(args) -> runner.RunConfig:
     if args.threads is not None and args.threads <= 0:
         raise ValueError(f"--threads must be positive, got {args.threads}")
     impls = select_impls(args.impls) if args.impls else select_impls(preset.impls)
+    if args.peak_sizes:
+        preset = replace(preset, peak_sizes=args.peak_sizes)
     return runner.RunConfig(
         preset=preset, device=device, device_absent=absent, impls=impls, cases=cases,
         passes=args.passes or preset.passes, threads=args.threads, precision=args.precision, seed=args.seed,

@@ -228,6 +228,10 @@ def run_group(
                 current = None
                 on_event("row", data)
         rc = proc.wait()
+        for t in threads:
+            t.join(timeout=5.0)
+        for stream in (proc.stdout, proc.stderr):
+            stream.close()
         try:
             os.unlink(proc.spec_path)
         except (AttributeError, OSError):
