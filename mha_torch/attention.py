@@ -47,18 +47,26 @@ def attention_core(q, k, v, keep, *, masked_rows: str = "nan"):
     Scores and softmax run in float32 for 16-bit inputs (float64 stays float64).
     """
     dtype = q.dtype
+    B, N, T, H = q.shape
     S = k.shape[-2]
     if dtype in _LOW_PRECISION:
         # Products of 16-bit numbers are exact in float32; rounding the scores to
         # 16 bits before the softmax would cost ~1e-2 relative error in the weights.
         q, k = q.float(), k.float()
-    scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (B, N, T, S)
+    # baddbmm applies 1/√H in the GEMM epilogue: no extra pass over (B, N, T, S).
+    scores = torch.baddbmm(
+        torch.empty(B * N, T, S, dtype=q.dtype, device=q.device),
+        q.reshape(B * N, T, H),
+        k.reshape(B * N, S, H).transpose(1, 2),
+        beta=0.0,
+        alpha=1.0 / math.sqrt(H),
+    ).view(B, N, T, S)
     if keep is not None:
-        scores = scores.masked_fill(~keep, float("-inf"))
+        scores.masked_fill_(~keep, float("-inf"))
         row_any = keep.any(dim=-1, keepdim=True)  # (B|1, N|1, T|1, 1)
         # A fully masked row gets all-zero scores: its softmax is finite (uniform),
         # so no NaN reaches the backward pass; the policy then sets its value.
-        scores = scores.masked_fill(~row_any, 0.0)
+        scores.masked_fill_(~row_any, 0.0)
     weights = torch.softmax(scores, dim=-1)
     if keep is not None:
         weights = _apply_masked_row_policy(
