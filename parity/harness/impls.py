@@ -259,17 +259,25 @@ class JaxSide:
         self.device = device
         self.faults = tuple(faults)
 
-        def fwd(graphdef, state, q, k, v, keep, need_weights):
-            return nnx.merge(graphdef, state)(q, k, v, keep, need_weights=need_weights)
+        def forward_and_vjp(state, q, k, v, graphdef, keep, cot, paths):
+            """For each path (need_weights True/False): output, weights and the gradients
+            of sum(output * cot), all in one compiled program.
 
-        def loss(state, q, k, v, graphdef, keep, cot, need_weights):
-            out, _ = nnx.merge(graphdef, state)(q, k, v, keep, need_weights=need_weights)
-            return jnp.sum(out * cot)
+            XLA compiles dominate the run time on a CPU (~0.5 s each), so the jitted
+            forward, the fused forward and their gradients share one compile.
+            """
+            results = []
+            for need_weights in paths:
 
-        self._fwd = fwd
-        self._fwd_jit = jax.jit(fwd, static_argnums=(0, 6))
-        self._grad = jax.grad(loss, argnums=(0, 1, 2, 3))
-        self._grad_jit = jax.jit(self._grad, static_argnums=(4, 7))
+                def f(state, q, k, v, need_weights=need_weights):
+                    return nnx.merge(graphdef, state)(q, k, v, keep, need_weights=need_weights)
+
+                (out, w), vjp = jax.vjp(f, state, q, k, v)
+                results.append((out, w, vjp((cot, None if w is None else jnp.zeros_like(w)))))
+            return results
+
+        self._jit = jax.jit(forward_and_vjp, static_argnums=(4, 7))
+        self._results = {}  # (impl, case, dtype, policy) -> (out, w, grads) or the exception it raised
 
     def _a(self, x):
         return self.jax.device_put(np.asarray(x), self.device)
@@ -282,15 +290,52 @@ class JaxSide:
         with self.jax.default_device(self.device):
             return convert.to_jax(_faulty_state_dict(sd, self.faults, "jax"), case.shape.N, masked_rows=masked_rows)
 
+    def clear(self) -> None:
+        self._results.clear()
+
+    def _jitted(self, impl: Impl, x: Inputs, case: Case, masked_rows: str):
+        """The jitted results of `impl`, computed together with the other jitted path.
+
+        If the joint program fails, each path runs alone, so an error is charged
+        to the path that raised it and the other still gets its rows.
+        """
+        def key(fused):
+            return ("fused" if fused else "weights", case.name, x.query.dtype.name, masked_rows)
+
+        if key(impl.fused) not in self._results:
+            m = self.module(x.state_dict, case, masked_rows)
+            graphdef, state = self.nnx.split(m)
+            args = (self._a(x.query), self._a(x.key), self._a(x.value), graphdef, self._keep(x.keep), self._a(x.cotangent))
+
+            def compute(paths):
+                with self.jax.default_device(self.device):
+                    results = self._jit(state, *args, paths)
+                for need_weights, (out, w, (g_state, gq, gk, gv)) in zip(paths, results):
+                    # A module holding the gradients as its parameters converts like any other.
+                    grads = convert.from_jax(self.nnx.merge(graphdef, g_state))
+                    grads.update(query=np.asarray(gq), key=np.asarray(gk), value=np.asarray(gv))
+                    self._results[key(not need_weights)] = (np.asarray(out), None if w is None else np.asarray(w), grads)
+
+            try:
+                compute((True, False))
+            except Exception:
+                for need_weights in (True, False):
+                    try:
+                        compute((need_weights,))
+                    except Exception as e:
+                        self._results[key(not need_weights)] = e
+        result = self._results[key(impl.fused)]
+        if isinstance(result, Exception):
+            raise result
+        return result
+
     def forward(self, impl: Impl, x: Inputs, case: Case, masked_rows: str):
+        if impl.mode != "eager":
+            out, w, _ = self._jitted(impl, x, case, masked_rows)
+            return out, w
         m = self.module(x.state_dict, case, masked_rows)
-        args = (self._a(x.query), self._a(x.key), self._a(x.value), self._keep(x.keep))
         with self.jax.default_device(self.device):
-            if impl.mode == "eager":
-                out, w = m(*args, need_weights=not impl.fused)
-            else:
-                graphdef, state = self.nnx.split(m)
-                out, w = self._fwd_jit(graphdef, state, *args, not impl.fused)
+            out, w = m(self._a(x.query), self._a(x.key), self._a(x.value), self._keep(x.keep), need_weights=not impl.fused)
         return np.asarray(out), None if w is None else np.asarray(w)
 
     def stages(self, impl: Impl, x: Inputs, case: Case, masked_rows: str) -> dict:
@@ -319,16 +364,9 @@ class JaxSide:
         return got
 
     def grads(self, impl: Impl, x: Inputs, case: Case, masked_rows: str) -> dict:
-        m = self.module(x.state_dict, case, masked_rows)
-        graphdef, state = self.nnx.split(m)
-        args = (self._a(x.query), self._a(x.key), self._a(x.value), graphdef, self._keep(x.keep), self._a(x.cotangent), not impl.fused)
-        with self.jax.default_device(self.device):
-            fn = self._grad if impl.mode == "eager" else self._grad_jit
-            g_state, gq, gk, gv = fn(state, *args)
-        # A module holding the gradients as its parameters converts like any other.
-        grads = convert.from_jax(self.nnx.merge(graphdef, g_state))
-        grads.update(query=np.asarray(gq), key=np.asarray(gk), value=np.asarray(gv))
-        return grads
+        if impl.mode == "eager":
+            raise ValueError("jax gradients are checked jitted only (eager jax.grad traces the same program op by op)")
+        return self._jitted(impl, x, case, masked_rows)[2]
 
     def train(self, optimizer: str, hp: dict, steps: int, x: Inputs, case: Case, masked_rows: str):
         jax, jnp, nnx, optax = self.jax, self.jnp, self.nnx, self.optax

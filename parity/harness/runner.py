@@ -174,7 +174,7 @@ def run(
              "implementations": ",".join(i.name for i in selected)}
     if faults:
         extra["planted_faults"] = ", ".join(f"{f.framework}:{f.kind}" for f in faults)
-    units = [(c, d) for c in cases for d in dtypes]
+    units = [(c, d) for c in cases for d in dtypes if d in c.dtypes]
     with precision_settings(framework_defaults, x64):
         report = Report(environment(plan, seed, framework_defaults, extra))
         if on_start is not None:
@@ -190,6 +190,7 @@ def run(
                         if on_progress is not None:
                             on_progress(f"{case.name} {dtype}")
                         report.rows += _run_unit(case, dtype, seed, plan, sides, checks, selected)
+                        sides["jax"].clear()
         except KeyboardInterrupt:
             report.interrupted = True
         finally:
