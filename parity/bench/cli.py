@@ -64,8 +64,8 @@ def run_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", type=float, help="seconds of timed repeats per item (overrides the preset)")
     p.add_argument("--min-repeats", type=int)
     p.add_argument("--peak-sizes", type=_ints, help="square matmul sizes for the measured peak (overrides the preset)")
-    p.add_argument("--isolation", choices=("case", "framework"), default="case",
-                   help="one worker per (framework, case) [default] or per framework")
+    p.add_argument("--isolation", choices=("case", "framework"),
+                   help="one worker per (framework, case) or per framework (default: the preset's)")
     p.add_argument("--item-timeout", type=float, default=1800.0, help="seconds before a stuck item is killed")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH")
@@ -101,7 +101,7 @@ def build_config(args) -> runner.RunConfig:
     return runner.RunConfig(
         preset=preset, device=device, device_absent=absent, impls=impls, cases=cases,
         passes=args.passes or preset.passes, threads=args.threads, precision=args.precision, seed=args.seed,
-        isolation=args.isolation, item_timeout_s=args.item_timeout, timing=timing,
+        isolation=args.isolation or preset.isolation, item_timeout_s=args.item_timeout, timing=timing,
     )
 
 

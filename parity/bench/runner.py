@@ -8,6 +8,11 @@ and passes of that case share one start-up (importing torch or jax + flax costs
 quick preset's budget several times over). Workers run one at a time, never in
 parallel: they would compete for the same cores.
 
+The quick preset uses one worker per framework instead: it has no torch.compile
+(whose caches would carry over), JAX's compile cache is keyed by shape so cases
+cannot hit each other's entries, and the memory probe resets the RSS high-water
+mark per item; two start-ups instead of four keep it under a minute on 2 cores.
+
 If a worker dies (killed for memory, a segfault) or an item exceeds its time
 limit, the item it was on becomes an `error` row and a fresh worker takes the rest.
 """

@@ -189,6 +189,7 @@ class Preset:
     impls: str | None = None  # select_impls pattern; None = all
     timing: Timing = field(default_factory=Timing)
     peak_sizes: tuple[int, ...] = (1024, 2048)  # square matmuls for the measured peak
+    isolation: str = "case"  # one worker per (framework, case), or per framework (see runner)
     doc: str = ""
 
     def cases(self) -> list[Case]:
@@ -212,7 +213,8 @@ PRESETS = {
     "quick": Preset(
         "quick", batch=(2,), seqs=(128, 512), embed=(256,), heads=(4,), dtypes=("float32",),
         impls=_NO_COMPILE, timing=Timing(warmup=1, min_repeats=3, max_repeats=15, budget_s=0.2),
-        peak_sizes=(1024, 2048), doc="smoke run, <= 60 s on a 2-core CPU; no torch.compile",
+        peak_sizes=(1024, 2048), isolation="framework",
+        doc="smoke run, <= 60 s on a 2-core CPU; no torch.compile; one worker per framework",
     ),
     "default": Preset(
         "default", batch=(4,), seqs=(256, 1024, 2048), embed=(512,), heads=(8,),
