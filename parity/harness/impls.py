@@ -423,8 +423,8 @@ class JaxSide:
                 return np.asarray(out), np.asarray(w)
             if peer.name == "flax.nnx.MultiHeadAttention":
                 m = convert.to_flax_nnx(x.state_dict, N, dtype=dtype)
-                out = m(q, k, v, mask=keep, deterministic=True, sow_weights=True)
-                (w,) = nnx.pop(m, nnx.Intermediate)["attention_weights"]
+                out, inter = nnx.capture(m, nnx.Intermediate)(q, k, v, mask=keep, deterministic=True, sow_weights=True)
+                (w,) = inter["attention_weights"].get_value()
                 return np.asarray(out), np.asarray(w)
             sd = {name: self._a(a) for name, a in x.state_dict.items()}
 

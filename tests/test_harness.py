@@ -1,0 +1,170 @@
+"""The parity harness tested on itself: planted bugs turn it red and name the stage,
+same seed gives the same report, reports are written whole, absent devices skip."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from parity.harness import Case, Fault, Shape, draw_inputs, run
+from parity.harness.matrix import SHAPES
+
+SMALL = Shape("t", B=3, T=5, S=7, E=12, N=3, cross=True)
+MASKED = Case(SMALL, "random", "uniform")  # has a fully masked row
+
+
+def _run(**kw):
+    kw.setdefault("cases", [MASKED])
+    kw.setdefault("dtypes", ("float32",))
+    kw.setdefault("checks", ("forward",))
+    kw.setdefault("device", "cpu")
+    return run(**kw)
+
+
+def _bad(report, impl_prefix):
+    return [r for r in report.rows if r.status == "fail" and r.impl.startswith(impl_prefix) and r.reference == "oracle"]
+
+
+def test_clean_run_passes():
+    report = _run(checks=("forward", "gradient"), dtypes=("float64", "bfloat16"))
+    assert report.ok, [r for r in report.rows if r.status != "pass"]
+    assert {r.impl for r in report.rows} >= {"torch", "torch-fused", "jax", "jax-jit", "jax-fused"}
+
+
+@pytest.mark.parametrize(
+    "fault, stages",
+    [
+        (Fault("jax", "transpose_q_weight"), {"q"}),
+        (Fault("torch", "wrong_scale"), {"scores"}),
+        (Fault("jax", "flip_mask"), {"scores", "weights"}),
+    ],
+)
+def test_planted_bug_turns_red_and_names_stage(fault, stages):
+    report = _run(faults=(fault,))
+    assert not report.ok
+    bad = _bad(report, fault.framework)
+    assert bad, "the planted bug was not caught"
+    # The materialised-weights path names the exact stage; the fused one has no weights stage.
+    named = {r.stage for r in bad if not r.impl.endswith("fused")}
+    assert named and named <= stages, named
+    other = "torch" if fault.framework == "jax" else "jax"
+    assert not _bad(report, other), "a clean implementation was blamed"
+
+
+def test_planted_bug_in_gradients_is_caught():
+    report = _run(checks=("gradient",), faults=(Fault("torch", "wrong_scale"),))
+    assert {r.stage for r in _bad(report, "torch") if r.impl == "torch"} == {"scores"}
+
+
+def test_same_seed_same_report_and_inputs(tmp_path):
+    a = draw_inputs(MASKED, 7)
+    b = draw_inputs(MASKED, 7)
+    assert all(np.array_equal(getattr(a, f), getattr(b, f)) for f in ("query", "key", "value", "keep", "cotangent"))
+    assert not np.array_equal(a.query, draw_inputs(MASKED, 8).query)
+    r1 = _run(seed=7, dtypes=("float32", "bfloat16"), checks=("forward", "gradient"), json_path=tmp_path / "a.json")
+    r2 = _run(seed=7, dtypes=("float32", "bfloat16"), checks=("forward", "gradient"), json_path=tmp_path / "b.json")
+    assert json.loads((tmp_path / "a.json").read_text())["rows"] == json.loads((tmp_path / "b.json").read_text())["rows"]
+    assert r1.rows == r2.rows
+
+
+def test_reports_written_with_environment(tmp_path):
+    report = _run(json_path=tmp_path / "r.json", markdown_path=tmp_path / "r.md")
+    data = json.loads((tmp_path / "r.json").read_text())
+    env = data["environment"]
+    for field in ("python", "jax", "jaxlib", "flax", "optax", "torch", "numpy", "seed", "jax_enable_x64",
+                  "jax_default_matmul_precision", "torch_float32_matmul_precision", "device"):
+        assert field in env
+    assert env["jax_default_matmul_precision"] == "highest"
+    row = data["rows"][0]
+    for field in ("case", "check", "impl", "reference", "dtype", "device", "max_abs_err", "max_rel_err", "atol", "rtol", "status", "stage", "message"):
+        assert field in row
+    assert data["summary"]["total"] == len(report.rows)
+    md = (tmp_path / "r.md").read_text()
+    assert "## Environment" in md and "| case |" in md
+    assert not list(tmp_path.glob("*.tmp")), "temp files left behind"
+
+
+def test_an_error_becomes_a_row_and_the_rest_runs(monkeypatch):
+    from parity.harness import impls
+
+    def boom(self, *a, **k):
+        raise MemoryError("planted OOM")
+
+    monkeypatch.setattr(impls.TorchSide, "forward", boom)
+    report = _run()
+    errors = [r for r in report.rows if r.status == "error"]
+    assert errors and all("planted OOM" in r.message for r in errors)
+    assert any(r.status == "pass" and r.impl.startswith("jax") for r in report.rows)
+
+
+def test_interrupt_writes_what_finished(monkeypatch, tmp_path):
+    from parity.harness import runner
+
+    calls = []
+    real = runner._run_unit
+
+    def interrupt_second(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(runner, "_run_unit", interrupt_second)
+    report = _run(dtypes=("float32", "float64"), json_path=tmp_path / "r.json")
+    assert report.interrupted and not report.ok
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["summary"]["interrupted"] and data["rows"]
+    assert {r["dtype"] for r in data["rows"]} == {"float32"}
+
+
+def test_absent_device_skips_cleanly():
+    import jax
+
+    try:
+        jax.devices("tpu")
+        pytest.skip("a TPU is present")
+    except RuntimeError:
+        pass
+    report = _run(device="tpu")
+    assert report.ok and report.rows and all(r.status == "skip" for r in report.rows)
+    assert "not present" in report.rows[0].message
+
+
+def test_training_and_peers_pass():
+    report = run(cases=[Case(SHAPES["self"], "random", "zero", train=True, peers=True)], dtypes=("float64",),
+                 checks=("training", "peers"), device="cpu")
+    assert report.ok, [r for r in report.rows if r.status != "pass"]
+    checks = {r.check for r in report.rows}
+    assert checks == {"training", "peers"}
+    peers = {r.impl for r in report.rows if r.check == "peers"}
+    assert len(peers) == 5
+    losses = [r for r in report.rows if r.quantity == "loss"]
+    assert len(losses) == 3  # adam, adamw, sgd
+
+
+def test_cli_quick_json(tmp_path, capsys):
+    from parity.cli import main
+
+    code = main(["--cases", "self", "--dtypes", "float32", "--checks", "forward", "--device", "cpu", "--quick",
+                 "--no-progress", "--json", str(tmp_path / "q.json")])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "pass" in out and (tmp_path / "q.json").exists()
+    with pytest.raises(SystemExit):
+        main(["--dtypes", "float8"])
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    B=st.integers(1, 3), T=st.integers(1, 6), S=st.integers(1, 6), N=st.integers(1, 3), H=st.integers(1, 4),
+    mask=st.sampled_from(["none", "padding", "causal", "random"]), policy=st.sampled_from(["nan", "zero", "uniform"]),
+    seed=st.integers(0, 2**16),
+)
+def test_property_any_shape_and_mask_passes(B, T, S, N, H, mask, policy, seed):
+    case = Case(Shape("p", B=B, T=T, S=S, E=N * H, N=N, cross=True), mask, policy)
+    report = run(cases=[case], dtypes=("float64",), checks=("forward",), impls=("torch", "jax"), device="cpu", seed=seed)
+    assert report.ok, [r for r in report.rows if r.status != "pass"]
