@@ -60,6 +60,8 @@ def main(argv=None) -> int:
     from parity.harness.runner import run
 
     console = Console()
+    if not console.is_terminal:
+        console = Console(width=160)  # piped or redirected: rich's 80 columns would fold the table
     if "float64" in args.dtypes:
         console.print("float64 selected: jax_enable_x64 is enabled for this run (recorded in the report's environment)")
     progress = Progress(

@@ -111,11 +111,8 @@ def default_matrix() -> tuple[Case, ...]:
 
 
 def quick_matrix() -> tuple[Case, ...]:
-    """A few seconds: one self-attention case and one cross case with fully masked rows."""
-    return (
-        Case(SHAPES["self"], "none", train=True, peers=True, dtypes=("float32", "bfloat16")),
-        Case(SHAPES["cross"], "random", "uniform", jax_eager=False, dtypes=("float64",)),
-    )
+    """A few seconds: one cross-attention case with a fully masked row, float32, with peers."""
+    return (Case(SHAPES["cross"], "random", "uniform", peers=True, dtypes=("float32",)),)
 
 
 @dataclass(frozen=True)

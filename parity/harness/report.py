@@ -129,6 +129,7 @@ def grouped(rows) -> list[dict]:
 
 
 def print_report(report: Report, console, all_rows: bool = False) -> None:
+    from rich.markup import escape
     from rich.table import Table
 
     env = report.environment
@@ -141,7 +142,7 @@ def print_report(report: Report, console, all_rows: bool = False) -> None:
         for c in COLUMNS:
             table.add_column(c, overflow="fold")
         for r in report.rows:
-            cells = [fmt(getattr(r, c)) for c in COLUMNS]
+            cells = [escape(fmt(getattr(r, c))) for c in COLUMNS]
             cells[COLUMNS.index("status")] = f"[{_STYLE[r.status]}]{r.status}[/]"
             table.add_row(*cells)
         console.print(table)
@@ -155,7 +156,7 @@ def print_report(report: Report, console, all_rows: bool = False) -> None:
             status = next((s for s in ("error", "fail", "pass", "skip") if g[s]), "skip")
             counts = f"{g['pass']}/{g['rows']}" if status in ("pass", "fail") else f"{g[status]}/{g['rows']} {status}"
             w = [fmt(getattr(worst, c)) if worst else "" for c in ("max_abs_err", "max_rel_err", "atol", "rtol")]
-            table.add_row(check, impl, ref, dtype, qty, counts, *w, f"[{_STYLE[status]}]{status}[/]")
+            table.add_row(*map(escape, (check, impl, ref, dtype, qty, counts, *w)), f"[{_STYLE[status]}]{status}[/]")
         console.print(table)
     bad = [r for r in report.rows if r.status in ("fail", "error")]
     if bad and not all_rows:
@@ -163,14 +164,14 @@ def print_report(report: Report, console, all_rows: bool = False) -> None:
         for c in ("case", "check", "impl", "reference", "dtype", "quantity", "max_abs_err", "atol", "status", "stage", "message"):
             table.add_column(c, overflow="fold")
         for r in bad[:60]:
-            table.add_row(r.case, r.check, r.impl, r.reference, r.dtype, r.quantity, fmt(r.max_abs_err), fmt(r.atol),
-                          f"[{_STYLE[r.status]}]{r.status}[/]", r.stage, r.message)
+            cells = map(escape, (r.case, r.check, r.impl, r.reference, r.dtype, r.quantity, fmt(r.max_abs_err), fmt(r.atol)))
+            table.add_row(*cells, f"[{_STYLE[r.status]}]{r.status}[/]", escape(r.stage), escape(r.message))
         console.print(table)
         if len(bad) > 60:
             console.print(f"... and {len(bad) - 60} more; see the JSON/Markdown report")
     skips = sorted({r.message for r in report.rows if r.status == "skip" and r.message})
     for msg in skips:
-        console.print(f"[yellow]skip:[/] {msg}")
+        console.print(f"[yellow]skip:[/] {escape(msg)}")
     s = report.summary()
     style = "green" if report.ok else "bold red"
     console.print(
