@@ -149,7 +149,7 @@ def test_training_and_peers_pass():
 def test_cli_quick_json(tmp_path, capsys):
     from parity.cli import main
 
-    code = main(["--cases", "self", "--dtypes", "float32", "--checks", "forward", "--device", "cpu", "--quick",
+    code = main(["--cases", "cross", "--dtypes", "float32", "--checks", "forward", "--device", "cpu", "--quick",
                  "--no-progress", "--json", str(tmp_path / "q.json")])
     out = capsys.readouterr().out
     assert code == 0, out
