@@ -62,8 +62,6 @@ def main(argv=None) -> int:
     console = Console()
     if not console.is_terminal:
         console = Console(width=160)  # piped or redirected: rich's 80 columns would fold the table
-    if "float64" in args.dtypes:
-        console.print("float64 selected: jax_enable_x64 is enabled for this run (recorded in the report's environment)")
     progress = Progress(
         TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
         console=console, transient=True, disable=args.no_progress,
@@ -89,6 +87,8 @@ def main(argv=None) -> int:
     except ValueError as e:
         console.print(f"[bold red]mha-parity: {e}")
         return 2
+    if report.environment.get("x64_enabled_for_run"):
+        console.print("float64 in the run: jax_enable_x64 was enabled for it (recorded in the report's environment)")
     print_report(report, console, all_rows=args.all_rows)
     for label, path in (("JSON", args.json), ("Markdown", args.markdown)):
         if path:

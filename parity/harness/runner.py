@@ -168,13 +168,14 @@ def run(
     cases = tuple(cases) if cases is not None else (quick_matrix() if quick else default_matrix())
     cases = _select_cases(cases, case_filter)
     selected = _checks.select_impls(impls, compile)
-    x64 = "float64" in dtypes
+    units = [(c, d) for c in cases for d in dtypes if d in c.dtypes]
+    x64 = any(d == "float64" for _, d in units)  # float64 needs jax_enable_x64: on for this run only
     plan = resolve_device(device)
     extra = {"dtypes": ",".join(dtypes), "checks": ",".join(checks), "cases": len(cases),
              "implementations": ",".join(i.name for i in selected)}
     if faults:
         extra["planted_faults"] = ", ".join(f"{f.framework}:{f.kind}" for f in faults)
-    units = [(c, d) for c in cases for d in dtypes if d in c.dtypes]
+    extra["x64_enabled_for_run"] = x64
     with precision_settings(framework_defaults, x64):
         report = Report(environment(plan, seed, framework_defaults, extra))
         if on_start is not None:
