@@ -360,3 +360,42 @@ def test_plot_writes_a_png(tmp_path):
     path = tmp_path / "b.png"
     report.write_plot(str(path), rows)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---------------------------------------------------------------- interleaving
+
+
+def test_interleaved_repeats_alternate_and_cancel_load_drift():
+    clock = FakeClock()
+    order = []
+
+    def make(name, cost):
+        def step():
+            order.append(name)
+            # The machine slows down steadily (load drift): every call costs more than the last.
+            clock.advance(cost * (1 + 0.05 * len(order)))
+        return measure.Bench(step=step, sync=lambda out: None)
+
+    timing = Timing(warmup=1, min_repeats=5, max_repeats=5)
+    res = measure.run_interleaved([make("a", 1.0), make("b", 1.0)], timing, clock)
+    assert order[2:] == ["a", "b"] * 5  # after one warm-up each, strictly alternating
+    # Identical work keeps a ratio of ~1 despite the drift (sequential timing would give ~1.25).
+    assert res[0]["median_s"] / res[1]["median_s"] == pytest.approx(1.0, abs=0.05)
+
+
+def test_interleaved_failure_leaves_the_rotation_only():
+    clock = FakeClock()
+    calls = {"bad": 0}
+
+    def bad():
+        calls["bad"] += 1
+        if calls["bad"] > 2:
+            raise RuntimeError("boom")
+        clock.advance(1.0)
+
+    good = measure.Bench(step=lambda: clock.advance(1.0), sync=lambda out: None)
+    res = measure.run_interleaved(
+        [measure.Bench(step=bad, sync=lambda out: None), good], Timing(warmup=1, min_repeats=4, max_repeats=4), clock,
+    )
+    assert isinstance(res[0], RuntimeError)
+    assert res[1]["repeats"] == 4 and res[1]["median_s"] == 1.0

@@ -66,6 +66,8 @@ def run_parser() -> argparse.ArgumentParser:
     p.add_argument("--peak-sizes", type=_ints, help="square matmul sizes for the measured peak (overrides the preset)")
     p.add_argument("--isolation", choices=("case", "framework"),
                    help="one worker per (framework, case) or per framework (default: the preset's)")
+    p.add_argument("--sequential", action="store_true",
+                   help="time implementations one after another instead of round-robin per (case, pass)")
     p.add_argument("--item-timeout", type=float, default=1800.0, help="seconds before a stuck item is killed")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH")
@@ -101,7 +103,7 @@ def build_config(args) -> runner.RunConfig:
     return runner.RunConfig(
         preset=preset, device=device, device_absent=absent, impls=impls, cases=cases,
         passes=args.passes or preset.passes, threads=args.threads, precision=args.precision, seed=args.seed,
-        isolation=args.isolation or preset.isolation, item_timeout_s=args.item_timeout, timing=timing,
+        isolation=args.isolation or preset.isolation, interleave=not args.sequential, item_timeout_s=args.item_timeout, timing=timing,
     )
 
 

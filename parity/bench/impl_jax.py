@@ -27,6 +27,11 @@ def setup(device: str, precision: str) -> dict:
     }
 
 
+def reset_compiled() -> None:
+    """Called by the worker between (case, pass) groups; jit caches are keyed by shape anyway."""
+    jax.clear_caches()
+
+
 def check_device(device: str) -> str | None:
     try:
         jax.devices(device)

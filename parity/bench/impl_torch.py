@@ -43,6 +43,11 @@ def setup(device: str, threads: int | None, precision: str) -> dict:
     }
 
 
+def reset_compiled() -> None:
+    """Called by the worker between (case, pass) groups: no compiled graph carries over."""
+    torch._dynamo.reset()
+
+
 def check_device(device: str) -> str | None:
     """None if torch can run on `device`, else the reason it cannot."""
     if device == "cuda" and not torch.cuda.is_available():
@@ -148,7 +153,6 @@ def build(impl: Impl, case: Case, pass_: str, device: str, seed: int) -> Bench:
     sync = _sync(device)
     recompile = None
     if impl.mode == "compile":
-        torch._dynamo.reset()  # no compiled graph carries over from the previous item
         m = torch.compile(m)
         step2 = _step(call, m, case.shrunk(), pass_, device, seed)
         recompile = lambda clock: first_call_overhead(step2, sync, clock)  # noqa: E731

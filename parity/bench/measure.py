@@ -120,6 +120,74 @@ def run_bench(bench: Bench, timing: Timing, clock: Clock = time.perf_counter) ->
     }
 
 
+def _prepare(bench: Bench, timing: Timing, clock: Clock) -> tuple[float | None, float | None]:
+    """Compile and warm up one bench: (compile_s or None, first-call time or None)."""
+    compile_s = first = None
+    if bench.aot_compile is not None:
+        t0 = clock()
+        bench.aot_compile()
+        compile_s = clock() - t0
+    warmup = timing.warmup
+    if bench.compiles_on_first_call:
+        first = timed_call(bench.step, bench.sync, clock)
+        warmup = max(warmup - 1, 0)
+    for _ in range(warmup):
+        timed_call(bench.step, bench.sync, clock)
+    return compile_s, first
+
+
+def run_interleaved(
+    benches: list[Bench], timing: Timing, clock: Clock = time.perf_counter, on_prepare=lambda i: None,
+) -> list[dict | Exception]:
+    """Time several benches of one case round-robin: A, B, C, A, B, C, ...
+
+    On a shared machine the load drifts over seconds; timing implementations one
+    after the other turns that drift into fake ratios between them. Interleaving
+    gives every implementation the same share of each load phase, so their ratio
+    holds even when the absolute times move. Each bench keeps its own budget (time
+    spent in its own timed calls), min and max repeats. A bench that raises gets
+    its exception in its slot and leaves the rotation; the others go on.
+    """
+    results: list = [None] * len(benches)
+    prepared = {}
+    for i, b in enumerate(benches):
+        on_prepare(i)
+        try:
+            prepared[i] = _prepare(b, timing, clock)
+        except Exception as e:  # noqa: BLE001 - recorded per bench
+            results[i] = e
+    times: dict[int, list[float]] = {i: [] for i in prepared}
+    active = list(prepared)
+    while active:
+        for i in list(active):
+            try:
+                times[i].append(timed_call(benches[i].step, benches[i].sync, clock))
+            except Exception as e:  # noqa: BLE001
+                results[i] = e
+                active.remove(i)
+                continue
+            n, spent = len(times[i]), sum(times[i])
+            if n >= timing.max_repeats or (n >= timing.min_repeats and spent >= timing.budget_s):
+                active.remove(i)
+    for i, (compile_s, first) in prepared.items():
+        if results[i] is not None:
+            continue
+        stats = summarize(times[i])
+        if first is not None:
+            compile_s = max(first - stats.median_s, 0.0)
+        try:
+            recompile_s = benches[i].recompile(clock) if benches[i].recompile is not None else None
+        except Exception as e:  # noqa: BLE001
+            results[i] = e
+            continue
+        results[i] = {
+            "compile_s": compile_s, "recompile_s": recompile_s, "median_s": stats.median_s,
+            "iqr_s": stats.iqr_s, "min_s": stats.min_s, "repeats": stats.repeats,
+            "warning": stats.warning(timing.iqr_warn),
+        }
+    return results
+
+
 def apply_peak(row: dict, flops: int, peak_gflops: float | None) -> dict:
     """GFLOP/s from the analytic count and the median; a rate above the measured peak is an error.
 

@@ -84,6 +84,7 @@ class RunConfig:
     seed: int = 0
     isolation: str = "case"  # case | framework
     item_timeout_s: float = 900.0
+    interleave: bool = True  # time the implementations of a (case, pass) round-robin
     timing: Timing = field(default_factory=Timing)
     available_bytes: int | None = None
 
@@ -191,7 +192,7 @@ def run_group(
         spec = {
             "framework": framework, "device": framework_device(framework, cfg.device), "threads": cfg.threads,
             "precision": cfg.precision, "seed": cfg.seed, "timing": asdict(cfg.timing),
-            "peaks": peaks, "items": [it.spec() for it in pending],
+            "peaks": peaks, "items": [it.spec() for it in pending], "interleave": cfg.interleave,
         }
         proc = spawn(spec, _worker_env(cfg, scratch))
         q: queue.Queue = queue.Queue()
@@ -367,6 +368,7 @@ def environment(cfg: RunConfig, out: Collected) -> dict:
         "inductor_config": out.envs.get("torch", {}).get("torch_inductor"),
         "inductor_cache": "fresh per worker (cold compiles)",
         "isolation": cfg.isolation,
+        "interleaved": cfg.interleave,
         "preset": cfg.preset.name,
         "timing": asdict(cfg.timing),
         "peaks": [

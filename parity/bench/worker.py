@@ -9,7 +9,9 @@ this process is killed (out of memory) half-way:
 
     @@ENV <json>    @@PEAK <json>    @@START <item id>    @@ROW <json>
 
-A failing item becomes an `error` row and the loop goes on.
+A failing item becomes an `error` row and the loop goes on. By default all the
+implementations of one (case, pass) are timed round-robin (`measure.run_interleaved`)
+so that load drift on a shared machine hits them alike.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import sys
 import time
 import traceback
 
-from parity.bench.measure import pin_threads, run_bench
+from parity.bench.measure import pin_threads, run_bench, run_interleaved
 from parity.bench.spec import IMPLS, PEAK_TIMING, Case, Timing, empty_row
 
 TAG = "@@"
@@ -53,6 +55,36 @@ def run_item(mod, impl, case: Case, pass_: str, device: str, seed: int, timing: 
     return row
 
 
+def run_group_interleaved(mod, group, device: str, seed: int, timing: Timing, clock):
+    """All implementations of one (case, pass), timed round-robin (see measure.run_interleaved)."""
+    rows, benches, slots = {}, [], []
+    for item_id, impl, case, pass_ in group:
+        rows[item_id] = empty_row(impl, case, pass_, device=device)
+        try:
+            benches.append(mod.build(impl, case, pass_, device, seed))
+            slots.append(item_id)
+        except Exception as e:  # noqa: BLE001
+            rows[item_id].update(status="error", message=error_message(e))
+            traceback.print_exc(file=sys.stderr)
+    results = run_interleaved(benches, timing, clock, on_prepare=lambda i: emit("START", slots[i]))
+    for item_id, bench, res in zip(slots, benches, results):
+        row = rows[item_id]
+        try:
+            if isinstance(res, Exception):
+                raise res
+            row.update(res)
+            if bench.memory is not None:
+                row["peak_mem_bytes"], row["mem_source"] = bench.memory()
+            if bench.fingerprint is not None:
+                row["out_fingerprint"] = bench.fingerprint()
+            row["status"] = "ok"
+        except Exception as e:  # noqa: BLE001
+            row.update(status="error", message=error_message(e))
+            traceback.print_exception(e, file=sys.stderr)
+    del benches  # free this group's inputs and executables before the next
+    return [(item_id, rows[item_id]) for item_id, *_ in group]
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     with open(argv[0]) as f:
@@ -84,14 +116,26 @@ def main(argv=None) -> int:
             emit("PEAK", {"framework": fw, "dtype": peak["dtype"], "gflops": rate, "size": n})
         except Exception as e:  # noqa: BLE001
             emit("PEAK", {"framework": fw, "dtype": peak["dtype"], "gflops": None, "error": error_message(e)})
-    for item in spec["items"]:
-        emit("START", item["id"])
-        impl, case = impls[item["impl"]], Case(**item["case"])
-        if reason:
-            row = empty_row(impl, case, item["pass"], device=device, status="skip", message=reason)
-        else:
-            row = run_item(mod, impl, case, item["pass"], device, spec["seed"], timing, clock)
-        emit("ROW", {"id": item["id"], **row})
+    items = [(item["id"], impls[item["impl"]], Case(**item["case"]), item["pass"]) for item in spec["items"]]
+    if reason:
+        for item_id, impl, case, pass_ in items:
+            emit("START", item_id)
+            emit("ROW", {"id": item_id, **empty_row(impl, case, pass_, device=device, status="skip", message=reason)})
+        return 0
+    if not spec.get("interleave", True):
+        for item_id, impl, case, pass_ in items:
+            emit("START", item_id)
+            mod.reset_compiled()
+            row = run_item(mod, impl, case, pass_, device, spec["seed"], timing, clock)
+            emit("ROW", {"id": item_id, **row})
+        return 0
+    groups: dict = {}
+    for item in items:
+        groups.setdefault((item[2], item[3]), []).append(item)
+    for group in groups.values():
+        mod.reset_compiled()
+        for item_id, row in run_group_interleaved(mod, group, device, spec["seed"], timing, clock):
+            emit("ROW", {"id": item_id, **row})
     return 0
 
 
