@@ -85,6 +85,8 @@ def build_config(args) -> runner.RunConfig:
     if args.max_seq:
         seqs = tuple(s for s in seqs if s <= args.max_seq)
     dtypes = args.dtypes or preset.dtypes
+    if not args.dtypes and device == "gpu" and "bfloat16" in dtypes:
+        dtypes = (*dtypes, "float16")  # native half matmuls on GPUs; CPU runs skip float16
     cases = tuple(
         Case(b, s, s, e, h, d)
         for d in dtypes for b in (args.batch or preset.batch) for e in (args.embed or preset.embed)
@@ -117,10 +119,11 @@ def run(argv, console: Console) -> int:
     items = runner.plan(cfg)
     if args.list:
         for it in items:
-            console.print(f"{it.case.label}  {it.pass_:8s} {it.impl.key}" + (f"  [skip: {it.skip}]" if it.skip else ""))
+            line = f"{it.case.label}  {it.pass_:8s} {it.impl.key}" + (f"  (skip: {it.skip})" if it.skip else "")
+            console.print(line, markup=False)
         return 0
     if cfg.device_absent:
-        console.print(f"[yellow]mha-bench: skipping: device {cfg.device} not present ({cfg.device_absent})[/yellow]")
+        console.print(f"mha-bench: skipping: device {cfg.device} not present ({cfg.device_absent})", style="yellow", markup=False)
     progress = Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
         console=console, disable=args.no_progress, transient=True,

@@ -8,6 +8,7 @@ import os
 import tempfile
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from parity.bench.spec import ROW_FIELDS
@@ -80,7 +81,7 @@ def print_table(rows, console: Console | None = None) -> None:
         for col in COLUMNS[1:]:
             table.add_column(col, overflow="fold", no_wrap=col not in ("status", "implementation"))
         for row in members:
-            table.add_row(*_cells(row)[1:])
+            table.add_row(*(escape(c) for c in _cells(row)[1:]))
         console.print(table)
 
 
