@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mha_jax.chunked import accumulation_dtype, chunked_attention, masked_row_fill
+from mha_jax.chunked import accumulation_dtype, chunked_attention, fill_masked_rows
 from mha_spec import check_config, check_qkv_shapes, mask_shape_4d
 
 MATERIALIZE_LIMIT = 2**24
@@ -67,7 +67,7 @@ def attention_core(q, k, v, keep=None, *, masked_rows="nan", precision=None):
         scores = jnp.where(row_any, scores, 0.0)
     weights = jax.nn.softmax(scores, axis=-1)
     if keep is not None:
-        weights = jnp.where(row_any, weights, masked_row_fill(masked_rows, acc, jnp.array(1.0 / S, acc)))
+        weights = fill_masked_rows(weights, row_any, masked_rows, 1.0 / S)
     weights = weights.astype(dtype)
     context = jnp.einsum("BNTS,BSNH->BTNH", weights, v, precision=precision, preferred_element_type=acc).astype(dtype)
     return context, weights
@@ -77,20 +77,22 @@ def fused_attention_core(q, k, v, keep=None, *, masked_rows="nan", precision=Non
     """The same context as `attention_core`, without returning (or, when large, building) weights.
 
     jax.nn.dot_product_attention computes its softmax in float32, which keeps the
-    accuracy of float32 and 16-bit inputs but not of float64; and its XLA path
-    materialises (B, N, T, S). So: float64, or B·N·T·S > MATERIALIZE_LIMIT, runs
-    `chunked_attention`; everything else runs jax.nn.dot_product_attention.
+    accuracy of float32 and 16-bit inputs but not of float64; its XLA path
+    materialises (B, N, T, S); and it takes no precision argument, so under a pinned
+    "highest" XLA:CPU rejects its float16 backward dots ('F16_F16_F32'). So: float64,
+    float16, or B·N·T·S > MATERIALIZE_LIMIT runs `chunked_attention` (precision passed
+    through); float32 and bfloat16 below the limit run jax.nn.dot_product_attention.
     """
     B, T, N, H = q.shape
     S = k.shape[1]
-    if q.dtype == jnp.float64 or B * N * T * S > MATERIALIZE_LIMIT:
+    if q.dtype in (jnp.float64, jnp.float16) or B * N * T * S > MATERIALIZE_LIMIT:
         return chunked_attention(q, k, v, keep, masked_rows=masked_rows, precision=precision)
     context = jax.nn.dot_product_attention(q, k, v, mask=keep, scale=1.0 / math.sqrt(H))  # (B, T, N, H)
     if keep is not None:
         # jax gives fully masked rows uniform weights; apply our policy on (B, T, N, H).
         row_any = jnp.transpose(_row_attends(keep), (0, 2, 1, 3))  # (B|1, T|1, N|1, 1)
         mean_v = jnp.mean(v.astype(accumulation_dtype(v.dtype)), axis=1, keepdims=True)  # (B, 1, N, H)
-        context = jnp.where(row_any, context, masked_row_fill(masked_rows, context.dtype, mean_v))
+        context = fill_masked_rows(context, row_any, masked_rows, mean_v)
     return context
 
 

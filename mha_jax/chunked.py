@@ -24,13 +24,22 @@ def accumulation_dtype(dtype):
     return jnp.float32 if jnp.dtype(dtype).itemsize < 4 else jnp.dtype(dtype)
 
 
-def masked_row_fill(masked_rows: str, dtype, mean_v):
-    """The value a fully masked row's context takes under each policy."""
-    if masked_rows == "nan":
-        return jnp.array(jnp.nan, dtype)
+def fill_masked_rows(x, row_any, masked_rows: str, uniform_value):
+    """Overwrite the rows of x whose query may attend to nothing (row_any False).
+
+    uniform_value is what such a row holds under "uniform" (1/S for weights, mean V for a
+    context). Under "nan" the fill is uniform_value times a factor that is NaN on exactly
+    those rows, so on the fused path the gradient meets NaN where the materialised path's
+    NaN weights meet V (the same (batch, head) slices of V), and nowhere else.
+    """
+    uniform_value = jnp.asarray(uniform_value).astype(x.dtype)
     if masked_rows == "zero":
-        return jnp.array(0, dtype)
-    return mean_v.astype(dtype)
+        fill = jnp.zeros((), x.dtype)
+    elif masked_rows == "nan":
+        fill = uniform_value * jnp.where(row_any, 1.0, jnp.nan).astype(x.dtype)
+    else:
+        fill = uniform_value
+    return jnp.where(row_any, x, fill)
 
 
 def chunked_attention(q, k, v, keep=None, *, masked_rows="nan", q_chunk=512, k_chunk=1024, precision=None):
@@ -99,5 +108,5 @@ def chunked_attention(q, k, v, keep=None, *, masked_rows="nan", q_chunk=512, k_c
     ctx = jnp.moveaxis(ctx, 0, 2).reshape(B, N, Tp, H)[:, :, :T]  # (B, N, T, H)
     attended = jnp.moveaxis(attended, 0, 2).reshape(B, N, Tp, 1)[:, :, :T]  # (B, N, T, 1)
     mean_v = jnp.mean(v.astype(acc), axis=1)[:, :, None, :]  # (B, N, 1, H)
-    ctx = jnp.where(attended, ctx, masked_row_fill(masked_rows, acc, mean_v))
+    ctx = fill_masked_rows(ctx, attended, masked_rows, mean_v)
     return jnp.transpose(ctx, (0, 2, 1, 3)).astype(dtype)  # (B, T, N, H)

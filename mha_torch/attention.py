@@ -29,11 +29,17 @@ def _keep_mask(mask: torch.Tensor, B: int, N: int, T: int, S: int) -> torch.Tens
 
 
 def _apply_masked_row_policy(x, row_any, masked_rows: str, uniform_value):
-    """Overwrite the rows of x whose query may attend to nothing (row_any False)."""
-    if masked_rows == "nan":
-        fill = torch.full((), float("nan"), dtype=x.dtype, device=x.device)
-    elif masked_rows == "zero":
+    """Overwrite the rows of x whose query may attend to nothing (row_any False).
+
+    uniform_value is what such a row holds under "uniform" (1/S for weights, mean V for a
+    context). Under "nan" the fill is uniform_value times a factor that is NaN on exactly
+    those rows, so on the fused path the gradient meets NaN where the materialised path's
+    NaN weights meet V (the same (batch, head) slices of V), and nowhere else.
+    """
+    if masked_rows == "zero":
         fill = torch.zeros((), dtype=x.dtype, device=x.device)
+    elif masked_rows == "nan":
+        fill = uniform_value * torch.where(row_any, 1.0, float("nan")).to(x.dtype)
     else:
         fill = uniform_value
     return torch.where(row_any, x, fill)
