@@ -90,42 +90,50 @@ def forward(sd, query, key, value, mask=None, *, num_heads: int, masked_rows: st
     return Intermediates(q, k, v, scores, weights, context, output)
 
 
-def backward(sd, query, key, value, mask, cotangent, *, num_heads: int, masked_rows: str = "nan") -> dict[str, np.ndarray]:
-    """float64 gradients of sum(output * cotangent) w.r.t. query, key, value and every weight.
+def backward(sd, query, key, value, mask, cotangent, *, num_heads: int, masked_rows: str = "nan", dtype=np.float64) -> dict[str, np.ndarray]:
+    """Gradients of sum(output * cotangent) w.r.t. query, key, value and every weight.
 
     Keys: "query", "key", "value" and the canonical state-dict names. A fully masked
     row's weights are a constant of the policy, so no gradient flows through its
-    scores; under "nan" its NaN reaches the weights' gradients, as in the modules.
+    scores; under "nan" its NaN reaches V's gradients, as in the modules.
+    With a low `dtype` it is the same maths with each stored result rounded as the
+    modules store it (activations and gradients in the dtype, the softmax backward in
+    float32 as its forward): the yardstick of the three-way judge for gradients.
     """
-    sd64 = {k: np.asarray(v, np.float64) for k, v in sd.items()}
-    f = forward(sd64, query, key, value, mask, num_heads=num_heads, masked_rows=masked_rows)
-    xq, xk, xv = (np.asarray(x, np.float64) for x in (query, key, value))
-    g = np.asarray(cotangent, np.float64)  # (B, T, E)
+    acc = _accumulation_dtype(dtype)
+
+    def r(x, dt=dtype):
+        return _round(x, dt)
+
+    f = forward(sd, query, key, value, mask, num_heads=num_heads, masked_rows=masked_rows, dtype=dtype)
+    W = {k: r(as_float64(v)) for k, v in sd.items()}
+    xq, xk, xv = (r(as_float64(x)) for x in (query, key, value))
+    g = r(as_float64(cotangent))  # (B, T, E)
     B, T, E = g.shape
     N = num_heads
     H = E // N
     S = xk.shape[1]
 
     grads = {
-        "out_proj.weight": np.einsum("BTF,BTE->FE", g, f.context),
-        "out_proj.bias": g.sum(axis=(0, 1)),
+        "out_proj.weight": r(np.einsum("BTF,BTE->FE", g, f.context)),
+        "out_proj.bias": r(g.sum(axis=(0, 1))),
     }
-    d_context = (g @ sd64["out_proj.weight"]).reshape(B, T, N, H).transpose(0, 2, 1, 3)  # (B, N, T, H)
-    d_weights = np.einsum("BNTH,BNSH->BNTS", d_context, f.v)
-    d_v = np.einsum("BNTS,BNTH->BNSH", f.weights, d_context)
+    d_context = r(g @ W["out_proj.weight"]).reshape(B, T, N, H).transpose(0, 2, 1, 3)  # (B, N, T, H)
+    d_weights = r(np.einsum("BNTH,BNSH->BNTS", d_context, f.v))
+    d_v = r(np.einsum("BNTS,BNTH->BNSH", f.weights, d_context))
     keep = keep_mask(mask, B, N, T, S)
     row_any = np.ones((1, 1, 1, 1), bool) if keep is None else keep.any(axis=-1, keepdims=True)
     p = np.where(row_any, f.weights, 0.0)  # the softmax's own output; constant rows carry no gradient
-    d_scores = p * (d_weights - (d_weights * p).sum(axis=-1, keepdims=True))
-    d_scores = np.where(row_any, d_scores, 0.0) / np.sqrt(H)
-    d_q = np.einsum("BNTS,BNSH->BNTH", d_scores, f.k)
-    d_k = np.einsum("BNTS,BNTH->BNSH", d_scores, f.q)
+    d_scores = r(p * (d_weights - (d_weights * p).sum(axis=-1, keepdims=True)), acc)
+    d_scores = r(np.where(row_any, d_scores, 0.0) / np.sqrt(H), acc)
+    d_q = r(np.einsum("BNTS,BNSH->BNTH", d_scores, f.k))
+    d_k = r(np.einsum("BNTS,BNTH->BNSH", d_scores, f.q))
 
     for name, d_heads, x, grad_key in (("q_proj", d_q, xq, "query"), ("k_proj", d_k, xk, "key"), ("v_proj", d_v, xv, "value")):
         d_proj = d_heads.transpose(0, 2, 1, 3).reshape(x.shape[0], x.shape[1], E)  # (B, L, E)
-        grads[f"{name}.weight"] = np.einsum("BLF,BLE->FE", d_proj, x)
-        grads[f"{name}.bias"] = d_proj.sum(axis=(0, 1))
-        grads[grad_key] = d_proj @ sd64[f"{name}.weight"]
+        grads[f"{name}.weight"] = r(np.einsum("BLF,BLE->FE", d_proj, x))
+        grads[f"{name}.bias"] = r(d_proj.sum(axis=(0, 1)))
+        grads[grad_key] = r(d_proj @ W[f"{name}.weight"])
     return grads
 
 

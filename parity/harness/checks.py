@@ -4,9 +4,9 @@ Judging (tolerances from `parity.tolerances`, the one table):
   float64/float32  elementwise atol + rtol * |oracle|, NaNs at the same places.
   16-bit forward   three-way: err(candidate, float64 oracle) <= k * err(oracle's own
                    maths in that dtype, float64 oracle) + atol.
-  16-bit gradient  three-way as well, the yardstick being `backward_in_dtype`: the
-                   oracle's backward with every stored stage rounded as the modules
-                   store it (reference.backward has no dtype argument yet).
+  16-bit gradient  three-way as well, the yardstick being `reference.backward(dtype=...)`:
+                   the oracle's backward with every stored stage rounded as the modules
+                   store it.
 Implementation-vs-implementation rows use the same bound, with the 16-bit yardstick
 measured on the oracle (so two candidates may each be off by it).
 """
@@ -76,43 +76,6 @@ def _logits(weights, keep, shape4) -> np.ndarray:
     return np.where(valid, lw - mean, 0.0)
 
 
-def backward_in_dtype(sd, query, key, value, mask, cotangent, *, num_heads: int, masked_rows: str, dtype) -> dict:
-    """`reference.backward`'s maths with each stored result rounded to `dtype`: the 16-bit yardstick.
-
-    Mirrors the modules: activations and gradients are stored in the dtype, the
-    softmax backward runs in float32 (as its forward does), matmuls accumulate exactly.
-    """
-    acc = np.dtype(np.float32)
-
-    def r(x, dt=dtype):
-        return np.asarray(x, dtype=dt).astype(np.float64)
-
-    f = reference.forward(sd, query, key, value, mask, num_heads=num_heads, masked_rows=masked_rows, dtype=dtype)
-    W = {k: r(reference.as_float64(v)) for k, v in sd.items()}
-    xs = {n: r(reference.as_float64(a)) for n, a in (("query", query), ("key", key), ("value", value))}
-    g = r(reference.as_float64(cotangent))
-    B, T, E = g.shape
-    N, H, S = num_heads, E // num_heads, xs["key"].shape[1]
-    grads = {"out_proj.weight": r(np.einsum("BTF,BTE->FE", g, f.context)), "out_proj.bias": r(g.sum(axis=(0, 1)))}
-    d_context = r(g @ W["out_proj.weight"]).reshape(B, T, N, H).transpose(0, 2, 1, 3)
-    d_weights = r(np.einsum("BNTH,BNSH->BNTS", d_context, f.v))
-    d_v = r(np.einsum("BNTS,BNTH->BNSH", f.weights, d_context))
-    keep = reference.keep_mask(mask, B, N, T, S)
-    row_any = np.ones((1, 1, 1, 1), bool) if keep is None else keep.any(axis=-1, keepdims=True)
-    p = np.where(row_any, f.weights, 0.0)
-    d_scores = r(p * (d_weights - (d_weights * p).sum(axis=-1, keepdims=True)), acc)
-    d_scores = r(np.where(row_any, d_scores, 0.0) / np.sqrt(H), acc)
-    d_q = r(np.einsum("BNTS,BNSH->BNTH", d_scores, f.k))
-    d_k = r(np.einsum("BNTS,BNTH->BNSH", d_scores, f.q))
-    for name, d_heads, grad_key in (("q_proj", d_q, "query"), ("k_proj", d_k, "key"), ("v_proj", d_v, "value")):
-        x = xs[grad_key]
-        d_proj = d_heads.transpose(0, 2, 1, 3).reshape(x.shape[0], x.shape[1], E)
-        grads[f"{name}.weight"] = r(np.einsum("BLF,BLE->FE", d_proj, x))
-        grads[f"{name}.bias"] = r(d_proj.sum(axis=(0, 1)))
-        grads[grad_key] = r(d_proj @ W[f"{name}.weight"])
-    return grads
-
-
 @dataclass
 class Unit:
     """One (case, dtype): the rounded inputs and the oracles, computed lazily per policy."""
@@ -155,7 +118,7 @@ class Unit:
             exact = reference.backward(sd, q, k, v, self.x.keep, cot, **kw)
             yard = None
             if self.tol.three_way_k is not None:
-                low = backward_in_dtype(sd, q, k, v, self.x.keep, cot, dtype=self.x.query.dtype, **kw)
+                low = reference.backward(sd, q, k, v, self.x.keep, cot, dtype=self.x.query.dtype, **kw)
                 yard = {n: errors(low[n], exact[n])[0] for n in exact}
             self._grads[policy] = (exact, yard)
         return self._grads[policy]
