@@ -13,7 +13,7 @@ $(STAMP): requirements.lock pyproject.toml
 	touch $(STAMP)
 
 parity: $(STAMP)
-	$(BIN)/mha-parity $(ARGS)
+	$(BIN)/mha-parity --json parity-report.json --markdown parity-report.md $(ARGS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(ARGS)
