@@ -130,17 +130,19 @@ def build(impl: Impl, case: Case, pass_: str, device: str, seed: int) -> Bench:
 
     fingerprint = None
     if pass_ == "fwd":
-        fingerprint = lambda: float(jnp.abs(step()[0].astype(jnp.float32)).mean())  # noqa: E731
+        fingerprint = lambda out: float(jnp.abs(out[0].astype(jnp.float32)).mean())  # noqa: E731
     if device == "cpu":
         rss = CpuPeakRss()
         memory = lambda: rss(step, sync)  # noqa: E731
     else:
         def memory():
+            out = step()
+            sync(out)
             ma = holder["compiled"].memory_analysis()
             if ma is None:
-                return None, "unavailable (no XLA memory analysis on this backend)"
+                return None, "unavailable (no XLA memory analysis on this backend)", out
             total = ma.temp_size_in_bytes + ma.output_size_in_bytes
-            return int(total), f"{device}: XLA memory_analysis temp + output bytes of the compiled program"
+            return int(total), f"{device}: XLA memory_analysis temp + output bytes of the compiled program", out
     return Bench(
         step=step, sync=sync, aot_compile=aot_compile, recompile=recompile, fingerprint=fingerprint, memory=memory,
     )

@@ -71,8 +71,7 @@ def _memory_probe(device: str, step, sync):
             out = step()
             sync(out)
             peak = torch.cuda.max_memory_allocated() - base
-            del out
-            return peak, "gpu: torch.cuda.max_memory_allocated growth over one call"
+            return peak, "gpu: torch.cuda.max_memory_allocated growth over one call", out
         return probe
     rss = CpuPeakRss()
     return lambda: rss(step, sync)
@@ -161,7 +160,7 @@ def build(impl: Impl, case: Case, pass_: str, device: str, seed: int) -> Bench:
     step = _step(call, m, case, pass_, device, seed)
     fingerprint = None
     if pass_ == "fwd":
-        fingerprint = lambda: float(step()[0].double().abs().mean())  # noqa: E731
+        fingerprint = lambda out: float(out[0].double().abs().mean())  # noqa: E731
     return Bench(
         step=step, sync=sync, compiles_on_first_call=impl.mode == "compile", recompile=recompile,
         fingerprint=fingerprint, memory=_memory_probe(device, step, sync),

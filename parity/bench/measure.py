@@ -87,41 +87,22 @@ class Bench:
     aot_compile: Callable[[], Any] | None = None  # compiles; the call is timed as compile_s
     compiles_on_first_call: bool = False  # torch.compile
     recompile: Callable[[Clock], float] | None = None  # seconds to recompile for a new shape
-    fingerprint: Callable[[], float] | None = None  # mean |output|, to check equal work
-    memory: Callable[[], tuple[int | None, str]] | None = None  # device-side peak memory probe
+    fingerprint: Callable[[Any], float] | None = None  # mean |output| of a step's output: equal work
+    # One untimed call under a peak-memory probe: (bytes, source, the call's output). It
+    # stands in for the last warm-up call, so that slow cases pay no extra call for it.
+    memory: Callable[[], tuple[int | None, str, Any]] | None = None
 
 
 def run_bench(bench: Bench, timing: Timing, clock: Clock = time.perf_counter) -> dict:
     """Time one item; returns the row fields it measured."""
-    compile_s = None
-    if bench.aot_compile is not None:
-        t0 = clock()
-        bench.aot_compile()
-        compile_s = clock() - t0
-    first = None
-    warmup = timing.warmup
-    if bench.compiles_on_first_call:
-        first = timed_call(bench.step, bench.sync, clock)
-        warmup = max(warmup - 1, 0)  # the compiling call already warmed up
-    for _ in range(warmup):
-        timed_call(bench.step, bench.sync, clock)
-    stats = summarize(repeat(bench.step, bench.sync, timing, clock))
-    if first is not None:
-        compile_s = max(first - stats.median_s, 0.0)
-    recompile_s = bench.recompile(clock) if bench.recompile is not None else None
-    return {
-        "compile_s": compile_s,
-        "recompile_s": recompile_s,
-        "median_s": stats.median_s,
-        "iqr_s": stats.iqr_s,
-        "min_s": stats.min_s,
-        "repeats": stats.repeats,
-        "warning": stats.warning(timing.iqr_warn),
-    }
+    res = run_interleaved([bench], timing, clock)[0]
+    if isinstance(res, Exception):
+        raise res
+    return res
 
 
-def _prepare(bench: Bench, timing: Timing, clock: Clock) -> tuple[float | None, float | None]:
-    """Compile and warm up one bench: (compile_s or None, first-call time or None)."""
+def _prepare(bench: Bench, timing: Timing, clock: Clock) -> tuple[float | None, float | None, dict]:
+    """Compile and warm up one bench: (compile_s or None, first-call time or None, extra row fields)."""
     compile_s = first = None
     if bench.aot_compile is not None:
         t0 = clock()
@@ -130,10 +111,20 @@ def _prepare(bench: Bench, timing: Timing, clock: Clock) -> tuple[float | None, 
     warmup = timing.warmup
     if bench.compiles_on_first_call:
         first = timed_call(bench.step, bench.sync, clock)
-        warmup = max(warmup - 1, 0)
+        warmup = max(warmup - 1, 0)  # the compiling call already warmed up
+    extra = {}
+    if bench.memory is not None:
+        warmup = max(warmup - 1, 0)  # the probed call is a warm-up call
     for _ in range(warmup):
         timed_call(bench.step, bench.sync, clock)
-    return compile_s, first
+    out = None
+    if bench.memory is not None:
+        extra["peak_mem_bytes"], extra["mem_source"], out = bench.memory()
+    if bench.fingerprint is not None:
+        if out is None:
+            out = bench.step()
+        extra["out_fingerprint"] = bench.fingerprint(out)
+    return compile_s, first, extra
 
 
 def run_interleaved(
@@ -169,7 +160,7 @@ def run_interleaved(
             n, spent = len(times[i]), sum(times[i])
             if n >= timing.max_repeats or (n >= timing.min_repeats and spent >= timing.budget_s):
                 active.remove(i)
-    for i, (compile_s, first) in prepared.items():
+    for i, (compile_s, first, extra) in prepared.items():
         if results[i] is not None:
             continue
         stats = summarize(times[i])
@@ -183,7 +174,7 @@ def run_interleaved(
         results[i] = {
             "compile_s": compile_s, "recompile_s": recompile_s, "median_s": stats.median_s,
             "iqr_s": stats.iqr_s, "min_s": stats.min_s, "repeats": stats.repeats,
-            "warning": stats.warning(timing.iqr_warn),
+            "warning": stats.warning(timing.iqr_warn), **extra,
         }
     return results
 
@@ -249,9 +240,11 @@ class CpuPeakRss:
         except OSError:
             self._trim = None
 
-    def __call__(self, step, sync) -> tuple[int | None, str]:
+    def __call__(self, step, sync) -> tuple[int | None, str, Any]:
         if self.reason:
-            return None, f"unavailable ({self.reason})"
+            out = step()
+            sync(out)
+            return None, f"unavailable ({self.reason})", out
         gc.collect()
         if self._trim is not None:
             self._trim(0)
@@ -261,8 +254,7 @@ class CpuPeakRss:
         out = step()
         sync(out)
         peak = _status_kib("VmHWM")
-        del out
-        return max(peak - base, 0), self.source
+        return max(peak - base, 0), self.source, out
 
 
 def pin_threads(threads: int | None) -> list[int]:

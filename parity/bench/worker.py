@@ -44,10 +44,6 @@ def run_item(mod, impl, case: Case, pass_: str, device: str, seed: int, timing: 
     try:
         bench = mod.build(impl, case, pass_, device, seed)
         row.update(run_bench(bench, timing, clock))
-        if bench.memory is not None:
-            row["peak_mem_bytes"], row["mem_source"] = bench.memory()
-        if bench.fingerprint is not None:
-            row["out_fingerprint"] = bench.fingerprint()
         row["status"] = "ok"
     except Exception as e:  # noqa: BLE001 - any failure of one item is recorded, the sweep goes on
         row.update(status="error", message=error_message(e))
@@ -67,16 +63,12 @@ def run_group_interleaved(mod, group, device: str, seed: int, timing: Timing, cl
             rows[item_id].update(status="error", message=error_message(e))
             traceback.print_exc(file=sys.stderr)
     results = run_interleaved(benches, timing, clock, on_prepare=lambda i: emit("START", slots[i]))
-    for item_id, bench, res in zip(slots, benches, results):
+    for item_id, res in zip(slots, results):
         row = rows[item_id]
         try:
             if isinstance(res, Exception):
                 raise res
             row.update(res)
-            if bench.memory is not None:
-                row["peak_mem_bytes"], row["mem_source"] = bench.memory()
-            if bench.fingerprint is not None:
-                row["out_fingerprint"] = bench.fingerprint()
             row["status"] = "ok"
         except Exception as e:  # noqa: BLE001
             row.update(status="error", message=error_message(e))
