@@ -17,6 +17,13 @@ SCHEMA = "mha-bench/1"
 MATCH_KEY = ("impl", "mode", "pass", "batch", "seq_q", "seq_k", "embed", "heads", "dtype", "need_weights")
 
 
+def _umask_mode() -> int:
+    """The mode a plain open() would give a new file (mkstemp's own is 0600)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def write_atomic(path: str, data: bytes) -> None:
     """Temp file in the same directory + rename: a reader never sees half a file."""
     directory = os.path.dirname(os.path.abspath(path))
@@ -25,6 +32,7 @@ def write_atomic(path: str, data: bytes) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+        os.chmod(tmp, _umask_mode())
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -155,6 +163,7 @@ def write_plot(path: str, rows) -> None:
     os.close(fd)
     try:
         fig.savefig(tmp, dpi=110)
+        os.chmod(tmp, _umask_mode())
         os.replace(tmp, path)
     finally:
         plt.close(fig)
