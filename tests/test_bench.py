@@ -349,6 +349,9 @@ def test_compare_flags_a_planted_regression(tmp_path):
     quiet = report.Console(file=io.StringIO(), width=200)
     assert cli.main(["compare", str(a), str(b)], console=quiet) == 1
     assert cli.main(["compare", str(a), str(a)], console=quiet) == 0
+    md = tmp_path / "again.md"
+    assert cli.main(["report", str(b), "--markdown", str(md)], console=quiet) == 0
+    assert "torch-sdpa-core" in md.read_text()
 
 
 def test_plot_writes_a_png(tmp_path):

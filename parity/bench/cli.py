@@ -4,6 +4,7 @@
               [--passes fwd,fwd+bwd] [--dtypes ...] [--seq ...] [--batch ..] [--embed ..] [--heads ..]
               [--threads K] [--precision highest|default] [--json P] [--markdown P] [--plot P.png]
     mha-bench compare BASE.json NEW.json [--threshold 0.10]
+    mha-bench report RUN.json [--markdown P] [--plot P.png]
 """
 
 from __future__ import annotations
@@ -170,6 +171,21 @@ def compare_main(argv, console: Console) -> int:
     return 1 if n else 0
 
 
+def report_main(argv, console: Console) -> int:
+    p = argparse.ArgumentParser(prog="mha-bench report", description="Re-render a saved mha-bench JSON.")
+    p.add_argument("json")
+    p.add_argument("--markdown", metavar="PATH")
+    p.add_argument("--plot", metavar="PATH.png")
+    args = p.parse_args(argv)
+    data = report.load(args.json)
+    report.print_table(data["rows"], console)
+    if args.markdown:
+        report.write_markdown(args.markdown, data["rows"], data.get("environment", {}))
+    if args.plot:
+        report.write_plot(args.plot, data["rows"])
+    return 0
+
+
 def main(argv=None, console: Console | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if console is None:
@@ -178,4 +194,6 @@ def main(argv=None, console: Console | None = None) -> int:
             console = Console(width=160)  # redirected to a file or a CI log: do not fold at 80
     if argv[:1] == ["compare"]:
         return compare_main(argv[1:], console)
+    if argv[:1] == ["report"]:
+        return report_main(argv[1:], console)
     return run(argv, console)

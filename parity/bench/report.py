@@ -135,18 +135,20 @@ def write_plot(path: str, rows) -> None:
     ok = [r for r in rows if r["status"] == "ok"]
     passes = [p for p in ("fwd", "fwd+bwd") if any(r["pass"] == p for r in ok)] or ["fwd"]
     fig, axes = plt.subplots(2, len(passes), figsize=(6.5 * len(passes), 8), squeeze=False)
+    colors = plt.get_cmap("tab20").colors  # > 10 series: tab10 would repeat colours
     for col, pass_ in enumerate(passes):
         series: dict = {}
         for r in ok:
             if r["pass"] == pass_:
                 label = f"{_variant(r)} {r['dtype']} B={r['batch']} E={r['embed']}"
                 series.setdefault(label, []).append((r["seq_q"], r["median_s"], r["gflops"]))
-        for label, pts in sorted(series.items()):
+        for n, (label, pts) in enumerate(sorted(series.items())):
             pts.sort()
             xs = [p[0] for p in pts]
-            style = "-o" if "ours" in label else "--s"
-            axes[0][col].plot(xs, [p[1] for p in pts], style, label=label, markersize=4)
-            axes[1][col].plot(xs, [p[2] for p in pts], style, label=label, markersize=4)
+            style = "-o" if "ours" in label else "--s"  # ours solid, peers dashed
+            kw = {"label": label, "markersize": 4, "color": colors[n % len(colors)]}
+            axes[0][col].plot(xs, [p[1] for p in pts], style, **kw)
+            axes[1][col].plot(xs, [p[2] for p in pts], style, **kw)
         for ax, ylabel in ((axes[0][col], "median time (s)"), (axes[1][col], "GFLOP/s")):
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
