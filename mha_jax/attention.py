@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mha_jax.chunked import accumulation_dtype, chunked_attention, fill_masked_rows
+from mha_jax.chunked import accumulation_dtype, chunked_attention, fill_masked_rows, fold_scale
 from mha_spec import check_config, check_qkv_shapes, mask_shape_4d
 
 MATERIALIZE_LIMIT = 2**24
@@ -57,8 +57,10 @@ def attention_core(q, k, v, keep=None, *, masked_rows="nan", precision=None):
     dtype = q.dtype
     S = k.shape[1]
     acc = accumulation_dtype(dtype)
+    q, scores_scale = fold_scale(q)
     scores = jnp.einsum("BTNH,BSNH->BNTS", q, k, preferred_element_type=acc, precision=precision)
-    scores = scores / jnp.sqrt(jnp.array(q.shape[-1], acc))
+    if scores_scale != 1.0:
+        scores = scores * scores_scale
     if keep is not None:
         scores = jnp.where(keep, scores, -jnp.inf)
         row_any = _row_attends(keep)
