@@ -9,20 +9,9 @@ from __future__ import annotations
 
 import argparse
 
+from parity.cli_args import comma_separated
 from parity.harness.matrix import CHECKS, DTYPES
 from parity.harness.runner import DEVICES
-
-
-def _csv(choices=None):
-    def parse(text: str) -> tuple[str, ...]:
-        items = tuple(t.strip() for t in text.split(",") if t.strip())
-        if choices is not None:
-            bad = [t for t in items if t not in choices]
-            if bad:
-                raise argparse.ArgumentTypeError(f"unknown {bad}; choose from {','.join(choices)}")
-        return items
-
-    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,10 +24,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--device", choices=DEVICES, default="auto", help="where to run (auto = best present; default %(default)s)")
     p.add_argument("--quick", action="store_true", help="a small matrix that takes a few seconds")
-    p.add_argument("--cases", type=_csv(), default=(), metavar="A,B", help="case name prefixes or globs (e.g. 'self/*,cross')")
-    p.add_argument("--dtypes", type=_csv(DTYPES), default=DTYPES, metavar=",".join(DTYPES))
-    p.add_argument("--checks", type=_csv(CHECKS), default=CHECKS, metavar=",".join(CHECKS))
-    p.add_argument("--impls", type=_csv([i.name for i in OURS]), default=None, metavar="torch,jax-jit,...",
+    p.add_argument("--cases", type=comma_separated(), default=(), metavar="A,B", help="case name prefixes or globs (e.g. 'self/*,cross')")
+    p.add_argument("--dtypes", type=comma_separated(DTYPES), default=DTYPES, metavar=",".join(DTYPES))
+    p.add_argument("--checks", type=comma_separated(CHECKS), default=CHECKS, metavar=",".join(CHECKS))
+    p.add_argument("--impls", type=comma_separated([i.name for i in OURS]), default=None, metavar="torch,jax-jit,...",
                    help="which of our implementations to run (default: all but torch-compile)")
     p.add_argument("--compile", action="store_true", help="also run torch.compile (slow on CPU)")
     p.add_argument("--framework-defaults", action="store_true",

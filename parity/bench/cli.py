@@ -19,6 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from parity.bench import report, runner
 from parity.bench.spec import DTYPES, IMPLS, PASSES, PRESETS, Case, select_impls
+from parity.cli_args import comma_separated
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -29,16 +30,6 @@ def _ints(text: str) -> tuple[int, ...]:
     if not vals or any(v <= 0 for v in vals):
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
     return vals
-
-
-def _names(allowed):
-    def parse(text: str) -> tuple[str, ...]:
-        vals = tuple(x.strip() for x in text.split(",") if x.strip())
-        bad = [v for v in vals if v not in allowed]
-        if bad or not vals:
-            raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(allowed)}")
-        return vals
-    return parse
 
 
 def run_parser() -> argparse.ArgumentParser:
@@ -52,8 +43,8 @@ def run_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("cpu", "gpu", "tpu", "auto"), default="cpu",
                    help="auto = best present; torch runs on cpu when the device is a TPU")
     p.add_argument("--impls", help="comma-separated name[:mode[:weights|fused]] patterns, e.g. ours-torch:eager,jax-dpa-core")
-    p.add_argument("--passes", type=_names(PASSES), help="fwd,fwd+bwd")
-    p.add_argument("--dtypes", type=_names(tuple(DTYPES)), help="float32,bfloat16,float16")
+    p.add_argument("--passes", type=comma_separated(PASSES, nonempty=True), help="fwd,fwd+bwd")
+    p.add_argument("--dtypes", type=comma_separated(tuple(DTYPES), nonempty=True), help="float32,bfloat16,float16")
     p.add_argument("--seq", type=_ints, help="sequence lengths (T = S), e.g. 256,1024")
     p.add_argument("--max-seq", type=int, help="drop preset lengths above this")
     p.add_argument("--batch", type=_ints)
