@@ -15,7 +15,6 @@ a silent cast. Weight files are safetensors, never pickle.
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -23,6 +22,7 @@ import ml_dtypes
 import numpy as np
 
 from mha_spec import check_config
+from parity.atomic import atomic_path
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "out_proj")
 CANONICAL_KEYS = tuple(f"{p}.{w}" for p in PROJECTIONS for w in ("weight", "bias"))
@@ -384,15 +384,8 @@ def save(sd, path, *, num_heads: int, masked_rows: str = "nan") -> None:
         "num_heads": str(num_heads),
         "masked_rows": masked_rows,
     }
-    path = os.fspath(path)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix=".tmp")
-    os.close(fd)
-    try:
+    with atomic_path(path) as tmp:  # a reader never sees half a file
         save_file({k: np.ascontiguousarray(sd[k]) for k in CANONICAL_KEYS}, tmp, metadata=metadata)
-        os.replace(tmp, path)  # atomic: a reader never sees half a file
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def load(path) -> Checkpoint:

@@ -4,40 +4,16 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from parity.atomic import atomic_path, write_atomic
 from parity.bench.spec import ROW_FIELDS
 
 SCHEMA = "mha-bench/1"
 MATCH_KEY = ("impl", "mode", "pass", "batch", "seq_q", "seq_k", "embed", "heads", "dtype", "need_weights")
-
-
-def _umask_mode() -> int:
-    """The mode a plain open() would give a new file (mkstemp's own is 0600)."""
-    mask = os.umask(0)
-    os.umask(mask)
-    return 0o666 & ~mask
-
-
-def write_atomic(path: str, data: bytes) -> None:
-    """Temp file in the same directory + rename: a reader never sees half a file."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, _umask_mode())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def _variant(row) -> str:
@@ -160,17 +136,11 @@ def write_plot(path: str, rows) -> None:
     if handles:
         fig.legend(handles, labels, loc="lower center", ncol=2, fontsize=7)
     fig.tight_layout(rect=(0, 0.04 + 0.018 * math.ceil(len(labels) / 2), 1, 1))
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".png", dir=directory)
-    os.close(fd)
     try:
-        fig.savefig(tmp, dpi=110)
-        os.chmod(tmp, _umask_mode())
-        os.replace(tmp, path)
+        with atomic_path(path, suffix=".png") as tmp:
+            fig.savefig(tmp, dpi=110)
     finally:
         plt.close(fig)
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 # ---------------------------------------------------------------- compare

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 
 STATUSES = ("pass", "fail", "error", "skip")
@@ -61,21 +59,6 @@ class Report:
 def _jsonable(d: dict) -> dict:
     # JSON has no inf/nan; write them as strings rather than emit invalid JSON.
     return {k: (repr(v) if isinstance(v, float) and not math.isfinite(v) else v) for k, v in d.items()}
-
-
-def write_atomic(path, text: str) -> None:
-    """Temp file in the target's directory, then rename: a reader never sees half a report."""
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".mha-parity-", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def to_json(report: Report) -> str:

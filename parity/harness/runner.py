@@ -9,10 +9,11 @@ import time
 from dataclasses import dataclass
 from importlib import metadata
 
+from parity.atomic import write_atomic
 from parity.harness import checks as _checks
 from parity.harness.impls import Fault, JaxSide, TorchSide, planted
 from parity.harness.matrix import CHECKS, DTYPES, Case, default_matrix, draw_inputs, numpy_dtype, quick_matrix
-from parity.harness.report import Report, Row, to_json, to_markdown, write_atomic
+from parity.harness.report import Report, Row, to_json, to_markdown
 
 DEVICES = ("auto", "cpu", "gpu", "tpu")
 

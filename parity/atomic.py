@@ -1,0 +1,46 @@
+"""Atomic file writes for every report and weight file: a reader never sees half a file."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+
+
+def _umask_mode() -> int:
+    """The mode a plain open() would give a new file (mkstemp's own is 0600)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+@contextlib.contextmanager
+def atomic_path(path, suffix: str = ".tmp"):
+    """Yield a temporary path beside `path`; when the block succeeds, rename it over `path`.
+
+    The suffix lets writers that pick a format from the name (matplotlib) see the right one.
+    On an exception (Ctrl-C included) the temporary file is removed and `path` is untouched.
+    """
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=suffix)
+    os.close(fd)
+    try:
+        yield tmp
+        os.chmod(tmp, _umask_mode())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def write_atomic(path, data: str | bytes) -> None:
+    """Write text (UTF-8) or bytes to `path` atomically."""
+    with atomic_path(path) as tmp:
+        if isinstance(data, str):
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.write(data)
+        else:
+            with open(tmp, "wb") as f:
+                f.write(data)
