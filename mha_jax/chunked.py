@@ -47,13 +47,12 @@ def fill_masked_rows(x, row_any, masked_rows: str, uniform_value):
     those rows, so on the fused path the gradient meets NaN where the materialised path's
     NaN weights meet V (the same (batch, head) slices of V), and nowhere else.
     """
-    uniform_value = jnp.asarray(uniform_value).astype(x.dtype)
     if masked_rows == "zero":
         fill = jnp.zeros((), x.dtype)
     elif masked_rows == "nan":
-        fill = uniform_value * jnp.where(row_any, 1.0, jnp.nan).astype(x.dtype)
+        fill = jnp.asarray(uniform_value, x.dtype) * jnp.where(row_any, 1.0, jnp.nan).astype(x.dtype)
     else:
-        fill = uniform_value
+        fill = jnp.asarray(uniform_value, x.dtype)
     return jnp.where(row_any, x, fill)
 
 
@@ -124,6 +123,6 @@ def chunked_attention(q, k, v, keep=None, *, masked_rows="nan", q_chunk=512, k_c
     ctx, attended = lax.map(jax.checkpoint(q_chunk_context), jnp.arange(nq))  # (nq, B, N, cq, H)
     ctx = jnp.moveaxis(ctx, 0, 2).reshape(B, N, Tp, H)[:, :, :T]  # (B, N, T, H)
     attended = jnp.moveaxis(attended, 0, 2).reshape(B, N, Tp, 1)[:, :, :T]  # (B, N, T, 1)
-    mean_v = jnp.mean(v.astype(acc), axis=1)[:, :, None, :]  # (B, N, 1, H)
+    mean_v = None if masked_rows == "zero" else jnp.mean(v.astype(acc), axis=1)[:, :, None, :]  # (B, N, 1, H)
     ctx = fill_masked_rows(ctx, attended, masked_rows, mean_v)
     return jnp.transpose(ctx, (0, 2, 1, 3)).astype(dtype)  # (B, T, N, H)

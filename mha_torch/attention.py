@@ -93,8 +93,10 @@ def fused_attention_core(q, k, v, keep, *, masked_rows: str = "nan"):
     context = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scale)  # (B, N, T, H)
     if keep is not None:
         row_any = keep.any(dim=-1, keepdim=True)  # (B|1, N|1, T|1, 1)
-        acc = torch.float32 if v.dtype in _LOW_PRECISION else v.dtype
-        mean_v = v.to(acc).mean(dim=-2, keepdim=True).to(v.dtype)  # (B, N, 1, H)
+        mean_v = None  # only "nan" and "uniform" rows need it
+        if masked_rows != "zero":
+            acc = torch.float32 if v.dtype in _LOW_PRECISION else v.dtype
+            mean_v = v.to(acc).mean(dim=-2, keepdim=True).to(v.dtype)  # (B, N, 1, H)
         context = _apply_masked_row_policy(context, row_any, masked_rows, mean_v)
     return context
 
