@@ -15,14 +15,16 @@ a silent cast. Weight files are safetensors, never pickle.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import ml_dtypes
 import numpy as np
 
-from mha_spec import check_config
+from mha_spec import MASKED_ROWS_POLICIES, check_config
 from parity.atomic import atomic_path
+from parity.layouts import LAYOUTS, from_layout, read_layout, to_layout  # noqa: F401  (re-exported)
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "out_proj")
 CANONICAL_KEYS = tuple(f"{p}.{w}" for p in PROJECTIONS for w in ("weight", "bias"))
@@ -43,6 +45,11 @@ def _check_keys(found, expected, what: str) -> None:
     missing, unexpected = sorted(expected - found), sorted(found - expected)
     if missing or unexpected:
         raise ValueError(f"{what}: missing keys {missing}, unexpected keys {unexpected}")
+
+
+def _check_mapping(tree, what: str) -> None:
+    if not isinstance(tree, Mapping):
+        raise TypeError(f"{what} must be a mapping, got {type(tree).__name__}")
 
 
 def _check_shape(arr, shape, name: str) -> None:
@@ -134,7 +141,10 @@ def from_torch(m) -> dict[str, np.ndarray]:
     from mha_torch import MultiHeadAttention
 
     if not isinstance(m, MultiHeadAttention):
-        raise TypeError(f"expected mha_torch.MultiHeadAttention, got {type(m).__name__}")
+        hint = ""
+        if isinstance(m, _torch().nn.MultiheadAttention):
+            hint = "; for torch.nn.MultiheadAttention use sd = convert.from_torch_mha(m), then convert.to_jax(sd, m.num_heads, masked_rows=...)"
+        raise TypeError(f"expected mha_torch.MultiHeadAttention, got {type(m).__name__}{hint}")
     state = m.state_dict()
     _check_keys(state.keys(), CANONICAL_KEYS, "mha_torch state_dict")
     sd = {name: tensor_to_numpy(state[name]) for name in CANONICAL_KEYS}
@@ -155,12 +165,13 @@ def to_torch(sd, num_heads: int, **module_kwargs):
 
 
 def from_torch_mha(m) -> dict[str, np.ndarray]:
-    """torch.nn.MultiheadAttention (batch_first=True, packed in_proj_weight, bias) -> canonical."""
+    """torch.nn.MultiheadAttention (packed in_proj_weight, bias) -> canonical.
+
+    batch_first does not change the weights, so either value is accepted.
+    """
     torch = _torch()
     if not isinstance(m, torch.nn.MultiheadAttention):
         raise TypeError(f"expected torch.nn.MultiheadAttention, got {type(m).__name__}")
-    if not m.batch_first:
-        raise ValueError("torch.nn.MultiheadAttention must have batch_first=True (our layout is [B, L, E])")
     if not m._qkv_same_embed_dim or m.in_proj_weight is None:
         raise ValueError("torch.nn.MultiheadAttention must use a packed in_proj_weight (kdim == vdim == embed_dim)")
     if m.in_proj_bias is None or m.out_proj.bias is None:
@@ -182,13 +193,12 @@ def from_torch_mha(m) -> dict[str, np.ndarray]:
 
 
 def to_torch_mha(sd, num_heads: int, **module_kwargs):
-    """Canonical state dict -> torch.nn.MultiheadAttention(batch_first=True) in the weights' dtype."""
+    """Canonical state dict -> torch.nn.MultiheadAttention (batch_first=True unless asked) in the weights' dtype."""
     torch = _torch()
     E, dtype = check_state_dict(sd)
     _pop_dtype(module_kwargs, "dtype", dtype, _numpy_dtype_of_torch)
-    if module_kwargs.pop("batch_first", True) is not True:
-        raise ValueError("to_torch_mha builds batch_first=True modules only (our layout is [B, L, E])")
-    m = torch.nn.MultiheadAttention(E, num_heads, batch_first=True, dtype=_torch_dtype(dtype), **module_kwargs)
+    module_kwargs.setdefault("batch_first", True)  # our layout is [B, L, E]; the weights do not depend on it
+    m = torch.nn.MultiheadAttention(E, num_heads, dtype=_torch_dtype(dtype), **module_kwargs)
     device = m.in_proj_weight.device
     state = {
         "in_proj_weight": np.concatenate([sd[f"{p}.weight"] for p in ("q_proj", "k_proj", "v_proj")], axis=0),
@@ -215,7 +225,10 @@ def from_jax(m) -> dict[str, np.ndarray]:
     from mha_jax import MultiHeadAttention
 
     if not isinstance(m, MultiHeadAttention):
-        raise TypeError(f"expected mha_jax.MultiHeadAttention, got {type(m).__name__}")
+        hint = ""
+        if type(m).__name__ == "MultiHeadAttention" and type(m).__module__.startswith("flax"):
+            hint = "; for flax.nnx.MultiHeadAttention use sd = convert.from_flax_nnx(m), then convert.to_torch(sd, m.num_heads, masked_rows=...)"
+        raise TypeError(f"expected mha_jax.MultiHeadAttention, got {type(m).__name__}{hint}")
     sd = {}
     for p in PROJECTIONS:
         layer = getattr(m, p)
@@ -279,9 +292,14 @@ def _to_flax_layout(sd, num_heads: int) -> dict[str, dict[str, np.ndarray]]:
 
 def _from_flax_layout(tree: Mapping, what: str) -> dict[str, np.ndarray]:
     """{query|key|value|out: {kernel, bias}} (flax layout) -> canonical; the inverse table."""
+    _check_mapping(tree, what)
     _check_keys(tree.keys(), FLAX_NAMES.values(), what)
     for name in FLAX_NAMES.values():
+        _check_mapping(tree[name], f"{what}[{name!r}]")
         _check_keys(tree[name].keys(), ("kernel", "bias"), f"{what}[{name!r}]")
+        for leaf in ("kernel", "bias"):
+            if not hasattr(tree[name][leaf], "shape"):
+                raise TypeError(f"{what}[{name!r}][{leaf!r}] must be an array, got {type(tree[name][leaf]).__name__}")
     qk = np.asarray(tree["query"]["kernel"])
     if qk.ndim != 3:
         raise ValueError(f"{what}['query']['kernel'] has shape {qk.shape}, expected (E, N, H)")
@@ -353,6 +371,112 @@ def to_flax_nnx(sd, num_heads: int, **module_kwargs):
     return m
 
 
+# ---------------------------------------------------------------- keras 3 / equinox
+
+
+def _keras():
+    """keras on its JAX backend: set KERAS_BACKEND=jax before its first import, refuse any other backend."""
+    if "keras" not in sys.modules:
+        asked = os.environ.setdefault("KERAS_BACKEND", "jax")
+        if asked != "jax":
+            raise RuntimeError(f"KERAS_BACKEND={asked!r} is set; parity.convert runs Keras on its JAX backend: set KERAS_BACKEND=jax")
+    import keras
+
+    if keras.backend.backend() != "jax":
+        raise RuntimeError(
+            f"keras was imported with the {keras.backend.backend()!r} backend before parity.convert; "
+            "it needs KERAS_BACKEND=jax set before keras is first imported"
+        )
+    return keras
+
+
+def from_keras(layer) -> dict[str, np.ndarray]:
+    """keras.layers.MultiHeadAttention (built; bias, no gate, key_dim = value_dim = E / N) -> canonical.
+
+    Keras stores flax's layout: q/k/v kernel (E, N, H), bias (N, H); output kernel (N, H, E).
+    """
+    keras = _keras()
+    if not isinstance(layer, keras.layers.MultiHeadAttention):
+        raise TypeError(f"expected keras.layers.MultiHeadAttention, got {type(layer).__name__}")
+    if not layer.built:
+        raise ValueError("the keras layer is not built yet: call it once or layer.build(query_shape, value_shape)")
+    cfg = layer.get_config()
+    unsupported = {k: cfg.get(k, want) for k, want in (("use_bias", True), ("use_gate", False), ("output_shape", None)) if cfg.get(k, want) != want}
+    if unsupported or cfg["key_dim"] != cfg["value_dim"]:
+        raise ValueError(f"keras MultiHeadAttention must have use_bias=True, use_gate=False, output_shape=None, key_dim == value_dim; got {cfg}")
+    if tuple(layer._attention_axes) != (1,):
+        raise ValueError(f"keras MultiHeadAttention must attend over axis 1 of [B, L, E], got attention_axes={layer._attention_axes}")
+    dense = {"query": layer.query_dense, "key": layer.key_dense, "value": layer.value_dense, "out": layer.output_dense}
+    tree = {name: {"kernel": np.array(d.kernel.value), "bias": np.array(d.bias.value)} for name, d in dense.items()}
+    return _from_flax_layout(tree, "keras.layers.MultiHeadAttention")
+
+
+def to_keras(sd, num_heads: int):
+    """Canonical -> a built keras.layers.MultiHeadAttention(num_heads, key_dim=E/N) in the weights' dtype.
+
+    Call it as layer(query, value, key) -- keras's argument order -- with a keep-mask
+    (True = attend) of shape (B, T, S) as attention_mask.
+    """
+    keras = _keras()
+    E, dtype = check_state_dict(sd)
+    _check_jax_dtype(dtype)
+    tree = _to_flax_layout(sd, num_heads)
+    layer = keras.layers.MultiHeadAttention(num_heads=num_heads, key_dim=E // num_heads, dtype=dtype.name)
+    layer.build(query_shape=(None, None, E), value_shape=(None, None, E))
+    dense = {"query": layer.query_dense, "key": layer.key_dense, "value": layer.value_dense, "out": layer.output_dense}
+    for name, d in dense.items():
+        d.kernel.assign(tree[name]["kernel"])
+        d.bias.assign(tree[name]["bias"])
+    return layer
+
+
+EQX_NAMES = {"q_proj": "query_proj", "k_proj": "key_proj", "v_proj": "value_proj", "out_proj": "output_proj"}
+
+
+def from_equinox(m) -> dict[str, np.ndarray]:
+    """equinox.nn.MultiheadAttention (all four biases, sizes all E, qk = vo = E / N) -> canonical.
+
+    Equinox's Linear weight is (out, in) like torch's, so the table is name -> name.
+    """
+    import equinox as eqx
+
+    if not isinstance(m, eqx.nn.MultiheadAttention):
+        raise TypeError(f"expected equinox.nn.MultiheadAttention, got {type(m).__name__}")
+    off = [f"use_{w}_bias" for w in ("query", "key", "value", "output") if not getattr(m, f"use_{w}_bias")]
+    if off:
+        raise ValueError(f"equinox MultiheadAttention has {off} = False; the classic module has all four biases (build it with them on)")
+    E = m.query_size
+    sizes = {"key_size": m.key_size, "value_size": m.value_size, "output_size": m.output_size}
+    if any(v != E for v in sizes.values()) or m.qk_size != m.vo_size or m.qk_size * m.num_heads != E:
+        raise ValueError(f"equinox MultiheadAttention needs key/value/output size = query_size = {E} and qk_size = vo_size = E/num_heads; got {sizes}, qk_size={m.qk_size}, vo_size={m.vo_size}")
+    sd = {}
+    for p, name in EQX_NAMES.items():
+        sd[f"{p}.weight"] = np.array(getattr(m, name).weight)
+        sd[f"{p}.bias"] = np.array(getattr(m, name).bias)
+    check_state_dict(sd)
+    return sd
+
+
+def to_equinox(sd, num_heads: int):
+    """Canonical -> equinox.nn.MultiheadAttention(num_heads, E, all biases on) in the weights' dtype.
+
+    Equinox is unbatched: call it per example, m(query (T, E), key (S, E), value (S, E), mask=(T, S) keep-mask),
+    or jax.vmap it.
+    """
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+
+    E, dtype = check_state_dict(sd)
+    _check_jax_dtype(dtype)
+    check_config(E, num_heads, "nan")
+    biases = {f"use_{w}_bias": True for w in ("query", "key", "value", "output")}
+    m = eqx.nn.MultiheadAttention(num_heads, E, dtype=jnp.dtype(dtype), key=jax.random.PRNGKey(0), **biases)
+    leaves = tuple(jnp.asarray(sd[f"{p}.{w}"]) for p in EQX_NAMES for w in ("weight", "bias"))
+    where = lambda m: tuple(getattr(getattr(m, EQX_NAMES[p]), w) for p in EQX_NAMES for w in ("weight", "bias"))  # noqa: E731
+    return eqx.tree_at(where, m, leaves)
+
+
 # ---------------------------------------------------------------- files
 
 
@@ -371,10 +495,38 @@ class Checkpoint:
         return to_jax(self.state_dict, self.num_heads, masked_rows=self.masked_rows, **module_kwargs)
 
 
-def save(sd, path, *, num_heads: int, masked_rows: str = "nan") -> None:
-    """Write a canonical state dict to a safetensors file, with num_heads and masked_rows in its metadata."""
+def _module_config(obj):
+    """(state dict, num_heads, masked_rows) of our torch or JAX module, or None for anything else."""
+    for package, from_module in (("mha_torch", from_torch), ("mha_jax", from_jax)):
+        mod = sys.modules.get(package)
+        if mod is not None and isinstance(obj, mod.MultiHeadAttention):
+            return from_module(obj), obj.num_heads, obj.masked_rows
+    return None
+
+
+def save(obj, path, *, num_heads: int | None = None, masked_rows: str | None = None) -> None:
+    """Write weights to a safetensors file, with num_heads and masked_rows in its metadata.
+
+    `obj` is our torch or JAX module (num_heads and masked_rows come from it) or a
+    canonical state dict, which carries neither: then both keywords are required --
+    the masked-row policy is part of what the weights compute, so it is never defaulted.
+    """
     from safetensors.numpy import save_file
 
+    config = _module_config(obj)
+    if config is not None:
+        sd, own_heads, own_policy = config
+        for field, given, own in (("num_heads", num_heads, own_heads), ("masked_rows", masked_rows, own_policy)):
+            if given is not None and given != own:
+                raise ValueError(f"save: {field}={given!r} contradicts the module's {field}={own!r}")
+        num_heads, masked_rows = own_heads, own_policy
+    else:
+        sd = obj
+        if num_heads is None or masked_rows is None:
+            raise TypeError(
+                "save(state_dict, path) needs num_heads= and masked_rows= (one of "
+                f"{list(MASKED_ROWS_POLICIES)}: the policy the weights were used with); or pass the module itself"
+            )
     E, _ = check_state_dict(sd)
     check_config(E, num_heads, masked_rows)
     metadata = {
@@ -388,25 +540,42 @@ def save(sd, path, *, num_heads: int, masked_rows: str = "nan") -> None:
         save_file({k: np.ascontiguousarray(sd[k]) for k in CANONICAL_KEYS}, tmp, metadata=metadata)
 
 
-def load(path) -> Checkpoint:
-    """Read a file written by `save`; everything needed to rebuild the module comes from the file."""
+def _read_file(path: str) -> tuple[dict, dict]:
     from safetensors import safe_open
 
-    path = os.fspath(path)
     try:
         with safe_open(path, framework="numpy") as f:
-            metadata = f.metadata() or {}
-            sd = {k: f.get_tensor(k) for k in f.keys()}
+            return f.metadata() or {}, {k: f.get_tensor(k) for k in f.keys()}
     except (OSError, FileNotFoundError):
         raise
     except Exception as e:  # safetensors raises its own error type on a non-safetensors file
         raise ValueError(f"{path} is not a readable safetensors file: {e}") from e
+
+
+def _metadata_int(metadata: dict, field: str, path: str) -> int:
+    value = metadata[field]
+    if not value.isdecimal() or int(value) <= 0:
+        raise ValueError(f"{path}: metadata field {field!r} = {value!r} is not a positive integer")
+    return int(value)
+
+
+def load(path) -> Checkpoint:
+    """Read a file written by `save`; everything needed to rebuild the module comes from the file."""
+    path = os.fspath(path)
+    metadata, sd = _read_file(path)
     if metadata.get("format") != FILE_FORMAT:
         raise ValueError(f"{path} has no {FILE_FORMAT!r} metadata (found {sorted(metadata)}); was it written by parity.convert.save?")
-    for field in ("num_heads", "masked_rows"):
+    for field in ("format_version", "embed_dim", "num_heads", "masked_rows"):
         if field not in metadata:
-            raise ValueError(f"{path} metadata lacks {field!r}")
+            raise ValueError(f"{path}: metadata lacks {field!r}")
+    if metadata["format_version"] != FILE_FORMAT_VERSION:
+        raise ValueError(f"{path}: metadata field 'format_version' = {metadata['format_version']!r}; this version reads {FILE_FORMAT_VERSION!r}")
+    embed_dim, num_heads = _metadata_int(metadata, "embed_dim", path), _metadata_int(metadata, "num_heads", path)
+    if metadata["masked_rows"] not in MASKED_ROWS_POLICIES:
+        raise ValueError(f"{path}: metadata field 'masked_rows' = {metadata['masked_rows']!r} is not one of {MASKED_ROWS_POLICIES}")
     E, _ = check_state_dict(sd)
-    num_heads = int(metadata["num_heads"])
-    check_config(E, num_heads, metadata["masked_rows"])
+    if E != embed_dim:
+        raise ValueError(f"{path}: metadata field 'embed_dim' = {embed_dim} but the weights are ({E}, {E})")
+    if E % num_heads:
+        raise ValueError(f"{path}: metadata field 'num_heads' = {num_heads} does not divide embed_dim {E}")
     return Checkpoint(sd, num_heads, metadata["masked_rows"])

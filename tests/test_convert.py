@@ -190,9 +190,38 @@ def test_flax_linen_bad_tree(sd64):
         convert.from_flax_linen(variables)
 
 
+def test_flax_linen_malformed_trees_are_clear_errors(sd64):
+    """Not AttributeError: a non-mapping level or a non-array leaf is a TypeError naming where."""
+    good = convert.to_flax_linen(sd64, S.N)["params"]
+    with pytest.raises(TypeError, match=r"flax.linen params must be a mapping, got int"):
+        convert.from_flax_linen({"params": 5})
+    with pytest.raises(TypeError, match=r"\['key'\] must be a mapping, got list"):
+        convert.from_flax_linen({"params": dict(good, key=[1, 2])})
+    with pytest.raises(TypeError, match=r"\['out'\]\['kernel'\] must be an array, got str"):
+        convert.from_flax_linen({"params": dict(good, out={"kernel": "w", "bias": good["out"]["bias"]})})
+
+
+def test_torch_to_jax_of_a_torch_mha_points_to_from_torch_mha():
+    with pytest.raises(TypeError, match=r"got MultiheadAttention; for torch.nn.MultiheadAttention use sd = convert.from_torch_mha\(m\)"):
+        convert.torch_to_jax(torch.nn.MultiheadAttention(12, 3, batch_first=True))
+    with pytest.raises(TypeError, match=r"convert.from_flax_nnx\(m\)"):
+        convert.jax_to_torch(nnx.MultiHeadAttention(3, 12, rngs=nnx.Rngs(0), decode=False))
+
+
+def test_from_torch_mha_accepts_batch_first_false(sd64, rng):
+    """The weights do not depend on batch_first: the same sd gives the same attention, sequence-first."""
+    seq_first = convert.to_torch_mha(sd64, S.N, batch_first=False)
+    assert seq_first.batch_first is False
+    assert_bit_identical(convert.from_torch_mha(seq_first), sd64)
+    q, k, v = make_inputs(rng)
+    with torch.no_grad():
+        out, _ = seq_first(*(torch.from_numpy(x.transpose(1, 0, 2)) for x in (q, k, v)))
+    ours = _ours(sd64, "nan", q, k, v, None)[0]
+    c = compare(out.numpy().transpose(1, 0, 2), ours, tolerance_for("float64").forward)
+    assert c.passed, c
+
+
 def test_torch_mha_unsupported_configs_are_named():
-    with pytest.raises(ValueError, match="batch_first=True"):
-        convert.from_torch_mha(torch.nn.MultiheadAttention(12, 3))
     with pytest.raises(ValueError, match="packed in_proj_weight"):
         convert.from_torch_mha(torch.nn.MultiheadAttention(12, 3, batch_first=True, kdim=8, vdim=8))
     with pytest.raises(ValueError, match="GQA|grouped"):
@@ -214,6 +243,55 @@ def test_save_load_round_trip(dtype, sd64, tmp_path, rng):
     assert (tm.num_heads, tm.masked_rows, jm.num_heads, jm.masked_rows) == (S.N, "zero", S.N, "zero")
     assert_bit_identical(convert.from_torch(tm), sd)
     assert not list(tmp_path.glob("*.tmp"))  # the atomic write left nothing behind
+
+
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+def test_save_a_module_keeps_its_policy(framework, sd64, tmp_path):
+    path = tmp_path / "m.safetensors"
+    convert.save(build(framework, sd64, S.N, masked_rows="zero"), path)
+    ckpt = convert.load(path)
+    assert (ckpt.num_heads, ckpt.masked_rows) == (S.N, "zero")
+    assert_bit_identical(ckpt.state_dict, sd64)
+    with pytest.raises(ValueError, match="masked_rows='nan' contradicts the module's masked_rows='zero'"):
+        convert.save(build(framework, sd64, S.N, masked_rows="zero"), path, masked_rows="nan")
+
+
+def test_save_a_bare_state_dict_needs_the_policy(sd64, tmp_path):
+    """A state dict does not know its masked-row policy: no silent 'nan' default."""
+    path = tmp_path / "x.safetensors"
+    with pytest.raises(TypeError, match="needs num_heads= and masked_rows="):
+        convert.save(sd64, path, num_heads=S.N)
+    with pytest.raises(TypeError, match="needs num_heads= and masked_rows="):
+        convert.save(sd64, path, masked_rows="zero")
+    assert not path.exists()
+
+
+def _write_with_metadata(path, sd, **changes):
+    from safetensors.numpy import save_file
+
+    metadata = {"format": "mha-parity", "format_version": "1", "embed_dim": "12", "num_heads": "3", "masked_rows": "zero"}
+    metadata.update(changes)
+    save_file(sd, str(path), metadata={k: v for k, v in metadata.items() if v is not None})
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"format_version": "2"}, r"'format_version' = '2'; this version reads '1'"),
+        ({"embed_dim": "16"}, r"'embed_dim' = 16 but the weights are \(12, 12\)"),
+        ({"embed_dim": "twelve"}, r"'embed_dim' = 'twelve' is not a positive integer"),
+        ({"num_heads": "-3"}, r"'num_heads' = '-3' is not a positive integer"),
+        ({"num_heads": "5"}, r"'num_heads' = 5 does not divide embed_dim 12"),
+        ({"masked_rows": "ignore"}, r"'masked_rows' = 'ignore' is not one of"),
+        ({"embed_dim": None}, r"metadata lacks 'embed_dim'"),
+        ({"format_version": None}, r"metadata lacks 'format_version'"),
+    ],
+)
+def test_load_checks_every_metadata_field(changes, message, sd64, tmp_path):
+    path = tmp_path / "bad.safetensors"
+    _write_with_metadata(path, sd64, **changes)
+    with pytest.raises(ValueError, match=f"{path.name}: (metadata field )?{message}"):
+        convert.load(path)
 
 
 def test_load_refuses_pickles_and_foreign_files(sd64, tmp_path):
