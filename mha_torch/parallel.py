@@ -1,0 +1,256 @@
+"""Sharded multi-head attention in PyTorch: tensor-, sequence- (ring) and data-parallel.
+
+- Tensor parallel (heads): `tensor_parallel_plan()` is a DTensor plan for
+  `parallelize_module` (ColwiseParallel for q/k/v, RowwiseParallel for out);
+  `parallelize_heads(module, mesh)` applies it after checking the head count.
+  `tp_forward` runs the module's maths with the local head count.
+- Sequence parallel (ring attention): `sequence_parallel_forward` takes this rank's
+  query block and key/value blocks; the k/v blocks travel around the ring with
+  point-to-point send/recv (an autograd Function whose backward sends the
+  gradients the other way round) and are merged with the online-softmax recurrence.
+- Data parallel: `data_parallel_forward` runs this rank's batch rows; `all_reduce_grads`
+  sums the parameters' gradients over the group (a sum, not DDP's mean, so that the
+  gradients are those of the whole batch's loss).
+
+Gradients are torch autograd through these collectives. Sizes that do not split evenly
+are a ValueError (nothing is padded); a process group that is not initialised is a
+RuntimeError. Never imports jax.
+
+Legend (see mha_spec): B T S N H E.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from mha_torch.attention import _LOW_PRECISION, _apply_masked_row_policy, _keep_mask, attention_core, fused_attention_core
+from mha_spec import check_qkv_shapes
+
+
+def _require_group(group=None) -> tuple[int, int]:
+    """(rank in group, group size); a RuntimeError if torch.distributed is not initialised."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "torch.distributed is not initialised: call torch.distributed.init_process_group('gloo' or 'nccl') "
+            "first (torchrun sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)"
+        )
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _check_divisible(layout: str, n: int, **sizes) -> None:
+    for what, size in sizes.items():
+        if size % n:
+            raise ValueError(f"layout {layout!r}: {what}={size} is not divisible by the {n} ranks of the group")
+
+
+# ---------------------------------------------------------------- tensor parallel
+
+
+def tensor_parallel_plan() -> dict:
+    """The DTensor plan: q/k/v split by output features (heads), out by input features."""
+    return {"q_proj": ColwiseParallel(), "k_proj": ColwiseParallel(), "v_proj": ColwiseParallel(), "out_proj": RowwiseParallel()}
+
+
+def parallelize_heads(module, mesh):
+    """parallelize_module(module, mesh, tensor_parallel_plan()) after checking N % mesh size."""
+    _require_group()
+    if mesh.ndim != 1:
+        raise ValueError(f"tensor parallel wants a 1-D device mesh, got mesh shape {tuple(mesh.shape)}")
+    _check_divisible("tp", mesh.size(), **{"num_heads N": module.num_heads})
+    return parallelize_module(module, mesh, tensor_parallel_plan())
+
+
+def tp_forward(module, query, key, value, mask=None, need_weights: bool = False):
+    """The module's forward with the head count inferred from the local projection width.
+
+    The same maths as `MultiHeadAttention.forward`, for a module run under
+    `parallelize_heads` (its q/k/v projections return this rank's heads only).
+    Returns (output [B, T, E], this rank's weights [B, N/tp, T, S] or None).
+    """
+    B, T, S = check_qkv_shapes(query.shape, key.shape, value.shape, module.embed_dim)
+    H = module.head_dim
+    keep = None if mask is None else _keep_mask(mask, B, module.num_heads, T, S)
+
+    def heads(x):  # (B, L, E/tp) -> (B, N/tp, L, H)
+        return x.view(x.shape[0], x.shape[1], -1, H).transpose(1, 2)
+
+    q, k, v = heads(module.q_proj(query)), heads(module.k_proj(key)), heads(module.v_proj(value))
+    if keep is not None and keep.shape[1] > 1:
+        n_local = q.shape[1]  # a per-head mask: this rank's heads
+        keep = keep.narrow(1, _tp_rank(module) * n_local, n_local)
+    if need_weights:
+        context, weights = attention_core(q, k, v, keep, masked_rows=module.masked_rows)
+    else:
+        context, weights = fused_attention_core(q, k, v, keep, masked_rows=module.masked_rows), None
+    context = context.transpose(1, 2).reshape(B, T, -1)  # (B, T, E/tp)
+    return module.out_proj(context), weights
+
+
+def _tp_rank(module) -> int:
+    weight = module.q_proj.weight
+    return weight.device_mesh.get_local_rank() if isinstance(weight, DTensor) else 0
+
+
+def full_grads(module) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient as a plain tensor (DTensor shards gathered)."""
+    out = {}
+    for name, p in module.named_parameters():
+        g = p.grad
+        out[name] = g.full_tensor() if isinstance(g, DTensor) else g
+    return out
+
+
+# ---------------------------------------------------------------- sequence parallel (ring)
+
+
+class _RingShift(torch.autograd.Function):
+    """Send x to the next rank of the ring, receive the previous rank's; backward the other way."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _shift(x, group, +1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _shift(grad.contiguous(), ctx.group, -1), None
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over the group; the gradient of every rank's input is the sum of every rank's gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        x = x.clone()
+        dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
+        return grad, None
+
+
+def _shift(x, group, direction: int):
+    me, n = dist.get_rank(group), dist.get_world_size(group)
+    to = dist.get_global_rank(group, (me + direction) % n) if group is not None else (me + direction) % n
+    frm = dist.get_global_rank(group, (me - direction) % n) if group is not None else (me - direction) % n
+    received = torch.empty_like(x)
+    ops = [dist.P2POp(dist.isend, x.contiguous(), to, group), dist.P2POp(dist.irecv, received, frm, group)]
+    for req in dist.batch_isend_irecv(ops):
+        req.wait()
+    return received
+
+
+def key_block_start(src: int, n: int, block: int) -> int:
+    """First key column of ring block `src` (of n blocks of `block` keys)."""
+    return src * block
+
+
+def _online_step(carry, s, vj, dtype):
+    """One key block of flash attention's recurrence; scores s (B, N, T, S) in the accumulation dtype."""
+    ctx, run_max, run_sum = carry  # (B, N, T, H), (B, N, T, 1), (B, N, T, 1)
+    # The max only stabilises exp(); the result does not depend on it.
+    new_max = torch.maximum(run_max, s.amax(dim=-1, keepdim=True)).detach()
+    # A row that has seen only masked keys keeps max -inf; use 0 so exp() gives 0, not NaN.
+    safe_max = torch.where(torch.isfinite(new_max), new_max, 0.0)
+    p = torch.exp(s - safe_max)
+    rescale = torch.exp(run_max - safe_max)
+    pv = torch.matmul(p.to(dtype), vj).to(ctx.dtype)
+    return rescale * ctx + pv, new_max, rescale * run_sum + p.sum(dim=-1, keepdim=True)
+
+
+def ring_attention(q, k, v, keep=None, *, group=None, masked_rows: str = "nan", S_total: int):
+    """This rank's query block against every key block of the ring.
+
+    q (B, N, T/n, H), k and v (B, N, S/n, H): this rank's blocks; keep bool
+    (B|1, N|1, T/n, S): this rank's query rows, every key column. Returns the context
+    (B, N, T/n, H). Whether a row is empty comes from its whole keep-mask row, never from
+    one block (a row may be empty within a block and not overall).
+    """
+    me, n = _require_group(group)
+    dtype = q.dtype
+    acc = torch.float32 if dtype in _LOW_PRECISION else dtype
+    B, N, Tb, H = q.shape
+    Sb = k.shape[-2]
+    scale = 1.0 / math.sqrt(H)
+    carry = (q.new_zeros((B, N, Tb, H), dtype=acc), q.new_full((B, N, Tb, 1), -math.inf, dtype=acc), q.new_zeros((B, N, Tb, 1), dtype=acc))
+    kv = torch.stack((k, v))  # (2, B, N, S/n, H): one message per step
+    for i in range(n):
+        src = (me - i) % n  # the block this rank holds at step i
+        s = torch.matmul(q.to(acc), kv[0].to(acc).transpose(-1, -2)) * scale  # (B, N, T/n, S/n)
+        if keep is not None:
+            s = s.masked_fill(~keep.narrow(-1, key_block_start(src, n, Sb), Sb), -math.inf)
+        carry = _online_step(carry, s, kv[1], dtype)
+        if i < n - 1:
+            kv = _RingShift.apply(kv, group)
+    ctx, _, run_sum = carry
+    ctx = ctx / torch.where(run_sum > 0, run_sum, 1.0)
+    if keep is not None:
+        row_any = keep.any(dim=-1, keepdim=True)  # (B|1, N|1, T/n, 1): the whole row
+        mean_v = None
+        if masked_rows != "zero":
+            total = _AllReduceSum.apply(v.to(acc).sum(dim=-2, keepdim=True), group)
+            mean_v = total / S_total  # (B, N, 1, H)
+        ctx = _apply_masked_row_policy(ctx, row_any, masked_rows, mean_v)
+    return ctx.to(dtype)
+
+
+def _local_rows(mask, B: int, N: int, T: int, S: int, start: int, length: int, batch: bool):
+    """The keep-mask (given for the whole problem) cut to this rank's query rows or batch rows."""
+    if mask is None:
+        return None
+    keep = _keep_mask(mask, B, N, T, S)
+    if batch:
+        return keep if keep.shape[0] == 1 else keep.narrow(0, start, length)
+    keep = keep.expand(keep.shape[0], keep.shape[1], T, S)
+    return keep.narrow(2, start, length)
+
+
+def sequence_parallel_forward(module, query, key, value, mask=None, *, group=None):
+    """Ring attention: this rank's output block (B, T/n, E).
+
+    query (B, T/n, E), key and value (B, S/n, E): this rank's blocks (rank r holds
+    rows r·T/n ... (r+1)·T/n - 1). mask: the keep-mask of the whole problem, as for
+    `MultiHeadAttention` ([T, S], [B, T, S] or [B|1, N|1, T, S]); each rank uses its rows.
+    The module's parameters are replicated; call `all_reduce_grads` after backward.
+    """
+    me, n = _require_group(group)
+    B, Tb, Sb = check_qkv_shapes(query.shape, key.shape, value.shape, module.embed_dim)
+    T, S = Tb * n, Sb * n
+    keep = _local_rows(mask, B, module.num_heads, T, S, me * Tb, Tb, batch=False)
+    N, H = module.num_heads, module.head_dim
+
+    def heads(x):  # (B, L, E) -> (B, N, L, H)
+        return x.view(x.shape[0], x.shape[1], N, H).transpose(1, 2)
+
+    q, k, v = heads(module.q_proj(query)), heads(module.k_proj(key)), heads(module.v_proj(value))
+    context = ring_attention(q, k, v, keep, group=group, masked_rows=module.masked_rows, S_total=S)
+    return module.out_proj(context.transpose(1, 2).reshape(B, Tb, module.embed_dim))  # (B, T/n, E)
+
+
+# ---------------------------------------------------------------- data parallel
+
+
+def data_parallel_forward(module, query, key, value, mask=None, *, group=None):
+    """This rank's batch rows (B/n, T, E) through the module; mask given for the whole batch."""
+    me, n = _require_group(group)
+    Bb, T, S = check_qkv_shapes(query.shape, key.shape, value.shape, module.embed_dim)
+    keep = _local_rows(mask, Bb * n, module.num_heads, T, S, me * Bb, Bb, batch=True)
+    output, _ = module(query, key, value, keep, need_weights=False)
+    return output
+
+
+def all_reduce_grads(module, group=None) -> None:
+    """Sum every parameter's gradient over the group (each rank's loss is its share of the whole)."""
+    _require_group(group)
+    for p in module.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=group)
