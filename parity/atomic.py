@@ -44,3 +44,22 @@ def write_atomic(path, data: str | bytes) -> None:
         else:
             with open(tmp, "wb") as f:
                 f.write(data)
+
+
+def writable_problem(path) -> str | None:
+    """Why writing `path` with `atomic_path` would fail, or None: checked before a long run.
+
+    atomic_path creates missing directories, so the nearest existing ancestor must be a
+    writable directory; the path itself must not be a directory.
+    """
+    path = os.path.abspath(os.fspath(path))
+    if os.path.isdir(path):
+        return "is a directory"
+    existing = os.path.dirname(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return f"{existing} is not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"directory {existing} is not writable"
+    return None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 
 def comma_separated(choices=None, *, nonempty: bool = False):
@@ -17,3 +18,23 @@ def comma_separated(choices=None, *, nonempty: bool = False):
         return items
 
     return parse
+
+
+def _number(convert, what: str, ok):
+    def parse(text: str):
+        try:
+            val = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not ok(val):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return val
+
+    parse.__name__ = what  # argparse names the type in some messages
+    return parse
+
+
+# argparse `type`s that reject bad numbers as usage errors (exit 2) before anything runs.
+positive_int = _number(int, "a positive integer", lambda v: v > 0)
+nonnegative_int = _number(int, "a non-negative integer", lambda v: v >= 0)
+positive_float = _number(float, "a positive finite number", lambda v: math.isfinite(v) and v > 0)

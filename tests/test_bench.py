@@ -180,6 +180,7 @@ def test_iqr_warning():
 
 
 def _ok_row(median_s=1.0, **kw):
+    kw.setdefault("iqr_s", 0.0)
     return empty_row(_impl("ours-torch:eager:fused"), CASE, "fwd", status="ok", median_s=median_s, **kw)
 
 
@@ -345,7 +346,8 @@ def test_compare_flags_a_planted_regression(tmp_path):
     report.write_json(str(a), base_rows, _env())
     report.write_json(str(b), new_rows, _env())
     results = report.compare(report.load(str(a)), report.load(str(b)), 0.10)
-    assert [e["regression"] for e in results] == [False, True]
+    assert [e["regression"] for e in results.entries] == [False, True]
+    assert [e["verdict"] for e in results.entries] == ["ok", "REGRESSION"]
     quiet = report.Console(file=io.StringIO(), width=200)
     assert cli.main(["compare", str(a), str(b)], console=quiet) == 1
     assert cli.main(["compare", str(a), str(a)], console=quiet) == 0
@@ -404,3 +406,213 @@ def test_interleaved_failure_leaves_the_rotation_only():
     )
     assert isinstance(res[0], RuntimeError)
     assert res[1]["repeats"] == 4 and res[1]["median_s"] == 1.0
+
+
+# ---------------------------------------------------------------- compare: the noise rule
+
+
+def test_a_slowdown_inside_the_runs_iqr_is_noisy_not_a_regression():
+    # The rule (report.verdict): REGRESSION needs new - base > threshold·base AND > (iqr_b + iqr_n) / 2.
+    assert report.verdict(1.0, 2.0, 1.1, 2.0, 0.05) == "noisy"  # +10 % inside a 200 % IQR
+    assert report.verdict(1.0, 0.01, 1.5, 0.01, 0.10) == "REGRESSION"  # +50 %, quiet runs
+    assert report.verdict(1.0, 0.01, 1.05, 0.01, 0.10) == "ok"  # under the threshold
+    assert report.verdict(1.0, 0.30, 1.2, 0.10, 0.10) == "noisy"  # +20 % = the mean IQR: not beyond it
+    assert report.verdict(1.0, 0.01, 0.5, 0.01, 0.10) == "faster"
+    with pytest.raises(ValueError, match="threshold"):
+        report.compare({"rows": []}, {"rows": []}, 0.0)
+
+
+def test_compare_lists_rows_present_in_one_file_only():
+    torch_fused, sdpa, mha = _ok_row(), _ok_row() | {"impl": "torch-sdpa-core"}, _ok_row() | {"impl": "torch-mha"}
+    noisy_new = _ok_row(median_s=1.3, iqr_s=0.8) | {"impl": "torch-sdpa-core"}
+    result = report.compare({"rows": [torch_fused, sdpa, mha]},
+                            {"rows": [torch_fused, noisy_new, _ok_row() | {"dtype": "bfloat16"}]}, 0.10)
+    assert [e["verdict"] for e in result.entries] == ["ok", "noisy"]
+    assert result.compared == 2 and result.regressions == 0
+    assert [k["impl"] for k in result.only_base] == ["torch-mha"]
+    assert [k["dtype"] for k in result.only_new] == ["bfloat16"]
+    console = report.Console(file=io.StringIO(), width=200)
+    report.print_compare(result, 0.10, console)
+    text = console.file.getvalue()
+    assert "1 row(s) only in BASE" in text and "torch-mha" in text and "1 row(s) only in NEW" in text
+
+
+def test_a_row_no_longer_ok_is_a_regression_and_a_base_error_is_not_compared():
+    err = _ok_row() | {"status": "error", "median_s": None, "message": "boom"}
+    result = report.compare({"rows": [_ok_row(), err | {"impl": "torch-mha"}]},
+                            {"rows": [err, _ok_row() | {"impl": "torch-mha"}]}, 0.10)
+    assert [e["verdict"] for e in result.entries] == ["no longer ok", "not compared"]
+    assert result.regressions == 1 and result.compared == 1
+
+
+# ---------------------------------------------------------------- reading saved runs
+
+
+def _bench_json(tmp_path, mutate):
+    data = report.to_json([_ok_row(median_s=0.5, iqr_s=0.01)], _env())
+    mutate(data)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda d: d.update(rows=5), "'rows' must be a list"),
+    (lambda d: d.update(rows=[]), "'rows' is empty"),
+    (lambda d: d.update(schema="mha-bench/2"), "schema 'mha-bench/2' is not supported"),
+    (lambda d: d.pop("schema"), "no 'schema' field"),
+    (lambda d: d["rows"][0].update(median_s=0), "median_s = 0 is not a finite positive"),
+    (lambda d: d["rows"][0].update(median_s=None), "median_s = None"),
+    (lambda d: d["rows"][0].update(median_s=float("nan")), "median_s = nan"),
+    (lambda d: d["rows"][0].update(median_s="fast"), "median_s = 'fast'"),
+    (lambda d: d["rows"][0].update(iqr_s=-1.0), "iqr_s = -1.0"),
+    (lambda d: d["rows"][0].update(status="great"), "status 'great'"),
+    (lambda d: d["rows"][0].pop("impl"), "missing field(s) impl"),
+    (lambda d: d["rows"][0].update(batch=True), "batch=True"),
+    (lambda d: d["rows"].append(dict(d["rows"][0])), "row 1 repeats row 0"),
+])
+def test_load_rejects_a_malformed_run_with_a_reason(tmp_path, mutate, message):
+    with pytest.raises(report.BenchFileError, match="bad.json") as e:
+        report.load(_bench_json(tmp_path, mutate))
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_load_names_a_parity_report_and_broken_json(tmp_path):
+    with pytest.raises(report.BenchFileError, match="looks like an mha-parity report"):
+        report.load("docs/results/parity-cpu.json")
+    for text, message in (("", "empty file"), ("{", "not valid JSON"), ("[1]", "top level is a list")):
+        (tmp_path / "x.json").write_text(text)
+        with pytest.raises(report.BenchFileError, match=message):
+            report.load(str(tmp_path / "x.json"))
+    with pytest.raises(report.BenchFileError, match="cannot read"):
+        report.load(str(tmp_path / "missing.json"))
+
+
+def test_saved_results_still_load():
+    for name in ("bench-cpu.json", "bench-cpu.long.json"):
+        assert report.load(f"docs/results/{name}")["rows"]
+
+
+# ---------------------------------------------------------------- errored rows stay visible
+
+
+def test_a_row_above_the_peak_keeps_its_numbers_marked_in_table_ratio_and_markdown():
+    cfg = runner.RunConfig(preset=PRESETS["quick"], impls=select_impls("ours-torch:eager:fused,torch-sdpa-core"),
+                           cases=(CASE,), passes=("fwd",), available_bytes=2**40)
+    items = runner.plan(cfg)
+    flops = pass_flops(CASE, "fwd")
+    out = runner.Collected(peaks=[{"dtype": "float32", "gflops": 100.0}])
+    out.rows = {items[0].id: _ok_row(median_s=flops / 50e9) | {"impl": "torch-sdpa-core"},
+                items[1].id: _ok_row(median_s=flops / 150e9)}  # 150 GFLOP/s > the 100 peak: planted
+    rows = runner.finish(items, out)
+    assert [r["status"] for r in rows] == ["ok", "error"]
+    assert rows[1]["ratio"] == pytest.approx(50 / 150)  # against the ok row, not itself
+    cells = report._cells(rows[1])
+    assert cells[5] == "0.33× (error)" and cells[6] == "150.0 (error)"
+    console = report.Console(file=io.StringIO(), width=300)
+    report.print_table(rows, console)
+    assert "0.33× (error)" in console.file.getvalue()
+    assert "0.33× (error)" in report.markdown(rows, _env())
+
+
+# ---------------------------------------------------------------- the peak is re-measured
+
+
+class FakePeakMod:
+    """peak_gflops returns scripted rates, one per call."""
+
+    def __init__(self, *rates):
+        self.rates = list(rates)
+
+    def peak_gflops(self, dtype, sizes, device, timing, clock):
+        return self.rates.pop(0), sizes[-1]
+
+
+def _vet(monkeypatch, rates, row_gflops):
+    """Run a worker's PeakBar on rows of the given rates; return the parent's verdicts."""
+    from parity.bench import worker
+
+    lines = []
+    monkeypatch.setattr(worker, "emit", lambda kind, payload: lines.append(f"@@{kind}\t{json.dumps(payload)}"))
+    cfg = runner.RunConfig(preset=PRESETS["quick"], impls=select_impls("ours-torch:eager:fused"),
+                           cases=(CASE,), passes=("fwd",), available_bytes=2**40)
+    flops = pass_flops(CASE, "fwd")
+    mod = FakePeakMod(*rates)
+    bar = worker.PeakBar(mod, "torch", "cpu", [{"dtype": "float32", "sizes": [64]}], [], FakeClock())
+    bar.measure("float32")
+    verdicts = []
+    for gflops in row_gflops:
+        item = runner.plan(cfg)[0]
+        row = empty_row(item.impl, item.case, item.pass_, status="ok", median_s=flops / (gflops * 1e9), iqr_s=0.0)
+        bar.vet([(item.id, row)])
+        out = runner.Collected()
+        runner.run_group(cfg, "torch", [item], [], out, lambda k, d: None, "/tmp",
+                         lambda spec, env: FakeProc([*lines, f"@@ROW\t{json.dumps({'id': item.id, **row})}"], rc=0))
+        verdicts.append(runner.finish([item], out)[0]["status"])
+    return verdicts, [json.loads(ln.split("\t", 1)[1]) for ln in lines], mod
+
+
+def test_a_row_above_the_startup_peak_triggers_a_remeasure_and_is_ok_below_the_new_one(monkeypatch):
+    verdicts, peaks, _ = _vet(monkeypatch, [100.0, 200.0], [150.0])
+    assert verdicts == ["ok"]
+    assert [p["gflops"] for p in peaks] == [100.0, 200.0]
+    assert "150.0 GFLOP/s > 100.0" in peaks[1]["remeasured_for"]
+
+
+def test_a_row_still_above_the_remeasured_peak_is_an_error_and_remeasures_are_capped(monkeypatch):
+    verdicts, peaks, mod = _vet(monkeypatch, [100.0, 120.0, 110.0, 105.0, 999.0], [150.0] * 5)
+    assert verdicts == ["error"] * 5
+    assert len(peaks) == 1 + 3 and mod.rates == [999.0]  # start-up + MAX_REMEASURES, no more
+
+
+def test_a_row_below_the_peak_costs_no_remeasure(monkeypatch):
+    verdicts, peaks, _ = _vet(monkeypatch, [100.0], [90.0])
+    assert verdicts == ["ok"] and len(peaks) == 1
+
+
+# ---------------------------------------------------------------- plot
+
+
+def _all_series_rows():
+    rows = []
+    for im in IMPLS:
+        for dtype in ("float32", "bfloat16", "float16"):
+            for b, e in ((1, 32), (2, 64), (4, 64)):
+                for seq in (64, 128):
+                    case = Case(b, seq, seq, e, 4, dtype)
+                    row = empty_row(im, case, "fwd", status="ok", median_s=seq * 1e-5, iqr_s=0.0)
+                    rows.append(measure.apply_peak(row, pass_flops(case, "fwd"), None))
+    return rows
+
+
+def test_no_two_plot_series_look_alike():
+    styles = report.series_styles(_all_series_rows())
+    assert len(styles) == len(IMPLS) * 3 * 3
+    looks = {tuple(sorted((k, str(v)) for k, v in st.items())) for st in styles.values()}
+    assert len(looks) == len(styles)
+    # Same implementation and mode: same colour, so a reader can follow one implementation.
+    by_variant: dict = {}
+    for key, st in styles.items():
+        by_variant.setdefault(key[:2], set()).add(st["color"])
+    assert all(len(c) == 1 for c in by_variant.values())
+    assert len({next(iter(c)) for c in by_variant.values()}) == len(by_variant)
+
+
+def test_plot_has_a_title_and_draws_error_rows(tmp_path, monkeypatch):
+    import matplotlib.axes
+    import matplotlib.figure
+
+    titles, markers = [], []
+    real_title, real_plot = matplotlib.figure.Figure.suptitle, matplotlib.axes.Axes.plot
+    monkeypatch.setattr(matplotlib.figure.Figure, "suptitle",
+                        lambda self, t, **kw: titles.append(t) or real_title(self, t, **kw))
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot",
+                        lambda self, *a, **kw: markers.append((len(a[0]), kw.get("marker"))) or real_plot(self, *a, **kw))
+    rows = _all_series_rows()[:6]
+    rows[1] = rows[1] | {"status": "error", "message": "exceeds"}
+    env = {"device": "cpu", "cpu_model": "Fake CPU", "preset": "quick", "precision": "highest"}
+    path = tmp_path / "b.png"
+    report.write_plot(str(path), rows, env)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert titles == ["mha-bench: device cpu (Fake CPU), preset quick, precision highest"]
+    assert markers.count((1, "X")) == 2  # the error row, on the time and the GFLOP/s axes

@@ -5,21 +5,39 @@
               [--threads K] [--precision highest|default] [--json P] [--markdown P] [--plot P.png]
     mha-bench compare BASE.json NEW.json [--threshold 0.10]
     mha-bench report RUN.json [--markdown P] [--plot P.png]
+
+Exit codes (a run is a pass only if it measured something and nothing failed):
+
+    0  every row ok or skip, and at least one row measured (compare: no regression)
+    1  an item failed (an `error` row), or nothing was measured: every row a skip
+       (a device that is not present, float16 on a CPU, ...) (compare: a regression)
+    2  usage error, found before anything runs: a bad argument, an empty selection, an
+       output path that cannot be written or given twice; compare/report: an input file
+       that is not a valid mha-bench JSON, or no row to compare
+    3  the run finished but a report file could not be written: the table was printed
+       and the results were saved as JSON in the temporary directory (the path is printed)
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import json
 import os
 import sys
+import tempfile
 from dataclasses import replace
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from parity.atomic import writable_problem
 from parity.bench import report, runner
 from parity.bench.spec import DTYPES, IMPLS, PASSES, PRESETS, Case, select_impls
-from parity.cli_args import comma_separated
+from parity.cli_args import comma_separated, nonnegative_int, positive_float, positive_int
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_WRITE = 0, 1, 2, 3
+OUTPUTS = (("--json", "json"), ("--markdown", "markdown"), ("--plot", "plot"))
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -36,8 +54,9 @@ def run_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="mha-bench",
         description="Jit benchmark of multi-head attention across torch and JAX "
-        "(also: `mha-bench compare BASE.json NEW.json`).",
-        epilog="implementations: " + ", ".join(im.key for im in IMPLS),
+        "(also: `mha-bench compare BASE.json NEW.json`, `mha-bench report RUN.json`).",
+        epilog="implementations: " + ", ".join(im.key for im in IMPLS)
+        + ". Exit: 0 pass, 1 an item failed or nothing was measured, 2 usage error, 3 a report could not be written.",
     )
     p.add_argument("--preset", choices=sorted(PRESETS), default="quick", help="grid and timing preset (default quick)")
     p.add_argument("--device", choices=("cpu", "gpu", "tpu", "auto"), default="cpu",
@@ -46,22 +65,22 @@ def run_parser() -> argparse.ArgumentParser:
     p.add_argument("--passes", type=comma_separated(PASSES, nonempty=True), help="fwd,fwd+bwd")
     p.add_argument("--dtypes", type=comma_separated(tuple(DTYPES), nonempty=True), help="float32,bfloat16,float16")
     p.add_argument("--seq", type=_ints, help="sequence lengths (T = S), e.g. 256,1024")
-    p.add_argument("--max-seq", type=int, help="drop preset lengths above this")
+    p.add_argument("--max-seq", type=positive_int, help="drop preset lengths above this")
     p.add_argument("--batch", type=_ints)
     p.add_argument("--embed", type=_ints)
     p.add_argument("--heads", type=_ints)
-    p.add_argument("--threads", type=int, help="CPU threads per worker (affinity + framework thread pools)")
+    p.add_argument("--threads", type=positive_int, help="CPU threads per worker (affinity + framework thread pools)")
     p.add_argument("--precision", choices=("highest", "default"), default="highest",
                    help="highest: pin float32 matmuls to full precision in both frameworks (default)")
-    p.add_argument("--budget", type=float, help="seconds of timed repeats per item (overrides the preset)")
-    p.add_argument("--min-repeats", type=int)
+    p.add_argument("--budget", type=positive_float, help="seconds of timed repeats per item (overrides the preset)")
+    p.add_argument("--min-repeats", type=positive_int)
     p.add_argument("--peak-sizes", type=_ints, help="square matmul sizes for the measured peak (overrides the preset)")
     p.add_argument("--isolation", choices=("case", "framework"),
                    help="one worker per (framework, case) or per framework (default: the preset's)")
     p.add_argument("--sequential", action="store_true",
                    help="time implementations one after another instead of round-robin per (case, pass)")
-    p.add_argument("--item-timeout", type=float, default=1800.0, help="seconds before a stuck item is killed")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--item-timeout", type=positive_float, default=1800.0, help="seconds before a stuck item is killed")
+    p.add_argument("--seed", type=nonnegative_int, default=0, help="NumPy seed for weights and inputs (>= 0)")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--markdown", metavar="PATH")
     p.add_argument("--plot", metavar="PATH.png")
@@ -70,12 +89,19 @@ def run_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _cpus_available() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def build_config(args) -> runner.RunConfig:
+    """The run's configuration; ValueError for a combination that argparse cannot see is wrong."""
     preset = PRESETS[args.preset]
     device, absent = runner.resolve_device(args.device)
     seqs = args.seq or preset.seqs
     if args.max_seq:
         seqs = tuple(s for s in seqs if s <= args.max_seq)
+        if not seqs:
+            raise ValueError(f"--max-seq {args.max_seq} drops every sequence length {args.seq or preset.seqs}: nothing to run")
     dtypes = args.dtypes or preset.dtypes
     if not args.dtypes and device == "gpu" and "bfloat16" in dtypes:
         dtypes = (*dtypes, "float16")  # native half matmuls on GPUs; CPU runs skip float16
@@ -89,8 +115,8 @@ def build_config(args) -> runner.RunConfig:
         timing = replace(timing, budget_s=args.budget)
     if args.min_repeats is not None:
         timing = replace(timing, min_repeats=args.min_repeats, max_repeats=max(timing.max_repeats, args.min_repeats))
-    if args.threads is not None and args.threads <= 0:
-        raise ValueError(f"--threads must be positive, got {args.threads}")
+    if args.threads is not None and args.threads > _cpus_available():
+        raise ValueError(f"--threads {args.threads} but only {_cpus_available()} CPUs are available to this process")
     impls = select_impls(args.impls) if args.impls else select_impls(preset.impls)
     if args.peak_sizes:
         preset = replace(preset, peak_sizes=args.peak_sizes)
@@ -101,26 +127,53 @@ def build_config(args) -> runner.RunConfig:
     )
 
 
-def run(argv, console: Console) -> int:
-    args = run_parser().parse_args(argv)
-    try:
-        cfg = build_config(args)
-    except ValueError as e:
-        console.print(f"[red]mha-bench: {e}[/red]")
-        return 2
-    items = runner.plan(cfg)
-    if args.list:
-        for it in items:
-            line = f"{it.case.label}  {it.pass_:8s} {it.impl.key}" + (f"  (skip: {it.skip})" if it.skip else "")
-            console.print(line, markup=False)
-        return 0
-    if cfg.device_absent:
-        console.print(f"mha-bench: skipping: device {cfg.device} not present ({cfg.device_absent})", style="yellow", markup=False)
+def check_outputs(args) -> list[tuple[str, str]]:
+    """[(flag, path)] of the requested reports; ValueError if one cannot be written or repeats another."""
+    outputs = [(flag, getattr(args, name, None)) for flag, name in OUTPUTS]
+    outputs = [(flag, path) for flag, path in outputs if path]
+    seen: dict[str, str] = {}
+    for flag, path in outputs:
+        real = os.path.realpath(path)
+        if real in seen:
+            raise ValueError(f"{seen[real]} and {flag} both name {path}: each report needs its own path")
+        seen[real] = flag
+        problem = writable_problem(path)
+        if problem:
+            raise ValueError(f"{flag} {path}: cannot write there: {problem}")
+    return outputs
+
+
+def _error(console: Console, text: str) -> None:
+    console.print(text, style="red", markup=False, soft_wrap=True)  # one line, never folded
+
+
+def _warn(console: Console, text: str) -> None:
+    console.print(text, style="yellow", markup=False, soft_wrap=True)
+
+
+def load_warning(when: str, load, cores: int | None) -> str | None:
+    """A warning when the 1-minute load average is at or above the core count."""
+    if not load or not cores or load[0] < cores:
+        return None
+    return (f"warning: load average {load[0]:.2f} at the {when} of the run is at or above the {cores} cores: "
+            "other processes compete for the CPU, so timings are noisy and ratios between runs unreliable")
+
+
+def _warn_load(console: Console, when: str, load) -> None:
+    text = load_warning(when, load, os.cpu_count())
+    if text:
+        _warn(console, text)
+
+
+def _loadavg():
+    return list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+
+
+def _execute(cfg, items, no_progress: bool, console: Console, spawn):
     progress = Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=console, disable=args.no_progress, transient=True,
+        console=console, disable=no_progress, transient=True,
     )
-    load_start = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     with progress:
         task = progress.add_task("mha-bench", total=len(items))
 
@@ -130,54 +183,139 @@ def run(argv, console: Console) -> int:
             else:
                 progress.advance(task)
 
-        collected = runner.execute(cfg, items, on_event)
+        kw = {"spawn": spawn} if spawn is not None else {}
+        return runner.execute(cfg, items, on_event, **kw)
+
+
+def write_outputs(outputs, rows, env: dict, console: Console, keep_results: bool = True) -> bool:
+    """Write every requested report; True if all were written. On a failure say so and, unless
+    a JSON was written (or `keep_results` is off: `report` re-renders a file that exists), save
+    the results as JSON in the temporary directory and say where."""
+    writers = {"--json": report.write_json, "--markdown": report.write_markdown, "--plot": report.write_plot}
+    failed, json_written = [], False
+    for flag, path in outputs:
+        try:
+            writers[flag](path, rows, env)
+            json_written = json_written or flag == "--json"
+        except Exception as e:  # noqa: BLE001 - a full disk or a plotting bug must not lose the results
+            failed.append(flag)
+            _error(console, f"mha-bench: error: could not write {flag} {path}: {type(e).__name__}: {e}")
+    if failed and keep_results and not json_written:
+        fd, fallback = tempfile.mkstemp(prefix="mha-bench-results-", suffix=".json")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(report.to_json(rows, env), f, indent=1, allow_nan=False)
+        _error(console, f"mha-bench: the results are kept in {fallback}")
+    return not failed
+
+
+def verdict(rows, console: Console) -> int:
+    """EXIT_FAILED when an item failed or nothing was measured, else EXIT_OK; says which."""
+    counts = collections.Counter(r["status"] for r in rows)
+    if counts["error"]:
+        _error(console, f"{counts['error']} item(s) failed; see the status column")
+        return EXIT_FAILED
+    if not counts["ok"]:
+        reasons = collections.Counter(r.get("message") or "" for r in rows if r["status"] == "skip")
+        why = "; ".join(f"{n}× {msg}" for msg, n in reasons.most_common(3))
+        _error(console, f"mha-bench: nothing was measured: all {len(rows)} row(s) are skip rows ({why})")
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+def run(argv, console: Console, spawn=None) -> int:
+    args = run_parser().parse_args(argv)
+    try:
+        cfg = build_config(args)
+        outputs = check_outputs(args)
+    except ValueError as e:
+        _error(console, f"mha-bench: error: {e}")
+        return EXIT_USAGE
+    items = runner.plan(cfg)
+    if args.list:
+        for it in items:
+            line = f"{it.case.label}  {it.pass_:8s} {it.impl.key}" + (f"  (skip: {it.skip})" if it.skip else "")
+            console.print(line, markup=False)
+        return EXIT_OK
+    if cfg.device_absent:
+        _warn(console, f"mha-bench: device {cfg.device} not present ({cfg.device_absent}): every item is a skip row")
+    load_start = _loadavg()
+    _warn_load(console, "start", load_start)
+    collected = _execute(cfg, items, args.no_progress, console, spawn)
     rows = runner.finish(items, collected, cfg.precision)
     env = {"loadavg_start": load_start, **runner.environment(cfg, collected)}
     report.print_table(rows, console)
     for r in rows:
         if r["status"] == "ok" and r.get("warning"):
-            console.print(f"[yellow]warning: {r['impl']} {r['mode']} {r['pass']} {r['seq_q']}: {r['warning']}[/yellow]")
-    if args.json:
-        report.write_json(args.json, rows, env)
-    if args.markdown:
-        report.write_markdown(args.markdown, rows, env)
-    if args.plot:
-        report.write_plot(args.plot, rows)
-    n_err = sum(r["status"] == "error" for r in rows)
-    if n_err:
-        console.print(f"[red]{n_err} item(s) failed; see the status column[/red]")
-    return 0
+            _warn(console, f"warning: {r['impl']} {r['mode']} {r['pass']} {r['seq_q']}: {r['warning']}")
+    _warn_load(console, "end", env["loadavg_end"])
+    written = write_outputs(outputs, rows, env, console)
+    code = verdict(rows, console)
+    return code if written else EXIT_WRITE
+
+
+def _load_inputs(paths, console: Console, prog: str):
+    """The validated files, or None after a one-line error."""
+    try:
+        return [report.load(p) for p in paths]
+    except report.BenchFileError as e:
+        _error(console, f"{prog}: error: {e}")
+        return None
 
 
 def compare_main(argv, console: Console) -> int:
-    p = argparse.ArgumentParser(prog="mha-bench compare", description="Flag regressions between two mha-bench JSON files.")
+    p = argparse.ArgumentParser(
+        prog="mha-bench compare",
+        description="Flag regressions between two mha-bench JSON files. A row regressed when its median "
+        "grew by more than THRESHOLD of the base median and by more than the mean IQR of the two runs; "
+        "beyond the threshold but within that noise it is 'noisy'.",
+        epilog="Exit: 0 no regression, 1 a regression, 2 bad input or nothing to compare.",
+    )
     p.add_argument("base")
     p.add_argument("new")
-    p.add_argument("--threshold", type=float, default=0.10, help="relative slow-down counted as a regression")
+    p.add_argument("--threshold", type=positive_float, default=0.10, help="relative slow-down counted as a regression")
     args = p.parse_args(argv)
-    results = report.compare(report.load(args.base), report.load(args.new), args.threshold)
-    report.print_compare(results, args.threshold, console)
-    n = sum(e["regression"] for e in results)
-    console.print(f"{len(results)} matching row(s), {n} regression(s)")
-    return 1 if n else 0
+    loaded = _load_inputs((args.base, args.new), console, "mha-bench compare")
+    if loaded is None:
+        return EXIT_USAGE
+    base, new = loaded
+    for diff in report.environment_differences(base, new):
+        _warn(console, f"note: the runs differ in {diff}")
+    result = report.compare(base, new, args.threshold)
+    report.print_compare(result, args.threshold, console)
+    if not result.compared:
+        _error(console, f"mha-bench compare: error: no row of {args.new} matches an ok row of {args.base} "
+               "(same case, pass and implementation): nothing was compared")
+        return EXIT_USAGE
+    n = result.regressions
+    console.print(f"{result.compared} row(s) compared: {n} regression(s), {result.count('noisy')} noisy, "
+                  f"{result.count('faster')} faster; {len(result.only_base)} only in base, "
+                  f"{len(result.only_new)} only in new", markup=False)
+    return EXIT_FAILED if n else EXIT_OK
 
 
 def report_main(argv, console: Console) -> int:
-    p = argparse.ArgumentParser(prog="mha-bench report", description="Re-render a saved mha-bench JSON.")
+    p = argparse.ArgumentParser(prog="mha-bench report", description="Re-render a saved mha-bench JSON.",
+                                epilog="Exit: 0 written, 2 bad input or output path, 3 a report could not be written.")
     p.add_argument("json")
     p.add_argument("--markdown", metavar="PATH")
     p.add_argument("--plot", metavar="PATH.png")
     args = p.parse_args(argv)
-    data = report.load(args.json)
+    try:
+        outputs = check_outputs(args)
+    except ValueError as e:
+        _error(console, f"mha-bench report: error: {e}")
+        return EXIT_USAGE
+    loaded = _load_inputs((args.json,), console, "mha-bench report")
+    if loaded is None:
+        return EXIT_USAGE
+    data = loaded[0]
     report.print_table(data["rows"], console)
-    if args.markdown:
-        report.write_markdown(args.markdown, data["rows"], data.get("environment", {}))
-    if args.plot:
-        report.write_plot(args.plot, data["rows"])
-    return 0
+    written = write_outputs(outputs, data["rows"], data.get("environment", {}), console, keep_results=False)
+    return EXIT_OK if written else EXIT_WRITE
 
 
-def main(argv=None, console: Console | None = None) -> int:
+def main(argv=None, console: Console | None = None, spawn=None) -> int:
+    """Entry point; `spawn` replaces the worker launcher (tests run fake workers through it)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if console is None:
         console = Console()
@@ -187,4 +325,4 @@ def main(argv=None, console: Console | None = None) -> int:
         return compare_main(argv[1:], console)
     if argv[:1] == ["report"]:
         return report_main(argv[1:], console)
-    return run(argv, console)
+    return run(argv, console, spawn)

@@ -193,6 +193,8 @@ def run_group(
             "framework": framework, "device": framework_device(framework, cfg.device), "threads": cfg.threads,
             "precision": cfg.precision, "seed": cfg.seed, "timing": asdict(cfg.timing),
             "peaks": peaks, "items": [it.spec() for it in pending], "interleave": cfg.interleave,
+            # The best rates so far: the worker re-measures its peak when a row beats them.
+            "known_peaks": [rec for rec in out.peaks if rec.get("gflops")],
         }
         proc = spawn(spec, _worker_env(cfg, scratch))
         q: queue.Queue = queue.Queue()
@@ -324,14 +326,20 @@ def _check_fingerprints(items, rows, precision) -> None:
 
 
 def _ratios(items, rows) -> None:
+    """ratio = median / the fastest ok row of the same (case, pass).
+
+    Rows flagged `error` after timing keep a ratio too (shown marked), against the ok
+    rows only: an impossible time must not become everyone else's yardstick.
+    """
     fastest: dict = {}
     for it, row in zip(items, rows):
         if row["status"] == "ok":
             key = (it.case, it.pass_)
             fastest[key] = min(fastest.get(key, float("inf")), row["median_s"])
     for it, row in zip(items, rows):
-        if row["status"] == "ok":
-            row["ratio"] = row["median_s"] / fastest[(it.case, it.pass_)]
+        best = fastest.get((it.case, it.pass_))
+        if row["status"] in ("ok", "error") and row.get("median_s") and best:
+            row["ratio"] = row["median_s"] / best
 
 
 def environment(cfg: RunConfig, out: Collected) -> dict:

@@ -9,6 +9,10 @@ this process is killed (out of memory) half-way:
 
     @@ENV <json>    @@PEAK <json>    @@START <item id>    @@ROW <json>
 
+A row whose rate beats the best matmul peak known so far triggers a fresh peak
+measurement before the row is sent (`PeakBar`): the parent judges every row
+against the best of all the run's measurements.
+
 A failing item becomes an `error` row and the loop goes on. By default all the
 implementations of one (case, pass) are timed round-robin (`measure.run_interleaved`)
 so that load drift on a shared machine hits them alike.
@@ -22,7 +26,7 @@ import time
 import traceback
 
 from parity.bench.measure import pin_threads, run_bench, run_interleaved
-from parity.bench.spec import IMPLS, PEAK_TIMING, Case, Timing, empty_row
+from parity.bench.spec import IMPLS, PEAK_TIMING, Case, Timing, empty_row, pass_flops
 
 TAG = "@@"
 
@@ -77,11 +81,77 @@ def run_group_interleaved(mod, group, device: str, seed: int, timing: Timing, cl
     return [(item_id, rows[item_id]) for item_id, *_ in group]
 
 
-def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    with open(argv[0]) as f:
-        spec = json.load(f)
-    cpus = pin_threads(spec.get("threads"))  # before any framework sizes its thread pools
+class PeakBar:
+    """The best matmul rate this worker knows per dtype; re-measured when a row beats it.
+
+    A rate above the device's peak cannot be real, but on a loaded machine the peak taken
+    at start-up may have caught a burst of load while a later item ran in a quiet moment.
+    So before the parent demotes such a row to `error` (measure.apply_peak, against the
+    best of every measurement of the run), the worker measures the peak again right then.
+    At most MAX_REMEASURES per dtype: a real bug (a missing sync) must not cost one per row.
+    """
+
+    MAX_REMEASURES = 3
+
+    def __init__(self, mod, framework: str, device: str, peaks: list[dict], known: list[dict], clock):
+        self.mod, self.framework, self.device, self.clock = mod, framework, device, clock
+        self.sizes = {p["dtype"]: p["sizes"] for p in peaks}
+        self.best: dict[str, float] = {}
+        for rec in known:
+            self._raise_bar(rec)
+        self.remeasured: dict[str, int] = {}
+
+    def _raise_bar(self, rec: dict) -> None:
+        if rec.get("gflops"):
+            self.best[rec["dtype"]] = max(self.best.get(rec["dtype"], 0.0), rec["gflops"])
+
+    def measure(self, dtype: str, reason: str | None = None) -> None:
+        try:
+            rate, n = self.mod.peak_gflops(dtype, self.sizes[dtype], self.device, PEAK_TIMING, self.clock)
+            rec = {"framework": self.framework, "dtype": dtype, "gflops": rate, "size": n}
+        except Exception as e:  # noqa: BLE001
+            rec = {"framework": self.framework, "dtype": dtype, "gflops": None, "error": error_message(e)}
+        if reason:
+            rec["remeasured_for"] = reason
+        emit("PEAK", rec)
+        self._raise_bar(rec)
+
+    def vet(self, rows: list[tuple[int, dict]]) -> None:
+        """Re-measure once per dtype if any of these rows' rates is above the bar."""
+        worst: dict[str, tuple[float, int]] = {}
+        for item_id, row in rows:
+            if row.get("status") != "ok" or not row.get("median_s"):
+                continue
+            case = Case(**{k: row[k] for k in ("batch", "seq_q", "seq_k", "embed", "heads", "dtype")})
+            rate = pass_flops(case, row["pass"]) / row["median_s"] / 1e9
+            bar = self.best.get(case.dtype)
+            if bar is not None and rate > bar and rate > worst.get(case.dtype, (0.0, 0))[0]:
+                worst[case.dtype] = (rate, item_id)
+        for dtype, (rate, item_id) in worst.items():
+            if dtype in self.sizes and self.remeasured.get(dtype, 0) < self.MAX_REMEASURES:
+                self.remeasured[dtype] = self.remeasured.get(dtype, 0) + 1
+                self.measure(dtype, reason=f"item {item_id}: {rate:.1f} GFLOP/s > {self.best[dtype]:.1f}")
+
+
+def run_items(mod, spec: dict, items, timing: Timing, clock):
+    """Yield the rows of each timing group: one item at a time, or one (case, pass) round-robin."""
+    device, seed = spec["device"], spec["seed"]
+    if not spec.get("interleave", True):
+        for item_id, impl, case, pass_ in items:
+            emit("START", item_id)
+            mod.reset_compiled()
+            yield [(item_id, run_item(mod, impl, case, pass_, device, seed, timing, clock))]
+        return
+    groups: dict = {}
+    for item in items:
+        groups.setdefault((item[2], item[3]), []).append(item)
+    for group in groups.values():
+        mod.reset_compiled()
+        yield run_group_interleaved(mod, group, device, seed, timing, clock)
+
+
+def setup(spec: dict, cpus: list[int]):
+    """Import the framework's implementation module and configure it: (module, env report)."""
     fw, device = spec["framework"], spec["device"]
     if fw == "torch":
         from parity.bench import impl_torch as mod
@@ -94,39 +164,32 @@ def main(argv=None) -> int:
     else:
         raise ValueError(f"unknown framework {fw!r}")
     env["cpus"] = cpus
-    reason = mod.check_device(device)
-    env["unavailable"] = reason
+    env["unavailable"] = mod.check_device(device)
+    return mod, env
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    with open(argv[0]) as f:
+        spec = json.load(f)
+    cpus = pin_threads(spec.get("threads"))  # before any framework sizes its thread pools
+    mod, env = setup(spec, cpus)
+    fw, device, reason = spec["framework"], spec["device"], env["unavailable"]
     emit("ENV", {"framework": fw, **env})
-    timing = Timing(**spec["timing"])
-    clock = time.perf_counter
     impls = {im.key: im for im in IMPLS}
-    for peak in spec.get("peaks", []):
-        if reason:
-            break
-        try:
-            rate, n = mod.peak_gflops(peak["dtype"], peak["sizes"], device, PEAK_TIMING, clock)
-            emit("PEAK", {"framework": fw, "dtype": peak["dtype"], "gflops": rate, "size": n})
-        except Exception as e:  # noqa: BLE001
-            emit("PEAK", {"framework": fw, "dtype": peak["dtype"], "gflops": None, "error": error_message(e)})
     items = [(item["id"], impls[item["impl"]], Case(**item["case"]), item["pass"]) for item in spec["items"]]
     if reason:
         for item_id, impl, case, pass_ in items:
             emit("START", item_id)
             emit("ROW", {"id": item_id, **empty_row(impl, case, pass_, device=device, status="skip", message=reason)})
         return 0
-    if not spec.get("interleave", True):
-        for item_id, impl, case, pass_ in items:
-            emit("START", item_id)
-            mod.reset_compiled()
-            row = run_item(mod, impl, case, pass_, device, spec["seed"], timing, clock)
-            emit("ROW", {"id": item_id, **row})
-        return 0
-    groups: dict = {}
-    for item in items:
-        groups.setdefault((item[2], item[3]), []).append(item)
-    for group in groups.values():
-        mod.reset_compiled()
-        for item_id, row in run_group_interleaved(mod, group, device, spec["seed"], timing, clock):
+    clock = time.perf_counter
+    bar = PeakBar(mod, fw, device, spec.get("peaks", []), spec.get("known_peaks", []), clock)
+    for peak in spec.get("peaks", []):
+        bar.measure(peak["dtype"])
+    for rows in run_items(mod, spec, items, Timing(**spec["timing"]), clock):
+        bar.vet(rows)
+        for item_id, row in rows:
             emit("ROW", {"id": item_id, **row})
     return 0
 
