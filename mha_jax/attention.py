@@ -13,7 +13,7 @@ import numpy as np
 from flax import nnx
 
 from mha_jax.chunked import accumulation_dtype, chunked_attention, fill_masked_rows, fold_scale
-from mha_spec import check_config, check_qkv_shapes, mask_shape_4d
+from mha_spec import Stages, check_config, check_mask_values, check_qkv_shapes, mask_shape_4d
 
 MATERIALIZE_LIMIT = 2**24
 """Largest B·N·T·S for which the fused path lets jax.nn.dot_product_attention
@@ -38,20 +38,49 @@ def _keep_mask(mask, B: int, N: int, T: int, S: int):
     if kind not in "biuf" and mask.dtype != jnp.bfloat16:
         raise TypeError(f"mask must be bool, int or float, got {mask.dtype}")
     shape4 = mask_shape_4d(mask.shape, B, N, T, S)
+    if kind == "f" or mask.dtype == jnp.bfloat16:
+        _check_concrete_mask_values(mask)
     mask = jnp.asarray(mask)
     keep = mask if mask.dtype == jnp.bool_ else mask != 0
     return keep.reshape(shape4)
+
+
+def _check_concrete_mask_values(mask):
+    """NaN or negative values in a float keep-mask are errors, where the values are known.
+
+    Under jit (a tracer) nothing is checked: a value check there would need a host round trip
+    (or checkify); the README says so.
+    """
+    if isinstance(mask, jax.core.Tracer):
+        return
+    mask = np.asarray(mask).astype(np.float32)  # bfloat16/float16 too; NaN and sign survive
+    check_mask_values(mask.shape, bool(np.isnan(mask).any()), bool((mask < 0).any()))
+
+
+def _check_dtype(name: str, dtype) -> None:
+    """A computation or parameter dtype must be floating, and float64 needs x64 (no silent float32)."""
+    if dtype is None:
+        return
+    try:
+        dt = jnp.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"{name} must be a floating dtype, got {dtype!r}") from None
+    if not jnp.issubdtype(dt, jnp.floating):
+        raise TypeError(f"{name} must be a floating dtype, got {dt}")
+    if dt == jnp.float64 and not jax.config.jax_enable_x64:
+        raise TypeError(f"{name}=float64 needs jax_enable_x64: jax.config.update('jax_enable_x64', True)")
 
 
 def _row_attends(keep):
     return keep.any(axis=-1, keepdims=True)  # (B|1, N|1, T|1, 1)
 
 
-def attention_core(q, k, v, keep=None, *, masked_rows="nan", precision=None):
+def attention_core(q, k, v, keep=None, *, masked_rows="nan", precision=None, return_scores=False):
     """softmax(Q Kᵀ / √H) V with materialised weights.
 
     q (B, T, N, H), k and v (B, S, N, H), keep bool broadcastable to (B, N, T, S) or None.
-    Returns context (B, T, N, H) and weights (B, N, T, S), both in q's dtype.
+    Returns context (B, T, N, H) and weights (B, N, T, S), both in q's dtype, and with
+    return_scores also the scaled scores (B, N, T, S), -inf where masked.
     Scores and softmax run in float32 for 16-bit inputs (float64 stays float64).
     """
     dtype = q.dtype
@@ -63,6 +92,8 @@ def attention_core(q, k, v, keep=None, *, masked_rows="nan", precision=None):
         scores = scores * scores_scale
     if keep is not None:
         scores = jnp.where(keep, scores, -jnp.inf)
+    returned_scores = scores  # before the row fix below
+    if keep is not None:
         row_any = _row_attends(keep)
         # A fully masked row gets all-zero scores: its softmax is finite (uniform),
         # so no NaN reaches the backward pass; the policy then sets its value.
@@ -72,6 +103,8 @@ def attention_core(q, k, v, keep=None, *, masked_rows="nan", precision=None):
         weights = fill_masked_rows(weights, row_any, masked_rows, 1.0 / S)
     weights = weights.astype(dtype)
     context = jnp.einsum("BNTS,BSNH->BTNH", weights, v, precision=precision, preferred_element_type=acc).astype(dtype)
+    if return_scores:
+        return context, weights, returned_scores
     return context, weights
 
 
@@ -103,12 +136,14 @@ class MultiHeadAttention(nnx.Module):
 
     __call__(query [B, T, E], key [B, S, E], value [B, S, E], mask=None, need_weights=True)
       -> (output [B, T, E], weights [B, N, T, S] or None)
+    With return_intermediates=True: (output, weights, mha_spec.Stages).
 
     Same semantics as `mha_torch.MultiHeadAttention`: keep-mask (0 = masked) of
     dtype bool, int or float and shape [T, S], [B, T, S] or [B|1, N|1, T, S];
-    masked_rows "nan" | "zero" | "uniform". `dtype` is the computation dtype;
-    None means the inputs' dtype, so outputs keep the input dtype. Parameters are
-    stored in `param_dtype`, kernels (in, out) as in nnx.Linear.
+    masked_rows "nan" | "zero" | "uniform". Parameters are stored in `param_dtype`,
+    kernels (in, out) as in nnx.Linear. `dtype` is the computation dtype; None means the
+    parameters' dtype. Inputs must have the computation dtype (a mismatch is a TypeError,
+    as in torch), and outputs have it. T=0 or B=0 give empty outputs, S=0 is a ValueError.
     """
 
     def __init__(
@@ -123,6 +158,8 @@ class MultiHeadAttention(nnx.Module):
         precision=None,
     ):
         self.head_dim = check_config(embed_dim, num_heads, masked_rows)
+        _check_dtype("dtype", dtype)
+        _check_dtype("param_dtype", param_dtype)
         self.embed_dim = embed_dim
         self.num_heads = num_heads
         self.masked_rows = masked_rows
@@ -145,32 +182,51 @@ class MultiHeadAttention(nnx.Module):
         y = jnp.einsum("BTE,EF->BTF", x, kernel, precision=self.precision, preferred_element_type=accumulation_dtype(dtype))
         return (y + bias).astype(dtype)
 
-    def __call__(self, query, key, value, mask=None, need_weights: bool = True):
+    def _heads(self, layer: nnx.Linear, x, dtype):
+        # The head count comes from the projected width, not num_heads: under a sharded
+        # (tensor-parallel) layout a device may hold only its share of the heads.
+        y = self._project(layer, x, dtype)  # (B, L, N·H)
+        B, L, width = y.shape
+        return y.reshape(B, L, width // self.head_dim, self.head_dim)  # (B, L, N, H)
+
+    def _check_inputs(self, query, key, value):
+        """(B, T, S, computation dtype); inputs must have that dtype: no silent cast."""
         for name, x in (("query", query), ("key", key), ("value", value)):
             if not isinstance(x, (jax.Array, np.ndarray)):
                 raise TypeError(f"{name} must be a jax or numpy array, got {type(x).__name__}")
-        B, T, S = check_qkv_shapes(query.shape, key.shape, value.shape, self.embed_dim)
-        if not (query.dtype == key.dtype == value.dtype):
-            raise TypeError(
-                f"query, key and value dtypes differ: {query.dtype}, {key.dtype}, {value.dtype}"
-            )
-        if not jnp.issubdtype(query.dtype, jnp.floating):
-            raise TypeError(f"inputs must be floating point, got {query.dtype}")
-        dtype = jnp.dtype(self.dtype or query.dtype)
+        shapes = check_qkv_shapes(query.shape, key.shape, value.shape, self.embed_dim)
+        param_dtype = jnp.dtype(self.q_proj.kernel[...].dtype)
+        dtype = jnp.dtype(self.dtype or param_dtype)
+        for name, x in (("query", query), ("key", key), ("value", value)):
+            if jnp.dtype(x.dtype) != dtype:
+                what = f"the computation dtype= {dtype}" if self.dtype else f"the module's parameters are {dtype}"
+                raise TypeError(f"{name} has dtype {x.dtype} but {what}")
         if dtype == jnp.float64 and not jax.config.jax_enable_x64:
             # Without x64 jax would silently compute in float32.
             raise TypeError("float64 needs jax_enable_x64: jax.config.update('jax_enable_x64', True)")
-        N, H = self.num_heads, self.head_dim
-        keep = None if mask is None else _keep_mask(mask, B, N, T, S)
-        query, key, value = (jnp.asarray(x, dtype) for x in (query, key, value))
+        return shapes + (dtype,)
 
-        q = self._project(self.q_proj, query, dtype).reshape(B, T, N, H)
-        k = self._project(self.k_proj, key, dtype).reshape(B, S, N, H)
-        v = self._project(self.v_proj, value, dtype).reshape(B, S, N, H)
-        if need_weights:
-            context, weights = attention_core(q, k, v, keep, masked_rows=self.masked_rows, precision=self.precision)
+    def __call__(self, query, key, value, mask=None, need_weights: bool = True, *, return_intermediates: bool = False):
+        B, T, S, dtype = self._check_inputs(query, key, value)
+        keep = None if mask is None else _keep_mask(mask, B, self.num_heads, T, S)
+        query, key, value = (jnp.asarray(x) for x in (query, key, value))
+
+        q = self._heads(self.q_proj, query, dtype)  # (B, T, N, H)
+        k = self._heads(self.k_proj, key, dtype)  # (B, S, N, H)
+        v = self._heads(self.v_proj, value, dtype)  # (B, S, N, H)
+        kw = {"masked_rows": self.masked_rows, "precision": self.precision}
+        scores = weights = None
+        if need_weights and return_intermediates:
+            context, weights, scores = attention_core(q, k, v, keep, return_scores=True, **kw)
+        elif need_weights:
+            context, weights = attention_core(q, k, v, keep, **kw)
+        elif T == 0:  # nothing to attend from (the chunked kernel cannot split zero rows)
+            context = jnp.zeros(q.shape, dtype)
         else:
-            context = fused_attention_core(q, k, v, keep, masked_rows=self.masked_rows, precision=self.precision)
-            weights = None
-        output = self._project(self.out_proj, context.reshape(B, T, N * H), dtype)  # (B, T, E)
+            context = fused_attention_core(q, k, v, keep, **kw)
+        context = context.reshape(B, T, q.shape[2] * self.head_dim)  # (B, T, E), or this device's share
+        output = self._project(self.out_proj, context, dtype)  # (B, T, E)
+        if return_intermediates:
+            heads_first = (jnp.transpose(x, (0, 2, 1, 3)) for x in (q, k, v))  # (B, N, L, H), the oracle's layout
+            return output, weights, Stages(*heads_first, scores, weights, context, output)
         return output, weights

@@ -14,6 +14,9 @@ project:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 MASKED_ROWS_POLICIES = ("nan", "zero", "uniform")
 """What a query row that may attend to no key returns.
 
@@ -53,6 +56,12 @@ def check_qkv_shapes(q_shape, k_shape, v_shape, embed_dim: int) -> tuple[int, in
             raise ValueError(
                 f"{name} last dim must be embed_dim={embed_dim}, got shape {shape}"
             )
+    if k_shape[1] == 0:
+        # T=0 or B=0 is an empty result; S=0 would make every query attend to nothing.
+        raise ValueError(
+            f"key/value length S=0: a query must have at least one key to attend to; "
+            f"got key {k_shape} and value {v_shape}"
+        )
     if k_shape[1] != v_shape[1]:
         raise ValueError(
             f"key and value must have the same length, got key {k_shape} and value {v_shape}"
@@ -62,6 +71,25 @@ def check_qkv_shapes(q_shape, k_shape, v_shape, embed_dim: int) -> tuple[int, in
             f"batch sizes differ: query {q_shape}, key {k_shape}, value {v_shape}"
         )
     return q_shape[0], q_shape[1], k_shape[1]
+
+
+def check_mask_values(mask_shape, has_nan: bool, has_negative: bool) -> None:
+    """Reject a float keep-mask whose values betray a mistake (each module computes the flags).
+
+    Called only where the values are concrete (torch eager, NumPy or concrete jax arrays);
+    under jit/compile tracing nothing is checked.
+    """
+    if has_nan:
+        raise ValueError(
+            f"float mask of shape {tuple(mask_shape)} contains NaN; a keep-mask must say "
+            f"keep (nonzero) or mask (0) for every entry"
+        )
+    if has_negative:
+        raise ValueError(
+            f"float mask of shape {tuple(mask_shape)} has negative values: it looks like an "
+            f"additive mask (0 = attend, -inf = masked); this module takes a keep-mask "
+            f"(0 = masked): pass (mask == 0)"
+        )
 
 
 def mask_shape_4d(mask_shape, batch: int, heads: int, q_len: int, k_len: int) -> tuple[int, int, int, int]:
@@ -90,3 +118,25 @@ def mask_shape_4d(mask_shape, batch: int, heads: int, q_len: int, k_len: int) ->
             f"[B, N, T, S] = {target}"
         )
     return shape4
+
+
+STAGE_NAMES = ("q", "k", "v", "scores", "weights", "context", "output")
+
+
+@dataclass(frozen=True)
+class Stages:
+    """A module's intermediates, in the float64 oracle's layouts (`parity.reference.forward`).
+
+    q (B, N, T, H); k, v (B, N, S, H); scores (B, N, T, S), scaled, -inf where masked, in
+    float32 for 16-bit inputs; weights (B, N, T, S) after the masked-row policy; context
+    (B, T, E), heads concatenated, before out_proj; output (B, T, E). The fused paths never
+    build scores or weights: those are None there. Arrays of the module's framework.
+    """
+
+    q: Any
+    k: Any
+    v: Any
+    scores: Any
+    weights: Any
+    context: Any
+    output: Any

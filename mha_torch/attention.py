@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mha_spec import check_config, check_qkv_shapes, mask_shape_4d
+from mha_spec import Stages, check_config, check_mask_values, check_qkv_shapes, mask_shape_4d
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -24,6 +24,9 @@ def _keep_mask(mask: torch.Tensor, B: int, N: int, T: int, S: int) -> torch.Tens
     if mask.dtype.is_complex:
         raise TypeError(f"mask must be bool, int or float, got {mask.dtype}")
     shape4 = mask_shape_4d(mask.shape, B, N, T, S)
+    if mask.is_floating_point() and not torch.compiler.is_compiling():
+        # Eager only: under torch.compile the values are not known (and a check would break the graph).
+        check_mask_values(mask.shape, bool(mask.isnan().any()), bool((mask < 0).any()))
     keep = mask if mask.dtype == torch.bool else mask != 0
     return keep.reshape(shape4)
 
@@ -45,11 +48,12 @@ def _apply_masked_row_policy(x, row_any, masked_rows: str, uniform_value):
     return torch.where(row_any, x, fill)
 
 
-def attention_core(q, k, v, keep, *, masked_rows: str = "nan"):
+def attention_core(q, k, v, keep, *, masked_rows: str = "nan", return_scores: bool = False):
     """softmax(Q Kᵀ / √H) V with materialised weights.
 
     q (B, N, T, H), k and v (B, N, S, H), keep bool broadcastable to (B, N, T, S) or None.
-    Returns context (B, N, T, H) in q's dtype and weights (B, N, T, S) in q's dtype.
+    Returns context (B, N, T, H) in q's dtype and weights (B, N, T, S) in q's dtype, and with
+    return_scores also the scaled scores (B, N, T, S), -inf where masked (a copy, only then).
     Scores and softmax run in float32 for 16-bit inputs (float64 stays float64).
     """
     dtype = q.dtype
@@ -69,6 +73,8 @@ def attention_core(q, k, v, keep, *, masked_rows: str = "nan"):
     ).view(B, N, T, S)
     if keep is not None:
         scores.masked_fill_(~keep, float("-inf"))
+    returned_scores = scores.clone() if return_scores else None  # before the row fix below
+    if keep is not None:
         row_any = keep.any(dim=-1, keepdim=True)  # (B|1, N|1, T|1, 1)
         # A fully masked row gets all-zero scores: its softmax is finite (uniform),
         # so no NaN reaches the backward pass; the policy then sets its value.
@@ -80,17 +86,55 @@ def attention_core(q, k, v, keep, *, masked_rows: str = "nan"):
         )
     weights = weights.to(dtype)
     context = torch.matmul(weights, v)  # (B, N, T, H)
+    if return_scores:
+        return context, weights, returned_scores
     return context, weights
+
+
+def _rows_keeping_nan_keys(keep, k_nan, dtype):
+    """bool (B, N, T|1, 1): which rows keep at least one NaN key, without building (B, N, T, S).
+
+    keep (B|1, N|1, T|1, S) bool, k_nan (B, N, S) bool. One matmul over S; keep's size-1
+    axes are left out of the einsum, so nothing is broadcast to (B, N, T, S).
+    """
+    B, N, S = k_nan.shape
+    sizes = keep.shape[:3]
+    kept_axes = "".join(c for c, d in zip("BNT", sizes) if d != 1)
+    out_axes = "BNT" if sizes[2] != 1 else "BN"
+    squeezed = keep.reshape([d for d in sizes if d != 1] + [S]).to(dtype)
+    hits = torch.einsum(f"{kept_axes}S,BNS->{out_axes}", squeezed, k_nan.to(dtype))
+    return (hits > 0).reshape(B, N, sizes[2], 1)
+
+
+def _nan_rows(q, k, keep):
+    """(k with NaN keys zeroed where a mask drops them, bool (B, N, T|1, 1) rows that must be NaN).
+
+    The weights path gives NaN on a row whose query is NaN or that keeps a NaN key; a NaN key
+    that the row masks out is dropped (its score is replaced by -inf). SDPA differs on both:
+    on CPU a NaN query without a mask gives 0, and a masked NaN key still reaches every row
+    (the mask is added: NaN + -inf = NaN). So NaN is put back here from per-row flags.
+    """
+    q_nan = q.isnan().any(dim=-1, keepdim=True)  # (B, N, T, 1)
+    k_nan = k.isnan().any(dim=-1)  # (B, N, S)
+    if keep is None:
+        return k, q_nan | k_nan.any(dim=-1)[..., None, None]
+    dtype = q.dtype if q.dtype in _LOW_PRECISION else torch.float32
+    k = torch.where(k_nan.unsqueeze(-1), 0.0, k)
+    return k, q_nan | _rows_keeping_nan_keys(keep, k_nan, dtype)
 
 
 def fused_attention_core(q, k, v, keep, *, masked_rows: str = "nan"):
     """The same maths through F.scaled_dot_product_attention; never returns weights.
 
     SDPA gives zeros on fully masked rows; the policy is applied afterwards on the
-    (B, N, T, H) context, so nothing of size (B, N, T, S) is built here.
+    (B, N, T, H) context, so nothing of size (B, N, T, S) is built here. NaN lands where
+    the weights path puts it (see `_nan_rows`); a NaN in V reaches every row of its
+    (batch, head) and column, as weights (zero or not) times V does.
     """
     scale = 1.0 / math.sqrt(q.shape[-1])
+    k, nan_rows = _nan_rows(q, k, keep)
     context = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scale)  # (B, N, T, H)
+    context = torch.where(nan_rows, float("nan"), context)
     if keep is not None:
         row_any = keep.any(dim=-1, keepdim=True)  # (B|1, N|1, T|1, 1)
         mean_v = None  # only "nan" and "uniform" rows need it
@@ -98,6 +142,8 @@ def fused_attention_core(q, k, v, keep, *, masked_rows: str = "nan"):
             acc = torch.float32 if v.dtype in _LOW_PRECISION else v.dtype
             mean_v = v.to(acc).mean(dim=-2, keepdim=True).to(v.dtype)  # (B, N, 1, H)
         context = _apply_masked_row_policy(context, row_any, masked_rows, mean_v)
+        # The policy's fill replaced fully masked rows; 0 x NaN in V is NaN there too.
+        context = torch.where(v.isnan().any(dim=-2, keepdim=True), float("nan"), context)  # (B, N, 1, H) flags
     return context
 
 
@@ -106,16 +152,21 @@ class MultiHeadAttention(nn.Module):
 
     forward(query [B, T, E], key [B, S, E], value [B, S, E], mask=None, need_weights=True)
       -> (output [B, T, E], weights [B, N, T, S] or None)
+    With return_intermediates=True: (output, weights, mha_spec.Stages).
 
     mask is a keep-mask (0/False = masked out) of dtype bool, int or float, of shape
     [T, S], [B, T, S], [B|1, N|1, T, S]. masked_rows picks what a query that may
     attend to nothing returns: "nan" (classic), "zero" (SDPA) or "uniform" (flax).
     need_weights=False takes the fused SDPA path and returns (output, None).
+    Inputs must have the parameters' dtype (a floating dtype); T=0 or B=0 give empty
+    outputs, S=0 is a ValueError.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, *, masked_rows: str = "nan", dtype=None, device=None):
         super().__init__()
         self.head_dim = check_config(embed_dim, num_heads, masked_rows)
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise TypeError(f"dtype must be a floating torch.dtype (or None), got {dtype!r}")
         self.embed_dim = embed_dim
         self.num_heads = num_heads
         self.masked_rows = masked_rows
@@ -129,14 +180,16 @@ class MultiHeadAttention(nn.Module):
         return f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, masked_rows={self.masked_rows!r}"
 
     def _split_heads(self, x):
-        B, L, _ = x.shape
-        return x.view(B, L, self.num_heads, self.head_dim).transpose(1, 2)  # (B, N, L, H)
+        # The head count comes from x's width, not num_heads: under a tensor-parallel plan
+        # (ColwiseParallel projections) each rank holds only its share of the heads.
+        B, L, width = x.shape
+        return x.view(B, L, width // self.head_dim, self.head_dim).transpose(1, 2)  # (B, N, L, H)
 
-    def forward(self, query, key, value, mask=None, need_weights: bool = True):
+    def _check_inputs(self, query, key, value):
         for name, x in (("query", query), ("key", key), ("value", value)):
             if not isinstance(x, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-        B, T, S = check_qkv_shapes(query.shape, key.shape, value.shape, self.embed_dim)
+        shapes = check_qkv_shapes(query.shape, key.shape, value.shape, self.embed_dim)
         param_dtype = self.q_proj.weight.dtype
         for name, x in (("query", query), ("key", key), ("value", value)):
             if x.dtype != param_dtype:
@@ -144,14 +197,25 @@ class MultiHeadAttention(nn.Module):
                 raise TypeError(
                     f"{name} has dtype {x.dtype} but the module's parameters are {param_dtype}"
                 )
+        return shapes
+
+    def forward(self, query, key, value, mask=None, need_weights: bool = True, *, return_intermediates: bool = False):
+        B, T, S = self._check_inputs(query, key, value)
         keep = None if mask is None else _keep_mask(mask, B, self.num_heads, T, S)
 
         q = self._split_heads(self.q_proj(query))  # (B, N, T, H)
         k = self._split_heads(self.k_proj(key))  # (B, N, S, H)
         v = self._split_heads(self.v_proj(value))  # (B, N, S, H)
-        if need_weights:
+        scores = None
+        if need_weights and return_intermediates:
+            context, weights, scores = attention_core(q, k, v, keep, masked_rows=self.masked_rows, return_scores=True)
+        elif need_weights:
             context, weights = attention_core(q, k, v, keep, masked_rows=self.masked_rows)
         else:
             context, weights = fused_attention_core(q, k, v, keep, masked_rows=self.masked_rows), None
-        context = context.transpose(1, 2).reshape(B, T, self.embed_dim)  # (B, T, E)
-        return self.out_proj(context), weights
+        # (B, T, E), or this rank's N·H columns under tensor parallelism; no -1 (T or B may be 0).
+        context = context.transpose(1, 2).reshape(B, T, context.shape[1] * self.head_dim)
+        output = self.out_proj(context)
+        if return_intermediates:
+            return output, weights, Stages(q, k, v, scores, weights, context, output)
+        return output, weights
