@@ -421,7 +421,10 @@ def to_keras(sd, num_heads: int):
     E, dtype = check_state_dict(sd)
     _check_jax_dtype(dtype)
     tree = _to_flax_layout(sd, num_heads)
-    layer = keras.layers.MultiHeadAttention(num_heads=num_heads, key_dim=E // num_heads, dtype=dtype.name)
+    # Zero initialisers: every weight is assigned below, and keras's random ones cost a ~5 s compile per dtype.
+    layer = keras.layers.MultiHeadAttention(
+        num_heads=num_heads, key_dim=E // num_heads, dtype=dtype.name, kernel_initializer="zeros", bias_initializer="zeros"
+    )
     layer.build(query_shape=(None, None, E), value_shape=(None, None, E))
     dense = {"query": layer.query_dense, "key": layer.key_dense, "value": layer.value_dense, "out": layer.output_dense}
     for name, d in dense.items():

@@ -1,0 +1,188 @@
+"""The real libraries' attention, run on canonical weights: one pure function per library.
+
+Each function takes a canonical state dict (parity.convert), NumPy inputs and a keep-mask
+in OUR polarity (bool, True = attend), translates the mask to the library's own convention,
+runs the library's module in `dtype` (weights and inputs are cast to it, explicitly) and
+returns the output as a NumPy array. They are the peer adapters of the parity harness.
+
+What each library does (measured by scripts/measure_ecosystem.py; docs/drafts/ecosystem.md):
+
+    library              mask it takes                          fully masked row        softmax in
+    HF BERT (eager)      additive (B, 1, T, S): 0 / finfo.min    uniform (mean of V)     the input dtype
+    HF GPT-2 (eager)     additive, built by create_causal_mask   uniform over ALL keys   the input dtype
+    Keras 3 MHA (JAX)    bool (B, T, S), True = attend           see the measurement     see the measurement
+    Equinox MHA          bool (T, S), True = attend, unbatched   uniform (mean of V)     at least float32
+
+The transformers imports are slow (~3 s), so they happen on first use.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from parity import convert
+
+SMALL_VOCAB = 11  # the models are built only for their attention block; the vocabulary is never used
+
+
+def _cast_sd(sd, dtype) -> dict[str, np.ndarray]:
+    return {k: np.asarray(v).astype(dtype) for k, v in sd.items()}
+
+
+def _np_dtype(dtype) -> np.dtype:
+    import ml_dtypes
+
+    return np.dtype(ml_dtypes.bfloat16) if str(dtype) == "bfloat16" else np.dtype(dtype)
+
+
+def _torch_inputs(x, dtype):
+    return convert.numpy_to_tensor(np.asarray(x).astype(dtype))
+
+
+# ---------------------------------------------------------------- Hugging Face
+
+
+def hf_bert_config(embed_dim: int, num_heads: int):
+    """A one-layer BertConfig whose attention block is E x E with N heads, eager attention, no dropout."""
+    from transformers import BertConfig
+
+    return BertConfig(
+        hidden_size=embed_dim, num_attention_heads=num_heads, num_hidden_layers=1, intermediate_size=2 * embed_dim,
+        vocab_size=SMALL_VOCAB, attention_probs_dropout_prob=0.0, hidden_dropout_prob=0.0, attn_implementation="eager",
+    )
+
+
+def hf_gpt2_config(embed_dim: int, num_heads: int, n_positions: int = 64):
+    from transformers import GPT2Config
+
+    return GPT2Config(
+        n_embd=embed_dim, n_head=num_heads, n_layer=1, vocab_size=SMALL_VOCAB, n_positions=n_positions,
+        attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=None, eos_token_id=None, attn_implementation="eager",
+    )
+
+
+def additive_mask(keep, dtype) -> np.ndarray:
+    """Our keep-mask (B, T, S) -> HF's eager mask (B, 1, T, S): 0 where kept, finfo(dtype).min where masked.
+
+    This is what transformers' create_bidirectional_mask builds for eager attention
+    (tests/test_ecosystem.py checks it against the library's own function).
+    """
+    keep = np.asarray(keep)
+    if keep.dtype != bool or keep.ndim != 3:
+        raise ValueError(f"keep must be a bool (B, T, S) keep-mask, got {keep.dtype} {keep.shape}")
+    import ml_dtypes
+
+    dt = _np_dtype(dtype)
+    return np.where(keep[:, None], np.zeros((), dt), ml_dtypes.finfo(dt).min).astype(dt)
+
+
+def hf_bert_attention(sd, num_heads: int, dtype="float64"):
+    """A transformers BertAttention (eval, dropout 0) holding `sd` (cast to dtype) via the hf-bert layout."""
+    from transformers.models.bert.modeling_bert import BertAttention
+
+    sd = _cast_sd(sd, _np_dtype(dtype))
+    E, _ = convert.check_state_dict(sd)
+    att = BertAttention(hf_bert_config(E, num_heads)).to(convert._torch_dtype(_np_dtype(dtype))).eval()
+    tensors = {k: convert.numpy_to_tensor(v) for k, v in convert.to_layout(sd, "hf-bert").items()}
+    missing, unexpected = att.load_state_dict(tensors, strict=False)
+    if unexpected or set(missing) != {"output.LayerNorm.weight", "output.LayerNorm.bias"}:
+        raise RuntimeError(f"BertAttention did not take the hf-bert layout: missing {missing}, unexpected {unexpected}")
+    return att
+
+
+def hf_bert_attention_forward(sd, num_heads: int, query, keep=None, dtype="float64") -> np.ndarray:
+    """HF BERT self-attention (BertSelfAttention, then output.dense) on `query` (B, T, E).
+
+    BertSelfOutput follows output.dense with dropout, LayerNorm and the residual: those are
+    not attention and are left out -- the output is `output.dense(self(...))`.
+    Mask: our keep (B, T, T) -> additive (B, 1, T, T), 0 kept / finfo(dtype).min masked.
+    """
+    import torch
+
+    att = hf_bert_attention(sd, num_heads, dtype)
+    x = _torch_inputs(query, _np_dtype(dtype))
+    mask = None if keep is None else convert.numpy_to_tensor(additive_mask(keep, _np_dtype(dtype)))
+    with torch.no_grad():
+        ctx, _ = att.self(x, attention_mask=mask)
+        out = att.output.dense(ctx)
+    return convert.tensor_to_numpy(out)
+
+
+def gpt2_padding_of(keep) -> np.ndarray:
+    """The (B, S) padding mask behind a GPT-2 keep-mask; ValueError unless keep == causal AND padding.
+
+    GPT-2's causality is not in GPT2Attention: GPT2Model builds it into the attention mask
+    (create_causal_mask). So the only keep-masks GPT-2 can express are tril(T, T) & padding[:, None, :].
+    """
+    keep = np.asarray(keep)
+    if keep.dtype != bool or keep.ndim != 3 or keep.shape[1] != keep.shape[2]:
+        raise ValueError(f"GPT-2 self-attention takes a bool (B, T, T) keep-mask, got {keep.dtype} {keep.shape}")
+    padding = keep[:, -1, :]  # the last query sees every key that is not padding
+    if not np.array_equal(keep, gpt2_keep_mask(padding)):
+        raise ValueError("GPT-2 attention is causal: the keep-mask must be tril(T, T) & padding[:, None, :]")
+    return padding
+
+
+def gpt2_keep_mask(padding) -> np.ndarray:
+    """Our keep-mask (B, T, T) equivalent to GPT-2 with this (B, T) padding mask (True = real token)."""
+    padding = np.asarray(padding, bool)
+    T = padding.shape[-1]
+    return np.tril(np.ones((T, T), bool))[None] & padding[:, None, :]
+
+
+def hf_gpt2_attention_forward(sd, num_heads: int, query, keep=None, dtype="float64") -> np.ndarray:
+    """HF GPT-2 attention (GPT2Attention: c_attn, eager attention, c_proj) on `query` (B, T, E).
+
+    keep: None (plain causal) or a causal keep-mask (B, T, T) = gpt2_keep_mask(padding); the
+    library's own create_causal_mask turns the padding into GPT-2's additive mask, as GPT2Model does.
+    """
+    import torch
+    from transformers.masking_utils import create_causal_mask
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
+
+    dt = _np_dtype(dtype)
+    sd = _cast_sd(sd, dt)
+    E, _ = convert.check_state_dict(sd)
+    B, T = np.shape(query)[:2]
+    config = hf_gpt2_config(E, num_heads, n_positions=max(T, 1))
+    att = GPT2Attention(config, layer_idx=0).to(convert._torch_dtype(dt)).eval()
+    att.load_state_dict({k: convert.numpy_to_tensor(v) for k, v in convert.to_layout(sd, "hf-gpt2").items()}, strict=True)
+    x = _torch_inputs(query, dt)
+    padding = None if keep is None else torch.from_numpy(gpt2_padding_of(keep).astype(np.int64))
+    position_ids = torch.arange(T)[None].expand(B, T)
+    with torch.no_grad():
+        mask = create_causal_mask(config=config, inputs_embeds=x, attention_mask=padding, past_key_values=None, position_ids=position_ids)
+        out, _ = att(x, attention_mask=mask)
+    return convert.tensor_to_numpy(out)
+
+
+# ---------------------------------------------------------------- Keras 3, Equinox
+
+
+def keras_mha_forward(sd, num_heads: int, query, key, value, keep=None, dtype="float32") -> np.ndarray:
+    """keras.layers.MultiHeadAttention (JAX backend) called as layer(query, value, key, attention_mask=keep).
+
+    Keras's attention_mask has our polarity (True = attend), shape (B, T, S).
+    """
+    import jax.numpy as jnp
+
+    dt = _np_dtype(dtype)
+    layer = convert.to_keras(_cast_sd(sd, dt), num_heads)
+    q, k, v = (jnp.asarray(np.asarray(x).astype(dt)) for x in (query, key, value))
+    mask = None if keep is None else jnp.asarray(np.asarray(keep, bool))
+    return np.asarray(layer(q, v, key=k, attention_mask=mask, training=False))
+
+
+def equinox_mha_forward(sd, num_heads: int, query, key, value, keep=None, dtype="float32") -> np.ndarray:
+    """equinox.nn.MultiheadAttention, vmapped over the batch; mask (T, S) per example, True = attend."""
+    import jax
+    import jax.numpy as jnp
+
+    dt = _np_dtype(dtype)
+    m = convert.to_equinox(_cast_sd(sd, dt), num_heads)
+    q, k, v = (jnp.asarray(np.asarray(x).astype(dt)) for x in (query, key, value))
+    if keep is None:
+        out = jax.vmap(lambda q, k, v: m(q, k, v, inference=True))(q, k, v)
+    else:
+        out = jax.vmap(lambda q, k, v, mask: m(q, k, v, mask=mask, inference=True))(q, k, v, jnp.asarray(np.asarray(keep, bool)))
+    return np.asarray(out)

@@ -1,0 +1,169 @@
+"""Keras 3 and Equinox module pairs, and the peer adapters of parity.ecosystem, against the real libraries."""
+
+from __future__ import annotations
+
+import sys
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import SIZES, make_inputs, random_keep_mask
+from helpers import DTYPES, cast_sd, np_dtype, run
+from parity import convert, ecosystem, reference
+from parity.tolerances import compare, tolerance_for
+
+keras = convert._keras()  # sets KERAS_BACKEND=jax before keras's first import
+
+S = SIZES
+
+
+def assert_bit_identical(a: dict, b: dict):
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape, name
+        assert a[name].tobytes() == b[name].tobytes(), name
+
+
+def _ours_both(sd, policy, q, k, v, keep):
+    for framework in ("torch", "jax"):
+        m = (convert.to_torch if framework == "torch" else convert.to_jax)(sd, S.N, masked_rows=policy)
+        yield framework, run(framework, m, q, k, v, keep)[0]
+
+
+# ------------------------------------------------------------- Keras 3
+
+
+@pytest.fixture(scope="module")
+def keras_layer():
+    """A real keras MHA, float32, every kernel and bias random (keras's Glorot init costs a ~5 s compile)."""
+    layer = keras.layers.MultiHeadAttention(num_heads=S.N, key_dim=S.E // S.N, dtype="float32", kernel_initializer="zeros")
+    layer.build(query_shape=(None, None, S.E), value_shape=(None, None, S.E))
+    rng = np.random.default_rng(5)
+    for w in layer.weights:
+        w.assign(rng.uniform(-0.5, 0.5, w.shape).astype(np.float32))
+    return layer
+
+
+def test_keras_matches_ours(keras_layer, rng):
+    """Keras's attention_mask has our polarity (True = attend); call order (query, value, key).
+
+    Compared in float32: Keras's float64 run has a float32 stage (measured error 1e-7, see
+    docs/drafts/ecosystem.md). A fully masked row comes out as the mean of V (our 'uniform').
+    """
+    sd = convert.from_keras(keras_layer)
+    assert sd["q_proj.weight"].dtype == np.float32
+    q, k, v = (x.astype(np.float32) for x in make_inputs(rng))
+    keep = random_keep_mask(rng, (S.B, S.T, S.S))
+    expected = np.asarray(keras_layer(q, v, key=k, attention_mask=keep, training=False))
+    for framework, out in _ours_both(sd, "uniform", q, k, v, keep):
+        c = compare(out, expected, tolerance_for("float32").forward)
+        assert c.passed, (framework, c)
+
+
+def test_keras_round_trip_into_the_real_layer_is_bit_exact(keras_layer):
+    sd = convert.from_keras(keras_layer)
+    back = convert.to_keras(sd, S.N)
+    for a, b in zip(keras_layer.weights, back.weights):
+        assert a.path.split("/", 1)[1] == b.path.split("/", 1)[1]
+        assert np.asarray(a.value).tobytes() == np.asarray(b.value).tobytes(), a.path
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_keras_and_equinox_round_trips_every_dtype(dtype, sd64):
+    sd = cast_sd(sd64, np_dtype(dtype))
+    assert_bit_identical(convert.from_keras(convert.to_keras(sd, S.N)), sd)
+    assert_bit_identical(convert.from_equinox(convert.to_equinox(sd, S.N)), sd)
+
+
+def test_keras_unsupported_layers_are_named():
+    with pytest.raises(ValueError, match="not built yet"):
+        convert.from_keras(keras.layers.MultiHeadAttention(num_heads=3, key_dim=4, kernel_initializer="zeros"))
+    layer = keras.layers.MultiHeadAttention(num_heads=3, key_dim=4, use_bias=False, kernel_initializer="zeros")
+    layer.build(query_shape=(None, None, 12), value_shape=(None, None, 12))
+    with pytest.raises(ValueError, match="use_bias=True"):
+        convert.from_keras(layer)
+    with pytest.raises(TypeError, match="expected keras.layers.MultiHeadAttention, got Dense"):
+        convert.from_keras(keras.layers.Dense(3))
+
+
+def test_keras_on_another_backend_is_a_clear_error(monkeypatch):
+    """keras already imported with another backend, or KERAS_BACKEND set to one: said, not run elsewhere.
+
+    (In-process: a subprocess importing keras on torch costs ~10 s under load.)
+    """
+    monkeypatch.setattr(keras.backend, "backend", lambda: "torch")
+    with pytest.raises(RuntimeError, match="keras was imported with the 'torch' backend before parity.convert; it needs KERAS_BACKEND=jax"):
+        convert.to_keras(None, 3)
+    monkeypatch.undo()
+    monkeypatch.delitem(sys.modules, "keras")  # as if keras were not imported yet
+    monkeypatch.setenv("KERAS_BACKEND", "tensorflow")
+    with pytest.raises(RuntimeError, match="KERAS_BACKEND='tensorflow' is set; parity.convert runs Keras on its JAX backend"):
+        convert.from_keras(None)
+
+
+# ------------------------------------------------------------- Equinox
+
+
+@pytest.fixture(scope="module")
+def eqx_module():
+    """A real equinox MHA with all four biases, equinox's own random init, float64."""
+    biases = {f"use_{w}_bias": True for w in ("query", "key", "value", "output")}
+    return eqx.nn.MultiheadAttention(S.N, S.E, dtype=jnp.float64, key=jax.random.PRNGKey(11), **biases)
+
+
+def test_equinox_matches_ours_in_float64(eqx_module, rng):
+    """Equinox is unbatched (vmapped here); mask (T, S) True = attend; a fully masked row is the mean of V."""
+    sd = convert.from_equinox(eqx_module)
+    assert sd["q_proj.weight"].dtype == np.float64 and np.abs(sd["v_proj.bias"]).min() > 0
+    q, k, v = make_inputs(rng)
+    keep = random_keep_mask(rng, (S.B, S.T, S.S))
+    expected = np.asarray(jax.vmap(lambda q, k, v, m: eqx_module(q, k, v, mask=m, inference=True))(q, k, v, keep))
+    for framework, out in _ours_both(sd, "uniform", q, k, v, keep):
+        c = compare(out, expected, tolerance_for("float64").forward)
+        assert c.passed, (framework, c)
+
+
+def test_equinox_round_trip_into_the_real_module_is_bit_exact(eqx_module):
+    back = convert.to_equinox(convert.from_equinox(eqx_module), S.N)
+    for a, b in zip(jax.tree.leaves(eqx_module), jax.tree.leaves(back)):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
+def test_equinox_without_biases_is_an_error_not_a_zero():
+    m = eqx.nn.MultiheadAttention(S.N, S.E, use_query_bias=True, key=jax.random.PRNGKey(0))
+    with pytest.raises(ValueError, match=r"\['use_key_bias', 'use_value_bias', 'use_output_bias'\] = False"):
+        convert.from_equinox(m)
+
+
+# ------------------------------------------------------------- the peer adapters vs the oracle
+
+
+def test_peer_adapters_follow_their_measured_policy(sd64, rng):
+    """Each adapter (real library inside) vs the float64 oracle under the masked-row policy it follows."""
+    q, k, v = make_inputs(rng)
+    self_keep = random_keep_mask(rng, (S.B, S.T, S.T))
+    cross_keep = random_keep_mask(rng, (S.B, S.T, S.S))
+    oracle = lambda q, k, v, keep: reference.forward(sd64, q, k, v, keep, num_heads=S.N, masked_rows="uniform").output  # noqa: E731
+    f64, f32 = tolerance_for("float64").forward, tolerance_for("float32").forward
+    cases = {
+        "hf-bert": (ecosystem.hf_bert_attention_forward(sd64, S.N, q, self_keep, "float64"), oracle(q, q, q, self_keep), f64),
+        "equinox": (ecosystem.equinox_mha_forward(sd64, S.N, q, k, v, cross_keep, "float64"), oracle(q, k, v, cross_keep), f64),
+        "keras": (ecosystem.keras_mha_forward(sd64, S.N, q, k, v, cross_keep, "float32"), oracle(q, k, v, cross_keep), f32),
+    }
+    pad = np.ones((S.B, S.T), bool)
+    pad[2, :2] = False  # left padding: query 0 of batch 2 attends to nothing
+    causal = ecosystem.gpt2_keep_mask(pad)
+    cases["hf-gpt2"] = (ecosystem.hf_gpt2_attention_forward(sd64, S.N, q, causal, "float64"), oracle(q, q, q, causal), f64)
+    for name, (out, expected, tol) in cases.items():
+        c = compare(out, expected, tol)
+        assert c.passed, (name, c)
+
+
+def test_gpt2_adapter_refuses_a_non_causal_mask(sd64, rng):
+    q = make_inputs(rng)[0]
+    keep = np.ones((S.B, S.T, S.T), bool)
+    with pytest.raises(ValueError, match="GPT-2 attention is causal"):
+        ecosystem.hf_gpt2_attention_forward(sd64, S.N, q, keep)
