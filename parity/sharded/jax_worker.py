@@ -1,0 +1,195 @@
+"""The JAX side of the sharded checks, run in its own process (devices are fixed when JAX starts).
+
+    python -m parity.sharded.jax_worker SPEC.json OUT.json [--coordinator HOST:PORT --num-processes P --process-id I]
+
+Simulated devices: the launcher sets XLA_FLAGS=--xla_force_host_platform_device_count=N.
+Several processes: each calls jax.distributed.initialize (gloo collectives on CPU) and the
+mesh spans every process's devices. Process 0 computes the one-device run, judges and
+writes the rows (JSON) to OUT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import traceback
+from dataclasses import asdict
+
+import jax
+
+def _start(args) -> None:
+    if args.coordinator:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    jax.config.update("jax_enable_x64", True)
+
+
+def _global(x, sharding):
+    """A host array (the same on every process) as a global array with `sharding`."""
+    x = jax.numpy.asarray(x) if not hasattr(x, "shape") else x
+    return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+
+
+def _torch_layout(grads_params, d_query, d_key, d_value, output) -> dict:
+    """{"output", "query", ..., "q_proj.weight" (out, in), ...} as NumPy from JAX's (in, out) kernels."""
+    import numpy as np
+
+    out = {"output": np.asarray(output), "query": np.asarray(d_query), "key": np.asarray(d_key), "value": np.asarray(d_value)}
+    for p, leaves in grads_params.items():
+        out[f"{p}.weight"] = np.asarray(leaves["kernel"]).T
+        out[f"{p}.bias"] = np.asarray(leaves["bias"])
+    return out
+
+
+def _params(sd) -> dict:
+    from mha_jax.parallel import PROJECTIONS
+
+    return {p: {"kernel": sd[f"{p}.weight"].T.copy(), "bias": sd[f"{p}.bias"]} for p in PROJECTIONS}
+
+
+_COMPILED: dict = {}
+"""Jitted programs by (kind, layout, devices, policy, dtype, mask?, plant): jobs that differ only
+in their numbers (mask kinds, seeds) reuse one compilation."""
+
+
+def _compiled(key, make):
+    if key not in _COMPILED:
+        _COMPILED[key] = make()
+    return _COMPILED[key]
+
+
+def _sharded_program(job, mesh):
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from mha_jax.parallel import sharded_attention
+    from parity.sharded.cases import SHAPE
+
+    def fwd_bwd(params, q, k, v, keep, cot):
+        def fwd(p, q, k, v):
+            return sharded_attention(p, q, k, v, keep, mesh=mesh, layout=job.layout, num_heads=SHAPE.N, masked_rows=job.masked_rows)
+
+        out, vjp = jax.vjp(fwd, params, q, k, v)
+        return out, vjp(cot)
+
+    return jax.jit(fwd_bwd, out_shardings=NamedSharding(mesh, P()))
+
+
+def _run_sharded(job, prob, mesh, plant) -> dict:
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    rep = NamedSharding(mesh, P())
+    key = ("sharded", job.layout, job.devices, job.masked_rows, job.dtype, prob.keep is None, plant)
+    program = _compiled(key, lambda: _sharded_program(job, mesh))
+    args = (_params(prob.state_dict), prob.query, prob.key, prob.value, prob.keep, prob.cotangent)
+    out, (gp, gq, gk, gv) = program(*jax.tree.map(lambda x: _global(x, rep), args))
+    return _torch_layout(gp, gq, gk, gv, out)
+
+
+def _one_device_program(graphdef):
+    from flax import nnx
+
+    def fwd_bwd(state, q, k, v, keep, cot):
+        def fwd(state, q, k, v):
+            return nnx.merge(graphdef, state)(q, k, v, keep, need_weights=False)[0]
+
+        out, vjp = jax.vjp(fwd, state, q, k, v)
+        return out, vjp(cot)
+
+    return jax.jit(fwd_bwd)
+
+
+def _run_one_device(job, prob) -> dict:
+    from flax import nnx
+
+    from parity import convert
+    from parity.sharded.cases import SHAPE
+
+    graphdef, state = nnx.split(convert.to_jax(prob.state_dict, SHAPE.N, masked_rows=job.masked_rows))
+    program = _compiled(("one-device", job.masked_rows, job.dtype, prob.keep is None), lambda: _one_device_program(graphdef))
+    with jax.default_device(jax.local_devices()[0]):
+        out, (gs, gq, gk, gv) = program(state, prob.query, prob.key, prob.value, prob.keep, prob.cotangent)
+    return _torch_layout(nnx.to_pure_dict(gs), gq, gk, gv, out)
+
+
+@contextlib.contextmanager
+def planted(plant: str | None):
+    """Patch mha_jax.parallel with one of parity.sharded.cases.PLANTS for the duration."""
+    import mha_jax.parallel as par
+    from jax import lax
+
+    if plant is None:
+        yield
+        return
+    name, original = {
+        "bias_per_shard": ("reduce_then_add_bias", par.reduce_then_add_bias),
+        "bias_grad_div": ("reduce_then_add_bias", par.reduce_then_add_bias),
+        "ring_mask_offset": ("key_block_start", par.key_block_start),
+    }[plant]
+
+    def bias_per_shard(partial_out, bias, axis):
+        return lax.psum(partial_out + bias, axis)
+
+    def bias_grad_div(partial_out, bias, axis):
+        n = lax.axis_size(axis)
+        return lax.psum(partial_out, axis) + (bias / n + lax.stop_gradient(bias - bias / n))
+
+    def ring_mask_offset(src, n, block):
+        return ((src + 1) % n) * block
+
+    setattr(par, name, {"bias_per_shard": bias_per_shard, "bias_grad_div": bias_grad_div, "ring_mask_offset": ring_mask_offset}[plant])
+    try:
+        yield
+    finally:
+        setattr(par, name, original)
+
+
+def run_jobs(jobs, plant=None) -> list:
+    from mha_jax.parallel import make_mesh
+    from parity.sharded.cases import error_rows, judge_job, problem
+
+    rows = []
+    platform = jax.devices()[0].platform
+    with planted(plant):
+        for job in jobs:
+            device = f"{job.devices}x{platform}" + (f" ({jax.process_count()} processes)" if jax.process_count() > 1 else "")
+            try:
+                prob = problem(job)
+                sharded = _run_sharded(job, prob, make_mesh(job.devices), plant)
+                if jax.process_index() != 0:
+                    continue
+                rows += judge_job(job, prob, sharded, _run_one_device(job, prob), device)
+            except Exception as exc:  # one job's failure is an error row; the rest still runs
+                rows += error_rows(job, device, f"{type(exc).__name__}: {exc} | {traceback.format_exc(limit=-2)!r}")
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("spec")
+    ap.add_argument("out")
+    ap.add_argument("--coordinator")
+    ap.add_argument("--num-processes", type=int, default=1)
+    ap.add_argument("--process-id", type=int, default=0)
+    args = ap.parse_args(argv)
+    _start(args)
+    from parity.sharded.cases import Job
+
+    with open(args.spec) as f:
+        spec = json.load(f)
+    runs = [[asdict(r) for r in run_jobs([Job(**j) for j in run["jobs"]], run.get("plant"))] for run in spec["runs"]]
+    if jax.process_index() == 0:
+        with open(args.out + ".tmp", "w") as f:
+            json.dump({"runs": runs}, f)
+        os.replace(args.out + ".tmp", args.out)
+    if args.coordinator:
+        jax.distributed.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

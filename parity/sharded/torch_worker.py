@@ -1,0 +1,162 @@
+"""The torch side of the sharded checks: one process per rank (gloo on CPU).
+
+    RANK=r WORLD_SIZE=n MASTER_ADDR=127.0.0.1 MASTER_PORT=p python -m parity.sharded.torch_worker SPEC.json OUT.json
+
+(torchrun sets those variables too.) Every job runs over the whole group; rank 0
+computes the one-device module's answers, judges and writes the rows (JSON) to OUT.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import traceback
+from dataclasses import asdict
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+def _tensors(prob):
+    return [torch.from_numpy(np.ascontiguousarray(x)) for x in (prob.query, prob.key, prob.value, prob.cotangent)]
+
+
+def _module(prob, masked_rows: str):
+    from parity import convert
+    from parity.sharded.cases import SHAPE
+
+    return convert.to_torch(prob.state_dict, SHAPE.N, masked_rows=masked_rows)
+
+
+def _gather(x, dim: int):
+    """Concatenate every rank's block of x along dim (rank order)."""
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim)
+
+
+def _summed(x):
+    """Sum over ranks (each rank holds its share of an input's gradient, zeros elsewhere)."""
+    x = x.clone()
+    dist.all_reduce(x)
+    return x
+
+
+def _run_sharded(job, prob, mesh) -> dict:
+    from mha_torch import parallel
+
+    r, n = dist.get_rank(), dist.get_world_size()
+    module = _module(prob, job.masked_rows)
+    q, k, v, cot = (x.clone().requires_grad_(i < 3) for i, x in enumerate(_tensors(prob)))
+    B, T, S = q.shape[0], q.shape[1], k.shape[1]
+    keep = None if prob.keep is None else torch.from_numpy(prob.keep)
+    if job.layout == "tp":
+        parallel.parallelize_heads(module, mesh)
+        output, _ = parallel.tp_forward(module, q, k, v, keep)
+        (output * cot).sum().backward()
+    else:
+        cut = {"sp": lambda x, L: x[:, r * (L // n):(r + 1) * (L // n)], "dp": lambda x, L: x[r * (B // n):(r + 1) * (B // n)]}[job.layout]
+        forward = parallel.sequence_parallel_forward if job.layout == "sp" else parallel.data_parallel_forward
+        block = forward(module, cut(q, T), cut(k, S), cut(v, S), keep)
+        (block * cut(cot, T)).sum().backward()
+        parallel.all_reduce_grads(module)
+        output = _gather(block.detach(), 1 if job.layout == "sp" else 0)
+    out = {"output": output, "query": q.grad, "key": k.grad, "value": v.grad}
+    if job.layout != "tp":
+        out.update({name: _summed(out[name]) for name in ("query", "key", "value")})
+    out.update(parallel.full_grads(module))
+    return {name: x.detach().numpy() for name, x in out.items()}
+
+
+def _run_one_device(job, prob) -> dict:
+    module = _module(prob, job.masked_rows)
+    q, k, v, cot = (x.clone().requires_grad_(i < 3) for i, x in enumerate(_tensors(prob)))
+    keep = None if prob.keep is None else torch.from_numpy(prob.keep)
+    output, _ = module(q, k, v, keep, need_weights=False)
+    (output * cot).sum().backward()
+    out = {"output": output, "query": q.grad, "key": k.grad, "value": v.grad}
+    out.update({name: p.grad for name, p in module.named_parameters()})
+    return {name: x.detach().numpy() for name, x in out.items()}
+
+
+@contextlib.contextmanager
+def planted(plant: str | None, n: int):
+    """Patch mha_torch.parallel with one of parity.sharded.cases.PLANTS for the duration."""
+    from mha_torch import parallel
+
+    if plant is None:
+        yield
+        return
+    if plant == "ring_mask_offset":
+        original = parallel.key_block_start
+        parallel.key_block_start = lambda src, n, block: ((src + 1) % n) * block
+        try:
+            yield
+        finally:
+            parallel.key_block_start = original
+        return
+    original = parallel.parallelize_heads
+
+    def parallelize_heads(module, mesh):
+        module = original(module, mesh)
+        bias = module.out_proj.bias
+        if plant == "bias_per_shard":  # every shard adds the bias before the all-reduce
+            module.out_proj.register_forward_hook(lambda m, args, out: out + (n - 1) * bias.to_local())
+        else:  # "bias_grad_div": the bias gradient divided by the shard count
+            bias.register_hook(lambda g: g / n)
+        return module
+
+    parallel.parallelize_heads = parallelize_heads
+    try:
+        yield
+    finally:
+        parallel.parallelize_heads = original
+
+
+def run_jobs(jobs, plant=None) -> list:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from parity.sharded.cases import error_rows, judge_job, problem
+
+    n = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (n,))
+    rows = []
+    with planted(plant, n):
+        for job in jobs:
+            device = f"{n}xcpu ({n} processes, gloo)"
+            try:
+                if job.devices != n:
+                    raise ValueError(f"job wants {job.devices} devices, the group has {n} ranks")
+                prob = problem(job)
+                sharded = _run_sharded(job, prob, mesh)
+                if dist.get_rank() == 0:
+                    rows += judge_job(job, prob, sharded, _run_one_device(job, prob), device)
+            except Exception as exc:  # one job's failure is an error row; the rest still runs
+                rows += error_rows(job, device, f"{type(exc).__name__}: {exc} | {traceback.format_exc(limit=-2)!r}")
+    return rows
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    spec_path, out_path = argv
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    from parity.sharded.cases import Job
+
+    with open(spec_path) as f:
+        spec = json.load(f)
+    runs = [[asdict(r) for r in run_jobs([Job(**j) for j in run["jobs"]], run.get("plant"))] for run in spec["runs"]]
+    if dist.get_rank() == 0:
+        tmp = out_path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({"runs": runs}, f)
+        os.replace(tmp, out_path)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
