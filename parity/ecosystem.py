@@ -108,6 +108,36 @@ def hf_bert_attention_forward(sd, num_heads: int, query, keep=None, dtype="float
     return convert.tensor_to_numpy(out)
 
 
+def hf_vit_config(embed_dim: int, num_heads: int):
+    from transformers import ViTConfig
+
+    return ViTConfig(
+        hidden_size=embed_dim, num_attention_heads=num_heads, num_hidden_layers=1, intermediate_size=2 * embed_dim,
+        image_size=8, patch_size=4, attention_probs_dropout_prob=0.0, hidden_dropout_prob=0.0, attn_implementation="eager",
+    )
+
+
+def hf_vit_attention_forward(sd, num_heads: int, query, keep=None, dtype="float32") -> np.ndarray:
+    """HF ViT attention (transformers 5.x ViTAttention: {q,k,v,o}_proj) on `query` (B, T, E).
+
+    Its eager softmax runs in float32 and is cast back (even for float64 inputs). ViT itself
+    never masks; a keep-mask is passed the BERT way (additive) to measure what the module does.
+    """
+    import torch
+    from transformers.models.vit.modeling_vit import ViTAttention
+
+    dt = _np_dtype(dtype)
+    sd = _cast_sd(sd, dt)
+    E, _ = convert.check_state_dict(sd)
+    att = ViTAttention(hf_vit_config(E, num_heads)).to(convert._torch_dtype(dt)).eval()
+    tensors = convert.to_layout(sd, "hf-vit", spelling=1)  # the module's own {q,k,v,o}_proj names
+    att.load_state_dict({k: convert.numpy_to_tensor(v) for k, v in tensors.items()}, strict=True)
+    mask = None if keep is None else convert.numpy_to_tensor(additive_mask(keep, dt))
+    with torch.no_grad():
+        out, _ = att(_torch_inputs(query, dt), attention_mask=mask)
+    return convert.tensor_to_numpy(out)
+
+
 def gpt2_padding_of(keep) -> np.ndarray:
     """The (B, S) padding mask behind a GPT-2 keep-mask; ValueError unless keep == causal AND padding.
 
@@ -159,10 +189,13 @@ def hf_gpt2_attention_forward(sd, num_heads: int, query, keep=None, dtype="float
 # ---------------------------------------------------------------- Keras 3, Equinox
 
 
-def keras_mha_forward(sd, num_heads: int, query, key, value, keep=None, dtype="float32") -> np.ndarray:
+def keras_mha_forward(sd, num_heads: int, query, key, value, keep=None, dtype="float32", *, return_attention_scores=False) -> np.ndarray:
     """keras.layers.MultiHeadAttention (JAX backend) called as layer(query, value, key, attention_mask=keep).
 
-    Keras's attention_mask has our polarity (True = attend), shape (B, T, S).
+    Keras's attention_mask has our polarity (True = attend), shape (B, T, S). Keras takes two
+    paths: by default jax.nn.dot_product_attention (its float64 softmax is float32, measured
+    ~2e-7 off the oracle); with return_attention_scores=True its own einsum + Softmax layer
+    (float64 throughout). Only the output is returned either way.
     """
     import jax.numpy as jnp
 
@@ -170,7 +203,8 @@ def keras_mha_forward(sd, num_heads: int, query, key, value, keep=None, dtype="f
     layer = convert.to_keras(_cast_sd(sd, dt), num_heads)
     q, k, v = (jnp.asarray(np.asarray(x).astype(dt)) for x in (query, key, value))
     mask = None if keep is None else jnp.asarray(np.asarray(keep, bool))
-    return np.asarray(layer(q, v, key=k, attention_mask=mask, training=False))
+    out = layer(q, v, key=k, attention_mask=mask, training=False, return_attention_scores=return_attention_scores)
+    return np.asarray(out[0] if return_attention_scores else out)
 
 
 def equinox_mha_forward(sd, num_heads: int, query, key, value, keep=None, dtype="float32") -> np.ndarray:

@@ -185,14 +185,20 @@ def from_layout(tensors: Mapping, layout: str, *, prefix: str = "") -> dict[str,
     return from_layout_getter(tensors.__getitem__, tensors.keys(), layout, prefix)
 
 
-def to_layout(sd, layout: str, *, prefix: str = "") -> dict[str, np.ndarray]:
-    """Canonical -> the layout's tensors (the first, file spelling) under `prefix`, as NumPy arrays."""
+def to_layout(sd, layout: str, *, prefix: str = "", spelling: int = 0) -> dict[str, np.ndarray]:
+    """Canonical -> the layout's tensors under `prefix`, as NumPy arrays.
+
+    spelling 0 (default) is the checkpoint-file spelling; "hf-vit" spelling 1 is the
+    transformers 5.x module names ({q,k,v,o}_proj), for loading into a ViTAttention.
+    """
     from parity.convert import check_state_dict
 
     lay = _layout(layout)
+    if spelling not in range(len(lay.spellings)):
+        raise ValueError(f"layout {layout!r} has spellings {list(range(len(lay.spellings)))}, got spelling={spelling!r}")
     check_state_dict(sd)
     out = {}
-    for s in lay.spellings[0]:
+    for s in lay.spellings[spelling]:
         parts = [sd[p].T if s.in_out else sd[p] for p in s.parts]
         out[prefix + s.key] = np.ascontiguousarray(np.concatenate(parts, axis=-1))
     return out

@@ -63,6 +63,19 @@ def test_keras_matches_ours(keras_layer, rng):
         assert c.passed, (framework, c)
 
 
+def test_keras_softmax_path_zeroes_a_fully_masked_row(keras_layer, rng):
+    """With return_attention_scores=True (or dropout > 0) Keras leaves jax.nn.dot_product_attention for its
+    einsum + Softmax layer, which zeroes masked weights: a fully masked row is our 'zero' policy there."""
+    sd = convert.from_keras(keras_layer)
+    q, k, v = (x.astype(np.float32) for x in make_inputs(rng))
+    keep = random_keep_mask(rng, (S.B, S.T, S.S))
+    expected, weights = keras_layer(q, v, key=k, attention_mask=keep, training=False, return_attention_scores=True)
+    assert not np.asarray(weights)[0, :, 1].any()  # the fully masked row's weights are all zero
+    for framework, out in _ours_both(sd, "zero", q, k, v, keep):
+        c = compare(out, np.asarray(expected), tolerance_for("float32").forward)
+        assert c.passed, (framework, c)
+
+
 def test_keras_round_trip_into_the_real_layer_is_bit_exact(keras_layer):
     sd = convert.from_keras(keras_layer)
     back = convert.to_keras(sd, S.N)
