@@ -7,11 +7,16 @@ returns the output as a NumPy array. They are the peer adapters of the parity ha
 
 What each library does (measured by scripts/measure_ecosystem.py; docs/drafts/ecosystem.md):
 
-    library              mask it takes                          fully masked row        softmax in
-    HF BERT (eager)      additive (B, 1, T, S): 0 / finfo.min    uniform (mean of V)     the input dtype
-    HF GPT-2 (eager)     additive, built by create_causal_mask   uniform over ALL keys   the input dtype
-    Keras 3 MHA (JAX)    bool (B, T, S), True = attend           see the measurement     see the measurement
-    Equinox MHA          bool (T, S), True = attend, unbatched   uniform (mean of V)     at least float32
+    library                 mask it takes                            fully masked row          softmax
+    HF BERT (eager)         additive (B, 1, T, S): 0 / finfo.min      uniform (mean of V)       input dtype
+    HF ViT (eager)          additive, as BERT (ViT itself never masks) float32: uniform;       float32, cast back
+                                                                      float64: NaN
+    HF GPT-2 (eager)        additive, from create_causal_mask(padding) uniform over ALL keys   input dtype
+    Keras 3 MHA, default    bool (B, T, S), True = attend             uniform                   float32 stage in a
+                            (runs jax.nn.dot_product_attention)                                 float64 run (2e-7)
+    Keras 3 MHA, return_attention_scores=True (measured; dropout > 0 takes the same path, per its source)
+                            bool, True = attend (einsum + Softmax)    zero (weights zeroed)     input dtype
+    Equinox MHA             bool (T, S), True = attend, unbatched     uniform (mean of V)       input dtype
 
 The transformers imports are slow (~3 s), so they happen on first use.
 """
