@@ -50,7 +50,8 @@ def writable_problem(path) -> str | None:
     """Why writing `path` with `atomic_path` would fail, or None: checked before a long run.
 
     atomic_path creates missing directories, so the nearest existing ancestor must be a
-    writable directory; the path itself must not be a directory.
+    directory where a file can be created: tried for real (and removed), since permission
+    bits do not tell root about read-only mounts or /proc; the path must not be a directory.
     """
     path = os.path.abspath(os.fspath(path))
     if os.path.isdir(path):
@@ -60,6 +61,30 @@ def writable_problem(path) -> str | None:
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
         return f"{existing} is not a directory"
-    if not os.access(existing, os.W_OK | os.X_OK):
-        return f"directory {existing} is not writable"
+    try:
+        fd, probe = tempfile.mkstemp(dir=existing, prefix=".tmp-probe-")
+    except OSError as e:
+        return f"cannot create a file in {existing}: {e.strerror or e}"
+    os.close(fd)
+    os.unlink(probe)
     return None
+
+
+def check_writable(path) -> None:
+    """Fail before a long run, not after it: `path` must be a file we can create or replace.
+
+    Creates (and removes) a probe file in the target directory, so a missing parent that
+    cannot be made, a parent that is a file, a path that is a directory, a read-only or
+    full filesystem are all a ValueError naming the path now.
+    """
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        raise ValueError(f"{path} is a directory, not a file path")
+    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(directory, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=directory, prefix=".probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ValueError(f"cannot write {path}: {e.strerror or e}") from None
