@@ -164,11 +164,18 @@ def from_layout_getter(get, keys, layout: str, prefix: str = "") -> dict[str, np
 
     lay = _layout(layout)
     spelling = _choose_spelling(lay, keys, prefix)
-    E = _embed_dim(lay, spelling, get, prefix)
+    cache: dict[str, np.ndarray] = {}
+
+    def fetch(key):  # each tensor is read once (read_layout reads from disk)
+        if key not in cache:
+            cache[key] = _as_numpy(get(key), key)
+        return cache[key]
+
+    E = _embed_dim(lay, spelling, fetch, prefix)
     sd = {}
     for s in lay.spellings[spelling]:
         key = prefix + s.key
-        arr = _as_numpy(get(key), key)
+        arr = fetch(key)
         if tuple(arr.shape) != _dims(s.shape, E):
             hint = " -- a (3E, E) c_attn is nn.Linear's (out, in) orientation: transposed?" if s.in_out and len(s.parts) > 1 else ""
             raise ValueError(f"layout {layout!r}: {key} has shape {tuple(arr.shape)}, expected {_expected(s, E)} (E={E}){hint}")

@@ -199,6 +199,38 @@ def test_gpt2_through_a_save_pretrained_file(gpt2, tmp_path):
     assert_bit_identical(sd, convert.from_layout(gpt2.state_dict(), "hf-gpt2", prefix="h.0.attn."))
 
 
+def test_read_layout_reads_only_the_block(gpt2, tmp_path, monkeypatch):
+    """Lazily: of the whole checkpoint, only the four tensors of h.0.attn are read."""
+    import safetensors
+
+    gpt2.save_pretrained(tmp_path)
+    read, real_open = [], safetensors.safe_open
+
+    class Recording:
+        def __init__(self, *args, **kwargs):
+            self.f = real_open(*args, **kwargs)
+
+        def __enter__(self):
+            self.f.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+        def get_tensor(self, key):
+            read.append(key)
+            return self.f.get_tensor(key)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+    monkeypatch.setattr(safetensors, "safe_open", Recording)
+    convert.read_layout(tmp_path / "model.safetensors", "hf-gpt2", prefix="h.0.attn.")
+    assert sorted(read) == [f"h.0.attn.{n}" for n in ("c_attn.bias", "c_attn.weight", "c_proj.bias", "c_proj.weight")]
+    with real_open(str(tmp_path / "model.safetensors"), "numpy") as f:
+        assert len(list(f.keys())) > 10  # ... of a file that holds much more
+
+
 def test_a_transposed_c_attn_fails_loudly_in_the_converter(gpt2):
     tensors = dict(gpt2.state_dict())
     tensors["h.0.attn.c_attn.weight"] = tensors["h.0.attn.c_attn.weight"].T  # (3E, E): nn.Linear's orientation
@@ -236,6 +268,13 @@ def test_unused_keys_under_the_prefix_are_ignored_and_missing_ones_named(sd64):
         convert.from_layout(tensors, "hf-bert", prefix="bert.encoder.layer.3.attention.")
     with pytest.raises(KeyError, match=r"missing 'x.attention.query.weight'.* alternative spelling"):
         convert.from_layout(tensors, "hf-vit", prefix="x.")
+
+
+def test_two_vit_spellings_under_one_prefix_are_an_error(sd64):
+    both = {**convert.to_layout(sd64, "hf-vit", prefix="a."), **convert.to_layout(sd64, "hf-vit", prefix="a.", spelling=1)}
+    with pytest.raises(ValueError, match="holds several spellings at once"):
+        convert.from_layout(both, "hf-vit", prefix="a.")
+    assert_bit_identical(convert.from_layout(convert.to_layout(sd64, "hf-vit", spelling=1), "hf-vit"), sd64)
 
 
 def test_wrong_shapes_and_unknown_layouts_are_named(sd64):
