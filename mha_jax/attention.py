@@ -13,7 +13,11 @@ import numpy as np
 from flax import nnx
 
 from mha_jax.chunked import accumulation_dtype, chunked_attention, fill_masked_rows, fold_scale
-from mha_spec import Stages, check_config, check_mask_values, check_qkv_shapes, mask_shape_4d
+from mha_spec import STAGE_NAMES, Stages, check_config, check_mask_values, check_qkv_shapes, mask_shape_4d
+
+# Stages (framework-free, in mha_spec) as a pytree, so return_intermediates works under jit.
+jax.tree_util.register_dataclass(Stages, data_fields=list(STAGE_NAMES), meta_fields=[])
+
 
 MATERIALIZE_LIMIT = 2**24
 """Largest B·N·T·S for which the fused path lets jax.nn.dot_product_attention

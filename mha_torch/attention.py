@@ -91,6 +91,19 @@ def attention_core(q, k, v, keep, *, masked_rows: str = "nan", return_scores: bo
     return context, weights
 
 
+def _has_nan(x, dim: int):
+    """bool flags: a NaN anywhere along dim (-1 -> (..., L, 1), -2 -> (..., 1, H)).
+
+    A sum propagates NaN, and one GEMV with ones is far cheaper on CPU than
+    isnan().any(dim) (measured 0.2 ms against 2-40 ms on a (4, 8, 1024, 64) tensor, loaded
+    machine). Finite values could only overflow to ±inf, which is not NaN.
+    """
+    x = x.detach()
+    if dim == -1:
+        return torch.matmul(x, x.new_ones(x.shape[-1], 1)).isnan()
+    return torch.matmul(x.new_ones(1, x.shape[-2]), x).isnan()
+
+
 def _rows_keeping_nan_keys(keep, k_nan, dtype):
     """bool (B, N, T|1, 1): which rows keep at least one NaN key, without building (B, N, T, S).
 
@@ -98,6 +111,7 @@ def _rows_keeping_nan_keys(keep, k_nan, dtype):
     axes are left out of the einsum, so nothing is broadcast to (B, N, T, S).
     """
     B, N, S = k_nan.shape
+    keep = keep.reshape((1,) * (4 - keep.ndim) + tuple(keep.shape))  # a core caller may pass [T, S]
     sizes = keep.shape[:3]
     kept_axes = "".join(c for c, d in zip("BNT", sizes) if d != 1)
     out_axes = "BNT" if sizes[2] != 1 else "BN"
@@ -107,20 +121,20 @@ def _rows_keeping_nan_keys(keep, k_nan, dtype):
 
 
 def _nan_rows(q, k, keep):
-    """(k with NaN keys zeroed where a mask drops them, bool (B, N, T|1, 1) rows that must be NaN).
+    """(k with NaN keys zeroed when a mask is given, bool (B, N, T|1, 1) rows that must be NaN).
 
     The weights path gives NaN on a row whose query is NaN or that keeps a NaN key; a NaN key
     that the row masks out is dropped (its score is replaced by -inf). SDPA differs on both:
     on CPU a NaN query without a mask gives 0, and a masked NaN key still reaches every row
     (the mask is added: NaN + -inf = NaN). So NaN is put back here from per-row flags.
     """
-    q_nan = q.isnan().any(dim=-1, keepdim=True)  # (B, N, T, 1)
-    k_nan = k.isnan().any(dim=-1)  # (B, N, S)
+    q_nan = _has_nan(q, -1)  # (B, N, T, 1)
+    k_nan = _has_nan(k, -1)  # (B, N, S, 1)
     if keep is None:
-        return k, q_nan | k_nan.any(dim=-1)[..., None, None]
+        return k, q_nan | k_nan.any(dim=-2, keepdim=True)
     dtype = q.dtype if q.dtype in _LOW_PRECISION else torch.float32
-    k = torch.where(k_nan.unsqueeze(-1), 0.0, k)
-    return k, q_nan | _rows_keeping_nan_keys(keep, k_nan, dtype)
+    k = torch.where(k_nan, 0.0, k)
+    return k, q_nan | _rows_keeping_nan_keys(keep, k_nan.squeeze(-1), dtype)
 
 
 def fused_attention_core(q, k, v, keep, *, masked_rows: str = "nan"):
@@ -137,13 +151,14 @@ def fused_attention_core(q, k, v, keep, *, masked_rows: str = "nan"):
     context = torch.where(nan_rows, float("nan"), context)
     if keep is not None:
         row_any = keep.any(dim=-1, keepdim=True)  # (B|1, N|1, T|1, 1)
-        mean_v = None  # only "nan" and "uniform" rows need it
-        if masked_rows != "zero":
+        # SDPA carries a NaN of V into every row itself; the policy's fill must too (0 x NaN).
+        v_nan = torch.where(_has_nan(v, -2), float("nan"), 0.0).to(v.dtype)  # (B, N, 1, H)
+        if masked_rows == "zero":
+            context = torch.where(row_any, context, v_nan)
+        else:  # only "nan" and "uniform" rows need mean(V)
             acc = torch.float32 if v.dtype in _LOW_PRECISION else v.dtype
             mean_v = v.to(acc).mean(dim=-2, keepdim=True).to(v.dtype)  # (B, N, 1, H)
-        context = _apply_masked_row_policy(context, row_any, masked_rows, mean_v)
-        # The policy's fill replaced fully masked rows; 0 x NaN in V is NaN there too.
-        context = torch.where(v.isnan().any(dim=-2, keepdim=True), float("nan"), context)  # (B, N, 1, H) flags
+            context = _apply_masked_row_policy(context, row_any, masked_rows, mean_v + v_nan)
     return context
 
 

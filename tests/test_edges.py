@@ -289,6 +289,17 @@ def test_intermediates_match_the_oracle_stages(framework, need_weights, sd64, rn
         assert c.passed, (name, c)
 
 
+def test_jax_intermediates_under_jit(sd64, rng):
+    q, k, v = make_inputs(rng)
+    m = build("jax", sd64, S.N)
+    eager = m(q, k, v, return_intermediates=True)[2]
+    jitted = jax.jit(lambda q, k, v: m(q, k, v, need_weights=False, return_intermediates=True))(q, k, v)[2]
+    assert jitted.scores is None and jitted.weights is None
+    for name in ("q", "k", "v", "context", "output"):
+        c = compare(np.asarray(getattr(jitted, name)), np.asarray(getattr(eager, name)), tolerance_for("float64").forward)
+        assert c.passed, (name, c)
+
+
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_16bit_scores_are_float32(framework, dtype, sd64, rng):
