@@ -524,7 +524,10 @@ class FakePeakMod:
     def __init__(self, *rates):
         self.rates = list(rates)
 
+        self.sizes = []
+
     def peak_gflops(self, dtype, sizes, device, timing, clock):
+        self.sizes.append(list(sizes))
         return self.rates.pop(0), sizes[-1]
 
 
@@ -538,7 +541,7 @@ def _vet(monkeypatch, rates, row_gflops):
                            cases=(CASE,), passes=("fwd",), available_bytes=2**40)
     flops = pass_flops(CASE, "fwd")
     mod = FakePeakMod(*rates)
-    bar = worker.PeakBar(mod, "torch", "cpu", [{"dtype": "float32", "sizes": [64]}], [], FakeClock())
+    bar = worker.PeakBar(mod, "torch", "cpu", [{"dtype": "float32", "sizes": [2048]}], [], FakeClock())
     bar.measure("float32")
     verdicts = []
     for gflops in row_gflops:
@@ -553,10 +556,13 @@ def _vet(monkeypatch, rates, row_gflops):
 
 
 def test_a_row_above_the_startup_peak_triggers_a_remeasure_and_is_ok_below_the_new_one(monkeypatch):
-    verdicts, peaks, _ = _vet(monkeypatch, [100.0, 200.0], [150.0])
+    verdicts, peaks, mod = _vet(monkeypatch, [100.0, 200.0], [150.0])
     assert verdicts == ["ok"]
     assert [p["gflops"] for p in peaks] == [100.0, 200.0]
     assert "150.0 GFLOP/s > 100.0" in peaks[1]["remeasured_for"]
+    # The re-measure adds a matmul of about the row's own work (2·n³ ≈ CASE's forward FLOPs).
+    assert mod.sizes == [[2048], [64, 2048]]
+    assert 0.5 < 2 * 64**3 / pass_flops(CASE, "fwd") < 2.0
 
 
 def test_a_row_still_above_the_remeasured_peak_is_an_error_and_remeasures_are_capped(monkeypatch):

@@ -96,7 +96,8 @@ def markdown(rows, env: dict) -> str:
         f"- device: {env.get('device')} — {env.get('cpu_model')}; threads: {env.get('threads')}; "
         f"precision: {env.get('precision')}; preset: {env.get('preset')}",
         f"- versions: {', '.join(f'{k} {v}' for k, v in env.get('versions', {}).items())}; python {env.get('python')}",
-        f"- measured matmul peak (best square matmul of either framework, any worker): {peaks or 'n/a'}",
+        f"- measured matmul peak (best square matmul of either framework, any worker): {peaks or 'n/a'}; "
+        f"{sum('remeasured_for' in p for p in env.get('peak_measurements', []))} re-measured because a row beat it",
         f"- load average at the start: {env.get('loadavg_start')}, at the end: {env.get('loadavg_end')} "
         f"on {env.get('cpu_count')} cores (other processes on the machine make timings noisy)",
         f"- FLOPs: {env.get('flops_formula')}; ratio = median / fastest ok row of the same case and pass; "
