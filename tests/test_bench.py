@@ -608,17 +608,22 @@ def test_plot_has_a_title_and_draws_error_rows(tmp_path, monkeypatch):
     import matplotlib.axes
     import matplotlib.figure
 
-    titles, markers = [], []
+    titles, markers, legends = [], [], []
     real_title, real_plot = matplotlib.figure.Figure.suptitle, matplotlib.axes.Axes.plot
+    real_legend = matplotlib.figure.Figure.legend
+    monkeypatch.setattr(matplotlib.figure.Figure, "legend",
+                        lambda self, h, labels, **kw: legends.append(labels) or real_legend(self, h, labels, **kw))
     monkeypatch.setattr(matplotlib.figure.Figure, "suptitle",
                         lambda self, t, **kw: titles.append(t) or real_title(self, t, **kw))
     monkeypatch.setattr(matplotlib.axes.Axes, "plot",
                         lambda self, *a, **kw: markers.append((len(a[0]), kw.get("marker"))) or real_plot(self, *a, **kw))
-    rows = _all_series_rows()[:6]
+    rows = _all_series_rows()[:8]
     rows[1] = rows[1] | {"status": "error", "message": "exceeds"}
+    rows[7] = rows[7] | {"status": "error", "message": "exceeds"}  # in another series
     env = {"device": "cpu", "cpu_model": "Fake CPU", "preset": "quick", "precision": "highest"}
     path = tmp_path / "b.png"
     report.write_plot(str(path), rows, env)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert titles == ["mha-bench: device cpu (Fake CPU), preset quick, precision highest"]
-    assert markers.count((1, "X")) == 2  # the error row, on the time and the GFLOP/s axes
+    assert markers.count((1, "X")) == 4  # two error rows, each on the time and the GFLOP/s axes
+    assert legends[0].count("error row (measured, not trusted)") == 1 and legends[0][-1].startswith("error row")

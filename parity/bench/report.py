@@ -172,6 +172,7 @@ def write_plot(path: str, rows, env: dict | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
+    import matplotlib.lines
     import matplotlib.pyplot as plt
 
     timed = [r for r in rows if r["status"] in ("ok", "error") and r.get("median_s")]
@@ -191,12 +192,14 @@ def write_plot(path: str, rows, env: dict | None = None) -> None:
             ax.grid(True, which="both", alpha=0.3)
         axes[0][col].set_title(f"{pass_}")
     fig.suptitle(plot_title(rows, env), fontsize=10)
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    for ax in axes[0][1:]:  # series or error crosses only present in the other pass
+    legend: dict = {}  # label -> handle, once each: a series may appear in one pass only
+    for ax in axes[0]:
         for h, lab in zip(*ax.get_legend_handles_labels()):
-            if lab not in labels:
-                handles.append(h)
-                labels.append(lab)
+            legend.setdefault(lab, h)
+    if _ERROR_LABEL in legend:  # one neutral entry for the crosses of every series, listed last
+        del legend[_ERROR_LABEL]
+        legend[_ERROR_LABEL] = matplotlib.lines.Line2D([], [], linestyle="none", color="grey", **_ERROR_MARKER)
+    handles, labels = list(legend.values()), list(legend)
     if handles:
         fig.legend(handles, labels, loc="lower center", ncol=2, fontsize=7)
     fig.tight_layout(rect=(0, 0.04 + 0.018 * math.ceil(len(labels) / 2), 1, 0.97))
@@ -205,6 +208,10 @@ def write_plot(path: str, rows, env: dict | None = None) -> None:
             fig.savefig(tmp, dpi=110)
     finally:
         plt.close(fig)
+
+
+_ERROR_LABEL = "error row (measured, not trusted)"
+_ERROR_MARKER = {"marker": "X", "markersize": 9, "markeredgecolor": "red", "markeredgewidth": 1.5}
 
 
 def _plot_series(ax_time, ax_rate, members, style) -> None:
@@ -219,8 +226,7 @@ def _plot_series(ax_time, ax_rate, members, style) -> None:
             ax.plot(*zip(*pts), label=label, markersize=4, **style)
         errs = [(r["seq_q"], r[field_]) for r in bad if r.get(field_)]
         if errs:
-            ax.plot(*zip(*errs), linestyle="none", marker="X", markersize=9, color=style["color"],
-                    markeredgecolor="red", markeredgewidth=1.5, label="error row (measured, not trusted)")
+            ax.plot(*zip(*errs), linestyle="none", color=style["color"], label=_ERROR_LABEL, **_ERROR_MARKER)
 
 
 # ---------------------------------------------------------------- reading saved runs
