@@ -7,7 +7,9 @@ state_dict names and torch's layout (a Linear ``weight`` is (out, in)):
 
 Every conversion below is an explicit table: name -> name and layout -> layout,
 every shape checked, missing and unexpected keys named in the error, no layout
-guessed from a suffix or an ndim. Dtypes pass through unchanged (bfloat16 as
+guessed from a suffix or an ndim. Checkpoint layouts of real models (Hugging Face
+BERT, ViT, GPT-2) live in parity/layouts.py and are re-exported here; Keras 3 and
+Equinox modules have pairs below like torch's and flax's. Dtypes pass through unchanged (bfloat16 as
 ``ml_dtypes.bfloat16`` NumPy arrays); asking for another dtype is an error, never
 a silent cast. Weight files are safetensors, never pickle.
 """
@@ -226,7 +228,8 @@ def from_jax(m) -> dict[str, np.ndarray]:
 
     if not isinstance(m, MultiHeadAttention):
         hint = ""
-        if type(m).__name__ == "MultiHeadAttention" and type(m).__module__.startswith("flax"):
+        nnx = sys.modules.get("flax.nnx")
+        if nnx is not None and isinstance(m, nnx.MultiHeadAttention):
             hint = "; for flax.nnx.MultiHeadAttention use sd = convert.from_flax_nnx(m), then convert.to_torch(sd, m.num_heads, masked_rows=...)"
         raise TypeError(f"expected mha_jax.MultiHeadAttention, got {type(m).__name__}{hint}")
     sd = {}
