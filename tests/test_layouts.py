@@ -147,6 +147,10 @@ def test_vit_reads_both_spellings_and_writes_the_file_one(vit, tmp_path, rng):
     assert_bit_identical(in_memory, from_file)
     written = convert.to_layout(in_memory, "hf-vit", prefix="encoder.layer.0.attention.")
     assert sorted(written) == sorted(f"encoder.layer.0.attention.{n}.{w}" for n in ("attention.query", "attention.key", "attention.value", "output.dense") for w in ("weight", "bias"))
+    fresh = transformers.models.vit.modeling_vit.ViTAttention(vit.config)  # back into the real module, bit for bit
+    fresh.load_state_dict({k: torch.from_numpy(v) for k, v in convert.to_layout(in_memory, "hf-vit", spelling=1).items()}, strict=True)
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(v, vit.layers[0].attention.state_dict()[k]), k
     # ViT's eager attention computes its softmax in float32 whatever the input dtype: compare in float32.
     x = rng.standard_normal((S.B, T, S.E)).astype(np.float32)
     keep = np.broadcast_to(_padding(rng)[:, None, :], (S.B, T, T)).copy()
