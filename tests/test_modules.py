@@ -300,7 +300,9 @@ def test_torch_compile_fullgraph(sd64, rng):
     keep = random_keep_mask(rng, (S.B, S.T, S.S))
     m = build("torch", sd64, S.N, masked_rows="uniform")
     compiled = torch.compile(m, fullgraph=True, dynamic=False)
-    args = [torch.from_numpy(x) for x in (q, k, v, keep)]
+    # A float 0/1 keep-mask: eager checks its values (NaN, additive 0/-inf), which would be a
+    # graph break; the check must step aside under compile (torch.compiler.is_compiling()).
+    args = [torch.from_numpy(x) for x in (q, k, v, keep.astype(np.float64))]
     with torch.no_grad():
         out, w = compiled(*args)
         out_fused, _ = compiled(*args, need_weights=False)
