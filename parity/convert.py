@@ -528,6 +528,8 @@ def save(obj, path, *, num_heads: int | None = None, masked_rows: str | None = N
         num_heads, masked_rows = own_heads, own_policy
     else:
         sd = obj
+        if not isinstance(sd, Mapping):
+            raise TypeError(f"save takes our torch or JAX module or a canonical state dict, got {type(obj).__name__}")
         if num_heads is None or masked_rows is None:
             raise TypeError(
                 "save(state_dict, path) needs num_heads= and masked_rows= (one of "
@@ -579,7 +581,10 @@ def load(path) -> Checkpoint:
     embed_dim, num_heads = _metadata_int(metadata, "embed_dim", path), _metadata_int(metadata, "num_heads", path)
     if metadata["masked_rows"] not in MASKED_ROWS_POLICIES:
         raise ValueError(f"{path}: metadata field 'masked_rows' = {metadata['masked_rows']!r} is not one of {MASKED_ROWS_POLICIES}")
-    E, _ = check_state_dict(sd)
+    try:
+        E, _ = check_state_dict(sd)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{path}: {e}") from e
     if E != embed_dim:
         raise ValueError(f"{path}: metadata field 'embed_dim' = {embed_dim} but the weights are ({E}, {E})")
     if E % num_heads:

@@ -263,6 +263,8 @@ def test_save_a_bare_state_dict_needs_the_policy(sd64, tmp_path):
         convert.save(sd64, path, num_heads=S.N)
     with pytest.raises(TypeError, match="needs num_heads= and masked_rows="):
         convert.save(sd64, path, masked_rows="zero")
+    with pytest.raises(TypeError, match="save takes our torch or JAX module or a canonical state dict, got MultiheadAttention"):
+        convert.save(torch.nn.MultiheadAttention(12, 3), path, num_heads=3, masked_rows="nan")
     assert not path.exists()
 
 
@@ -291,6 +293,13 @@ def test_load_checks_every_metadata_field(changes, message, sd64, tmp_path):
     path = tmp_path / "bad.safetensors"
     _write_with_metadata(path, sd64, **changes)
     with pytest.raises(ValueError, match=f"{path.name}: (metadata field )?{message}"):
+        convert.load(path)
+
+
+def test_load_names_the_file_when_the_tensors_are_wrong(sd64, tmp_path):
+    path = tmp_path / "short.safetensors"
+    _write_with_metadata(path, {k: v for k, v in sd64.items() if k != "v_proj.bias"})
+    with pytest.raises(ValueError, match=r"short.safetensors: state dict: missing keys \['v_proj.bias'\]"):
         convert.load(path)
 
 
