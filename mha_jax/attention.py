@@ -13,15 +13,18 @@ import numpy as np
 from flax import nnx
 
 from mha_jax.chunked import accumulation_dtype, chunked_attention, fill_masked_rows, fold_scale
+from mha_jax import kernels
 from mha_spec import STAGE_NAMES, Stages, check_config, check_mask_values, check_qkv_shapes, mask_shape_4d
 
 # Stages (framework-free, in mha_spec) as a pytree, so return_intermediates works under jit.
 jax.tree_util.register_dataclass(Stages, data_fields=list(STAGE_NAMES), meta_fields=[])
 
 
-MATERIALIZE_LIMIT = 2**24
-"""Largest B·N·T·S for which the fused path lets jax.nn.dot_product_attention
-build the score tensor (64 MiB in float32); above it the chunked path runs."""
+MATERIALIZE_LIMIT = 2**26
+"""Memory guard, not a speed rule: the largest B·N·T·S for which the fused path may run a
+kernel that materialises the (B, N, T, S) scores (256 MiB in float32; its backward holds
+about three such tensors). Above it the chunked kernel runs; below it the measured table
+in `mha_jax.kernels` chooses."""
 
 
 def _torch_linear_init(fan_in: int):
@@ -115,18 +118,28 @@ def attention_core(q, k, v, keep=None, *, masked_rows="nan", precision=None, ret
 def fused_attention_core(q, k, v, keep=None, *, masked_rows="nan", precision=None):
     """The same context as `attention_core`, without returning (or, when large, building) weights.
 
-    jax.nn.dot_product_attention computes its softmax in float32, which keeps the
-    accuracy of float32 and 16-bit inputs but not of float64; its XLA path
-    materialises (B, N, T, S); and it takes no precision argument, so under a pinned
-    "highest" XLA:CPU rejects its float16 backward dots ('F16_F16_F32'). So: float64,
-    float16, or B·N·T·S > MATERIALIZE_LIMIT runs `chunked_attention` (precision passed
-    through); float32 and bfloat16 below the limit run jax.nn.dot_product_attention.
+    The kernel and its chunk sizes come from `mha_jax.kernels.choose` (measured per device
+    kind; `kernels.fused_choice` says which one runs, for a benchmark row): our einsum core,
+    the chunked kernel (flash backward, O(T + S) memory) or jax.nn.dot_product_attention
+    (XLA, or cuDNN on a CUDA GPU for 16-bit). Whichever runs, fully masked rows follow
+    `masked_rows` and which rows those are comes from the keep-mask alone, so NaN inputs
+    give NaN outputs. S = 0 is a ValueError; T = 0 gives an empty context.
     """
     B, T, N, H = q.shape
     S = k.shape[1]
-    if q.dtype in (jnp.float64, jnp.float16) or B * N * T * S > MATERIALIZE_LIMIT:
-        return chunked_attention(q, k, v, keep, masked_rows=masked_rows, precision=precision)
-    context = jax.nn.dot_product_attention(q, k, v, mask=keep, scale=1.0 / math.sqrt(H))  # (B, T, N, H)
+    if S == 0:
+        raise ValueError(f"fused_attention_core needs at least one key: got key shape {k.shape} (S=0)")
+    choice = kernels.choose(
+        platform=jax.default_backend(), kind=kernels.device_kind(), dtype=q.dtype, B=B, N=N, T=T, S=S, H=H,
+        has_mask=keep is not None, materialize_limit=MATERIALIZE_LIMIT,
+    )
+    if choice.kernel == "einsum":
+        return attention_core(q, k, v, keep, masked_rows=masked_rows, precision=precision)[0]
+    if choice.kernel == "chunked":
+        return chunked_attention(q, k, v, keep, masked_rows=masked_rows, q_chunk=choice.q_chunk, k_chunk=choice.k_chunk, precision=precision)
+    # jax.nn.dot_product_attention takes no precision argument (the global default applies).
+    implementation = "cudnn" if choice.kernel == "dpa-cudnn" else "xla"
+    context = jax.nn.dot_product_attention(q, k, v, mask=keep, scale=1.0 / math.sqrt(H), implementation=implementation)  # (B, T, N, H)
     if keep is not None:
         # jax gives fully masked rows uniform weights; apply our policy on (B, T, N, H).
         row_any = jnp.transpose(_row_attends(keep), (0, 2, 1, 3))  # (B|1, T|1, N|1, 1)
@@ -224,7 +237,7 @@ class MultiHeadAttention(nnx.Module):
             context, weights, scores = attention_core(q, k, v, keep, return_scores=True, **kw)
         elif need_weights:
             context, weights = attention_core(q, k, v, keep, **kw)
-        elif T == 0:  # nothing to attend from (the chunked kernel cannot split zero rows)
+        elif T == 0:  # no queries: nothing for any fused kernel to do
             context = jnp.zeros(q.shape, dtype)
         else:
             context = fused_attention_core(q, k, v, keep, **kw)

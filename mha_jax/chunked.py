@@ -1,18 +1,36 @@
-"""Query/key-chunked attention with an online softmax: O(T + S) memory.
+"""Blocked attention with an online softmax and a flash backward: O(T + S) memory.
 
 jax.nn.dot_product_attention's XLA path builds the whole (B, N, T, S) score
-tensor (on CPU, and on GPU outside cuDNN). This one never holds more than
-(B, N, q_chunk, k_chunk) scores: an outer `lax.map` over query chunks and an
-inner `lax.scan` over key chunks carry the running max, sum and context
-(flash-attention's recurrence). Both bodies are rematerialised
-(`jax.checkpoint`) so the backward pass stays O(T + S) too.
+tensor (on CPU, and on GPU outside cuDNN). This kernel never holds more than
+(B, N, q_chunk, k_chunk) scores.
 
-Layout BTNH, legend in `mha_spec`.
+Forward: an outer `lax.map` over query blocks, an inner `lax.scan` over key
+blocks carrying the running max, sum and context (flash-attention's recurrence);
+it keeps the output O and the per-row log-sum-exp L (O(T) residuals, no scores).
+Backward (`jax.custom_vjp`): an outer `lax.scan` over key blocks, an inner one
+over query blocks; each block's probabilities are recomputed once,
+P = exp(s - L), and dV += Pᵀ dO, dP = dO Vᵀ, dS = P ∘ (dP - D) with
+D = rowsum(dO ∘ O), dQ += dS K, dK += dSᵀ Q.
+
+Which rows attend to nothing comes from the keep-mask, never from the numbers,
+so a NaN input gives a NaN output (as on the materialised path) instead of being
+taken for a fully masked row. The masked-row policy is applied outside the
+custom VJP, so JAX differentiates it as on the materialised path (the NaN of
+"nan" and the mean of V of "uniform"/"nan" reach V's gradient there).
+
+A custom VJP has no forward-mode rule: jax.jvp / jax.linearize / jax.jacfwd of
+this kernel raise JAX's TypeError ("can't apply forward-mode autodiff (jvp) to a
+custom_vjp function"). Use the materialised `attention_core` for forward mode.
+
+Internal layout BNTH (heads next to batch, so every block matmul is a plain
+batched matmul); the public layout is BTNH. Legend in `mha_spec`.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -56,73 +74,164 @@ def fill_masked_rows(x, row_any, masked_rows: str, uniform_value):
     return jnp.where(row_any, x, fill)
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """Static facts of one call (hashable: it is a nondiff argument of the custom VJP)."""
+
+    S: int  # true key length; keys at S.. are padding
+    cq: int  # query block
+    ck: int  # key block
+    scale: float  # left for the scores (1.0 when folded into q)
+    precision: object
+
+
+def _block_mask(plan: _Plan, keep_i, j):
+    """Bool (B|1, N|1, cq|1, ck) for key block j, or None when every key is real and kept."""
+    if keep_i is not None:
+        return lax.dynamic_slice_in_dim(keep_i, j * plan.ck, plan.ck, axis=3)
+    if plan.S % plan.ck:
+        return (j * plan.ck + jnp.arange(plan.ck) < plan.S)[None, None, None, :]
+    return None
+
+
+def _block_scores(plan: _Plan, qi, kj, mask_ij):
+    """Scaled scores of one block, -inf where masked: (B, N, cq, ck) in the accumulation dtype."""
+    acc = accumulation_dtype(qi.dtype)
+    s = jnp.einsum("BNTH,BNSH->BNTS", qi, kj, preferred_element_type=acc, precision=plan.precision)
+    if plan.scale != 1.0:
+        s = s * plan.scale
+    return s if mask_ij is None else jnp.where(mask_ij, s, -jnp.inf)
+
+
+def _rows(x, i, c):
+    """Query block i of an array whose axis 2 is T (or 1, when it broadcasts)."""
+    return x if x is None or x.shape[2] == 1 else lax.dynamic_slice_in_dim(x, i * c, c, axis=2)
+
+
+def _forward(plan: _Plan, q, k, v, keep):
+    """(O, L): O (B, N, Tp, H) in the accumulation dtype, 0 on rows with no kept key;
+    L (B, N, Tp, 1) the log-sum-exp of each row's scores, 0 on rows with no kept key."""
+    B, N, Tp, H = q.shape
+    acc = accumulation_dtype(q.dtype)
+    nq, nk = Tp // plan.cq, k.shape[2] // plan.ck
+    row_any = jnp.ones((1, 1, 1, 1), bool) if keep is None else keep.any(axis=-1, keepdims=True)
+
+    def q_block(i):
+        qi, keep_i = _rows(q, i, plan.cq), _rows(keep, i, plan.cq)  # (B, N, cq, H)
+
+        def k_step(carry, j):
+            o, m, l = carry  # (B, N, cq, H), (B, N, cq, 1), (B, N, cq, 1)
+            kj = lax.dynamic_slice_in_dim(k, j * plan.ck, plan.ck, axis=2)  # (B, N, ck, H)
+            vj = lax.dynamic_slice_in_dim(v, j * plan.ck, plan.ck, axis=2)
+            s = _block_scores(plan, qi, kj, _block_mask(plan, keep_i, j))  # (B, N, cq, ck)
+            m_new = jnp.maximum(m, s.max(axis=-1, keepdims=True))  # NaN stays NaN
+            # A row that has seen only masked keys keeps max -inf; use 0 so exp() gives 0, not NaN.
+            safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            p = jnp.exp(s - safe)
+            alpha = jnp.exp(m - safe)
+            pv = jnp.einsum("BNTS,BNSH->BNTH", p.astype(v.dtype), vj, preferred_element_type=acc, precision=plan.precision)
+            return (alpha * o + pv, m_new, alpha * l + p.sum(axis=-1, keepdims=True)), None
+
+        init = (jnp.zeros((B, N, plan.cq, H), acc), jnp.full((B, N, plan.cq, 1), -jnp.inf, acc), jnp.zeros((B, N, plan.cq, 1), acc))
+        (o, m, l), _ = lax.scan(k_step, init, jnp.arange(nk))
+        attends = _rows(row_any, i, plan.cq)  # from the mask, not from l: NaN must stay NaN
+        o = jnp.where(attends, o / jnp.where(attends, l, 1.0), 0.0)
+        lse = jnp.where(attends, jnp.where(m == -jnp.inf, 0.0, m) + jnp.log(jnp.where(attends, l, 1.0)), 0.0)
+        return o, lse
+
+    o, lse = lax.map(q_block, jnp.arange(nq))  # (nq, B, N, cq, H), (nq, B, N, cq, 1)
+    return _unblock(o), _unblock(lse)
+
+
+def _unblock(x):
+    """(n, B, N, c, X) blocks -> (B, N, n*c, X)."""
+    n, B, N, c, X = x.shape
+    return jnp.moveaxis(x, 0, 2).reshape(B, N, n * c, X)
+
+
+def _backward(plan: _Plan, res, d_o):
+    """dQ, dK, dV from the saved (q, k, v, keep, O, L) and dO (B, N, Tp, H)."""
+    q, k, v, keep, o, lse = res
+    acc = accumulation_dtype(q.dtype)
+    nq, nk = q.shape[2] // plan.cq, k.shape[2] // plan.ck
+    d_o = d_o.astype(acc)
+    D = jnp.sum(d_o * o, axis=-1, keepdims=True)  # (B, N, Tp, 1)
+    dot = partial(jnp.einsum, preferred_element_type=acc, precision=plan.precision)
+
+    def k_block(dq, j):
+        kj = lax.dynamic_slice_in_dim(k, j * plan.ck, plan.ck, axis=2)  # (B, N, ck, H)
+        vj = lax.dynamic_slice_in_dim(v, j * plan.ck, plan.ck, axis=2)
+
+        def q_step(carry, i):
+            dk, dv = carry  # (B, N, ck, H) each
+            qi, d_oi = _rows(q, i, plan.cq), _rows(d_o, i, plan.cq)  # (B, N, cq, H)
+            s = _block_scores(plan, qi, kj, _block_mask(plan, _rows(keep, i, plan.cq), j))
+            p = jnp.exp(s - _rows(lse, i, plan.cq))  # (B, N, cq, ck); 0 where masked
+            dv = dv + dot("BNTS,BNTH->BNSH", p.astype(v.dtype).astype(acc), d_oi)
+            dp = dot("BNTH,BNSH->BNTS", d_oi, vj.astype(acc))
+            ds = p * (dp - _rows(D, i, plan.cq))
+            if plan.scale != 1.0:
+                ds = ds * plan.scale
+            dk = dk + dot("BNTS,BNTH->BNSH", ds, qi.astype(acc))
+            return (dk, dv), dot("BNTS,BNSH->BNTH", ds, kj.astype(acc))
+
+        zeros = jnp.zeros(kj.shape, acc)
+        (dk, dv), dq_blocks = lax.scan(q_step, (zeros, zeros), jnp.arange(nq))
+        return dq + _unblock(dq_blocks), (dk, dv)
+
+    dq, (dk, dv) = lax.scan(k_block, jnp.zeros(q.shape, acc), jnp.arange(nk))  # dk, dv: (nk, B, N, ck, H)
+    return dq.astype(q.dtype), _unblock(dk).astype(k.dtype), _unblock(dv).astype(v.dtype), None
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _flash(plan: _Plan, q, k, v, keep):
+    return _forward(plan, q, k, v, keep)[0]
+
+
+def _flash_fwd(plan: _Plan, q, k, v, keep):
+    o, lse = _forward(plan, q, k, v, keep)
+    return o, (q, k, v, keep, o, lse)
+
+
+_flash.defvjp(_flash_fwd, _backward)
+
+
+def _pad_keep(keep, S: int, Tp: int, Sp: int):
+    """bool (B|1, N|1, T|1, S|1) -> (B|1, N|1, Tp|1, Sp); padding is never kept."""
+    kb, kn, kt, _ = keep.shape
+    keep = jnp.broadcast_to(keep, (kb, kn, kt, S))
+    return jnp.pad(keep, ((0, 0), (0, 0), (0, Tp - kt if kt > 1 else 0), (0, Sp - S)))
+
+
 def chunked_attention(q, k, v, keep=None, *, masked_rows="nan", q_chunk=512, k_chunk=1024, precision=None):
-    """softmax(Q Kᵀ / √H) V without materialising (B, N, T, S).
+    """softmax(Q Kᵀ / √H) V without materialising (B, N, T, S), forward or backward.
 
     q (B, T, N, H), k and v (B, S, N, H); keep: bool keep-mask broadcastable to
     (B, N, T, S), as (B|1, N|1, T|1, S|1), or None. Returns the context (B, T, N, H)
     in q's dtype. Accumulates in float32 for 16-bit inputs, float64 for float64.
+    T = 0 gives an empty context; S = 0 is a ValueError (no key to attend to).
     """
     B, T, N, H = q.shape
     S = k.shape[1]
+    if S == 0:
+        raise ValueError(f"chunked_attention needs at least one key: got key shape {k.shape} (S=0)")
+    if q_chunk < 1 or k_chunk < 1:
+        raise ValueError(f"q_chunk and k_chunk must be positive, got {q_chunk} and {k_chunk}")
     dtype = q.dtype
-    acc = accumulation_dtype(dtype)
-    q, scores_scale = fold_scale(q)
+    if T == 0:
+        return jnp.zeros((B, 0, N, H), dtype)
+    q, scale = fold_scale(q)
     cq, ck = min(q_chunk, T), min(k_chunk, S)
-    nq, nk = -(-T // cq), -(-S // ck)
-    Tp, Sp = nq * cq, nk * ck
+    Tp, Sp = -(-T // cq) * cq, -(-S // ck) * ck
 
-    qp = jnp.pad(q, ((0, 0), (0, Tp - T), (0, 0), (0, 0)))  # (B, Tp, N, H)
-    kp = jnp.pad(k, ((0, 0), (0, Sp - S), (0, 0), (0, 0)))  # (B, Sp, N, H)
-    vp = jnp.pad(v, ((0, 0), (0, Sp - S), (0, 0), (0, 0)))  # (B, Sp, N, H)
+    def blocked(x, L, Lp):  # (B, L, N, H) -> (B, N, Lp, H), zero padded
+        return jnp.pad(jnp.transpose(x, (0, 2, 1, 3)), ((0, 0), (0, 0), (0, Lp - L), (0, 0)))
 
-    # Padded keys must never be attended to: fold them into the keep-mask.
-    if keep is None and Sp != S:
-        keep = jnp.ones((1, 1, 1, S), bool)
+    keep_p = None if keep is None else _pad_keep(keep, S, Tp, Sp)
+    plan = _Plan(S=S, cq=cq, ck=ck, scale=scale, precision=precision)
+    ctx = _flash(plan, blocked(q, T, Tp), blocked(k, S, Sp), blocked(v, S, Sp), keep_p)[:, :, :T]  # (B, N, T, H)
     if keep is not None:
-        kb, kn, kt, _ = keep.shape
-        keep = jnp.broadcast_to(keep, (kb, kn, kt, S))
-        keep = jnp.pad(keep, ((0, 0), (0, 0), (0, Tp - T if kt > 1 else 0), (0, Sp - S)))
-
-    def q_chunk_context(i):
-        qi = lax.dynamic_slice_in_dim(qp, i * cq, cq, axis=1)  # (B, cq, N, H)
-        keep_i = None
-        if keep is not None:
-            keep_i = keep if keep.shape[2] == 1 else lax.dynamic_slice_in_dim(keep, i * cq, cq, axis=2)
-
-        @jax.checkpoint
-        def k_step(carry, j):
-            ctx, run_max, run_sum = carry  # (B, N, cq, H), (B, N, cq, 1), (B, N, cq, 1)
-            kj = lax.dynamic_slice_in_dim(kp, j * ck, ck, axis=1)  # (B, ck, N, H)
-            vj = lax.dynamic_slice_in_dim(vp, j * ck, ck, axis=1)  # (B, ck, N, H)
-            s = jnp.einsum("BTNH,BSNH->BNTS", qi, kj, preferred_element_type=acc, precision=precision)
-            if scores_scale != 1.0:
-                s = s * scores_scale
-            if keep_i is not None:
-                keep_ij = lax.dynamic_slice_in_dim(keep_i, j * ck, ck, axis=3)
-                s = jnp.where(keep_ij, s, -jnp.inf)  # (B, N, cq, ck)
-            # The max only stabilises exp(); the result does not depend on it.
-            new_max = lax.stop_gradient(jnp.maximum(run_max, s.max(axis=-1, keepdims=True)))
-            # A row that has seen only masked keys keeps max -inf; use 0 so exp() gives 0, not NaN.
-            safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
-            p = jnp.exp(s - safe_max)  # (B, N, cq, ck)
-            rescale = jnp.exp(run_max - safe_max)
-            run_sum = rescale * run_sum + p.sum(axis=-1, keepdims=True)
-            pv = jnp.einsum("BNTS,BSNH->BNTH", p.astype(dtype), vj, preferred_element_type=acc, precision=precision)
-            return (rescale * ctx + pv, new_max, run_sum), None
-
-        init = (
-            jnp.zeros((B, N, cq, H), acc),
-            jnp.full((B, N, cq, 1), -jnp.inf, acc),
-            jnp.zeros((B, N, cq, 1), acc),
-        )
-        (ctx, _, run_sum), _ = lax.scan(k_step, init, jnp.arange(nk))
-        attended = run_sum > 0  # False exactly where the row kept no key
-        return jnp.where(attended, ctx / jnp.where(attended, run_sum, 1.0), 0.0), attended
-
-    ctx, attended = lax.map(jax.checkpoint(q_chunk_context), jnp.arange(nq))  # (nq, B, N, cq, H)
-    ctx = jnp.moveaxis(ctx, 0, 2).reshape(B, N, Tp, H)[:, :, :T]  # (B, N, T, H)
-    attended = jnp.moveaxis(attended, 0, 2).reshape(B, N, Tp, 1)[:, :, :T]  # (B, N, T, 1)
-    mean_v = None if masked_rows == "zero" else jnp.mean(v.astype(acc), axis=1)[:, :, None, :]  # (B, N, 1, H)
-    ctx = fill_masked_rows(ctx, attended, masked_rows, mean_v)
+        row_any = keep.any(axis=-1, keepdims=True)  # (B|1, N|1, T|1, 1): from the mask alone
+        mean_v = None if masked_rows == "zero" else jnp.mean(v.astype(ctx.dtype), axis=1)[:, :, None, :]  # (B, N, 1, H)
+        ctx = fill_masked_rows(ctx, row_any, masked_rows, mean_v)
     return jnp.transpose(ctx, (0, 2, 1, 3)).astype(dtype)  # (B, T, N, H)
