@@ -1,6 +1,6 @@
 """Measure what the real libraries' attention does: mask polarity, fully masked rows, softmax precision.
 
-    .venv/bin/python scripts/measure_ecosystem.py            # ~30 s on 2 cores; prints a Markdown table
+    .venv/bin/python scripts/measure_ecosystem.py            # ~17 s of CPU; prints a Markdown table
 
 Every library runs through its peer adapter in parity/ecosystem.py on the same random
 weights (E=12, N=3, B=3, T=5, S=7 for cross-attention, seeds fixed) and is compared with
