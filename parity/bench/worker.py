@@ -91,8 +91,8 @@ class PeakBar:
     At most MAX_REMEASURES per dtype: a real bug (a missing sync) must not cost one per row.
 
     The re-measure adds a square matmul of the row's own FLOP count to the preset's sizes.
-    Measured under load 9-10 on 2 cores: the 1024-2048 matmuls (20-100 ms a call) peaked at
-    32-118 GFLOP/s because a call that long is almost always preempted, while 1 ms items
+    Measured under load 9-10 on 2 cores: the 1024-2048 matmuls (10-90 ms a call) peaked at
+    32-118 GFLOP/s because a call that long is almost always preempted, while 1-4 ms items
     ran at 125-147 between preemptions; a matmul as short as the item sees the same windows.
     """
 
