@@ -1,5 +1,5 @@
 """`python -m parity` is the `mha-parity` command."""
 
-from parity.cli import main
+from parity.cli import entry
 
-raise SystemExit(main())
+entry()

@@ -1,60 +1,99 @@
 """`mha-parity` (also `python -m parity`): run the parity matrix, print a table, write reports.
 
-Exit status: 0 when nothing failed or errored (skips are fine), 1 otherwise,
-2 for a usage error, 130 when interrupted (the reports of what finished are
-still written).
+Exit status: 0 when something was checked and nothing failed or errored (skips are
+fine); 1 when a row failed or errored, or a report could not be written; 2 for a usage
+error; 3 when nothing was checked (every requested row skipped); 130 when interrupted
+(the reports of what finished are still written).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
+import sys
 
 from parity.cli_args import comma_separated
-from parity.harness.matrix import CHECKS, DTYPES
-from parity.harness.runner import DEVICES
+from parity.devices import DEVICES
+from parity.dtypes import DTYPES
+from parity.harness.matrix import CHECKS
+
+EXIT_FAIL, EXIT_USAGE, EXIT_NOTHING, EXIT_INTERRUPTED = 1, 2, 3, 130
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from parity.harness.impls import OURS
+    from parity.impls import select
 
+    ours = [i.name for i in select("ours")]
     p = argparse.ArgumentParser(
         prog="mha-parity",
-        description="Check mha_torch and mha_jax against each other, a float64 NumPy oracle and the "
-        "ecosystem's attention layers: forward, gradients, training and divergence.",
+        description="Check mha_torch and mha_jax (and your own attention: --impl) against each other, a float64 "
+        "NumPy oracle and the ecosystem's attention layers: forward, gradients, training and divergence.",
     )
     p.add_argument("--device", choices=DEVICES, default="auto", help="where to run (auto = best present; default %(default)s)")
     p.add_argument("--quick", action="store_true", help="a small matrix that takes a few seconds")
     p.add_argument("--cases", type=comma_separated(), default=(), metavar="A,B", help="case name prefixes or globs (e.g. 'self/*,cross')")
-    p.add_argument("--dtypes", type=comma_separated(DTYPES), default=DTYPES, metavar=",".join(DTYPES))
-    p.add_argument("--checks", type=comma_separated(CHECKS), default=CHECKS, metavar=",".join(CHECKS))
-    p.add_argument("--impls", type=comma_separated([i.name for i in OURS]), default=None, metavar="torch,jax-jit,...",
-                   help="which of our implementations to run (default: all but torch-compile)")
-    p.add_argument("--compile", action="store_true", help="also run torch.compile (slow on CPU)")
+    p.add_argument("--dtypes", type=comma_separated(DTYPES), default=None, metavar=",".join(DTYPES),
+                   help="default: every dtype each case runs in")
+    p.add_argument("--checks", type=comma_separated(CHECKS), default=None, metavar=",".join(CHECKS),
+                   help="default: every check each case runs")
+    p.add_argument("--impls", type=comma_separated(ours), default=None, metavar="torch,jax-jit,...",
+                   help=f"which of our implementations to run ({', '.join(ours)}; default: all but the torch.compile ones)")
+    p.add_argument("--impl", action="append", default=[], metavar="MODULE:ATTR",
+                   help="your own implementation (a parity.impls.Implementation), e.g. examples.jax_port:port; repeatable")
+    p.add_argument("--compile", action="store_true", help="also run torch.compile of the selected torch implementations (slow on CPU)")
     p.add_argument("--framework-defaults", action="store_true",
                    help="keep the frameworks' default matmul precision (TF32 on GPU, bf16 passes on TPU) instead of 'highest'")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH", help="write the JSON report here (atomically)")
     p.add_argument("--markdown", metavar="PATH", help="write the Markdown report here (atomically)")
+    p.add_argument("--plot", metavar="PATH.png", help="draw every group's error ÷ bound (log scale, pass line at 1)")
     p.add_argument("--all-rows", action="store_true", help="print every row, not the per-group summary")
+    p.add_argument("--all-columns", action="store_true", help="also print max_rel_err, atol and rtol")
     p.add_argument("--no-progress", action="store_true", help="no live progress bar")
     return p
 
 
-def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    from rich.console import Console
+class GracefulInterrupt:
+    """The first Ctrl-C asks the run to stop after the current unit; a second one stops it at once.
+
+    Raising KeyboardInterrupt from a signal handler lands wherever the main thread is,
+    possibly inside XLA or torch internals that catch it or leave threads behind
+    (measured: runs that ignored Ctrl-C, and segfaults at exit). A flag checked between
+    units is never lost; the second press keeps the old behaviour for a stuck unit.
+    """
+
+    def __init__(self, console):
+        self.console, self.requested = console, False
+
+    def __call__(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        self.console.print("[bold yellow]interrupt: stopping after the current unit (Ctrl-C again to stop now)")
+
+    def install(self):
+        signal.signal(signal.SIGINT, self)
+        return self
+
+
+def _usage_problems(args) -> str | None:
+    paths = [os.path.abspath(p) for p in (args.json, args.markdown, args.plot) if p]
+    if len(set(paths)) < len(paths):
+        return "--json, --markdown and --plot must be different files"
+    return None
+
+
+def _run(args, console, stop):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from parity.harness.report import print_report
     from parity.harness.runner import run
+    from parity.impls import load_user_impl
 
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=160)  # piped or redirected: rich's 80 columns would fold the table
-    progress = Progress(
-        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=console, transient=True, disable=args.no_progress,
-    )
+    user = tuple(i for spec in args.impl for i in load_user_impl(spec))
+    impls = None if args.impls is None and not user else (*(args.impls or _default_ours(args)), *user)
+    progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                        console=console, transient=True, disable=args.no_progress)
     state = {"task": None, "started": False}
 
     def on_start(total):
@@ -66,27 +105,73 @@ def main(argv=None) -> int:
         state["started"] = True
         progress.update(state["task"], description=description)
 
+    with progress:
+        return run(
+            case_filter=args.cases, dtypes=args.dtypes, checks=args.checks, impls=impls, device=args.device,
+            seed=args.seed, quick=args.quick, compile=args.compile, framework_defaults=args.framework_defaults,
+            json_path=args.json, markdown_path=args.markdown, plot_path=args.plot, on_start=on_start,
+            on_progress=on_progress, should_stop=lambda: stop.requested,
+        )
+
+
+def _default_ours(args):
+    from parity.harness.runner import select_impls
+
+    return [i.name for i in select_impls(None, False)]
+
+
+def main(argv=None) -> int:
+    from rich.console import Console
+
+    console = Console(highlight=False)
+    stop = GracefulInterrupt(console).install()  # before the slow imports: an early Ctrl-C is still graceful
+    args = build_parser().parse_args(argv)
+    problem = _usage_problems(args)
+    if problem:
+        console.print(f"[bold red]mha-parity: {problem}")
+        return EXIT_USAGE
     try:
-        with progress:
-            report = run(
-                case_filter=args.cases, dtypes=args.dtypes, checks=args.checks, impls=args.impls, device=args.device,
-                seed=args.seed, quick=args.quick, compile=args.compile, framework_defaults=args.framework_defaults,
-                json_path=args.json, markdown_path=args.markdown, on_start=on_start, on_progress=on_progress,
-            )
-    except ValueError as e:
-        console.print(f"[bold red]mha-parity: {e}")
-        return 2
+        report = _run(args, console, stop)
+    except (ValueError, TypeError, ImportError) as e:  # bad arguments, an unwritable path, a user module that does not load
+        console.print(f"[bold red]mha-parity: {type(e).__name__}: {e}")
+        return EXIT_USAGE
+    return _finish(report, args, console)
+
+
+def _finish(report, args, console) -> int:
+    from parity.harness.report import print_report
+
     if report.environment.get("x64_enabled_for_run"):
         console.print("float64 in the run: jax_enable_x64 was enabled for it (recorded in the report's environment)")
-    print_report(report, console, all_rows=args.all_rows)
-    for label, path in (("JSON", args.json), ("Markdown", args.markdown)):
-        if path:
+    print_report(report, console, all_rows=args.all_rows, all_columns=args.all_columns)
+    for label, path in (("JSON", args.json), ("Markdown", args.markdown), ("plot", args.plot)):
+        if path and not any(path in e for e in report.write_errors):
             console.print(f"{label} report: {path}")
+    for err in report.write_errors:
+        console.print(f"[bold red]mha-parity: {err} (the results are printed above)")
     if report.interrupted:
         console.print("[bold red]interrupted: the reports hold what finished")
-        return 130
-    return 0 if report.ok else 1
+        return EXIT_INTERRUPTED
+    if report.write_errors:
+        return EXIT_FAIL
+    if not report.ok and not report.summary()["fail"] and not report.summary()["error"] and report.checked_nothing:
+        return EXIT_NOTHING
+    return 0 if report.ok else EXIT_FAIL
+
+
+def entry() -> None:
+    """The console script: main(), then after an interrupt a hard exit.
+
+    Interpreter teardown with XLA and torch worker threads still alive has crashed
+    (SIGSEGV after the report was written); by now everything is written and flushed.
+    """
+    code = main()
+    if code == EXIT_INTERRUPTED:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    raise SystemExit(code)
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    entry()

@@ -10,8 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from parity.harness import Case, Fault, Shape, draw_inputs, run
+from parity.harness import Case, Shape, draw_inputs, run
 from parity.harness.matrix import SHAPES
+from tests import planted
 
 SMALL = Shape("t", B=3, T=5, S=7, E=12, N=3, cross=True)
 MASKED = Case(SMALL, "random", "uniform")  # has a fully masked row
@@ -36,28 +37,28 @@ def test_clean_run_passes():
 
 
 @pytest.mark.parametrize(
-    "fault, stages",
+    "bug, stages",
     [
-        (Fault("jax", "transpose_q_weight"), {"q"}),
-        (Fault("torch", "wrong_scale"), {"scores"}),
-        (Fault("jax", "flip_mask"), {"scores", "weights"}),
+        (planted.transposed_q_weight("jax"), {"q"}),
+        (planted.wrong_scale("torch"), {"scores"}),
+        (planted.flipped_mask("jax"), {"scores", "weights"}),
+        (planted.wrong_scale("torch-fused"), {"context"}),  # the fused path has no scores to look at
     ],
 )
-def test_planted_bug_turns_red_and_names_stage(fault, stages):
-    report = _run(faults=(fault,))
+def test_planted_bug_turns_red_and_names_stage(bug, stages):
+    report = _run(impls=("torch", "jax-jit", bug))
     assert not report.ok
-    bad = _bad(report, fault.framework)
+    bad = _bad(report, bug.name)
     assert bad, "the planted bug was not caught"
-    # The materialised-weights path names the exact stage; the fused one has no weights stage.
-    named = {r.stage for r in bad if not r.impl.endswith("fused")}
-    assert named and named <= stages, named
-    other = "torch" if fault.framework == "jax" else "jax"
-    assert not _bad(report, other), "a clean implementation was blamed"
+    assert {r.stage for r in bad} <= stages and {r.stage for r in bad}, {r.stage for r in bad}
+    clean = [r for r in report.rows if r.impl in ("torch", "jax-jit")]
+    assert clean and all(r.status == "pass" for r in clean), "a clean implementation was blamed"
 
 
 def test_planted_bug_in_gradients_is_caught():
-    report = _run(checks=("gradient",), faults=(Fault("torch", "wrong_scale"),))
-    assert {r.stage for r in _bad(report, "torch") if r.impl == "torch"} == {"scores"}
+    bug = planted.wrong_scale("torch")
+    report = _run(checks=("gradient",), impls=("torch", bug))
+    assert {r.stage for r in _bad(report, bug.name)} == {"scores"}
 
 
 def test_same_seed_same_report_and_inputs(tmp_path):
@@ -89,12 +90,12 @@ def test_reports_written_with_environment(tmp_path):
 
 
 def test_an_error_becomes_a_row_and_the_rest_runs(monkeypatch):
-    from parity.harness import impls
+    from parity.impls.torch_impls import TorchRunner
 
     def boom(self, *a, **k):
         raise MemoryError("planted OOM")
 
-    monkeypatch.setattr(impls.TorchSide, "forward", boom)
+    monkeypatch.setattr(TorchRunner, "forward", boom)
     report = _run()
     errors = [r for r in report.rows if r.status == "error"]
     assert errors and all("planted OOM" in r.message for r in errors)
@@ -130,8 +131,9 @@ def test_absent_device_skips_cleanly():
     except RuntimeError:
         pass
     report = _run(device="tpu")
-    assert report.ok and report.rows and all(r.status == "skip" for r in report.rows)
+    assert report.rows and all(r.status == "skip" for r in report.rows)
     assert "not present" in report.rows[0].message
+    assert not report.ok and report.checked_nothing  # a run that checked nothing is not a pass
 
 
 def test_training_and_peers_pass():
@@ -141,7 +143,7 @@ def test_training_and_peers_pass():
     checks = {r.check for r in report.rows}
     assert checks == {"training", "peers"}
     peers = {r.impl for r in report.rows if r.check == "peers"}
-    assert len(peers) == 5
+    assert peers == {"torch-mha", "torch-sdpa-core", "flax-linen-mha", "flax-nnx-mha", "jax-dpa-core"}
     losses = [r for r in report.rows if r.quantity == "loss"]
     assert len(losses) == 3  # adam, adamw, sgd
 

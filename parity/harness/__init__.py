@@ -2,19 +2,19 @@
 
     from parity.harness import run
     report = run(quick=True, json_path="parity.json")
-    report.ok  # nothing failed or errored
+    report.ok  # something was checked, nothing failed or errored
 
-The command line is `mha-parity` (parity.cli). Modules: `matrix` (cases and
-inputs), `impls` (framework adapters and peers), `checks` (forward, gradient,
-training, peers, divergence), `report` (rows and renderings), `runner` (`run`).
+The command line is `mha-parity` (parity.cli). Modules: `matrix` (cases and inputs),
+`checks` (forward, gradient, training, peers, divergence) on the implementations of
+`parity.impls`, `judge` (the comparison), `report` (rows and renderings), `plot`
+(the margin picture), `runner` (`run`).
 """
 
-from parity.harness.impls import FAULT_KINDS, OURS, PEERS, Fault
-from parity.harness.matrix import CHECKS, DTYPES, MASK_KINDS, SHAPES, Case, Shape, default_matrix, draw_inputs, quick_matrix
+from parity.harness.matrix import CHECKS, MASK_KINDS, SHAPES, Case, Shape, default_matrix, draw_inputs, quick_matrix
 from parity.harness.report import Report, Row
-from parity.harness.runner import DEVICES, resolve_device, run
+from parity.harness.runner import run, select_impls
 
 __all__ = [
-    "run", "Report", "Row", "Case", "Shape", "Fault", "FAULT_KINDS", "OURS", "PEERS", "CHECKS", "DTYPES",
-    "MASK_KINDS", "SHAPES", "DEVICES", "default_matrix", "quick_matrix", "draw_inputs", "resolve_device",
+    "run", "Report", "Row", "Case", "Shape", "CHECKS", "MASK_KINDS", "SHAPES", "default_matrix", "quick_matrix",
+    "draw_inputs", "select_impls",
 ]

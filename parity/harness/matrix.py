@@ -13,21 +13,14 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass, field
 
-import ml_dtypes
 import numpy as np
 
 from mha_spec import MASKED_ROWS_POLICIES, check_config
-from parity.convert import CANONICAL_KEYS
+from parity import draw
+from parity.dtypes import DTYPES
 
-DTYPES = ("float64", "float32", "bfloat16", "float16")
 MASK_KINDS = ("none", "padding", "causal", "random")
 CHECKS = ("forward", "gradient", "training", "peers")
-
-
-def numpy_dtype(name: str) -> np.dtype:
-    if name not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; known: {DTYPES}")
-    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
 
 
 @dataclass(frozen=True)
@@ -166,16 +159,12 @@ def draw_inputs(case: Case, seed: int) -> Inputs:
     """The case's inputs, a pure function of (seed, case.name)."""
     s = case.shape
     rng = _case_rng(seed, case.name)
-    query = rng.standard_normal((s.B, s.T, s.E))
+    query = draw.activations(rng, s.B, s.T, s.E)
     if s.cross:
-        key, value = rng.standard_normal((s.B, s.S, s.E)), rng.standard_normal((s.B, s.S, s.E))
+        key, value = draw.activations(rng, s.B, s.S, s.E), draw.activations(rng, s.B, s.S, s.E)
     else:
         key, value = query.copy(), query.copy()
-    bound = 1.0 / np.sqrt(s.E)  # torch.nn.Linear's default init range
-    sd = {}
-    for name in CANONICAL_KEYS:
-        shape = (s.E, s.E) if name.endswith("weight") else (s.E,)
-        sd[name] = rng.uniform(-bound, bound, shape)
+    sd = draw.state_dict(rng, s.E)
     keep = _keep_mask(case.mask, s, rng)
     # Scaled so gradient magnitudes stay O(1) whatever B and T are.
     cotangent = rng.standard_normal((s.B, s.T, s.E)) / np.sqrt(s.B * s.T)

@@ -39,6 +39,7 @@ class Report:
     rows: list = field(default_factory=list)
     interrupted: bool = False
     elapsed_s: float = 0.0
+    write_errors: list = field(default_factory=list)  # report files that could not be written
 
     def summary(self) -> dict:
         counts = {s: 0 for s in STATUSES}
@@ -47,10 +48,14 @@ class Report:
         return {"total": len(self.rows), **counts, "interrupted": self.interrupted, "elapsed_s": round(self.elapsed_s, 2)}
 
     @property
+    def checked_nothing(self) -> bool:
+        return self.summary()["pass"] == 0
+
+    @property
     def ok(self) -> bool:
-        """Nothing failed or errored (skips are fine) and the run was not cut short."""
+        """Something was checked and passed, nothing failed or errored (skips are fine), not cut short."""
         s = self.summary()
-        return s["fail"] == 0 and s["error"] == 0 and not self.interrupted
+        return s["pass"] > 0 and s["fail"] == 0 and s["error"] == 0 and not self.interrupted
 
     def to_dict(self) -> dict:
         return {"environment": self.environment, "summary": self.summary(), "rows": [_jsonable(asdict(r)) for r in self.rows]}
@@ -78,12 +83,21 @@ COLUMNS = ("case", "check", "impl", "reference", "dtype", "device", "quantity", 
 
 def to_markdown(report: Report) -> str:
     env, s = report.environment, report.summary()
-    lines = ["# mha-parity report", "", "## Environment", ""]
-    lines += [f"- **{k}**: {v}" for k, v in env.items()]
-    lines += ["", "## Summary", ""]
+    lines = ["# mha-parity report", "", "## Summary", ""]
     lines += [f"{s['total']} rows: {s['pass']} pass, {s['fail']} fail, {s['error']} error, {s['skip']} skip"
-              + (" (interrupted)" if report.interrupted else "") + f"; {s['elapsed_s']} s", ""]
-    lines += ["## Rows", "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+              + (" (interrupted)" if report.interrupted else "") + f"; {s['elapsed_s']} s"
+              + ("; **nothing was checked**" if report.checked_nothing else ""), ""]
+    lines += ["One line per (check, implementation, reference, dtype, quantity): its worst row. "
+              "margin = max error ÷ the bound it was allowed (< 1 passes).", ""]
+    cols = GROUP_COLUMNS + WIDE_COLUMNS
+    lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |" for cells, _ in group_cells(report.rows, wide=True)]
+    skips = sorted({r.message for r in report.rows if r.status == "skip" and r.message})
+    if skips:
+        lines += ["", "Skipped, and why:", ""] + [f"- {m}" for m in skips]
+    lines += ["", "## Environment", ""]
+    lines += [f"- **{k}**: {v}" for k, v in env.items()]
+    lines += ["", "## Rows", "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for r in report.rows:
         cells = [fmt(getattr(r, c)).replace("|", "\\|").replace("\n", " ") for c in COLUMNS]
         lines.append("| " + " | ".join(cells) + " |")
@@ -96,22 +110,57 @@ _STYLE = {"pass": "green", "fail": "bold red", "error": "bold magenta", "skip": 
 
 
 def grouped(rows) -> list[dict]:
-    """Rows folded per (check, impl, reference, dtype, quantity): counts and the worst error."""
+    """Rows folded per (check, impl, reference, dtype, quantity): counts and the worst row by margin."""
     groups: dict[tuple, dict] = {}
     for r in rows:
         key = (r.check, r.impl, r.reference, r.dtype, r.quantity)
         g = groups.setdefault(key, {"rows": 0, "pass": 0, "fail": 0, "error": 0, "skip": 0, "worst": None})
         g["rows"] += 1
         g[r.status] += 1
-        if r.max_abs_err is not None and r.atol is not None:
-            # Worst = largest error relative to what the row allowed.
-            ratio = r.max_abs_err / (r.atol + (r.rtol or 0.0) or 1e-300)
-            if g["worst"] is None or ratio > g["worst"][0]:
-                g["worst"] = (ratio, r)
+        m = margin(r)
+        if m is not None and (g["worst"] is None or m > g["worst"][0]):
+            g["worst"] = (m, r)
     return [{"key": k, **v} for k, v in groups.items()]
 
 
-def print_report(report: Report, console, all_rows: bool = False) -> None:
+def margin(r: Row) -> float | None:
+    """max_abs_err ÷ (atol + rtol): the fraction of its allowance a row used (< 1 passes)."""
+    if r.max_abs_err is None or r.atol is None or not isinstance(r.max_abs_err, float):
+        return None
+    return r.max_abs_err / ((r.atol or 0.0) + (r.rtol or 0.0) or 1e-300)
+
+
+GROUP_COLUMNS = ("check", "impl", "vs", "dtype", "qty", "rows", "margin", "status")
+WIDE_COLUMNS = ("max_abs_err", "max_rel_err", "atol", "rtol")
+# Short forms so that the default table fits 80 columns; the reports keep the full names.
+_SHORT = {"float64": "f64", "float32": "f32", "bfloat16": "bf16", "float16": "f16", "forward": "fwd",
+          "gradient": "grad", "training": "train", "output": "out", "weights": "wts", "d_inputs": "d_in",
+          "d_params": "d_par", "params": "par"}
+
+
+def group_status(g: dict) -> str:
+    return next((s for s in ("error", "fail", "pass", "skip") if g[s]), "skip")
+
+
+def group_cells(rows, wide: bool = False) -> list[tuple[list[str], str]]:
+    """(cells, status) per group, in GROUP_COLUMNS order (+ WIDE_COLUMNS when wide)."""
+    out = []
+    for g in grouped(rows):
+        check, impl, ref, dtype, qty = g["key"]
+        worst = g["worst"][1] if g["worst"] else None
+        st = group_status(g)
+        counts = f"{g['pass']}/{g['rows']}" if st in ("pass", "fail") else f"{g[st]}/{g['rows']}"
+        m = f"{g['worst'][0]:.2g}" if g["worst"] else ""
+        cells = [_SHORT.get(check, check), impl, ref, _SHORT.get(dtype, dtype), _SHORT.get(qty, qty), counts, m, st]
+        if wide:
+            cells += [fmt(getattr(worst, c)) if worst else "" for c in WIDE_COLUMNS]
+        out.append((cells, st))
+    return out
+
+
+def print_report(report: Report, console, all_rows: bool = False, all_columns: bool = False) -> None:
+    """The per-group table (readable at 80 columns), failures with their stage, skips, the summary."""
+    from rich import box
     from rich.markup import escape
     from rich.table import Table
 
@@ -121,7 +170,7 @@ def print_report(report: Report, console, all_rows: bool = False) -> None:
         f"precision: jax={env.get('jax_default_matmul_precision')} torch={env.get('torch_float32_matmul_precision')}"
     )
     if all_rows:
-        table = Table(title="mha-parity: every row")
+        table = Table(title="mha-parity: every row", box=box.SIMPLE_HEAD)
         for c in COLUMNS:
             table.add_column(c, overflow="fold")
         for r in report.rows:
@@ -130,28 +179,18 @@ def print_report(report: Report, console, all_rows: bool = False) -> None:
             table.add_row(*cells)
         console.print(table)
     else:
-        table = Table(title="mha-parity (worst row of each group; --all-rows for every row)")
-        for c in ("check", "impl", "reference", "dtype", "quantity", "rows", "max_abs_err", "max_rel_err", "atol", "rtol", "status"):
-            table.add_column(c, justify="right" if c in ("rows",) or c.startswith(("max", "atol", "rtol")) else "left")
-        for g in grouped(report.rows):
-            check, impl, ref, dtype, qty = g["key"]
-            worst = g["worst"][1] if g["worst"] else None
-            status = next((s for s in ("error", "fail", "pass", "skip") if g[s]), "skip")
-            counts = f"{g['pass']}/{g['rows']}" if status in ("pass", "fail") else f"{g[status]}/{g['rows']} {status}"
-            w = [fmt(getattr(worst, c)) if worst else "" for c in ("max_abs_err", "max_rel_err", "atol", "rtol")]
-            table.add_row(*map(escape, (check, impl, ref, dtype, qty, counts, *w)), f"[{_STYLE[status]}]{status}[/]")
+        table = Table(title="worst row of each group; margin = error ÷ bound (< 1 passes)", box=box.SIMPLE_HEAD,
+                      pad_edge=False, title_justify="left")
+        for c in GROUP_COLUMNS + (WIDE_COLUMNS if all_columns else ()):
+            numeric = c in ("rows", "margin") + WIDE_COLUMNS
+            # Only the names may fold; numbers and short fields never do.
+            table.add_column(c, justify="right" if numeric else "left", no_wrap=c not in ("impl", "vs"), overflow="fold")
+        for cells, st in group_cells(report.rows, wide=all_columns):
+            cells = [escape(c) for c in cells]
+            cells[GROUP_COLUMNS.index("status")] = f"[{_STYLE[st]}]{st}[/]"
+            table.add_row(*cells)
         console.print(table)
-    bad = [r for r in report.rows if r.status in ("fail", "error")]
-    if bad and not all_rows:
-        table = Table(title="failures and errors")
-        for c in ("case", "check", "impl", "reference", "dtype", "quantity", "max_abs_err", "atol", "status", "stage", "message"):
-            table.add_column(c, overflow="fold")
-        for r in bad[:60]:
-            cells = map(escape, (r.case, r.check, r.impl, r.reference, r.dtype, r.quantity, fmt(r.max_abs_err), fmt(r.atol)))
-            table.add_row(*cells, f"[{_STYLE[r.status]}]{r.status}[/]", escape(r.stage), escape(r.message))
-        console.print(table)
-        if len(bad) > 60:
-            console.print(f"... and {len(bad) - 60} more; see the JSON/Markdown report")
+    _print_failures(report, console, all_rows)
     skips = sorted({r.message for r in report.rows if r.status == "skip" and r.message})
     for msg in skips:
         console.print(f"[yellow]skip:[/] {escape(msg)}")
@@ -161,3 +200,24 @@ def print_report(report: Report, console, all_rows: bool = False) -> None:
         f"[{style}]{s['total']} rows: {s['pass']} pass, {s['fail']} fail, {s['error']} error, {s['skip']} skip"
         f"{' (interrupted)' if report.interrupted else ''} in {s['elapsed_s']} s[/]"
     )
+    if report.checked_nothing:
+        console.print("[bold red]nothing was checked: no row passed (see the skip reasons above)[/]")
+
+
+def _print_failures(report: Report, console, all_rows: bool) -> None:
+    """Each failure or error as a short block: it has room for its stage and message at 80 columns."""
+    from rich.markup import escape
+
+    bad = [r for r in report.rows if r.status in ("fail", "error")]
+    if not bad or all_rows:
+        return
+    console.print(f"[bold red]{len(bad)} failure(s)/error(s):[/]")
+    for r in bad[:40]:
+        where = f" stage={r.stage}" if r.stage else ""
+        nums = f" err {fmt(r.max_abs_err)} > bound {fmt(r.atol)}" if r.max_abs_err is not None else ""
+        console.print(f"[{_STYLE[r.status]}]{r.status}[/] {escape(r.case)} {escape(r.check)} {escape(r.impl)} vs "
+                      f"{escape(r.reference)} {r.dtype} {escape(r.quantity)}{nums}{where}")
+        if r.message:
+            console.print(f"    {escape(r.message)}")
+    if len(bad) > 40:
+        console.print(f"... and {len(bad) - 40} more; see the JSON/Markdown report")

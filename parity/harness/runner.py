@@ -1,125 +1,51 @@
-"""`run`: devices, precision settings, the loop over (case, dtype), the environment block."""
+"""`run`: choose the implementations, loop over (case, dtype), account for what could not run.
+
+A run that checked nothing is never a pass: a requested check, dtype or implementation
+that no selected case can run becomes a `skip` row that says why, and `Report.ok` needs
+at least one passing row.
+"""
 
 from __future__ import annotations
 
-import contextlib
 import fnmatch
-import platform
 import time
-from dataclasses import dataclass
-from importlib import metadata
 
-from parity.atomic import write_atomic
+from parity.atomic import check_writable, write_atomic
+from parity.devices import DevicePlan, resolve_device
+from parity.dtypes import DTYPES, numpy_dtype
+from parity.env import environment, pinned
 from parity.harness import checks as _checks
-from parity.harness.impls import Fault, JaxSide, TorchSide, planted
-from parity.harness.matrix import CHECKS, DTYPES, Case, default_matrix, draw_inputs, numpy_dtype, quick_matrix
+from parity.harness.matrix import CHECKS, Case, default_matrix, draw_inputs, quick_matrix
 from parity.harness.report import Report, Row, to_json, to_markdown
-
-DEVICES = ("auto", "cpu", "gpu", "tpu")
-
-
-@dataclass(frozen=True)
-class DevicePlan:
-    requested: str
-    name: str  # what runs: cpu | gpu | tpu
-    jax_device: object | None
-    torch_device: str | None
-    skip_reason: str = ""
-    note: str = ""
+from parity.impls import Implementation, select
 
 
-def _jax_devices(platform_name: str):
-    import jax
+def select_impls(impls=None, compile: bool = False) -> tuple[Implementation, ...]:
+    """Ours (by name) and the user's own (Implementation objects), in registry order.
 
-    try:
-        return jax.devices(platform_name)
-    except RuntimeError:  # jax raises when the backend is absent
-        return []
-
-
-def resolve_device(requested: str) -> DevicePlan:
-    """The best present device for 'auto'; for an absent one, a plan that says why it is skipped."""
-    import torch
-
-    if requested not in DEVICES:
-        raise ValueError(f"device {requested!r} is not one of {DEVICES}")
-    cuda = torch.cuda.is_available()
-    if requested == "auto":
-        requested_eff = next((d for d in ("tpu", "gpu") if _jax_devices(d) or (d == "gpu" and cuda)), "cpu")
-    else:
-        requested_eff = requested
-    if requested_eff == "cpu":
-        return DevicePlan(requested, "cpu", _jax_devices("cpu")[0], "cpu")
-    found = _jax_devices(requested_eff)
-    if requested_eff == "gpu":
-        if not found and not cuda:
-            return DevicePlan(requested, "gpu", None, None, skip_reason=(
-                "device gpu not present: jax has no gpu backend and torch.cuda.is_available() is False"))
-        if not found:
-            return DevicePlan(requested, "gpu", None, "cuda", skip_reason=(
-                "device gpu: torch sees CUDA but jax has no gpu backend (install jax[cuda13])"))
-        note = "" if cuda else "torch has no CUDA here, so torch runs on cpu as the reference"
-        return DevicePlan(requested, "gpu", found[0], "cuda" if cuda else "cpu", note=note)
-    if not found:
-        return DevicePlan(requested, "tpu", None, None, skip_reason="device tpu not present: jax has no tpu backend")
-    return DevicePlan(requested, "tpu", found[0], "cpu", note="torch has no TPU backend here: it runs on cpu as the reference")
-
-
-@contextlib.contextmanager
-def precision_settings(framework_defaults: bool, x64: bool):
-    """Pin matmul precision (unless asked for the frameworks' defaults) and x64; restore afterwards."""
-    import jax
-    import torch
-
-    saved = (jax.config.jax_enable_x64, jax.config.jax_default_matmul_precision, torch.get_float32_matmul_precision())
-    cuda_tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
-    try:
-        if x64:
-            jax.config.update("jax_enable_x64", True)
-        if not framework_defaults:
-            jax.config.update("jax_default_matmul_precision", "highest")
-            torch.set_float32_matmul_precision("highest")
-            torch.backends.cuda.matmul.allow_tf32 = False
-            torch.backends.cudnn.allow_tf32 = False
-        yield
-    finally:
-        jax.config.update("jax_enable_x64", saved[0])
-        jax.config.update("jax_default_matmul_precision", saved[1])
-        torch.set_float32_matmul_precision(saved[2])
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = cuda_tf32
-
-
-def _version(dist: str) -> str:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return "not installed"
-
-
-def environment(plan: DevicePlan, seed: int, framework_defaults: bool, extra: dict) -> dict:
-    import jax
-    import torch
-
-    env = {"python": platform.python_version(), "platform": platform.platform()}
-    for dist in ("jax", "jaxlib", "flax", "optax", "torch", "numpy", "ml_dtypes"):
-        env[dist] = _version(dist)
-    env["device"] = plan.name if not plan.skip_reason else f"{plan.name} (absent)"
-    env["jax_device"] = str(plan.jax_device) if plan.jax_device is not None else "none"
-    if plan.torch_device == "cuda":
-        env["torch_device"] = f"cuda: {torch.cuda.get_device_name(0)}"
-    else:
-        env["torch_device"] = plan.torch_device or "none"
-    env["torch_threads"] = torch.get_num_threads()
-    env["jax_enable_x64"] = bool(jax.config.jax_enable_x64)
-    env["jax_default_matmul_precision"] = str(jax.config.jax_default_matmul_precision)
-    env["torch_float32_matmul_precision"] = torch.get_float32_matmul_precision()
-    env["torch_cuda_matmul_allow_tf32"] = bool(torch.backends.cuda.matmul.allow_tf32)
-    env["framework_defaults"] = framework_defaults
-    env["seed"] = seed
-    if plan.note:
-        env["device_note"] = plan.note
-    env.update(extra)
-    return env
+    Default: every one of ours except the torch.compile ones. `compile=True` adds the
+    torch.compile twin of each selected eager torch implementation of ours; naming a
+    compile implementation in `impls` runs it with or without `compile`.
+    """
+    impls = list(impls) if impls is not None else None
+    user = tuple(i for i in impls or () if isinstance(i, Implementation))
+    bad = [i for i in impls or () if not isinstance(i, (str, Implementation))]
+    if bad:
+        raise TypeError(f"impls must be names or parity.impls.Implementation objects, got {bad!r}")
+    names = None if impls is None else [i for i in impls if isinstance(i, str)]
+    ours = select("ours")
+    chosen = [i for i in ours if (i.name in names if names is not None else i.mode != "compile")]
+    unknown = sorted(set(names or ()) - {i.name for i in ours})
+    if unknown:
+        raise ValueError(f"unknown implementations {unknown}; ours: {[i.name for i in ours]} "
+                         "(your own: --impl module:attribute)")
+    if compile:
+        twins = {"torch": "torch-compile", "torch-fused": "torch-compile-fused"}
+        wanted = {twins[i.name] for i in chosen if i.name in twins}
+        if not wanted and not any(i.mode == "compile" for i in chosen):
+            raise ValueError("--compile adds torch.compile runs of the selected torch implementations, but none is selected")
+        chosen = [i for i in ours if i in chosen or i.name in wanted]
+    return (*chosen, *user)
 
 
 def _select_cases(cases, patterns) -> tuple[Case, ...]:
@@ -131,12 +57,33 @@ def _select_cases(cases, patterns) -> tuple[Case, ...]:
     return chosen
 
 
+def _validate(dtypes, checks) -> None:
+    for d in dtypes:
+        numpy_dtype(d)
+    unknown = set(checks) - set(CHECKS)
+    if unknown:
+        raise ValueError(f"unknown checks {sorted(unknown)}; known: {CHECKS}")
+    if not dtypes:
+        raise ValueError(f"no dtype selected; choose from {DTYPES}")
+    if not checks:
+        raise ValueError(f"no check selected; choose from {CHECKS}")
+
+
+def _runners(plan: DevicePlan) -> dict:
+    import jax
+
+    from parity.impls.jax_impls import JaxRunner
+    from parity.impls.torch_impls import TorchRunner
+
+    return {"torch": TorchRunner(plan.torch_device), "jax": JaxRunner(jax.devices(plan.jax_platform)[0])}
+
+
 def run(
     *,
     cases=None,
     case_filter=(),
-    dtypes=DTYPES,
-    checks=CHECKS,
+    dtypes=None,
+    checks=None,
     impls=None,
     device: str = "auto",
     seed: int = 0,
@@ -145,40 +92,40 @@ def run(
     framework_defaults: bool = False,
     json_path=None,
     markdown_path=None,
-    faults: tuple[Fault, ...] = (),
+    plot_path=None,
     on_progress=None,
     on_start=None,
+    should_stop=None,
 ) -> Report:
     """Run the parity matrix; return the report (and write it, if paths are given).
 
     cases: a sequence of `Case` (default: the default matrix, or the quick one);
-    case_filter: name prefixes or globs; dtypes, checks, impls: names to keep.
-    faults: planted bugs, for the harness's own tests only.
-    on_start(total_units) and on_progress(description) drive a progress bar.
-    A unit that raises becomes error rows; Ctrl-C stops the loop, and the report of
-    what finished is still written (report.interrupted is True).
+    case_filter: name prefixes or globs; dtypes, checks: names to keep (None: whatever the
+    cases run, all checks; named ones that nothing runs get a skip row saying why); impls: names of
+    ours and/or `parity.impls.Implementation` objects (your own; see `select_impls`).
+    on_start(total_units) and on_progress(description) drive a progress bar;
+    should_stop() is asked between units (a graceful Ctrl-C). A unit that raises
+    becomes error rows; KeyboardInterrupt stops the loop, and the report of what
+    finished is still written (report.interrupted is True).
     """
     started = time.perf_counter()
-    for d in dtypes:
-        numpy_dtype(d)
-    unknown = set(checks) - set(CHECKS)
-    if unknown:
-        raise ValueError(f"unknown checks {sorted(unknown)}; known: {CHECKS}")
-    if not isinstance(faults, (tuple, list)) or not all(isinstance(f, Fault) for f in faults):
-        raise TypeError("faults must be a tuple of parity.harness.Fault")
-    cases = tuple(cases) if cases is not None else (quick_matrix() if quick else default_matrix())
-    cases = _select_cases(cases, case_filter)
-    selected = _checks.select_impls(impls, compile)
+    explicit = {"dtypes": dtypes is not None, "checks": checks is not None}
+    dtypes = DTYPES if dtypes is None else tuple(dtypes)
+    checks = CHECKS if checks is None else tuple(checks)
+    _validate(dtypes, checks)
+    for path in (json_path, markdown_path, plot_path):
+        if path:
+            check_writable(path)
+    cases = _select_cases(tuple(cases) if cases is not None else (quick_matrix() if quick else default_matrix()), case_filter)
+    selected = select_impls(impls, compile)
+    peers = tuple(p for p in select("peer") if p.harness)
     units = [(c, d) for c in cases for d in dtypes if d in c.dtypes]
     x64 = any(d == "float64" for _, d in units)  # float64 needs jax_enable_x64: on for this run only
     plan = resolve_device(device)
     extra = {"dtypes": ",".join(dtypes), "checks": ",".join(checks), "cases": len(cases),
-             "implementations": ",".join(i.name for i in selected)}
-    if faults:
-        extra["planted_faults"] = ", ".join(f"{f.framework}:{f.kind}" for f in faults)
-    extra["x64_enabled_for_run"] = x64
-    with precision_settings(framework_defaults, x64):
-        report = Report(environment(plan, seed, framework_defaults, extra))
+             "implementations": ",".join(i.name for i in selected), "x64_enabled_for_run": x64}
+    with pinned(framework_defaults, x64):
+        report = Report(_environment(plan, seed, framework_defaults, extra))
         if on_start is not None:
             on_start(len(units))
         try:
@@ -186,39 +133,104 @@ def run(
                 report.rows += [Row(c.name, ch, "*", "*", d, plan.name, "skip", message=plan.skip_reason)
                                 for c, d in units for ch in checks]
             else:
-                with planted(faults):
-                    sides = {"torch": TorchSide(plan.torch_device, faults), "jax": JaxSide(plan.jax_device, faults)}
-                    for case, dtype in units:
-                        if on_progress is not None:
-                            on_progress(f"{case.name} {dtype}")
-                        report.rows += _run_unit(case, dtype, seed, plan, sides, checks, selected)
-                        sides["jax"].clear()
+                _loop(report, units, seed, checks, selected, peers, _runners(plan), on_progress, should_stop)
         except KeyboardInterrupt:
             report.interrupted = True
         finally:
+            if not report.interrupted:  # what an interrupted run did not reach is not a "cannot run"
+                report.rows += coverage(report.rows, cases, dtypes if explicit["dtypes"] else (),
+                                        checks if explicit["checks"] else (), selected, plan.name)
             report.elapsed_s = time.perf_counter() - started
-            write_reports(report, json_path, markdown_path)
+            report.write_errors = write_reports(report, json_path, markdown_path, plot_path)
     return report
 
 
-def _run_unit(case, dtype, seed, plan, sides, checks, impls) -> list[Row]:
-    from parity.harness.checks import Unit
+def _loop(report, units, seed, checks, impls, peers, runners, on_progress, should_stop) -> None:
+    for case, dtype in units:
+        if should_stop is not None and should_stop():
+            report.interrupted = True
+            return
+        if on_progress is not None:
+            on_progress(f"{case.name} {dtype}")
+        report.rows += _run_unit(case, dtype, seed, checks, impls, peers, runners)
 
+
+def _run_unit(case, dtype, seed, checks, impls, peers, runners) -> list[Row]:
     try:
         x = draw_inputs(case, seed).in_dtype(numpy_dtype(dtype))
-        unit = Unit(case, dtype, x, str(plan.torch_device), str(plan.jax_device).lower())
-        return _checks.run_unit(unit, sides, checks, impls)
+        return _checks.run_unit(_checks.Unit(case, dtype, x, runners, checks), impls, peers)
     except KeyboardInterrupt:
         raise
     except Exception as e:  # MemoryError included: one unit's failure must not end the run
-        return [Row(case.name, "*", "*", "*", dtype, plan.name, "error", message=f"{type(e).__name__}: {e}"[:500])]
+        return [Row(case.name, "*", "*", "*", dtype, "-", "error", message=f"{type(e).__name__}: {e}"[:500])]
 
 
-def write_reports(report: Report, json_path=None, markdown_path=None) -> None:
-    if json_path:
-        write_atomic(json_path, to_json(report))
-    if markdown_path:
-        write_atomic(markdown_path, to_markdown(report))
+def coverage(rows, cases, dtypes, checks, impls, device: str) -> list[Row]:
+    """A skip row for each requested dtype, check or implementation that nothing ran, saying why."""
+    ran = [r for r in rows if r.status != "skip"]
+    out = []
+    for d in dtypes:
+        if not any(r.dtype == d for r in ran):
+            runs_in = sorted({x for c in cases for x in c.dtypes}, key=DTYPES.index)
+            out.append(Row("*", "*", "*", "*", d, device, "skip",
+                           message=f"nothing ran in {d}: the selected cases run in {', '.join(runs_in)}"))
+    flag = {"training": "train", "peers": "peers"}
+    for ch in checks:
+        if any(r.check == ch for r in ran):
+            continue
+        if ch in flag:
+            enabled = [c.name for c in cases if getattr(c, flag[ch])]
+            reason = (f"it runs only on cases with {flag[ch]}=True: "
+                      + (", ".join(enabled) + " (in float64/float32 for training)" if enabled else "none is selected"))
+        else:
+            reason = "no selected implementation, case and dtype ran it"
+        out.append(Row("*", ch, "*", "*", "*", device, "skip", message=f"nothing ran for {ch}: {reason}"))
+    for impl in impls if {"forward", "gradient"} & set(checks or CHECKS) else ():
+        if not any(r.impl == impl.name for r in ran):
+            out.append(Row("*", "*", impl.name, "*", "*", device, "skip",
+                           message=f"nothing ran for {impl.name} (see its skip rows, or the dtype/check selection)"))
+    return out
 
 
-__all__ = ["run", "resolve_device", "write_reports", "DEVICES", "DevicePlan"]
+def _environment(plan: DevicePlan, seed: int, framework_defaults: bool, extra: dict) -> dict:
+    import jax
+    import torch
+
+    env = environment()
+    env["device"] = plan.name if not plan.skip_reason else f"{plan.name} (absent)"
+    env["jax_device"] = str(jax.devices(plan.jax_platform)[0]) if plan.jax_platform else "none"
+    if plan.torch_device == "cuda":
+        env["torch_device"] = f"cuda: {torch.cuda.get_device_name(0)}"
+    else:
+        env["torch_device"] = plan.torch_device or "none"
+    env["torch_threads"] = torch.get_num_threads()
+    env["jax_enable_x64"] = bool(jax.config.jax_enable_x64)
+    env["jax_default_matmul_precision"] = str(jax.config.jax_default_matmul_precision)
+    env["torch_float32_matmul_precision"] = torch.get_float32_matmul_precision()
+    env["torch_cuda_matmul_allow_tf32"] = bool(torch.backends.cuda.matmul.allow_tf32)
+    env.update(framework_defaults=framework_defaults, seed=seed)
+    if plan.note:
+        env["device_note"] = plan.note
+    env.update(extra)
+    return env
+
+
+def write_reports(report: Report, json_path=None, markdown_path=None, plot_path=None) -> list[str]:
+    """Write what was asked; a failure is returned (and the rest still written), never raised:
+    the results of a whole run must not be lost to a full disk or a wrong path."""
+    from parity.harness.plot import write_margin_plot
+
+    failures = []
+    for path, write in ((json_path, lambda p: write_atomic(p, to_json(report))),
+                        (markdown_path, lambda p: write_atomic(p, to_markdown(report))),
+                        (plot_path, lambda p: write_margin_plot(report, p))):
+        if not path:
+            continue
+        try:
+            write(path)
+        except OSError as e:
+            failures.append(f"could not write {path}: {e.strerror or e}")
+    return failures
+
+
+__all__ = ["run", "select_impls", "coverage", "write_reports"]

@@ -1,0 +1,1 @@
+"""Worked examples of `mha-parity --impl`: attention layers a researcher would bring."""

@@ -1,0 +1,35 @@
+"""The one dtype-name map: names as they appear in reports and on the command line.
+
+Framework-free (NumPy and ml_dtypes only); the torch and JAX dtypes are looked up by
+name where a framework is already imported.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+DTYPES = ("float64", "float32", "bfloat16", "float16")
+_NUMPY = {name: np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name) for name in DTYPES}
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    """'bfloat16' -> ml_dtypes.bfloat16, 'float32' -> float32, ...; unknown names are a ValueError."""
+    if name not in _NUMPY:
+        raise ValueError(f"unknown dtype {name!r}; known: {DTYPES}")
+    return _NUMPY[name]
+
+
+def dtype_name(dtype) -> str:
+    """The report name of a NumPy, ml_dtypes, torch or JAX dtype (by its printed name)."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in _NUMPY:
+        raise TypeError(f"dtype {dtype} is not one of {DTYPES}")
+    return name
+
+
+def torch_dtype(name: str):
+    import torch
+
+    numpy_dtype(name)  # validates the name
+    return getattr(torch, name)

@@ -1,0 +1,87 @@
+"""Judging one array against a reference: the table's bound, three-way for 16-bit, NaN placement.
+
+  float64/float32  elementwise atol + rtol * |oracle|, NaNs at the same places.
+  16-bit forward   three-way: err(candidate, float64 oracle) <= k * err(oracle's own
+                   maths in that dtype, float64 oracle) + atol.
+  16-bit gradient  three-way as well, the yardstick being `reference.backward(dtype=...)`:
+                   the oracle's backward with every stored stage rounded as the modules
+                   store it.
+Implementation-vs-implementation rows use the same bound, with the 16-bit yardstick
+measured on the oracle (so two candidates may each be off by it).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from parity import reference
+from parity.tolerances import Comparison, Tolerance, compare, compare_three_way, errors
+
+
+def judge(actual, expected, tol: Tolerance, k: float | None = None, yardstick=None, yard_err: float | None = None) -> Comparison:
+    """The table's judgement; three-way when k is set and a yardstick is known."""
+    if k is None or (yardstick is None and yard_err is None):
+        return compare(actual, expected, tol)
+    if yardstick is not None:
+        return compare_three_way(actual, expected, yardstick, k, tol.atol)
+    # Against another candidate: each may be k yardsticks off the oracle, in opposite
+    # directions (one 16-bit ulp apart is normal), so the bound is doubled.
+    max_abs, max_rel, nan_mismatch = errors(actual, expected)
+    atol = 2 * k * yard_err + tol.atol
+    return Comparison(max_abs, max_rel, atol, 0.0, nan_mismatch, bool(max_abs <= atol and nan_mismatch == 0))
+
+
+def logits(weights, keep, shape4) -> np.ndarray:
+    """The scores a softmax saw, up to a per-row constant: log(weights) centred over kept keys.
+
+    Exact for softmax outputs, so the scores stage can be read off any implementation
+    that returns weights, with its own core's scale and mask included.
+    """
+    w = reference.as_float64(weights)
+    valid = np.ones(shape4, bool) if keep is None else np.broadcast_to(keep, shape4)
+    valid = valid & valid.any(axis=-1, keepdims=True)  # rows that attend to something
+    with np.errstate(divide="ignore", invalid="ignore"):
+        lw = np.log(np.where(valid, w, 1.0))
+    lw = np.where(np.isfinite(lw), lw, np.nan)  # a kept key with weight 0 is a divergence
+    n = np.maximum(valid.sum(axis=-1, keepdims=True), 1)
+    mean = np.where(valid, lw, 0.0).sum(axis=-1, keepdims=True) / n
+    return np.where(valid, lw - mean, 0.0)
+
+
+def nan_note(actual, expected) -> str:
+    """Which way NaN placements differ, e.g. a fused path with finite gradients where the oracle has NaN."""
+    a, e = np.isnan(reference.as_float64(actual)), np.isnan(reference.as_float64(expected))
+    parts = []
+    if (n := int(np.count_nonzero(~a & e))):
+        parts.append(f"{n} finite where the reference is NaN")
+    if (n := int(np.count_nonzero(a & ~e))):
+        parts.append(f"{n} NaN where the reference is finite")
+    return ", ".join(parts)
+
+
+def status(c: Comparison) -> str:
+    return "pass" if c.passed else "fail"
+
+
+def judge_grads(got: dict, expected: dict, tol: Tolerance, names, k=None, yard_err=None) -> tuple[Comparison, str]:
+    """Judge several arrays as one row; the row shows the worst (by error over its bound)."""
+    cmps = {n: judge(got[n], expected[n], tol, k, yard_err=None if yard_err is None else yard_err[n]) for n in names}
+
+    def badness(n):
+        c = cmps[n]
+        return (not c.passed, margin(c))
+
+    worst = max(names, key=badness)
+    c = cmps[worst]
+    total_nan = sum(x.nan_mismatch for x in cmps.values())
+    merged = Comparison(c.max_abs_err, c.max_rel_err, c.atol, c.rtol, total_nan, all(x.passed for x in cmps.values()))
+    note = f"worst: {worst}" + ("" if c.passed else " (fails)")
+    nans = [f"{n}: {nan_note(got[n], expected[n])}" for n in names if cmps[n].nan_mismatch]
+    if nans:
+        note += f"; NaN placement differs in {'; '.join(nans)}"
+    return merged, note
+
+
+def margin(c: Comparison) -> float:
+    """max error ÷ the bound it was allowed (at |expected| = 1): < 1 passes, the smaller the more room."""
+    return c.max_abs_err / ((c.atol or 0.0) + (c.rtol or 0.0) or 1e-300)

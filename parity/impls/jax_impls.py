@@ -1,0 +1,288 @@
+"""The JAX implementations, and how JAX runs any registered implementation.
+
+Imports jax (and flax, optax), never torch. Every factory follows the contract in
+`parity.impls.registry`: `factory(state_dict, num_heads, *, dtype, device[, masked_rows])
+-> fn(params, q, k, v, mask)`, a pure function of the canonical parameters, so that
+`jax.grad` and `jax.jit` apply to any of them alike.
+Legend (see mha_spec): B T S N H E.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from parity import convert
+from parity.impls.registry import Implementation, mask_for
+from parity.impls.validate import check_result, stages_dict
+
+# ---------------------------------------------------------------- factories
+
+
+def _linear_leaves(params, p: str, kernel_shape=None) -> dict:
+    """Canonical (out, in) weight and bias as a flax layer's (in, out) kernel and bias, reshaped if asked."""
+    kernel = params[f"{p}.weight"].T  # (E_in, E_out)
+    bias = params[f"{p}.bias"]
+    if kernel_shape is not None:
+        kernel = kernel.reshape(kernel_shape)
+        bias = bias if p == "out_proj" else bias.reshape(kernel_shape[1:])
+    return {"kernel": kernel, "bias": bias}
+
+
+def _merged(graphdef, state, layers: dict):
+    """The module with `layers` ({submodule: {"kernel", "bias"}}) as its parameters, traceable.
+
+    Works on copies: Variables created outside a jax transformation cannot be mutated inside it.
+    """
+    pure = jax.tree.map(lambda a: a, nnx.to_pure_dict(state))
+    for name, leaves in layers.items():
+        pure[name].update(leaves)
+    fresh = jax.tree.map(lambda a: a, state)
+    nnx.replace_by_pure_dict(fresh, pure)
+    return nnx.merge(graphdef, fresh)
+
+
+def _ours(sd, num_heads, *, dtype, device, masked_rows, need_weights):
+    with jax.default_device(device):
+        graphdef, state = nnx.split(convert.to_jax(sd, num_heads, masked_rows=masked_rows))
+
+    def module(params):
+        return _merged(graphdef, state, {p: _linear_leaves(params, p) for p in convert.PROJECTIONS})
+
+    def fn(params, query, key, value, mask):
+        return module(params)(query, key, value, mask, need_weights=need_weights)
+
+    def intermediates(params, query, key, value, mask):
+        *_, stages = module(params)(query, key, value, mask, need_weights=need_weights, return_intermediates=True)
+        return stages
+
+    fn.intermediates = intermediates
+    return fn
+
+
+ours_weights = functools.partial(_ours, need_weights=True)
+ours_fused = functools.partial(_ours, need_weights=False)
+
+
+def _flax_shapes(E: int, N: int) -> dict:
+    """flax's MultiHeadAttention layout: q/k/v kernels (E, N, H), out kernel (N, H, E)."""
+    H = E // N
+    return {"q_proj": (E, N, H), "k_proj": (E, N, H), "v_proj": (E, N, H), "out_proj": (N, H, E)}
+
+
+def flax_linen(sd, num_heads, *, dtype, device):
+    import flax.linen as nn
+
+    E = sd["q_proj.weight"].shape[0]
+    m = nn.MultiHeadDotProductAttention(num_heads=num_heads, qkv_features=E, out_features=E, dtype=dtype,
+                                        param_dtype=dtype, deterministic=True)
+    shapes = _flax_shapes(E, num_heads)
+
+    def fn(params, query, key, value, keep):
+        tree = {flax_name: _linear_leaves(params, p, shapes[p]) for p, flax_name in convert.FLAX_NAMES.items()}
+        out, state = m.apply({"params": tree}, query, key, value, mask=keep, sow_weights=True, mutable=["intermediates"])
+        (w,) = state["intermediates"]["attention_weights"]
+        return out, w
+
+    return fn
+
+
+def _flax_nnx(sd, num_heads, *, dtype, device, need_weights):
+    E = sd["q_proj.weight"].shape[0]
+    with jax.default_device(device):
+        graphdef, state = nnx.split(convert.to_flax_nnx(sd, num_heads, dtype=jnp.dtype(dtype)))
+    shapes = _flax_shapes(E, num_heads)
+
+    def fn(params, query, key, value, keep):
+        m = _merged(graphdef, state, {f: _linear_leaves(params, p, shapes[p]) for p, f in convert.FLAX_NAMES.items()})
+        if not need_weights:
+            return m(query, key, value, mask=keep, deterministic=True)
+        out, inter = nnx.capture(m, nnx.Intermediate)(query, key, value, mask=keep, deterministic=True, sow_weights=True)
+        (w,) = inter["attention_weights"].get_value()
+        return out, w
+
+    return fn
+
+
+flax_nnx_weights = functools.partial(_flax_nnx, need_weights=True)
+flax_nnx_fused = functools.partial(_flax_nnx, need_weights=False)
+
+
+def dpa_core(sd, num_heads, *, dtype, device):
+    def fn(params, query, key, value, keep):
+        B, T, E = query.shape
+        S, N, H = key.shape[1], num_heads, E // num_heads
+
+        def proj(x, p, L):  # (B, L, E) -> (B, L, N, H); canonical (out, in) weights: x Wᵀ + b
+            return (jnp.einsum("BLE,FE->BLF", x, params[f"{p}.weight"]) + params[f"{p}.bias"]).reshape(B, L, N, H)
+
+        ctx = jax.nn.dot_product_attention(proj(query, "q_proj", T), proj(key, "k_proj", S), proj(value, "v_proj", S),
+                                           mask=keep, scale=1.0 / math.sqrt(H), implementation="xla")  # (B, T, N, H)
+        return jnp.einsum("BTF,EF->BTE", ctx.reshape(B, T, E), params["out_proj.weight"]) + params["out_proj.bias"]
+
+    return fn
+
+
+# ---------------------------------------------------------------- running any implementation
+
+
+@dataclass
+class Built:
+    impl: Implementation
+    fn: object
+    params: dict  # canonical name -> jax array on the device
+    num_heads: int
+    dtype: np.dtype
+    cache: dict = field(default_factory=dict)  # (kind, inputs id) -> results of one compiled program
+
+
+class JaxRunner:
+    """Builds and runs registered JAX implementations on one device; NumPy in, NumPy out.
+
+    A jit implementation's forward pass and its gradients come from one compiled
+    program (XLA compiles dominate a CPU run: ~0.5 s each), computed once per inputs.
+    """
+
+    framework = "jax"
+
+    def __init__(self, device):
+        self.device = device
+
+    def a(self, x):
+        return None if x is None else jax.device_put(np.asarray(x), self.device)
+
+    def build(self, impl: Implementation, sd: dict, num_heads: int, masked_rows: str) -> Built:
+        dtype = next(iter(sd.values())).dtype
+        kw = {"dtype": dtype.name, "device": self.device}
+        if impl.masked_rows is None:
+            kw["masked_rows"] = masked_rows
+        fn = impl.resolve_factory()(sd, num_heads, **kw)
+        if not callable(fn):
+            raise TypeError(f"{impl.name}: the factory returned {type(fn).__name__}, not a callable")
+        return Built(impl, fn, {k: self.a(v) for k, v in sd.items()}, num_heads, dtype)
+
+    def _call(self, b: Built, fn, params, xs, mask):
+        return fn(params, *xs, mask) if b.impl.uses_params else fn(*xs, mask)
+
+    def _checked(self, b: Built, result, q_shape, S):
+        return check_result(b.impl, result, jax.Array, q_shape, S, b.num_heads, b.dtype)
+
+    def _program(self, b: Built, with_grads: bool, q_shape, S):
+        """f(params, q, k, v, mask, cot) -> (out, weights, grads | None); not yet jitted."""
+
+        def forward(params, q, k, v, mask):
+            return self._checked(b, self._call(b, b.fn, params, (q, k, v), mask), q_shape, S)
+
+        def program(params, q, k, v, mask, cot):
+            if not with_grads:
+                return (*forward(params, q, k, v, mask), None)
+            (out, w), vjp = jax.vjp(lambda p, q, k, v: forward(p, q, k, v, mask), params, q, k, v)
+            d_params, dq, dk, dv = vjp((cot, None if w is None else jnp.zeros_like(w)))
+            grads = {"query": dq, "key": dk, "value": dv, **(d_params if b.impl.uses_params else {})}
+            return out, w, grads
+
+        return program
+
+    def _jit(self, b: Built, with_grads: bool) -> bool:
+        """jit mode is jitted, except a peer's forward-only check: op by op is cheaper than an
+        XLA compile for one call (the benchmark always jits)."""
+        return b.impl.mode == "jit" and (with_grads or b.impl.role != "peer")
+
+    def _store(self, b: Built, kind: str, query, result) -> tuple:
+        out, w, grads = result
+        result = (np.asarray(out), None if w is None else np.asarray(w),
+                  None if grads is None else {n: np.asarray(g) for n, g in grads.items()})
+        b.cache[(kind, id(query))] = result
+        return result
+
+    def _device_args(self, b: Built, query, key, value, keep, cotangent):
+        xs = [self.a(x) for x in (query, key, value)]
+        return xs, self.a(mask_for(b.impl, keep, b.num_heads, b.dtype)), None if cotangent is None else self.a(cotangent)
+
+    def _results(self, b: Built, query, key, value, keep, cotangent=None):
+        kind = "grads" if cotangent is not None else "forward"
+        for k in ((kind, id(query)), ("grads", id(query))):  # a gradient run also answers the forward pass
+            if k in b.cache:
+                return b.cache[k]
+        xs, mask, cot = self._device_args(b, query, key, value, keep, cotangent)
+        program = self._program(b, cotangent is not None, query.shape, key.shape[1])
+        if self._jit(b, cotangent is not None):
+            program = jax.jit(program)
+        with jax.default_device(self.device):
+            return self._store(b, kind, query, program(b.params, *xs, mask, cot))
+
+    def prefetch(self, builts, query, key, value, keep, cotangent) -> None:
+        """Forward and gradients of several jit implementations in ONE compiled program, cached
+        for the forward and gradient checks (XLA compiles dominate a CPU run: ~0.5 s each).
+        If the joint program fails, nothing is cached and each computes alone (its own error)."""
+        builts = [b for b in builts if self._jit(b, True) and ("grads", id(query)) not in b.cache]
+        if not builts:
+            return
+        args = [self._device_args(b, query, key, value, keep, cotangent) for b in builts]
+        programs = [self._program(b, True, query.shape, key.shape[1]) for b in builts]
+
+        def joint(params, args):
+            return [p(ps, *xs, mask, cot) for p, ps, (xs, mask, cot) in zip(programs, params, args)]
+
+        try:
+            with jax.default_device(self.device):
+                results = jax.jit(joint)([b.params for b in builts], args)
+        except Exception:  # noqa: BLE001 - each implementation then reports its own error
+            return
+        for b, result in zip(builts, results):
+            self._store(b, "grads", query, result)
+
+    def forward(self, b: Built, query, key, value, keep):
+        out, w, _ = self._results(b, query, key, value, keep)
+        return out, w
+
+    def grads(self, b: Built, query, key, value, keep, cotangent) -> dict:
+        return self._results(b, query, key, value, keep, cotangent)[2]
+
+    def intermediates(self, b: Built, query, key, value, keep) -> dict | None:
+        fn = getattr(b.fn, "intermediates", None)
+        if fn is None:
+            return None
+        xs = [self.a(x) for x in (query, key, value)]
+        mask = self.a(mask_for(b.impl, keep, b.num_heads, b.dtype))
+        with jax.default_device(self.device):
+            got = self._call(b, fn, b.params, xs, mask)
+        return {n: np.asarray(t) for n, t in stages_dict(b.impl, got).items()}
+
+    def train(self, b: Built, optimizer: str, hp: dict, steps: int, query, key, value, keep, target):
+        """`steps` of optax on mean((output - target)²); (losses, final parameters as NumPy)."""
+        import optax
+
+        if optimizer in ("adam", "adamw"):
+            kw = {"b1": hp["b1"], "b2": hp["b2"], "eps": hp["eps"], "eps_root": 0.0, "nesterov": False}
+            tx = optax.adam(hp["lr"], **kw) if optimizer == "adam" else optax.adamw(
+                hp["lr"], weight_decay=hp["weight_decay"], mask=None, **kw)
+        else:
+            tx = optax.sgd(hp["lr"], momentum=hp["momentum"], nesterov=False)
+        xs = [self.a(x) for x in (query, key, value)]
+        mask = self.a(mask_for(b.impl, keep, b.num_heads, b.dtype))
+        tgt = self.a(target)
+
+        def loss_fn(params):
+            out, _ = self._checked(b, self._call(b, b.fn, params, xs, mask), query.shape, key.shape[1])
+            return jnp.mean((out - tgt) ** 2)
+
+        @jax.jit
+        def step(params, opt_state):
+            loss, grads = jax.value_and_grad(loss_fn)(params)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
+
+        params, losses = b.params, []
+        with jax.default_device(self.device):
+            opt_state = tx.init(params)
+            for _ in range(steps):
+                params, opt_state, loss = step(params, opt_state)
+                losses.append(float(loss))
+        return np.array(losses), {k: np.asarray(v) for k, v in params.items()}

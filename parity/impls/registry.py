@@ -1,0 +1,243 @@
+"""The registry: what an implementation is, every built-in one, and loading the user's own.
+
+Framework-free: a benchmark's parent process and the harness's planning read this
+table without importing torch or jax; the factories it names are imported lazily.
+
+The adapter contract (the same for ours, the peers and a user's own layer):
+
+    factory(state_dict, num_heads, *, dtype, device[, masked_rows]) -> fn
+    fn(params, query, key, value, mask) -> output | (output, weights)
+
+`state_dict` is the canonical dict of NumPy arrays (`parity.convert` names, torch
+layout, already in `dtype`); `dtype` is its name ("float32", ...); `device` is the
+framework's device (a `torch.device` or a `jax.Device`). `masked_rows` is passed only
+to implementations whose policy is configurable (`masked_rows=None`). `params` is
+that state dict as framework arrays on `device` — the harness differentiates with
+respect to it, so `fn` must compute with it (a module can be called through
+`torch.func.functional_call`); with `uses_params=False` the signature is
+`fn(query, key, value, mask)` and parameter gradients are not checked.
+query (B, T, E), key and value (B, S, E); `mask` follows the declared convention
+(`mask`, `mask_shape`) or is None; output (B, T, E) in the inputs' dtype;
+weights (B, N, T, S) when `returns_weights`.
+Optionally `fn.intermediates(params, query, key, value, mask) -> dict` with any of
+q, k, v (B, N, L, H), scores, weights (B, N, T, S), context (B, T, E), output:
+then a failing check names the first stage where it leaves the oracle.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from mha_spec import MASKED_ROWS_POLICIES
+
+FRAMEWORKS = ("torch", "jax")
+MODES = ("eager", "jit", "compile")
+MASK_CONVENTIONS = ("keep", "drop", "additive")
+MASK_SHAPES = ("B1TS", "BNTS", "BTS")
+ROLES = ("ours", "peer", "user")
+
+
+@dataclass(frozen=True)
+class Implementation:
+    """One attention implementation in one execution mode, and how to talk to it.
+
+    name             unique; what reports call it
+    framework        "torch" | "jax"
+    factory          callable, or "module:attribute" imported when first built
+    mode             "eager" | "jit" (JAX: the harness and the benchmark jax.jit it) | "compile" (torch.compile)
+    returns_weights  fn returns (output, weights [B, N, T, S]); else output alone (or (output, None))
+    masked_rows      the policy its fully masked rows follow ("nan" | "zero" | "uniform");
+                     None: configurable, the factory takes masked_rows=
+    mask             "keep" (True/1 = attend) | "drop" (True = masked out) | "additive" (0 / -inf, in the dtype)
+    mask_shape       "B1TS" (B, 1, T, S) | "BNTS" (B, N, T, S) | "BTS" (B, T, S)
+    uses_params      fn takes the parameters as its first argument (see the module docstring)
+    role             "ours" | "peer" | "user"
+    family, bench    the benchmark's `impl` column (default: name) and whether it is benchmarked by default
+    harness          whether `mha-parity` runs it (the benchmark-only variants of peers do not)
+    """
+
+    name: str
+    framework: str
+    factory: Callable | str
+    mode: str = "eager"
+    returns_weights: bool = False
+    masked_rows: str | None = "nan"
+    mask: str = "keep"
+    mask_shape: str = "B1TS"
+    uses_params: bool = True
+    role: str = "user"
+    family: str = ""
+    bench: bool = True
+    harness: bool = True
+    doc: str = ""
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name or any(c.isspace() for c in self.name):
+            raise ValueError(f"implementation name must be a non-empty string without spaces, got {self.name!r}")
+        for attr, allowed in (("framework", FRAMEWORKS), ("mode", MODES), ("mask", MASK_CONVENTIONS),
+                              ("mask_shape", MASK_SHAPES), ("role", ROLES)):
+            if getattr(self, attr) not in allowed:
+                raise ValueError(f"implementation {self.name!r}: {attr}={getattr(self, attr)!r} is not one of {allowed}")
+        if self.masked_rows is not None and self.masked_rows not in MASKED_ROWS_POLICIES:
+            raise ValueError(f"implementation {self.name!r}: masked_rows={self.masked_rows!r} is not one of "
+                             f"{MASKED_ROWS_POLICIES} (or None for configurable)")
+        if self.mode == "compile" and self.framework != "torch":
+            raise ValueError(f"implementation {self.name!r}: mode 'compile' is torch.compile; JAX uses 'jit'")
+        if not (callable(self.factory) or isinstance(self.factory, str)):
+            raise TypeError(f"implementation {self.name!r}: factory must be callable or 'module:attribute'")
+
+    @property
+    def bench_key(self) -> str:
+        """The benchmark's row key: family:mode:weights|fused."""
+        return f"{self.family or self.name}:{self.mode}:{'weights' if self.returns_weights else 'fused'}"
+
+    def policy(self, case_policy: str) -> str:
+        """The masked-row policy it runs with in a case: its own, or the case's when configurable."""
+        return case_policy if self.masked_rows is None else self.masked_rows
+
+    def resolve_factory(self) -> Callable:
+        if callable(self.factory):
+            return self.factory
+        obj = _import_attr(self.factory)
+        if not callable(obj):
+            raise TypeError(f"implementation {self.name!r}: {self.factory} is not callable")
+        return obj
+
+
+def implementation(**declared):
+    """Decorator for a user's factory: `@implementation(name=..., framework=..., mask=..., ...)`.
+
+    Returns the `Implementation` (with the decorated function as its factory), so
+    `mha-parity --impl my_pkg.my_module:my_factory` finds everything it needs.
+    """
+    declared.setdefault("role", "user")
+
+    def wrap(factory):
+        return Implementation(factory=factory, **{"name": factory.__name__, **declared})
+
+    return wrap
+
+
+def _import_attr(spec: str):
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"{spec!r} is not 'module:attribute' (e.g. examples.jax_port:port)")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name != module_name.split(".")[0] or os.getcwd() in sys.path:
+            raise
+        # As `python -m` would: a module in the current directory (examples/, a user's package).
+        sys.path.insert(0, os.getcwd())
+        module = importlib.import_module(module_name)
+    obj = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"{spec!r}: module {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    return obj
+
+
+def load_user_impl(spec: str) -> tuple[Implementation, ...]:
+    """'module:attribute' -> the Implementation(s) it names (one, or a tuple/list of them)."""
+    obj = _import_attr(spec)
+    items = obj if isinstance(obj, (tuple, list)) else (obj,)
+    if not items or not all(isinstance(i, Implementation) for i in items):
+        raise TypeError(
+            f"{spec!r} is {type(obj).__name__}, not a parity.impls.Implementation: declare it with "
+            f"@parity.impls.implementation(framework=..., mask=..., masked_rows=..., returns_weights=...)"
+        )
+    return tuple(items)
+
+
+# ---------------------------------------------------------------- masks
+
+
+def mask_for(impl: Implementation, keep: np.ndarray | None, num_heads: int, dtype: np.dtype):
+    """The case's keep-mask (B, 1, T, S) bool, in the implementation's convention (NumPy)."""
+    if keep is None:
+        return None
+    if keep.ndim != 4 or keep.shape[1] != 1:
+        raise ValueError(f"keep-mask must be (B, 1, T, S), got {keep.shape}")
+    if impl.mask_shape == "BNTS":
+        keep = np.broadcast_to(keep, (keep.shape[0], num_heads, *keep.shape[2:]))
+    elif impl.mask_shape == "BTS":
+        keep = keep[:, 0]
+    keep = np.ascontiguousarray(keep)
+    if impl.mask == "drop":
+        return ~keep
+    if impl.mask == "additive":
+        return np.where(keep, 0.0, -np.inf).astype(dtype)
+    return keep
+
+
+# ---------------------------------------------------------------- built-ins
+
+_T = "parity.impls.torch_impls"
+_J = "parity.impls.jax_impls"
+
+
+def _ours(name, framework, factory, mode, weights, doc):
+    return Implementation(name, framework, factory, mode, weights, masked_rows=None, role="ours",
+                          family=f"ours-{framework}", doc=doc)
+
+
+BUILTIN = (
+    _ours("torch", "torch", f"{_T}:ours_weights", "eager", True, "mha_torch.MultiHeadAttention"),
+    _ours("torch-fused", "torch", f"{_T}:ours_fused", "eager", False, "mha_torch, need_weights=False (SDPA)"),
+    _ours("torch-compile", "torch", f"{_T}:ours_weights", "compile", True, "torch.compile(mha_torch.MultiHeadAttention)"),
+    _ours("torch-compile-fused", "torch", f"{_T}:ours_fused", "compile", False, "torch.compile(mha_torch), need_weights=False"),
+    _ours("jax", "jax", f"{_J}:ours_weights", "eager", True, "mha_jax.MultiHeadAttention, op by op"),
+    _ours("jax-jit", "jax", f"{_J}:ours_weights", "jit", True, "mha_jax.MultiHeadAttention under jax.jit"),
+    _ours("jax-fused", "jax", f"{_J}:ours_fused", "jit", False, "mha_jax, need_weights=False, under jax.jit"),
+    Implementation("torch-mha", "torch", f"{_T}:torch_mha_weights", returns_weights=True, masked_rows="nan", mask="drop",
+                   role="peer", doc="torch.nn.MultiheadAttention(batch_first=True), average_attn_weights=False; "
+                   "bool attn_mask True = masked out; softmax of all -inf gives NaN rows"),
+    Implementation("torch-mha-fused", "torch", f"{_T}:torch_mha_fused", masked_rows="zero", mask="drop", role="peer",
+                   family="torch-mha", harness=False, doc="torch.nn.MultiheadAttention, need_weights=False (SDPA fast path)"),
+    Implementation("torch-sdpa-core", "torch", f"{_T}:sdpa_core", masked_rows="zero", role="peer",
+                   doc="the same projections around F.scaled_dot_product_attention; bool mask True = attend; "
+                   "fully masked rows give 0"),
+    Implementation("flax-linen-mha", "jax", f"{_J}:flax_linen", "jit", True, masked_rows="uniform", role="peer", bench=False,
+                   doc="flax.linen.MultiHeadDotProductAttention; mask True = attend; masked scores are finfo.min, "
+                   "so empty rows are uniform"),
+    Implementation("flax-nnx-mha", "jax", f"{_J}:flax_nnx_weights", "jit", True, masked_rows="uniform", role="peer",
+                   doc="flax.nnx.MultiHeadAttention, sow_weights=True; mask True = attend; empty rows uniform"),
+    Implementation("flax-nnx-mha-fused", "jax", f"{_J}:flax_nnx_fused", "jit", False, masked_rows="uniform", role="peer",
+                   family="flax-nnx-mha", harness=False, doc="flax.nnx.MultiHeadAttention without weights"),
+    Implementation("jax-dpa-core", "jax", f"{_J}:dpa_core", "jit", False, masked_rows="uniform", role="peer",
+                   doc="the same projections around jax.nn.dot_product_attention (XLA); mask True = attend; "
+                   "softmax always in float32 (also for float64 inputs)"),
+)
+_BY_NAME = {i.name: i for i in BUILTIN}
+
+
+def builtin(name: str) -> Implementation:
+    if name not in _BY_NAME:
+        raise ValueError(f"unknown implementation {name!r}; known: {sorted(_BY_NAME)}")
+    return _BY_NAME[name]
+
+
+def select(role: str | None = None, names=None, *, extra=()) -> tuple[Implementation, ...]:
+    """Built-ins (and `extra`, e.g. user implementations) of a role, optionally by name, in table order."""
+    pool = [*BUILTIN, *extra]
+    seen = [i.name for i in pool]
+    dupes = sorted({n for n in seen if seen.count(n) > 1})
+    if dupes:
+        raise ValueError(f"implementation names must be unique; repeated: {dupes}")
+    if names is not None:
+        unknown = sorted(set(names) - set(seen))
+        if unknown:
+            raise ValueError(f"unknown implementations {unknown}; known: {seen}")
+        pool = [i for i in pool if i.name in names]
+    return tuple(i for i in pool if role is None or i.role == role)
+
+
+__all__ = ["Implementation", "implementation", "load_user_impl", "mask_for", "BUILTIN", "builtin", "select",
+           "FRAMEWORKS", "MODES", "MASK_CONVENTIONS", "MASK_SHAPES"]

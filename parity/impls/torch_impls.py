@@ -1,0 +1,180 @@
+"""The torch implementations, and how torch runs any registered implementation.
+
+Imports torch, never jax. Every factory follows the contract in `parity.impls.registry`:
+`factory(state_dict, num_heads, *, dtype, device[, masked_rows]) -> fn(params, q, k, v, mask)`.
+Legend (see mha_spec): B T S N H E.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.func import functional_call
+
+from parity import convert
+from parity.impls.registry import Implementation, mask_for
+from parity.impls.validate import check_result, stages_dict
+
+# ---------------------------------------------------------------- factories
+
+
+def _ours(sd, num_heads, *, dtype, device, masked_rows, need_weights):
+    m = convert.to_torch(sd, num_heads, masked_rows=masked_rows).to(device)
+
+    def fn(params, query, key, value, mask):
+        return functional_call(m, params, (query, key, value, mask), {"need_weights": need_weights})
+
+    def intermediates(params, query, key, value, mask):
+        kw = {"need_weights": need_weights, "return_intermediates": True}
+        *_, stages = functional_call(m, params, (query, key, value, mask), kw)
+        return stages
+
+    fn.intermediates = intermediates
+    return fn
+
+
+ours_weights = functools.partial(_ours, need_weights=True)
+ours_fused = functools.partial(_ours, need_weights=False)
+
+
+def _torch_mha(sd, num_heads, *, dtype, device, need_weights):
+    m = convert.to_torch_mha(sd, num_heads).to(device).eval()
+
+    def fn(params, query, key, value, drop):
+        B, T, S, N = query.shape[0], query.shape[1], key.shape[1], num_heads
+        # Packed in_proj = [q; k; v] rows; its bool mask is True = masked out, 3-D as (B*N, T, S).
+        packed = {
+            "in_proj_weight": torch.cat([params[f"{p}.weight"] for p in ("q_proj", "k_proj", "v_proj")]),
+            "in_proj_bias": torch.cat([params[f"{p}.bias"] for p in ("q_proj", "k_proj", "v_proj")]),
+            "out_proj.weight": params["out_proj.weight"], "out_proj.bias": params["out_proj.bias"],
+        }
+        attn_mask = None if drop is None else drop.expand(B, N, T, S).reshape(B * N, T, S)
+        kw = {"attn_mask": attn_mask, "need_weights": need_weights, "average_attn_weights": False}
+        return functional_call(m, packed, (query, key, value), kw)
+
+    return fn
+
+
+torch_mha_weights = functools.partial(_torch_mha, need_weights=True)
+torch_mha_fused = functools.partial(_torch_mha, need_weights=False)
+
+
+def sdpa_core(sd, num_heads, *, dtype, device):
+    def fn(params, query, key, value, keep):
+        B, T, E = query.shape
+        S, N, H = key.shape[1], num_heads, E // num_heads
+
+        def proj(x, p, L):  # (B, L, E) -> (B, N, L, H)
+            return F.linear(x, params[f"{p}.weight"], params[f"{p}.bias"]).view(B, L, N, H).transpose(1, 2)
+
+        ctx = F.scaled_dot_product_attention(proj(query, "q_proj", T), proj(key, "k_proj", S), proj(value, "v_proj", S),
+                                             attn_mask=keep, scale=1.0 / math.sqrt(H))  # (B, N, T, H)
+        return F.linear(ctx.transpose(1, 2).reshape(B, T, E), params["out_proj.weight"], params["out_proj.bias"])
+
+    return fn
+
+
+# ---------------------------------------------------------------- running any implementation
+
+
+@dataclass
+class Built:
+    impl: Implementation
+    fn: object
+    params: dict  # canonical name -> leaf tensor on the device
+    num_heads: int
+    dtype: np.dtype
+
+
+class TorchRunner:
+    """Builds and runs registered torch implementations on one device; NumPy in, NumPy out."""
+
+    framework = "torch"
+
+    def __init__(self, device: str):
+        self.device = torch.device(device)
+
+    def t(self, a):
+        return None if a is None else convert.numpy_to_tensor(np.asarray(a), self.device)
+
+    def build(self, impl: Implementation, sd: dict, num_heads: int, masked_rows: str) -> Built:
+        dtype = next(iter(sd.values())).dtype
+        kw = {"dtype": dtype.name, "device": self.device}
+        if impl.masked_rows is None:
+            kw["masked_rows"] = masked_rows
+        fn = impl.resolve_factory()(sd, num_heads, **kw)
+        if not callable(fn):
+            raise TypeError(f"{impl.name}: the factory returned {type(fn).__name__}, not a callable")
+        if impl.mode == "compile":
+            inner = fn
+            fn = torch.compile(fn)
+            fn.intermediates = getattr(inner, "intermediates", None)
+        params = {k: self.t(a) for k, a in sd.items()}
+        return Built(impl, fn, params, num_heads, dtype)
+
+    def _args(self, b: Built, query, key, value, keep, grad: bool = False):
+        xs = [self.t(a).requires_grad_(grad) for a in (query, key, value)]
+        mask = self.t(mask_for(b.impl, keep, b.num_heads, b.dtype))
+        return xs, mask
+
+    def _call(self, b: Built, xs, mask, fn=None, params=None):
+        fn = fn or b.fn
+        return fn(params or b.params, *xs, mask) if b.impl.uses_params else fn(*xs, mask)
+
+    def _checked(self, b: Built, result, query, key):
+        out, w = check_result(b.impl, result, torch.Tensor, query.shape, key.shape[1], b.num_heads, b.dtype)
+        return out, w
+
+    def forward(self, b: Built, query, key, value, keep):
+        xs, mask = self._args(b, query, key, value, keep)
+        with torch.no_grad():
+            out, w = self._checked(b, self._call(b, xs, mask), query, key)
+        return convert.tensor_to_numpy(out), None if w is None else convert.tensor_to_numpy(w)
+
+    def grads(self, b: Built, query, key, value, keep, cotangent) -> dict:
+        """Gradients of sum(output * cotangent) w.r.t. query, key, value (and every parameter)."""
+        params = {k: p.detach().clone().requires_grad_(True) for k, p in b.params.items()}  # fresh leaves
+        xs, mask = self._args(b, query, key, value, keep, grad=True)
+        out, _ = self._checked(b, self._call(b, xs, mask, params=params), query, key)
+        (out * self.t(cotangent)).sum().backward()
+        grads = {n: x.grad for n, x in zip(("query", "key", "value"), xs)}
+        if b.impl.uses_params:
+            grads.update({n: p.grad for n, p in params.items()})
+        return {n: None if g is None else convert.tensor_to_numpy(g) for n, g in grads.items()}
+
+    def intermediates(self, b: Built, query, key, value, keep) -> dict | None:
+        fn = getattr(b.fn, "intermediates", None)
+        if fn is None:
+            return None
+        xs, mask = self._args(b, query, key, value, keep)
+        with torch.no_grad():
+            got = self._call(b, xs, mask, fn)
+        return {n: convert.tensor_to_numpy(t) for n, t in stages_dict(b.impl, got).items()}
+
+    def train(self, b: Built, optimizer: str, hp: dict, steps: int, query, key, value, keep, target):
+        """`steps` of torch.optim on mean((output - target)²); (losses, final parameters as NumPy)."""
+        params = {k: p.detach().clone().requires_grad_(True) for k, p in b.params.items()}
+        common = {"maximize": False, "foreach": False}
+        if optimizer in ("adam", "adamw"):
+            cls = torch.optim.Adam if optimizer == "adam" else torch.optim.AdamW
+            opt = cls(params.values(), lr=hp["lr"], betas=(hp["b1"], hp["b2"]), eps=hp["eps"],
+                      weight_decay=hp.get("weight_decay", 0.0), amsgrad=False, **common)
+        else:
+            opt = torch.optim.SGD(params.values(), lr=hp["lr"], momentum=hp["momentum"], dampening=0.0,
+                                  weight_decay=0.0, nesterov=False, **common)
+        xs, mask = self._args(b, query, key, value, keep)
+        tgt = self.t(target)
+        losses = []
+        for _ in range(steps):
+            opt.zero_grad()
+            out, _ = self._checked(b, self._call(b, xs, mask, params=params), query, key)
+            loss = ((out - tgt) ** 2).mean()
+            loss.backward()
+            opt.step()
+            losses.append(float(loss.detach()))
+        return np.array(losses), {k: convert.tensor_to_numpy(p) for k, p in params.items()}
