@@ -188,7 +188,7 @@ def _dp_body(params, query, key, value, keep=None, *, N, masked_rows, precision,
     return _project(context.reshape(B, T, E), params["out_proj"], dtype, precision)
 
 
-def _specs(layout: str, axis: str, keep_shape):
+def layout_specs(layout: str, axis: str, keep_shape=None):
     """(params spec, query spec, key/value spec, keep spec, output spec) of a layout."""
     if layout == "tp":
         col, row = {"kernel": P(None, axis), "bias": P(axis)}, {"kernel": P(axis, None), "bias": P()}
@@ -215,7 +215,7 @@ def sharded_attention(params, query, key, value, mask=None, *, mesh, layout: str
     n = axis_size(mesh, axis)
     check_layout(layout, n, B=B, T=T, S=S, N=num_heads)
     keep = _keep4(mask, B, num_heads, T, S)
-    pspec, qspec, kvspec, keepspec, outspec = _specs(layout, axis, None if keep is None else keep.shape)
+    pspec, qspec, kvspec, keepspec, outspec = layout_specs(layout, axis, None if keep is None else keep.shape)
     kw = {"N": num_heads, "masked_rows": masked_rows, "precision": precision, "axis": axis}
     body = {"tp": _tp_body, "sp": partial(_sp_body, S_total=S), "dp": _dp_body}[layout]
     args, specs = [params, query, key, value], [pspec, qspec, kvspec, kvspec]

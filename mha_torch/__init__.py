@@ -1,5 +1,6 @@
 """The classic multi-head attention in PyTorch. Never imports jax."""
 
 from mha_torch.attention import MultiHeadAttention, attention_core, fused_attention_core
+from mha_torch.parallel import tensor_parallel_plan
 
-__all__ = ["MultiHeadAttention", "attention_core", "fused_attention_core"]
+__all__ = ["MultiHeadAttention", "attention_core", "fused_attention_core", "tensor_parallel_plan"]

@@ -83,7 +83,10 @@ def _run_sharded(job, prob, mesh, plant) -> dict:
     from jax.sharding import PartitionSpec as P
 
     rep = NamedSharding(mesh, P())
-    key = ("sharded", job.layout, job.devices, job.masked_rows, job.dtype, prob.keep is None, plant)
+    from parity.sharded.cases import PLANTS
+
+    # A plant patches a function only its own layout traces; the others reuse their programs.
+    key = ("sharded", job.layout, job.devices, job.masked_rows, job.dtype, prob.keep is None, plant if PLANTS.get(plant) == job.layout else None)
     program = _compiled(key, lambda: _sharded_program(job, mesh))
     args = (_params(prob.state_dict), prob.query, prob.key, prob.value, prob.keep, prob.cotangent)
     out, (gp, gq, gk, gv) = program(*jax.tree.map(lambda x: _global(x, rep), args))
