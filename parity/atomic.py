@@ -71,20 +71,7 @@ def writable_problem(path) -> str | None:
 
 
 def check_writable(path) -> None:
-    """Fail before a long run, not after it: `path` must be a file we can create or replace.
-
-    Creates (and removes) a probe file in the target directory, so a missing parent that
-    cannot be made, a parent that is a file, a path that is a directory, a read-only or
-    full filesystem are all a ValueError naming the path now.
-    """
-    path = os.fspath(path)
-    if os.path.isdir(path):
-        raise ValueError(f"{path} is a directory, not a file path")
-    directory = os.path.dirname(os.path.abspath(path))
-    try:
-        os.makedirs(directory, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=directory, prefix=".probe-")
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
-        raise ValueError(f"cannot write {path}: {e.strerror or e}") from None
+    """`writable_problem` as a ValueError naming the path (for callers that raise)."""
+    problem = writable_problem(path)
+    if problem:
+        raise ValueError(f"cannot write {os.fspath(path)}: {problem}")

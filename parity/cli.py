@@ -128,12 +128,12 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     problem = _usage_problems(args)
     if problem:
-        console.print(f"[bold red]mha-parity: {problem}")
+        console.print(f"[bold red]mha-parity: {problem}", soft_wrap=True)
         return EXIT_USAGE
     try:
         report = _run(args, console, stop)
     except (ValueError, TypeError, ImportError) as e:  # bad arguments, an unwritable path, a user module that does not load
-        console.print(f"[bold red]mha-parity: {type(e).__name__}: {e}")
+        console.print(f"[bold red]mha-parity: {type(e).__name__}: {e}", soft_wrap=True)
         return EXIT_USAGE
     return _finish(report, args, console)
 
@@ -148,7 +148,7 @@ def _finish(report, args, console) -> int:
         if path and not any(path in e for e in report.write_errors):
             console.print(f"{label} report: {path}")
     for err in report.write_errors:
-        console.print(f"[bold red]mha-parity: {err} (the results are printed above)")
+        console.print(f"[bold red]mha-parity: {err} (the results are printed above)", soft_wrap=True)
     if report.interrupted:
         console.print("[bold red]interrupted: the reports hold what finished")
         return EXIT_INTERRUPTED

@@ -193,7 +193,7 @@ def print_report(report: Report, console, all_rows: bool = False, all_columns: b
     _print_failures(report, console, all_rows)
     skips = sorted({r.message for r in report.rows if r.status == "skip" and r.message})
     for msg in skips:
-        console.print(f"[yellow]skip:[/] {escape(msg)}")
+        console.print(f"[yellow]skip:[/] {escape(msg)}", soft_wrap=True)
     s = report.summary()
     style = "green" if report.ok else "bold red"
     console.print(
@@ -216,8 +216,8 @@ def _print_failures(report: Report, console, all_rows: bool) -> None:
         where = f" stage={r.stage}" if r.stage else ""
         nums = f" err {fmt(r.max_abs_err)} > bound {fmt(r.atol)}" if r.max_abs_err is not None else ""
         console.print(f"[{_STYLE[r.status]}]{r.status}[/] {escape(r.case)} {escape(r.check)} {escape(r.impl)} vs "
-                      f"{escape(r.reference)} {r.dtype} {escape(r.quantity)}{nums}{where}")
+                      f"{escape(r.reference)} {r.dtype} {escape(r.quantity)}{nums}{where}", soft_wrap=True)
         if r.message:
-            console.print(f"    {escape(r.message)}")
+            console.print(f"    {escape(r.message)}", soft_wrap=True)
     if len(bad) > 40:
         console.print(f"... and {len(bad) - 40} more; see the JSON/Markdown report")
