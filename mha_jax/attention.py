@@ -13,6 +13,7 @@ import numpy as np
 from flax import nnx
 
 from mha_jax.chunked import accumulation_dtype, chunked_attention, fill_masked_rows, fold_scale
+from mha_jax import kernels
 from mha_spec import STAGE_NAMES, Stages, check_config, check_mask_values, check_qkv_shapes, mask_shape_4d
 
 # Stages (framework-free, in mha_spec) as a pytree, so return_intermediates works under jit.
