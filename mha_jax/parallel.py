@@ -12,6 +12,10 @@ runs the maths of `mha_jax.MultiHeadAttention` inside `jax.shard_map` over one m
   rows; each step slices the columns of the key block it holds.
 - "dp" (batch): everything split along B, parameters replicated.
 
+`shard_heads(module, mesh)` is the other tensor-parallel route: it places the module's
+kernels head-sharded (NamedSharding) and the unchanged module runs under `jax.jit`, GSPMD
+inserting the collectives.
+
 tp and dp attend with `attention_core` (the materialised path): the chunked kernel's
 `lax.scan` carries start unvarying and shard_map's type check rejects them.
 
@@ -233,6 +237,30 @@ def _reshard(tree, spec, mesh):
     if isinstance(spec, dict):
         return {k: _reshard(tree[k], spec[k], mesh) for k in tree}
     return jax.tree.map(lambda x: jax.reshard(x, NamedSharding(mesh, spec)), tree)
+
+
+def head_shardings(mesh, axis: str = "x") -> dict:
+    """NamedShardings that split the heads: q/k/v kernels (E, E) by output columns (bias alike),
+    the out kernel by input rows, the out bias replicated."""
+    spec, _, _, _, _ = layout_specs("tp", axis)
+    return {p: {k: NamedSharding(mesh, s) for k, s in leaves.items()} for p, leaves in spec.items()}
+
+
+def shard_heads(module, mesh, axis: str = "x"):
+    """Place an `mha_jax.MultiHeadAttention`'s parameters head-sharded over `axis` (in place).
+
+    Then the unchanged module, called under `jax.jit` (or `nnx.jit`), runs tensor-parallel:
+    GSPMD propagates the shardings and inserts the collectives; per-head weights come back
+    sharded by head. Returns the module.
+    """
+    n = axis_size(mesh, axis)
+    check_layout("tp", n, B=n, T=n, S=n, N=module.num_heads)
+    for p, leaves in head_shardings(mesh, axis).items():
+        layer = getattr(module, p)
+        for name, sharding in leaves.items():
+            var = getattr(layer, name)
+            var.set_value(jax.device_put(var.get_value(), sharding))
+    return module
 
 
 def sharded_call(module, query, key, value, mask=None, *, mesh, layout: str, axis: str = "x"):

@@ -28,7 +28,10 @@ def _jobs(fw, devices, dtype, mask_policies, layouts=LAYOUTS):
 
 
 def _main_runs(fw):
-    runs = [{"jobs": _jobs(fw, 4, "float64", _FULL) + _jobs(fw, 4, "float32", _F32)}]
+    main = _jobs(fw, 4, "float64", _FULL) + _jobs(fw, 4, "float32", _F32)
+    if fw == "jax":  # the unchanged module with head-sharded parameters, GSPMD under jit
+        main += _jobs(fw, 4, "float64", (("random", "nan"),), ("tp-gspmd",)) + _jobs(fw, 4, "float32", (("causal", "nan"),), ("tp-gspmd",))
+    runs = [{"jobs": main}]
     for plant, layout in PLANTS.items():
         runs.append({"plant": plant, "jobs": _jobs(fw, 4, "float64", (("random", "nan"),), (layout, _OTHER[layout]))})
     return runs
@@ -72,6 +75,8 @@ def test_four_devices_every_layout_mask_policy_dtype_passes(groups, fw):
                 for q in ("output", "d_inputs", "d_params"):
                     assert (f"{fw}-{layout}", "float64", f"{mask}/{policy}", ref, q) in seen
         assert {(m, p) for (i, d, c, _, _) in seen if i == f"{fw}-{layout}" and d == "float32" for m, p in [c.split("/")]} == set(_F32)
+    if fw == "jax":
+        assert {(d, c) for (i, d, c, _, _) in seen if i == "jax-tp-gspmd"} == {("float64", "random/nan"), ("float32", "causal/nan")}
 
 
 @pytest.mark.parametrize("fw", ["jax", "torch"])

@@ -23,6 +23,7 @@ from parity.harness.report import Row
 from parity.tolerances import Tolerance, compare, tolerance_for
 
 LAYOUTS = ("tp", "sp", "dp")
+JAX_ONLY_LAYOUTS = ("tp-gspmd",)  # the unchanged module, parameters head-sharded, GSPMD under jit
 FRAMEWORKS = ("torch", "jax")
 MASK_POLICIES = (("none", "nan"), ("padding", "zero"), ("causal", "nan"), ("random", "nan"), ("random", "zero"), ("random", "uniform"))
 """Every mask kind and every policy, each policy meeting fully masked rows (as the harness's default)."""
@@ -68,13 +69,14 @@ class Job:
 
 def jobs(*, devices: int, layouts=LAYOUTS, frameworks=FRAMEWORKS, dtypes=("float64", "float32"),
          mask_policies=MASK_POLICIES, seed: int = 0) -> list[Job]:
-    for name, allowed, given in (("layout", LAYOUTS, layouts), ("framework", FRAMEWORKS, frameworks)):
+    for name, allowed, given in (("layout", LAYOUTS + JAX_ONLY_LAYOUTS, layouts), ("framework", FRAMEWORKS, frameworks)):
         bad = [x for x in given if x not in allowed]
         if bad:
             raise ValueError(f"unknown {name}(s) {bad}; known: {allowed}")
     return [
         Job(fw, layout, devices, mask, policy, dtype, seed)
         for fw in frameworks for dtype in dtypes for layout in layouts for mask, policy in mask_policies
+        if fw == "jax" or layout not in JAX_ONLY_LAYOUTS
     ]
 
 

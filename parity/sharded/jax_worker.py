@@ -17,6 +17,7 @@ import os
 import sys
 import traceback
 from dataclasses import asdict
+from functools import partial
 
 import jax
 
@@ -93,7 +94,7 @@ def _run_sharded(job, prob, mesh, plant) -> dict:
     return _torch_layout(gp, gq, gk, gv, out)
 
 
-def _one_device_program(graphdef):
+def _one_device_program(graphdef, out_shardings=None):
     from flax import nnx
 
     def fwd_bwd(state, q, k, v, keep, cot):
@@ -103,7 +104,27 @@ def _one_device_program(graphdef):
         out, vjp = jax.vjp(fwd, state, q, k, v)
         return out, vjp(cot)
 
-    return jax.jit(fwd_bwd)
+    return jax.jit(fwd_bwd, out_shardings=out_shardings)
+
+
+def _run_gspmd(job, prob, mesh) -> dict:
+    """The unchanged module with head-sharded parameters (mha_jax.parallel.shard_heads) under jit."""
+    from flax import nnx
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from mha_jax.parallel import shard_heads
+    from parity import convert
+    from parity.sharded.cases import SHAPE
+
+    rep = NamedSharding(mesh, P())
+    module = shard_heads(convert.to_jax(prob.state_dict, SHAPE.N, masked_rows=job.masked_rows), mesh)
+    graphdef, state = nnx.split(module)
+    key = ("gspmd", job.devices, job.masked_rows, job.dtype, prob.keep is None)
+    program = _compiled(key, lambda: _one_device_program(graphdef, out_shardings=rep))
+    args = jax.tree.map(lambda x: _global(x, rep), (prob.query, prob.key, prob.value, prob.keep, prob.cotangent))
+    out, (gs, gq, gk, gv) = program(state, *args)
+    return _torch_layout(nnx.to_pure_dict(gs), gq, gk, gv, out)
 
 
 def _run_one_device(job, prob) -> dict:
@@ -162,7 +183,8 @@ def run_jobs(jobs, plant=None) -> list:
             device = f"{job.devices}x{platform}" + (f" ({jax.process_count()} processes)" if jax.process_count() > 1 else "")
             try:
                 prob = problem(job)
-                sharded = _run_sharded(job, prob, make_mesh(job.devices), plant)
+                run = _run_gspmd if job.layout == "tp-gspmd" else partial(_run_sharded, plant=plant)
+                sharded = run(job, prob, make_mesh(job.devices))
                 if jax.process_index() != 0:
                     continue
                 rows += judge_job(job, prob, sharded, _run_one_device(job, prob), device)

@@ -115,7 +115,7 @@ def start(framework: str, runs, *, devices: int, processes: int | None = None):
 
 
 def _unsplittable(job: Job) -> str:
-    sizes = {"tp": {"N": SHAPE.N}, "sp": {"T": SHAPE.T, "S": SHAPE.S}, "dp": {"B": SHAPE.B}}[job.layout]
+    sizes = {"tp": {"N": SHAPE.N}, "tp-gspmd": {"N": SHAPE.N}, "sp": {"T": SHAPE.T, "S": SHAPE.S}, "dp": {"B": SHAPE.B}}[job.layout]
     bad = [f"{k}={v}" for k, v in sizes.items() if v % job.devices]
     return f"{', '.join(bad)} not divisible by {job.devices} devices" if bad else ""
 

@@ -1,0 +1,201 @@
+"""Per-device peak memory and time of sharded attention for 1, 2, 4 devices at a long sequence.
+
+    from parity.sharded.bench import bench_sharded
+    rows = bench_sharded()          # list of plain dicts, one per (framework, layout, devices)
+
+Memory is the headline. JAX: the compiled program's `memory_analysis()`, which is per
+device (arguments + outputs + temporaries - aliased). torch: each rank is its own process;
+the peak RSS growth of the rank during its first call (ru_maxrss after minus RSS before),
+the largest over the ranks. Times are medians of a few calls; on simulated CPU devices
+every device shares the same cores, so they measure overhead, not speed-up.
+
+The 1-device row of a layout is the same program on one device (for sp: one ring block,
+i.e. the whole score matrix), so the ratio shows what splitting buys; each layout's
+block attention materialises its (B, N, T/n, S/n) scores (no flash kernel inside a block).
+Forward pass only, float32, no mask.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import sys
+import tempfile
+import time
+
+from parity.sharded.launch import _env, _launch, free_port
+
+DEFAULTS = {"B": 1, "T": 4096, "E": 256, "N": 4, "repeats": 3}
+TIME_NOTE = "simulated CPU devices share this machine's cores: times are overhead measurements, not speed-ups"
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
+
+
+def _median_time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _shardings(spec, mesh):
+    """A PartitionSpec tree (a dict for tp's parameters) as NamedShardings (a pytree prefix)."""
+    from jax.sharding import NamedSharding
+
+    if isinstance(spec, dict):
+        return {k: _shardings(v, mesh) for k, v in spec.items()}
+    return NamedSharding(mesh, spec)
+
+
+def _jax_worker(cfg: dict) -> list[dict]:
+    import jax
+    import numpy as np
+
+    from mha_jax.parallel import PROJECTIONS, layout_specs, make_mesh, sharded_attention
+
+    B, T, E, N, n = cfg["B"], cfg["T"], cfg["E"], cfg["N"], cfg["devices"]
+    rng = np.random.default_rng(0)
+    params = {p: {"kernel": rng.standard_normal((E, E), np.float32) / E**0.5, "bias": np.zeros(E, np.float32)} for p in PROJECTIONS}
+    x = rng.standard_normal((B, T, E), np.float32)
+    rows = []
+    for layout in cfg["layouts"]:
+        mesh = make_mesh(n)
+        pspec, qspec, kvspec, _, outspec = layout_specs(layout, "x")
+        in_shardings = tuple(_shardings(spec, mesh) for spec in (pspec, qspec, kvspec, kvspec))
+
+        def fwd(p, q, k, v, layout=layout, mesh=mesh):
+            return sharded_attention(p, q, k, v, mesh=mesh, layout=layout, num_heads=N)
+
+        f = jax.jit(fwd, in_shardings=in_shardings, out_shardings=_shardings(outspec, mesh))
+        args = jax.device_put((params, x, x, x), in_shardings)
+        compiled = f.lower(*args).compile()
+        m = compiled.memory_analysis()
+        per_device = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+        compiled(*args).block_until_ready()
+        t = _median_time(lambda: compiled(*args).block_until_ready(), cfg["repeats"])
+        rows.append({"framework": "jax", "layout": layout, "devices": n, "per_device_peak_bytes": int(per_device),
+                     "temp_bytes": int(m.temp_size_in_bytes), "mem_source": "jax compiled memory_analysis (per device)", "time_s": t})
+    return rows
+
+
+def _warm_up(layout: str, module, x, r: int, n: int) -> None:
+    from mha_torch import parallel
+
+    small = x[:, : 2 * n].contiguous()
+    if layout == "sp":
+        blk = small[:, 2 * r:2 * r + 2].contiguous()
+        parallel.sequence_parallel_forward(module, blk, blk, blk)
+    else:
+        parallel.tp_forward(module, small, small, small)
+
+
+def _torch_worker(cfg: dict) -> list[dict]:
+    import torch
+    import torch.distributed as dist
+
+    import mha_torch
+    from mha_torch import parallel
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    r, n = dist.get_rank(), dist.get_world_size()
+    B, T, E, N = cfg["B"], cfg["T"], cfg["E"], cfg["N"]
+    torch.manual_seed(0)
+    rows = []
+    for layout in cfg["layouts"]:
+        module = mha_torch.MultiHeadAttention(E, N)
+        x = torch.randn(B, T, E)
+        if layout == "sp":
+            blk = x[:, r * (T // n):(r + 1) * (T // n)].contiguous()
+
+            def call():
+                return parallel.sequence_parallel_forward(module, blk, blk, blk)
+        elif layout == "tp":
+            from torch.distributed.device_mesh import init_device_mesh
+
+            parallel.parallelize_heads(module, init_device_mesh("cpu", (n,)))
+
+            def call():
+                return parallel.tp_forward(module, x, x, x)[0]
+        else:
+            raise ValueError(f"torch bench layouts are 'sp' and 'tp', got {layout!r}")
+        with torch.no_grad():
+            _warm_up(layout, module, x, r, n)  # one-time costs (lazy inits, first gloo buffers) out of the peak
+            before = _rss_bytes()
+            call()
+            growth = _peak_rss_bytes() - before
+            t = _median_time(call, cfg["repeats"])
+        growths = [None] * n
+        dist.all_gather_object(growths, growth)
+        rows.append({"framework": "torch", "layout": layout, "devices": n, "per_device_peak_bytes": int(max(growths)),
+                     "mem_source": "peak RSS growth of the rank during its first call (max over ranks)", "time_s": t})
+    dist.destroy_process_group()
+    return rows if r == 0 else []
+
+
+def _run(framework: str, cfg: dict, timeout_s: float) -> list[dict]:
+    tmp = tempfile.mkdtemp(prefix="sharded-bench-")
+    spec, out = os.path.join(tmp, "cfg.json"), os.path.join(tmp, "rows.json")
+    with open(spec, "w") as f:
+        json.dump(cfg, f)
+    argv = [sys.executable, "-m", "parity.sharded.bench", framework, spec, out]
+    n = cfg["devices"]
+    if framework == "jax":
+        commands = [(argv, _env(XLA_FLAGS=f"--xla_force_host_platform_device_count={n}", JAX_PLATFORMS="cpu"))]
+    else:
+        port = free_port()
+        commands = [(argv, _env(RANK=r, WORLD_SIZE=n, MASTER_ADDR="127.0.0.1", MASTER_PORT=port)) for r in range(n)]
+    return _launch(commands, out, timeout_s)["rows"]
+
+
+def bench_sharded(*, devices=(1, 2, 4), layouts=("sp", "tp"), frameworks=("jax", "torch"), timeout_s: float = 900, **sizes) -> list[dict]:
+    """Per-device peak memory (bytes) and median forward time for each (framework, layout, devices).
+
+    sizes: B, T (= S), E, N, repeats (defaults in DEFAULTS). Each row also carries
+    `ratio_to_1_device` (per-device memory over the same layout's 1-device row, when run),
+    the sizes and `time_note`.
+    """
+    cfg0 = {**DEFAULTS, **sizes}
+    rows = []
+    for fw in frameworks:
+        for n, layout in ((n, layout) for n in devices for layout in layouts):
+            # One process group per layout: a process's earlier peak (or the heap it kept) would blur the next.
+            for row in _run(fw, {**cfg0, "devices": n, "layouts": [layout]}, timeout_s):
+                rows.append({**row, **{k: cfg0[k] for k in ("B", "T", "E", "N")}, "S": cfg0["T"], "dtype": "float32",
+                             "pass": "forward", "time_note": TIME_NOTE})
+    base = {(r["framework"], r["layout"]): r["per_device_peak_bytes"] for r in rows if r["devices"] == 1}
+    for r in rows:
+        b = base.get((r["framework"], r["layout"]))
+        r["ratio_to_1_device"] = round(r["per_device_peak_bytes"] / b, 4) if b else None
+    return rows
+
+
+def main(argv=None) -> int:
+    framework, spec, out = sys.argv[1:] if argv is None else argv
+    if framework == "jax":
+        import jax
+
+        jax.config.update("jax_enable_x64", False)
+    with open(spec) as f:
+        cfg = json.load(f)
+    rows = _jax_worker(cfg) if framework == "jax" else _torch_worker(cfg)
+    if framework == "jax" or os.environ.get("RANK") == "0":
+        with open(out + ".tmp", "w") as f:
+            json.dump({"rows": rows}, f)
+        os.replace(out + ".tmp", out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
