@@ -216,7 +216,7 @@ class MultiHeadAttention(nnx.Module):
         dtype = jnp.dtype(self.dtype or param_dtype)
         for name, x in (("query", query), ("key", key), ("value", value)):
             if jnp.dtype(x.dtype) != dtype:
-                what = f"the computation dtype= {dtype}" if self.dtype else f"the module's parameters are {dtype}"
+                what = f"the module computes in dtype={dtype}" if self.dtype else f"the module's parameters are {dtype}"
                 raise TypeError(f"{name} has dtype {x.dtype} but {what}")
         if dtype == jnp.float64 and not jax.config.jax_enable_x64:
             # Without x64 jax would silently compute in float32.

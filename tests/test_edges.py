@@ -192,7 +192,7 @@ def test_jax_computation_dtype_sets_the_input_dtype(sd64, rng):
     """dtype= (mixed precision: float32 parameters, bfloat16 compute) wants bfloat16 inputs."""
     m = build("jax", cast_sd(sd64, np.float32), S.N, dtype=jnp.bfloat16)
     q, k, v = make_inputs(rng)
-    with pytest.raises(TypeError, match="query has dtype float32 but the computation dtype= bfloat16"):
+    with pytest.raises(TypeError, match="query has dtype float32 but the module computes in dtype=bfloat16"):
         run("jax", m, *(x.astype(np.float32) for x in (q, k, v)))
     bf = [x.astype(ml_dtypes.bfloat16) for x in (q, k, v)]
     out, w = run("jax", m, *bf)
