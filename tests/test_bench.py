@@ -10,7 +10,7 @@ import pytest
 
 from parity.bench import measure, report, runner
 from parity.bench.spec import (
-    IMPLS, PRESETS, ROW_FIELDS, Case, Timing, empty_row, forward_flops, pass_flops, select_impls,
+    IMPLS, PRESETS, ROW_FIELDS, BenchCase, Timing, empty_row, forward_flops, pass_flops, select_impls,
 )
 
 
@@ -30,10 +30,10 @@ class FakeClock:
 
 
 def _impl(key):
-    return next(im for im in IMPLS if im.key == key)
+    return next(im for im in IMPLS if im.bench_key == key)
 
 
-CASE = Case(2, 16, 24, 32, 4, "float32")
+CASE = BenchCase(2, 16, 24, 32, 4, "float32")
 
 
 # ---------------------------------------------------------------- FLOPs
@@ -52,7 +52,7 @@ def test_flop_formula_matches_torch_flop_counter(need_weights):
     q = torch.randn(B, T, E, requires_grad=True)
     k = torch.randn(B, S, E, requires_grad=True)
     v = torch.randn(B, S, E, requires_grad=True)
-    case = Case(B, T, S, E, N, "float32")
+    case = BenchCase(B, T, S, E, N, "float32")
     # The math backend decomposes SDPA into counted bmms; the counter has no formula
     # for the CPU flash kernel, which would count the attention as zero.
     with sdpa_kernel(SDPBackend.MATH):
@@ -264,11 +264,11 @@ def test_failing_item_in_worker_becomes_error_row():
 
 
 def test_items_that_cannot_fit_are_skip_rows_with_the_reason():
-    big = Case(1, 32768, 32768, 512, 8, "float32")
+    big = BenchCase(1, 32768, 32768, 512, 8, "float32")
     cfg = runner.RunConfig(preset=PRESETS["long"], impls=select_impls("ours-torch:eager"),
                            cases=(big,), passes=("fwd",), available_bytes=24 * 2**30)
     items = runner.plan(cfg)
-    by_key = {it.impl.key: it for it in items}
+    by_key = {it.impl.bench_key: it for it in items}
     assert by_key["ours-torch:eager:fused"].skip is None
     assert "estimated memory" in by_key["ours-torch:eager:weights"].skip
 
@@ -288,9 +288,9 @@ def test_different_outputs_are_flagged_as_unequal_work():
 
 
 def test_select_impls():
-    assert [im.key for im in select_impls("ours-torch:compile")] == [
+    assert [im.bench_key for im in select_impls("ours-torch:compile")] == [
         "ours-torch:compile:weights", "ours-torch:compile:fused"]
-    assert all(not im.need_weights for im in select_impls("*:*:fused"))
+    assert all(not im.returns_weights for im in select_impls("*:*:fused"))
     with pytest.raises(ValueError, match="matches nothing"):
         select_impls("nope")
 
@@ -359,7 +359,7 @@ def test_compare_flags_a_planted_regression(tmp_path):
 def test_plot_writes_a_png(tmp_path):
     rows = []
     for seq in (64, 128):
-        case = Case(1, seq, seq, 32, 4, "float32")
+        case = BenchCase(1, seq, seq, 32, 4, "float32")
         for pass_ in ("fwd", "fwd+bwd"):
             row = empty_row(_impl("ours-torch:eager:fused"), case, pass_, status="ok", median_s=seq * 1e-5)
             rows.append(measure.apply_peak(row, pass_flops(case, pass_), None))
@@ -585,7 +585,7 @@ def _all_series_rows():
         for dtype in ("float32", "bfloat16", "float16"):
             for b, e in ((1, 32), (2, 64), (4, 64)):
                 for seq in (64, 128):
-                    case = Case(b, seq, seq, e, 4, dtype)
+                    case = BenchCase(b, seq, seq, e, 4, dtype)
                     row = empty_row(im, case, "fwd", status="ok", median_s=seq * 1e-5, iqr_s=0.0)
                     rows.append(measure.apply_peak(row, pass_flops(case, "fwd"), None))
     return rows

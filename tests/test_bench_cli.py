@@ -53,7 +53,7 @@ def test_tiny_real_sweep_writes_json_markdown_and_plot(tmp_path):
 
 
 def test_absent_gpu_is_a_clean_skip(tmp_path):
-    device, absent = runner.resolve_device("gpu")
+    device, absent = runner.device_absent("gpu")
     if absent is None:
         pytest.skip("a GPU is present: nothing to skip")
     out = tmp_path / "gpu.json"
@@ -77,9 +77,11 @@ def test_torch_without_cuda_reports_why():
 
 
 def test_auto_device_falls_back_to_cpu_without_accelerators():
-    device, absent = runner.resolve_device("auto")
+    device, absent = runner.device_absent("auto")
     assert absent is None
-    found = runner.detect_devices()
+    from parity.devices import device_nodes
+
+    found = device_nodes()
     if found["gpu"] and found["tpu"]:
         assert device == "cpu"
 
@@ -94,7 +96,7 @@ def test_list_plans_without_running():
 # ---------------------------------------------------------------- exit codes (fake workers)
 
 from parity.bench import report  # noqa: E402
-from parity.bench.spec import IMPLS, Case, empty_row  # noqa: E402
+from parity.bench.spec import IMPLS, BenchCase, empty_row  # noqa: E402
 from test_bench import FakeProc  # noqa: E402
 
 FAST = [*TINY, "--impls", "ours-torch:eager:fused,torch-sdpa-core", "--passes", "fwd", "--isolation", "framework"]
@@ -102,7 +104,7 @@ FAST = [*TINY, "--impls", "ours-torch:eager:fused,torch-sdpa-core", "--passes", 
 
 def fake_spawn(calls, fail=()):
     """A worker launcher that runs nothing: ok rows (1 ms) unless the implementation is in `fail`."""
-    impls = {im.key: im for im in IMPLS}
+    impls = {im.bench_key: im for im in IMPLS}
 
     def spawn(spec, env):
         calls.append(spec)
@@ -110,7 +112,7 @@ def fake_spawn(calls, fail=()):
                  for p in spec["peaks"]]
         for item in spec["items"]:
             ok = item["impl"] not in fail
-            row = empty_row(impls[item["impl"]], Case(**item["case"]), item["pass"], device=spec["device"],
+            row = empty_row(impls[item["impl"]], BenchCase(**item["case"]), item["pass"], device=spec["device"],
                             status="ok" if ok else "error", median_s=1e-3 if ok else None, iqr_s=1e-5 if ok else None,
                             message=None if ok else "RuntimeError: boom", out_fingerprint=1.0 if ok else None)
             lines += [f"@@START\t{item['id']}", f"@@ROW\t{json.dumps({'id': item['id'], **row})}"]
@@ -217,8 +219,8 @@ def _saved(tmp_path, name, rows):
 
 
 def _row(impl="torch-sdpa-core", median_s=1e-3, iqr_s=1e-5):
-    im = next(i for i in IMPLS if i.name == impl and not i.need_weights)
-    return empty_row(im, Case(1, 16, 16, 32, 2, "float32"), "fwd", status="ok", median_s=median_s, iqr_s=iqr_s)
+    im = next(i for i in IMPLS if (i.family or i.name) == impl and not i.returns_weights)
+    return empty_row(im, BenchCase(1, 16, 16, 32, 2, "float32"), "fwd", status="ok", median_s=median_s, iqr_s=iqr_s)
 
 
 @pytest.mark.parametrize("content", ["", "{not json", '{"schema": "mha-bench/1", "rows": 5}',

@@ -15,6 +15,6 @@ imports the one it is asked to run):
     cli       `mha-bench` / `python -m parity.bench`
 """
 
-from parity.bench.spec import ROW_FIELDS, Case, forward_flops, pass_flops
+from parity.bench.spec import ROW_FIELDS, BenchCase, forward_flops, pass_flops
 
-__all__ = ["ROW_FIELDS", "Case", "forward_flops", "pass_flops"]
+__all__ = ["ROW_FIELDS", "BenchCase", "forward_flops", "pass_flops"]

@@ -33,7 +33,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from parity.atomic import writable_problem
 from parity.bench import report, runner
-from parity.bench.spec import DTYPES, IMPLS, PASSES, PRESETS, Case, select_impls
+from parity.bench.spec import DTYPES, IMPLS, PASSES, PRESETS, BenchCase, select_impls
+from parity.impls import load_user_impl
 from parity.cli_args import comma_separated, nonnegative_int, positive_float, positive_int
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_WRITE = 0, 1, 2, 3
@@ -55,13 +56,15 @@ def run_parser() -> argparse.ArgumentParser:
         prog="mha-bench",
         description="Jit benchmark of multi-head attention across torch and JAX "
         "(also: `mha-bench compare BASE.json NEW.json`, `mha-bench report RUN.json`).",
-        epilog="implementations: " + ", ".join(im.key for im in IMPLS)
+        epilog="implementations: " + ", ".join(im.bench_key for im in IMPLS)
         + ". Exit: 0 pass, 1 an item failed or nothing was measured, 2 usage error, 3 a report could not be written.",
     )
     p.add_argument("--preset", choices=sorted(PRESETS), default="quick", help="grid and timing preset (default quick)")
     p.add_argument("--device", choices=("cpu", "gpu", "tpu", "auto"), default="cpu",
                    help="auto = best present; torch runs on cpu when the device is a TPU")
     p.add_argument("--impls", help="comma-separated name[:mode[:weights|fused]] patterns, e.g. ours-torch:eager,jax-dpa-core")
+    p.add_argument("--impl", action="append", default=[], metavar="MODULE:ATTR",
+                   help="also time your own implementation (a parity.impls.Implementation), e.g. examples.jax_port:port")
     p.add_argument("--passes", type=comma_separated(PASSES, nonempty=True), help="fwd,fwd+bwd")
     p.add_argument("--dtypes", type=comma_separated(tuple(DTYPES), nonempty=True), help="float32,bfloat16,float16")
     p.add_argument("--seq", type=_ints, help="sequence lengths (T = S), e.g. 256,1024")
@@ -96,7 +99,7 @@ def _cpus_available() -> int:
 def build_config(args) -> runner.RunConfig:
     """The run's configuration; ValueError for a combination that argparse cannot see is wrong."""
     preset = PRESETS[args.preset]
-    device, absent = runner.resolve_device(args.device)
+    device, absent = runner.device_absent(args.device)
     seqs = args.seq or preset.seqs
     if args.max_seq:
         seqs = tuple(s for s in seqs if s <= args.max_seq)
@@ -106,7 +109,7 @@ def build_config(args) -> runner.RunConfig:
     if not args.dtypes and device == "gpu" and "bfloat16" in dtypes:
         dtypes = (*dtypes, "float16")  # native half matmuls on GPUs; CPU runs skip float16
     cases = tuple(
-        Case(b, s, s, e, h, d)
+        BenchCase(b, s, s, e, h, d)
         for d in dtypes for b in (args.batch or preset.batch) for e in (args.embed or preset.embed)
         for h in (args.heads or preset.heads) for s in seqs
     )
@@ -118,10 +121,12 @@ def build_config(args) -> runner.RunConfig:
     if args.threads is not None and args.threads > _cpus_available():
         raise ValueError(f"--threads {args.threads} but only {_cpus_available()} CPUs are available to this process")
     impls = select_impls(args.impls) if args.impls else select_impls(preset.impls)
+    user = tuple(i for spec in args.impl for i in load_user_impl(spec))  # loaded here too: a bad spec fails now
+    impls = (*impls, *(u for u in user if u.bench_key not in {i.bench_key for i in impls}))
     if args.peak_sizes:
         preset = replace(preset, peak_sizes=args.peak_sizes)
     return runner.RunConfig(
-        preset=preset, device=device, device_absent=absent, impls=impls, cases=cases,
+        preset=preset, device=device, device_absent=absent, impls=impls, cases=cases, user_impls=tuple(args.impl),
         passes=args.passes or preset.passes, threads=args.threads, precision=args.precision, seed=args.seed,
         isolation=args.isolation or preset.isolation, interleave=not args.sequential, item_timeout_s=args.item_timeout, timing=timing,
     )
@@ -179,7 +184,7 @@ def _execute(cfg, items, no_progress: bool, console: Console, spawn):
 
         def on_event(kind, data):
             if kind == "start":
-                progress.update(task, description=f"{data.case.label} {data.pass_} {data.impl.key}")
+                progress.update(task, description=f"{data.case.label} {data.pass_} {data.impl.bench_key}")
             else:
                 progress.advance(task)
 
@@ -227,13 +232,13 @@ def run(argv, console: Console, spawn=None) -> int:
     try:
         cfg = build_config(args)
         outputs = check_outputs(args)
-    except ValueError as e:
+    except (ValueError, TypeError, ImportError) as e:  # bad arguments, or an --impl that does not load
         _error(console, f"mha-bench: error: {e}")
         return EXIT_USAGE
     items = runner.plan(cfg)
     if args.list:
         for it in items:
-            line = f"{it.case.label}  {it.pass_:8s} {it.impl.key}" + (f"  (skip: {it.skip})" if it.skip else "")
+            line = f"{it.case.label}  {it.pass_:8s} {it.impl.bench_key}" + (f"  (skip: {it.skip})" if it.skip else "")
             console.print(line, markup=False)
         return EXIT_OK
     if cfg.device_absent:
@@ -242,7 +247,7 @@ def run(argv, console: Console, spawn=None) -> int:
     _warn_load(console, "start", load_start)
     collected = _execute(cfg, items, args.no_progress, console, spawn)
     rows = runner.finish(items, collected, cfg.precision)
-    env = {"loadavg_start": load_start, **runner.environment(cfg, collected)}
+    env = {"loadavg_start": load_start, **runner.bench_environment(cfg, collected)}
     report.print_table(rows, console)
     for r in rows:
         if r["status"] == "ok" and r.get("warning"):

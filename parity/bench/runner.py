@@ -19,11 +19,8 @@ limit, the item it was on becomes an `error` row and a fresh worker takes the re
 
 from __future__ import annotations
 
-import glob
-import importlib.metadata
 import json
 import os
-import platform
 import queue
 import subprocess
 import sys
@@ -36,32 +33,21 @@ from dataclasses import asdict, dataclass, field
 import psutil
 
 from parity.bench.measure import apply_peak
-from parity.bench.spec import Case, Impl, Preset, Timing, empty_row, estimate_bytes, pass_flops
+from parity.bench.spec import BenchCase, Preset, Timing, empty_row, estimate_bytes, pass_flops
 from parity.bench.worker import TAG
+from parity.devices import resolve_device
+from parity.env import PACKAGES, environment
+from parity.impls import Implementation
 
 DEVICES = ("cpu", "gpu", "tpu")
 MEM_HEADROOM = 0.8  # skip an item whose estimate exceeds this fraction of available memory
 
 
-def detect_devices() -> dict[str, str | None]:
-    """{device: None if present else why not}, from device nodes: no framework import needed."""
-    found = {"cpu": None}
-    nvidia = glob.glob("/dev/nvidia[0-9]*") or glob.glob("/dev/kfd")
-    found["gpu"] = None if nvidia else "no GPU found (no /dev/nvidia* or /dev/kfd device node)"
-    found["tpu"] = None if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*") else "no TPU found (no /dev/accel* or /dev/vfio device)"
-    return found
-
-
-def resolve_device(requested: str) -> tuple[str, str | None]:
-    """(device, reason it is absent or None). auto = the best present: gpu, then tpu, then cpu."""
-    found = detect_devices()
-    if requested == "auto":
-        for dev in ("gpu", "tpu", "cpu"):
-            if found[dev] is None:
-                return dev, None
-    if requested not in DEVICES:
-        raise ValueError(f"device {requested!r} is not one of {DEVICES + ('auto',)}")
-    return requested, found[requested]
+def device_absent(requested: str) -> tuple[str, str | None]:
+    """(device, reason it is absent or None), from `parity.devices` (auto: gpu, then tpu, then cpu);
+    read from device nodes only, so the parent process imports no framework."""
+    plan = resolve_device(requested, probe=False)
+    return plan.name, plan.skip_reason.removeprefix(f"device {plan.name} not present: ") or None
 
 
 def framework_device(framework: str, device: str) -> str:
@@ -76,8 +62,9 @@ class RunConfig:
     preset: Preset
     device: str = "cpu"  # resolved: cpu | gpu | tpu
     device_absent: str | None = None
-    impls: tuple[Impl, ...] = ()
-    cases: tuple[Case, ...] = ()
+    impls: tuple[Implementation, ...] = ()
+    cases: tuple[BenchCase, ...] = ()
+    user_impls: tuple[str, ...] = ()  # module:attribute specs the workers load (--impl)
     passes: tuple[str, ...] = ("fwd", "fwd+bwd")
     threads: int | None = None
     precision: str = "highest"  # highest | default
@@ -98,13 +85,13 @@ class RunConfig:
 @dataclass(frozen=True)
 class Item:
     id: int
-    impl: Impl
-    case: Case
+    impl: Implementation
+    case: BenchCase
     pass_: str
     skip: str | None = None
 
     def spec(self) -> dict:
-        return {"id": self.id, "impl": self.impl.key, "case": self.case.fields(), "pass": self.pass_}
+        return {"id": self.id, "impl": self.impl.bench_key, "case": self.case.fields(), "pass": self.pass_}
 
 
 def plan(cfg: RunConfig) -> list[Item]:
@@ -124,7 +111,7 @@ def plan(cfg: RunConfig) -> list[Item]:
                     if need > MEM_HEADROOM * avail:
                         skip = (
                             f"estimated memory {need / 2**30:.1f} GiB > {MEM_HEADROOM:.0%} of available "
-                            f"{avail / 2**30:.1f} GiB ({'materialises B·N·T·S scores' if impl.materializes else 'activations'})"
+                            f"{avail / 2**30:.1f} GiB ({'materialises B·N·T·S scores' if impl.materializes_scores else 'activations'})"
                         )
                 items.append(Item(len(items), impl, case, pass_, skip))
     return items
@@ -193,6 +180,7 @@ def run_group(
             "framework": framework, "device": framework_device(framework, cfg.device), "threads": cfg.threads,
             "precision": cfg.precision, "seed": cfg.seed, "timing": asdict(cfg.timing),
             "peaks": peaks, "items": [it.spec() for it in pending], "interleave": cfg.interleave,
+            "user_impls": list(cfg.user_impls),
             # The best rates so far: the worker re-measures its peak when a row beats them.
             "known_peaks": [rec for rec in out.peaks if rec.get("gflops")],
         }
@@ -312,7 +300,7 @@ def _check_fingerprints(items, rows, precision) -> None:
         if row["status"] == "ok" and row.get("out_fingerprint") is not None:
             by_case.setdefault(it.case, []).append((it, row))
     for case, members in by_case.items():
-        ref = next((m for key in REFERENCE_ORDER for m in members if m[0].impl.key == key), members[0])
+        ref = next((m for key in REFERENCE_ORDER for m in members if m[0].impl.bench_key == key), members[0])
         ref_fp = ref[1]["out_fingerprint"]
         rtol = FINGERPRINT_RTOL[case.dtype] * (10 if precision == "default" else 1)
         for it, row in members:
@@ -320,7 +308,7 @@ def _check_fingerprints(items, rows, precision) -> None:
             if abs(fp - ref_fp) > rtol * abs(ref_fp):
                 row["status"] = "error"
                 row["message"] = (
-                    f"output mean|out| {fp:.6g} differs from {ref[0].impl.key}'s {ref_fp:.6g} "
+                    f"output mean|out| {fp:.6g} differs from {ref[0].impl.bench_key}'s {ref_fp:.6g} "
                     f"by more than {rtol:g} relative: not the same computation"
                 )
 
@@ -342,25 +330,15 @@ def _ratios(items, rows) -> None:
             row["ratio"] = row["median_s"] / best
 
 
-def environment(cfg: RunConfig, out: Collected) -> dict:
-    def version(pkg):
-        try:
-            return importlib.metadata.version(pkg)
-        except importlib.metadata.PackageNotFoundError:
-            return None
-
-    cpu_model = platform.processor() or None
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu_model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu_model)
-    except OSError:
-        pass
+def bench_environment(cfg: RunConfig, out: Collected) -> dict:
+    """The shared environment block (parity.env) plus what this benchmark run measured and chose."""
+    base = environment()
     return {
-        "python": platform.python_version(),
-        "versions": {p: version(p) for p in ("jax", "jaxlib", "flax", "optax", "torch", "numpy", "ml_dtypes")},
-        "platform": platform.platform(),
-        "cpu_model": cpu_model,
-        "cpu_count": os.cpu_count(),
+        "python": base["python"],
+        "versions": {p: base[p] for p in PACKAGES},
+        "platform": base["platform"],
+        "cpu_model": base["cpu_model"],
+        "cpu_count": base["cpu_count"],
         "memory_total_bytes": psutil.virtual_memory().total,
         "device": cfg.device,
         "device_absent": cfg.device_absent,

@@ -9,12 +9,15 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field, replace
 
-import ml_dtypes
 import numpy as np
+
+from parity import draw
+from parity.dtypes import numpy_dtype
+from parity.impls import BUILTIN, Implementation
 
 FRAMEWORKS = ("torch", "jax")
 PASSES = ("fwd", "fwd+bwd")
-DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16)}
+DTYPES = {name: numpy_dtype(name) for name in ("float32", "bfloat16", "float16")}  # what the benchmark times
 
 # One result row, in this order in the JSON and the Markdown.
 ROW_FIELDS = (
@@ -27,7 +30,7 @@ STATUSES = ("ok", "error", "skip")
 
 
 @dataclass(frozen=True)
-class Case:
+class BenchCase:
     """One problem size; every implementation gets the same weights and inputs for it."""
 
     batch: int
@@ -57,45 +60,17 @@ class Case:
             "embed": self.embed, "heads": self.heads, "dtype": self.dtype,
         }
 
-    def shrunk(self) -> Case:
+    def shrunk(self) -> BenchCase:
         """The shape-change case used to measure recompilation: both lengths halved."""
         return replace(self, seq_q=max(1, self.seq_q // 2), seq_k=max(1, self.seq_k // 2))
 
 
-@dataclass(frozen=True)
-class Impl:
-    """One implementation under test, in one execution mode."""
-
-    name: str  # ours-torch, torch-mha, ...
-    framework: str  # torch | jax
-    mode: str  # eager | compile | jit
-    need_weights: bool  # True: returns (B, N, T, S) weights
-    materializes: bool  # builds a (B, N, T, S) score tensor at any length
-    doc: str = ""
-
-    @property
-    def key(self) -> str:
-        return f"{self.name}:{self.mode}:{'weights' if self.need_weights else 'fused'}"
+# The implementations come from the one registry (parity.impls), which the harness uses too;
+# a row's `impl` column is the registry entry's family, its key family:mode:weights|fused.
+IMPLS = tuple(i for i in BUILTIN if i.bench)
 
 
-IMPLS = (
-    Impl("ours-torch", "torch", "eager", True, True, "mha_torch.MultiHeadAttention"),
-    Impl("ours-torch", "torch", "eager", False, False, "mha_torch, need_weights=False (SDPA)"),
-    Impl("ours-torch", "torch", "compile", True, True, "torch.compile(mha_torch.MultiHeadAttention)"),
-    Impl("ours-torch", "torch", "compile", False, False, "torch.compile(mha_torch), need_weights=False"),
-    Impl("torch-mha", "torch", "eager", True, True, "torch.nn.MultiheadAttention, average_attn_weights=False"),
-    Impl("torch-mha", "torch", "eager", False, False, "torch.nn.MultiheadAttention, need_weights=False"),
-    Impl("torch-sdpa-core", "torch", "eager", False, False, "same projections + F.scaled_dot_product_attention"),
-    Impl("ours-jax", "jax", "jit", True, True, "mha_jax.MultiHeadAttention under jax.jit"),
-    # Below MATERIALIZE_LIMIT (2**24 scores, 64 MiB) it materialises; above it runs the chunked path.
-    Impl("ours-jax", "jax", "jit", False, False, "mha_jax, need_weights=False (dpa or chunked)"),
-    Impl("flax-nnx-mha", "jax", "jit", True, True, "flax.nnx.MultiHeadAttention, sow_weights=True"),
-    Impl("flax-nnx-mha", "jax", "jit", False, True, "flax.nnx.MultiHeadAttention"),
-    Impl("jax-dpa-core", "jax", "jit", False, True, "same projections + jax.nn.dot_product_attention (XLA)"),
-)
-
-
-def select_impls(spec: str | None, impls=IMPLS) -> tuple[Impl, ...]:
+def select_impls(spec: str | None, impls=IMPLS) -> tuple[Implementation, ...]:
     """Filter by comma-separated patterns `name[:mode[:weights|fused]]`; '*' matches anything."""
     if not spec:
         return tuple(impls)
@@ -106,10 +81,10 @@ def select_impls(spec: str | None, impls=IMPLS) -> tuple[Impl, ...]:
             raise ValueError(f"impl pattern {pattern!r} has more than name:mode:weights|fused")
         matched = [
             im for im in impls
-            if all(p in ("*", "") or p == have for p, have in zip(parts, im.key.split(":")))
+            if all(p in ("*", "") or p == have for p, have in zip(parts, im.bench_key.split(":")))
         ]
         if not matched:
-            known = ", ".join(im.key for im in impls)
+            known = ", ".join(im.bench_key for im in impls)
             raise ValueError(f"impl pattern {pattern!r} matches nothing; known: {known}")
         chosen.extend(im for im in matched if im not in chosen)
     return tuple(im for im in impls if im in chosen)  # keep the canonical order
@@ -128,7 +103,7 @@ def forward_flops(batch: int, seq_q: int, seq_k: int, embed: int) -> int:
     return 2 * batch * embed * embed * (2 * seq_q + 2 * seq_k) + 4 * batch * seq_q * seq_k * embed
 
 
-def pass_flops(case: Case, pass_: str) -> int:
+def pass_flops(case: BenchCase, pass_: str) -> int:
     """fwd: the forward count; fwd+bwd: 3× (backward = 2× forward: input and weight grads)."""
     if pass_ not in PASSES:
         raise ValueError(f"pass {pass_!r} is not one of {PASSES}")
@@ -139,7 +114,7 @@ def pass_flops(case: Case, pass_: str) -> int:
 # ---------------------------------------------------------------- memory estimate
 
 
-def estimate_bytes(impl: Impl, case: Case, pass_: str) -> int:
+def estimate_bytes(impl: Implementation, case: BenchCase, pass_: str) -> int:
     """A deliberately generous upper estimate of an item's peak memory, to skip what cannot fit.
 
     Activations: inputs, projections, context and output, ~8 arrays of (B, L, E).
@@ -150,7 +125,7 @@ def estimate_bytes(impl: Impl, case: Case, pass_: str) -> int:
     acts = 8 * case.batch * (case.seq_q + case.seq_k) * case.embed * max(item, 4)
     weights = 4 * (case.embed * case.embed + case.embed) * 4 * 3  # params, grads, optimiser-free slack
     scores = 0
-    if impl.materializes:
+    if impl.materializes_scores:
         per = case.batch * case.heads * case.seq_q * case.seq_k * 4
         scores = per * (3 if pass_ == "fwd" else 6)
     mult = 1 if pass_ == "fwd" else 3
@@ -192,9 +167,9 @@ class Preset:
     isolation: str = "case"  # one worker per (framework, case), or per framework (see runner)
     doc: str = ""
 
-    def cases(self) -> list[Case]:
+    def cases(self) -> list[BenchCase]:
         return [
-            Case(b, s, s, e, h, d)
+            BenchCase(b, s, s, e, h, d)
             for d, b, e, h, s in itertools.product(self.dtypes, self.batch, self.embed, self.heads, self.seqs)
         ]
 
@@ -206,7 +181,7 @@ PEAK_TIMING = Timing(warmup=2, min_repeats=5, max_repeats=30, budget_s=0.75)
 # torch.compile is left out of `quick`: its first compile in a process costs ~20 s on
 # 2 cores (inductor start-up), a third of the quick budget on its own.
 _NO_COMPILE = ",".join(
-    im.key for im in IMPLS if im.mode != "compile"
+    im.bench_key for im in IMPLS if im.mode != "compile"
 )
 
 PRESETS = {
@@ -238,16 +213,11 @@ def canonical_weights(embed: int, dtype: str, seed: int) -> dict[str, np.ndarray
     torch.nn.Linear's default init, U(-1/√E, 1/√E), drawn in float32 and rounded once
     to the case dtype, so every framework starts from the very same bits.
     """
-    rng = np.random.default_rng(seed)
-    bound = 1.0 / np.sqrt(embed)
-    sd = {}
-    for p in ("q_proj", "k_proj", "v_proj", "out_proj"):
-        sd[f"{p}.weight"] = rng.uniform(-bound, bound, (embed, embed)).astype(np.float32)  # (out, in)
-        sd[f"{p}.bias"] = rng.uniform(-bound, bound, (embed,)).astype(np.float32)
-    return {k: v.astype(DTYPES[dtype]) for k, v in sd.items()}
+    sd = draw.state_dict(np.random.default_rng(seed), embed)
+    return {k: v.astype(np.float32).astype(DTYPES[dtype]) for k, v in sd.items()}
 
 
-def make_inputs(case: Case, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def make_inputs(case: BenchCase, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """query (B, T, E), key and value (B, S, E), standard normal, in the case dtype."""
     rng = np.random.default_rng(seed + 1)
     dt = DTYPES[case.dtype]
@@ -257,11 +227,11 @@ def make_inputs(case: Case, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarr
     return q, k, v
 
 
-def empty_row(impl: Impl, case: Case, pass_: str, **kw) -> dict:
+def empty_row(impl: Implementation, case: BenchCase, pass_: str, **kw) -> dict:
     """A row with every field present (None where not measured)."""
     row = dict.fromkeys(ROW_FIELDS)
     row.update(
-        impl=impl.name, framework=impl.framework, mode=impl.mode, need_weights=impl.need_weights,
+        impl=impl.family or impl.name, framework=impl.framework, mode=impl.mode, need_weights=impl.returns_weights,
         **case.fields(),
     )
     row["pass"] = pass_

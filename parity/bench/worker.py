@@ -26,7 +26,8 @@ import time
 import traceback
 
 from parity.bench.measure import pin_threads, run_bench, run_interleaved
-from parity.bench.spec import IMPLS, PEAK_TIMING, Case, Timing, empty_row, pass_flops
+from parity.bench.spec import IMPLS, PEAK_TIMING, BenchCase, Timing, empty_row, pass_flops
+from parity.impls import load_user_impl
 
 TAG = "@@"
 
@@ -42,7 +43,7 @@ def error_message(e: BaseException) -> str:
     return f"{type(e).__name__}: {head}"[:500]
 
 
-def run_item(mod, impl, case: Case, pass_: str, device: str, seed: int, timing: Timing, clock) -> dict:
+def run_item(mod, impl, case: BenchCase, pass_: str, device: str, seed: int, timing: Timing, clock) -> dict:
     """Build, time, probe memory and fingerprint one item; exceptions become an error row."""
     row = empty_row(impl, case, pass_, device=device)
     try:
@@ -128,7 +129,7 @@ class PeakBar:
         for item_id, row in rows:
             if row.get("status") != "ok" or not row.get("median_s"):
                 continue
-            case = Case(**{k: row[k] for k in ("batch", "seq_q", "seq_k", "embed", "heads", "dtype")})
+            case = BenchCase(**{k: row[k] for k in ("batch", "seq_q", "seq_k", "embed", "heads", "dtype")})
             flops = pass_flops(case, row["pass"])
             rate = flops / row["median_s"] / 1e9
             bar = self.best.get(case.dtype)
@@ -189,8 +190,9 @@ def main(argv=None) -> int:
     mod, env = setup(spec, cpus)
     fw, device, reason = spec["framework"], spec["device"], env["unavailable"]
     emit("ENV", {"framework": fw, **env})
-    impls = {im.key: im for im in IMPLS}
-    items = [(item["id"], impls[item["impl"]], Case(**item["case"]), item["pass"]) for item in spec["items"]]
+    user = [i for s in spec.get("user_impls", []) for i in load_user_impl(s)]
+    impls = {im.bench_key: im for im in (*IMPLS, *user)}
+    items = [(item["id"], impls[item["impl"]], BenchCase(**item["case"]), item["pass"]) for item in spec["items"]]
     if reason:
         for item_id, impl, case, pass_ in items:
             emit("START", item_id)

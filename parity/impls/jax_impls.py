@@ -238,6 +238,11 @@ class JaxRunner:
         for b, result in zip(builts, results):
             self._store(b, "grads", query, result)
 
+    def call(self, b: Built, query, key, value, mask=None, params=None):
+        """One traceable call on device arrays, unchecked: what the benchmark jits and times."""
+        result = self._call(b, b.fn, b.params if params is None else params, (query, key, value), mask)
+        return tuple(result) if isinstance(result, (tuple, list)) else (result, None)
+
     def forward(self, b: Built, query, key, value, keep):
         out, w, _ = self._results(b, query, key, value, keep)
         return out, w

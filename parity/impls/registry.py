@@ -60,6 +60,12 @@ class Implementation:
     role             "ours" | "peer" | "user"
     family, bench    the benchmark's `impl` column (default: name) and whether it is benchmarked by default
     harness          whether `mha-parity` runs it (the benchmark-only variants of peers do not)
+    materializes     builds a (B, N, T, S) score tensor at any length (None: when it returns weights);
+                     the benchmark skips what cannot fit
+    case_kinds       the cases it can run, as fnmatch patterns over a case's kind "<self|cross>/<mask kind>"
+                     (mask kinds: none, padding, causal, random); None: every case. HF BERT is
+                     self-attention only ("self/*"), GPT-2 also causal only ("self/causal"). The peers
+                     check gives a skip row saying so on any other case.
     """
 
     name: str
@@ -75,7 +81,9 @@ class Implementation:
     family: str = ""
     bench: bool = True
     harness: bool = True
+    materializes: bool | None = None
     doc: str = ""
+    case_kinds: tuple[str, ...] | None = None
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name or any(c.isspace() for c in self.name):
@@ -91,6 +99,20 @@ class Implementation:
             raise ValueError(f"implementation {self.name!r}: mode 'compile' is torch.compile; JAX uses 'jit'")
         if not (callable(self.factory) or isinstance(self.factory, str)):
             raise TypeError(f"implementation {self.name!r}: factory must be callable or 'module:attribute'")
+        if self.case_kinds is not None and (not isinstance(self.case_kinds, tuple) or not all(
+                isinstance(k, str) and k.count("/") == 1 for k in self.case_kinds)):
+            raise TypeError(f"implementation {self.name!r}: case_kinds must be a tuple of '<self|cross>/<mask kind>' "
+                            f"patterns (e.g. ('self/causal',)), got {self.case_kinds!r}")
+
+    def runs_case(self, kind: str) -> bool:
+        """Whether it can run a case of this kind ("self/causal", "cross/random", ...)."""
+        import fnmatch
+
+        return self.case_kinds is None or any(fnmatch.fnmatchcase(kind, p) for p in self.case_kinds)
+
+    @property
+    def materializes_scores(self) -> bool:
+        return self.returns_weights if self.materializes is None else self.materializes
 
     @property
     def bench_key(self) -> str:
@@ -181,6 +203,7 @@ def mask_for(impl: Implementation, keep: np.ndarray | None, num_heads: int, dtyp
 
 _T = "parity.impls.torch_impls"
 _J = "parity.impls.jax_impls"
+_E = "parity.impls.ecosystem_impls"
 
 
 def _ours(name, framework, factory, mode, weights, doc):
@@ -193,7 +216,8 @@ BUILTIN = (
     _ours("torch-fused", "torch", f"{_T}:ours_fused", "eager", False, "mha_torch, need_weights=False (SDPA)"),
     _ours("torch-compile", "torch", f"{_T}:ours_weights", "compile", True, "torch.compile(mha_torch.MultiHeadAttention)"),
     _ours("torch-compile-fused", "torch", f"{_T}:ours_fused", "compile", False, "torch.compile(mha_torch), need_weights=False"),
-    _ours("jax", "jax", f"{_J}:ours_weights", "eager", True, "mha_jax.MultiHeadAttention, op by op"),
+    Implementation("jax", "jax", f"{_J}:ours_weights", "eager", True, masked_rows=None, role="ours", family="ours-jax",
+                   bench=False, doc="mha_jax.MultiHeadAttention, op by op"),
     _ours("jax-jit", "jax", f"{_J}:ours_weights", "jit", True, "mha_jax.MultiHeadAttention under jax.jit"),
     _ours("jax-fused", "jax", f"{_J}:ours_fused", "jit", False, "mha_jax, need_weights=False, under jax.jit"),
     Implementation("torch-mha", "torch", f"{_T}:torch_mha_weights", returns_weights=True, masked_rows="nan", mask="drop",
@@ -210,10 +234,29 @@ BUILTIN = (
     Implementation("flax-nnx-mha", "jax", f"{_J}:flax_nnx_weights", "jit", True, masked_rows="uniform", role="peer",
                    doc="flax.nnx.MultiHeadAttention, sow_weights=True; mask True = attend; empty rows uniform"),
     Implementation("flax-nnx-mha-fused", "jax", f"{_J}:flax_nnx_fused", "jit", False, masked_rows="uniform", role="peer",
-                   family="flax-nnx-mha", harness=False, doc="flax.nnx.MultiHeadAttention without weights"),
+                   family="flax-nnx-mha", harness=False, materializes=True, doc="flax.nnx.MultiHeadAttention without weights"),
     Implementation("jax-dpa-core", "jax", f"{_J}:dpa_core", "jit", False, masked_rows="uniform", role="peer",
+                   materializes=True,
                    doc="the same projections around jax.nn.dot_product_attention (XLA); mask True = attend; "
                    "softmax always in float32 (also for float64 inputs)"),
+    # The real libraries (the optional `.[ecosystem]` extra; absent: a skip row). Forward only:
+    # their modules hold their own weights. What they do, as measured: docs/drafts/ecosystem-peers.md.
+    Implementation("hf-bert-attention", "torch", f"{_E}:hf_bert", masked_rows="uniform", mask_shape="BTS",
+                   uses_params=False, role="peer", bench=False, case_kinds=("self/*",),
+                   doc="transformers BertAttention (self + output.dense), eager; additive mask 0 / finfo.min, "
+                   "so empty rows are uniform"),
+    Implementation("hf-gpt2-attention", "torch", f"{_E}:hf_gpt2", masked_rows="uniform", mask_shape="BTS",
+                   uses_params=False, role="peer", bench=False, case_kinds=("self/causal",),
+                   doc="transformers GPT2Attention, eager; causal by its mask (create_causal_mask), "
+                   "a query with only padding is uniform over all keys"),
+    Implementation("keras-mha", "jax", f"{_E}:keras_mha", masked_rows="uniform", mask_shape="BTS",
+                   uses_params=False, role="peer", bench=False,
+                   doc="keras.layers.MultiHeadAttention (JAX backend), default call = jax.nn.dot_product_attention; "
+                   "bool mask True = attend; empty rows uniform; float32 softmax in float64 runs"),
+    Implementation("equinox-mha", "jax", f"{_E}:equinox_mha", masked_rows="uniform", mask_shape="BTS",
+                   uses_params=False, role="peer", bench=False,
+                   doc="equinox.nn.MultiheadAttention, vmapped; bool mask True = attend; masked scores finfo.min, "
+                   "so empty rows are uniform"),
 )
 _BY_NAME = {i.name: i for i in BUILTIN}
 

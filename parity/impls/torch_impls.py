@@ -130,6 +130,11 @@ class TorchRunner:
         out, w = check_result(b.impl, result, torch.Tensor, query.shape, key.shape[1], b.num_heads, b.dtype)
         return out, w
 
+    def call(self, b: Built, query, key, value, mask=None):
+        """One call on tensors already on the device, unconverted and unchecked: what the benchmark times."""
+        result = self._call(b, (query, key, value), mask)
+        return tuple(result) if isinstance(result, (tuple, list)) else (result, None)
+
     def forward(self, b: Built, query, key, value, keep):
         xs, mask = self._args(b, query, key, value, keep)
         with torch.no_grad():
