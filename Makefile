@@ -13,7 +13,7 @@ $(STAMP): requirements.lock pyproject.toml
 	touch $(STAMP)
 
 parity: $(STAMP)
-	$(BIN)/mha-parity --json parity-report.json --markdown parity-report.md $(ARGS)
+	$(BIN)/mha-parity --json parity-report.json --markdown parity-report.md --plot parity-report.png $(ARGS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(ARGS)
