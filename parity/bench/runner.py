@@ -168,6 +168,74 @@ class Collected:
     envs: dict = field(default_factory=dict)  # framework -> env report
 
 
+@dataclass
+class WorkerEnd:
+    """How one worker's stream ended: its exit code, the item it was on, and why it may have died."""
+
+    rc: int
+    current: int | None  # the item id it had started and not finished
+    timed_out: bool
+    stderr_tail: list
+
+
+def _consume(proc, cfg: RunConfig, framework: str, by_id: dict, out: Collected, on_event) -> WorkerEnd:
+    """Read a worker's tagged lines into `out` until it exits; kill it when an item overruns."""
+    q: queue.Queue = queue.Queue()
+    threads = [threading.Thread(target=_pump, args=(stream, q, tag), daemon=True)
+               for stream, tag in ((proc.stdout, "out"), (proc.stderr, "err"))]
+    for t in threads:
+        t.start()
+    stderr_tail: list[str] = []
+    current, started_at, open_streams, timed_out = None, time.monotonic(), 2, False
+    while open_streams:
+        try:
+            tag, line = q.get(timeout=1.0)
+        except queue.Empty:
+            if time.monotonic() - started_at > cfg.item_timeout_s:
+                timed_out = True
+                proc.kill()
+            continue
+        if line is None:
+            open_streams -= 1
+        elif tag == "err":
+            stderr_tail = (stderr_tail + [line.rstrip()])[-20:]
+        elif line.startswith(TAG):
+            kind, _, payload = line[len(TAG):].partition("\t")
+            data = json.loads(payload)
+            if kind == "ENV":
+                out.envs.setdefault(framework, data)
+            elif kind == "PEAK":
+                out.peaks.append(data)
+            elif kind == "START":
+                current, started_at = data, time.monotonic()
+                on_event("start", by_id[data])
+            elif kind == "ROW":
+                out.rows[data.pop("id")] = data
+                current = None
+                on_event("row", data)
+    rc = proc.wait()
+    for t in threads:
+        t.join(timeout=5.0)
+    for stream in (proc.stdout, proc.stderr):
+        stream.close()
+    try:
+        os.unlink(proc.spec_path)
+    except (AttributeError, OSError):
+        pass
+    return WorkerEnd(rc, current, timed_out, stderr_tail)
+
+
+def _death_message(end: WorkerEnd, cfg: RunConfig) -> str:
+    if end.timed_out:
+        why = f"timed out: no result within {cfg.item_timeout_s:.0f} s, worker killed"
+    elif end.rc < 0:
+        why = f"worker killed by signal {-end.rc}" + (" (SIGKILL: likely out of memory)" if end.rc == -9 else "")
+    else:
+        why = f"worker exited with code {end.rc}"
+    tail = " | ".join(end.stderr_tail[-3:])
+    return (f"{why}; stderr: {tail}" if tail else why)[:800]
+
+
 def run_group(
     cfg: RunConfig, framework: str, items: list[Item], peaks: list[dict], out: Collected,
     on_event: Callable[[str, object], None], scratch: str, spawn: Spawn = _spawn,
@@ -184,68 +252,14 @@ def run_group(
             # The best rates so far: the worker re-measures its peak when a row beats them.
             "known_peaks": [rec for rec in out.peaks if rec.get("gflops")],
         }
-        proc = spawn(spec, _worker_env(cfg, scratch))
-        q: queue.Queue = queue.Queue()
-        threads = [
-            threading.Thread(target=_pump, args=(proc.stdout, q, "out"), daemon=True),
-            threading.Thread(target=_pump, args=(proc.stderr, q, "err"), daemon=True),
-        ]
-        for t in threads:
-            t.start()
-        stderr_tail: list[str] = []
-        current, started_at, open_streams, timed_out = None, time.monotonic(), 2, False
-        while open_streams:
-            try:
-                tag, line = q.get(timeout=1.0)
-            except queue.Empty:
-                if time.monotonic() - started_at > cfg.item_timeout_s:
-                    timed_out = True
-                    proc.kill()
-                continue
-            if line is None:
-                open_streams -= 1
-                continue
-            if tag == "err":
-                stderr_tail = (stderr_tail + [line.rstrip()])[-20:]
-                continue
-            if not line.startswith(TAG):
-                continue
-            kind, _, payload = line[len(TAG):].partition("\t")
-            data = json.loads(payload)
-            if kind == "ENV":
-                out.envs.setdefault(framework, data)
-            elif kind == "PEAK":
-                out.peaks.append(data)
-            elif kind == "START":
-                current, started_at = data, time.monotonic()
-                on_event("start", by_id[data])
-            elif kind == "ROW":
-                out.rows[data.pop("id")] = data
-                current = None
-                on_event("row", data)
-        rc = proc.wait()
-        for t in threads:
-            t.join(timeout=5.0)
-        for stream in (proc.stdout, proc.stderr):
-            stream.close()
-        try:
-            os.unlink(proc.spec_path)
-        except (AttributeError, OSError):
-            pass
+        end = _consume(spawn(spec, _worker_env(cfg, scratch)), cfg, framework, by_id, out, on_event)
         pending = [it for it in pending if it.id not in out.rows]
         if not pending:
             break
-        if timed_out:
-            why = f"timed out: no result within {cfg.item_timeout_s:.0f} s, worker killed"
-        elif rc < 0:
-            why = f"worker killed by signal {-rc}" + (" (SIGKILL: likely out of memory)" if rc == -9 else "")
-        else:
-            why = f"worker exited with code {rc}"
-        tail = " | ".join(stderr_tail[-3:])
-        message = f"{why}; stderr: {tail}" if tail else why
-        victims = [by_id[current]] if current is not None else pending  # died outside an item: all fail
+        victims = [by_id[end.current]] if end.current is not None else pending  # died outside an item: all fail
         for it in victims:
-            out.rows[it.id] = empty_row(it.impl, it.case, it.pass_, device=cfg.device, status="error", message=message[:800])
+            out.rows[it.id] = empty_row(it.impl, it.case, it.pass_, device=cfg.device, status="error",
+                                        message=_death_message(end, cfg))
             on_event("row", out.rows[it.id])
         pending = [it for it in pending if it.id not in out.rows]
 

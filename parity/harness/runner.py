@@ -57,7 +57,13 @@ def _select_cases(cases, patterns) -> tuple[Case, ...]:
     return chosen
 
 
-def _validate(dtypes, checks) -> None:
+def _validate(dtypes, checks, paths) -> tuple[tuple, tuple]:
+    """The dtypes and checks to run (None: all), validated; every output path tried before anything runs."""
+    dtypes = DTYPES if dtypes is None else tuple(dtypes)
+    checks = CHECKS if checks is None else tuple(checks)
+    for path in paths:
+        if path:
+            check_writable(path)
     for d in dtypes:
         numpy_dtype(d)
     unknown = set(checks) - set(CHECKS)
@@ -67,6 +73,7 @@ def _validate(dtypes, checks) -> None:
         raise ValueError(f"no dtype selected; choose from {DTYPES}")
     if not checks:
         raise ValueError(f"no check selected; choose from {CHECKS}")
+    return dtypes, checks
 
 
 def _runners(plan: DevicePlan) -> dict:
@@ -110,12 +117,7 @@ def run(
     """
     started = time.perf_counter()
     explicit = {"dtypes": dtypes is not None, "checks": checks is not None}
-    dtypes = DTYPES if dtypes is None else tuple(dtypes)
-    checks = CHECKS if checks is None else tuple(checks)
-    _validate(dtypes, checks)
-    for path in (json_path, markdown_path, plot_path):
-        if path:
-            check_writable(path)
+    dtypes, checks = _validate(dtypes, checks, (json_path, markdown_path, plot_path))
     cases = _select_cases(tuple(cases) if cases is not None else (quick_matrix() if quick else default_matrix()), case_filter)
     selected = select_impls(impls, compile)
     peers = tuple(p for p in select("peer") if p.harness)
@@ -124,6 +126,7 @@ def run(
     plan = resolve_device(device)
     extra = {"dtypes": ",".join(dtypes), "checks": ",".join(checks), "cases": len(cases),
              "implementations": ",".join(i.name for i in selected), "x64_enabled_for_run": x64}
+    coverage_of = (dtypes if explicit["dtypes"] else (), checks if explicit["checks"] else ())
     with pinned(framework_defaults, x64):
         report = Report(_environment(plan, seed, framework_defaults, extra))
         if on_start is not None:
@@ -138,8 +141,7 @@ def run(
             report.interrupted = True
         finally:
             if not report.interrupted:  # what an interrupted run did not reach is not a "cannot run"
-                report.rows += coverage(report.rows, cases, dtypes if explicit["dtypes"] else (),
-                                        checks if explicit["checks"] else (), selected, plan.name)
+                report.rows += coverage(report.rows, cases, *coverage_of, selected, plan.name)
             report.elapsed_s = time.perf_counter() - started
             report.write_errors = write_reports(report, json_path, markdown_path, plot_path)
     return report

@@ -159,12 +159,7 @@ class JaxRunner:
 
     def build(self, impl: Implementation, sd: dict, num_heads: int, masked_rows: str) -> Built:
         dtype = next(iter(sd.values())).dtype
-        kw = {"dtype": dtype.name, "device": self.device}
-        if impl.masked_rows is None:
-            kw["masked_rows"] = masked_rows
-        fn = impl.resolve_factory()(sd, num_heads, **kw)
-        if not callable(fn):
-            raise TypeError(f"{impl.name}: the factory returned {type(fn).__name__}, not a callable")
+        fn = impl.make(sd, num_heads, masked_rows, self.device)
         return Built(impl, fn, {k: self.a(v) for k, v in sd.items()}, num_heads, dtype)
 
     def _call(self, b: Built, fn, params, xs, mask):

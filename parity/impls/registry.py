@@ -123,6 +123,16 @@ class Implementation:
         """The masked-row policy it runs with in a case: its own, or the case's when configurable."""
         return case_policy if self.masked_rows is None else self.masked_rows
 
+    def make(self, state_dict: dict, num_heads: int, masked_rows: str, device) -> Callable:
+        """Call the factory as the contract says (masked_rows only when configurable); check it gave a callable."""
+        kw = {"dtype": next(iter(state_dict.values())).dtype.name, "device": device}
+        if self.masked_rows is None:
+            kw["masked_rows"] = masked_rows
+        fn = self.resolve_factory()(state_dict, num_heads, **kw)
+        if not callable(fn):
+            raise TypeError(f"{self.name}: the factory returned {type(fn).__name__}, not a callable")
+        return fn
+
     def resolve_factory(self) -> Callable:
         if callable(self.factory):
             return self.factory
