@@ -44,6 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", action="store_true", help="also run torch.compile of the selected torch implementations (slow on CPU)")
     p.add_argument("--framework-defaults", action="store_true",
                    help="keep the frameworks' default matmul precision (TF32 on GPU, bf16 passes on TPU) instead of 'highest'")
+    p.add_argument("--devices", type=int, default=None, metavar="N",
+                   help="also check the sharded layouts over N simulated CPU devices / gloo processes (N >= 2)")
+    p.add_argument("--layouts", type=comma_separated(), default=None, metavar="tp,sp,dp",
+                   help="with --devices: which sharded layouts (default: all)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH", help="write the JSON report here (atomically)")
     p.add_argument("--markdown", metavar="PATH", help="write the Markdown report here (atomically)")
@@ -78,6 +82,16 @@ class GracefulInterrupt:
 
 
 def _usage_problems(args) -> str | None:
+    if args.devices is not None and args.devices < 2:
+        return f"--devices must be at least 2, got {args.devices}"
+    if args.layouts and args.devices is None:
+        return "--layouts selects sharded layouts: give --devices N too"
+    if args.layouts:
+        from parity.sharded import LAYOUTS
+
+        unknown = sorted(set(args.layouts) - set(LAYOUTS) - {"tp-gspmd"})
+        if unknown:
+            return f"unknown --layouts {unknown}; choose from {', '.join(LAYOUTS)}, tp-gspmd"
     paths = [os.path.abspath(p) for p in (args.json, args.markdown, args.plot) if p]
     if len(set(paths)) < len(paths):
         return "--json, --markdown and --plot must be different files"
@@ -110,7 +124,7 @@ def _run(args, console, stop):
             case_filter=args.cases, dtypes=args.dtypes, checks=args.checks, impls=impls, device=args.device,
             seed=args.seed, quick=args.quick, compile=args.compile, framework_defaults=args.framework_defaults,
             json_path=args.json, markdown_path=args.markdown, plot_path=args.plot, on_start=on_start,
-            on_progress=on_progress, should_stop=lambda: stop.requested,
+            on_progress=on_progress, should_stop=lambda: stop.requested, devices=args.devices, layouts=args.layouts,
         )
 
 

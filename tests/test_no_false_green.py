@@ -177,3 +177,13 @@ def test_cli_loads_a_user_module_and_rejects_a_non_implementation(capsys):
     assert "jax-port" in capsys.readouterr().out
     assert _cli("--quick", "--impl", "examples.jax_port:_make") == 2
     assert "not a parity.impls.Implementation" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [("--devices", "1"), ("--layouts", "sp"), ("--devices", "2", "--layouts", "xp")])
+def test_sharded_arguments_are_checked_up_front(argv):
+    assert _cli("--quick", *argv) == 2
+
+
+def test_sharded_check_without_devices_is_a_skip_not_a_pass(capsys):
+    assert _cli("--quick", "--checks", "sharded") == 3
+    assert "it runs with --devices N" in capsys.readouterr().out

@@ -17,10 +17,10 @@ import numpy as np
 
 from mha_spec import MASKED_ROWS_POLICIES, check_config
 from parity import draw
-from parity.dtypes import DTYPES
+from parity.dtypes import DTYPES, numpy_dtype  # noqa: F401 (numpy_dtype: re-exported for parity.sharded)
 
 MASK_KINDS = ("none", "padding", "causal", "random")
-CHECKS = ("forward", "gradient", "training", "peers")
+CHECKS = ("forward", "gradient", "training", "peers", "sharded")  # sharded: with devices >= 2 (parity.sharded)
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ def default_matrix() -> tuple[Case, ...]:
     return (
         Case(base, "none", peers=True),
         Case(base, "padding", "zero", train=True),  # one empty key sequence
-        Case(base, "causal", "nan"),
+        Case(base, "causal", "nan", peers=True),  # GPT-2's attention is causal: its only case
         Case(base, "random", "nan", peers=True),
         Case(base, "random", "zero"),
         Case(base, "random", "uniform", dtypes=_WIDE),  # 16-bit uniform: the large case

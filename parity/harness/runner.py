@@ -103,6 +103,8 @@ def run(
     on_progress=None,
     on_start=None,
     should_stop=None,
+    devices: int | None = None,
+    layouts=None,
 ) -> Report:
     """Run the parity matrix; return the report (and write it, if paths are given).
 
@@ -111,7 +113,9 @@ def run(
     cases run, all checks; named ones that nothing runs get a skip row saying why); impls: names of
     ours and/or `parity.impls.Implementation` objects (your own; see `select_impls`).
     on_start(total_units) and on_progress(description) drive a progress bar;
-    should_stop() is asked between units (a graceful Ctrl-C). A unit that raises
+    should_stop() is asked between units (a graceful Ctrl-C). devices >= 2 adds the sharded
+    check (`parity.sharded`: tensor-, sequence- and data-parallel layouts over that many
+    simulated CPU devices / gloo processes; `layouts` filters them). A unit that raises
     becomes error rows; KeyboardInterrupt stops the loop, and the report of what
     finished is still written (report.interrupted is True).
     """
@@ -137,6 +141,7 @@ def run(
                                 for c, d in units for ch in checks]
             else:
                 _loop(report, units, seed, checks, selected, peers, _runners(plan), on_progress, should_stop)
+                report.rows += _sharded(devices, layouts, dtypes, checks, seed, should_stop)
         except KeyboardInterrupt:
             report.interrupted = True
         finally:
@@ -155,6 +160,19 @@ def _loop(report, units, seed, checks, impls, peers, runners, on_progress, shoul
         if on_progress is not None:
             on_progress(f"{case.name} {dtype}")
         report.rows += _run_unit(case, dtype, seed, checks, impls, peers, runners)
+
+
+def _sharded(devices, layouts, dtypes, checks, seed, should_stop) -> list[Row]:
+    """The sharded layouts across `devices` processes/devices, when asked (float64 and float32 only)."""
+    if "sharded" not in checks or not devices or (should_stop is not None and should_stop()):
+        return []
+    from parity.sharded import LAYOUTS, run_sharded
+
+    wide = tuple(d for d in dtypes if d in ("float64", "float32"))
+    if devices < 2 or not wide:
+        why = "--devices must be at least 2" if devices < 2 else "sharded layouts are checked in float64/float32 only"
+        return [Row("*", "sharded", "*", "*", "*", "cpu", "skip", message=why)]
+    return run_sharded(devices=devices, layouts=tuple(layouts or LAYOUTS), dtypes=wide, seed=seed)
 
 
 def _run_unit(case, dtype, seed, checks, impls, peers, runners) -> list[Row]:
@@ -180,7 +198,9 @@ def coverage(rows, cases, dtypes, checks, impls, device: str) -> list[Row]:
     for ch in checks:
         if any(r.check == ch for r in ran):
             continue
-        if ch in flag:
+        if ch == "sharded":
+            reason = "it runs with --devices N (N >= 2 simulated devices / processes)"
+        elif ch in flag:
             enabled = [c.name for c in cases if getattr(c, flag[ch])]
             reason = (f"it runs only on cases with {flag[ch]}=True: "
                       + (", ".join(enabled) + " (in float64/float32 for training)" if enabled else "none is selected"))
