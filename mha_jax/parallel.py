@@ -100,13 +100,21 @@ def key_block_start(src, n: int, block: int):
     return src * block
 
 
+def _heads(params, query, key, value, N: int, precision):
+    """The q/k/v projections split into heads: (B, L, N', H), N' the heads this shard holds."""
+    H = query.shape[-1] // N  # query is never split along E, so this is the global head dim
+
+    def split(x, name):
+        y = _project(x, params[name], query.dtype, precision)  # (B, L, N'·H)
+        return y.reshape(y.shape[0], y.shape[1], -1, H)
+
+    return split(query, "q_proj"), split(key, "k_proj"), split(value, "v_proj")
+
+
 def _tp_body(params, query, key, value, keep=None, *, N, masked_rows, precision, axis):
     dtype = query.dtype
-    H = query.shape[-1] // N
     B, T, _ = query.shape
-    q = _project(query, params["q_proj"], dtype, precision).reshape(B, T, -1, H)  # (B, T, N/tp, H)
-    k = _project(key, params["k_proj"], dtype, precision).reshape(B, key.shape[1], -1, H)  # (B, S, N/tp, H)
-    v = _project(value, params["v_proj"], dtype, precision).reshape(B, key.shape[1], -1, H)
+    q, k, v = _heads(params, query, key, value, N, precision)  # (B, T, N/tp, H), (B, S, N/tp, H) x 2
     context, _ = attention_core(q, k, v, keep, masked_rows=masked_rows, precision=precision)  # (B, T, N/tp, H)
     acc = accumulation_dtype(dtype)
     kernel = params["out_proj"]["kernel"].astype(dtype)  # (E/tp, E): this shard's input rows
@@ -173,10 +181,7 @@ def ring_attention(q, k, v, keep=None, *, axis: str, masked_rows="nan", S_total:
 def _sp_body(params, query, key, value, keep=None, *, N, masked_rows, precision, axis, S_total):
     dtype = query.dtype
     B, Tb, E = query.shape
-    H = E // N
-    q = _project(query, params["q_proj"], dtype, precision).reshape(B, Tb, N, H)  # (B, T/n, N, H)
-    k = _project(key, params["k_proj"], dtype, precision).reshape(B, key.shape[1], N, H)  # (B, S/n, N, H)
-    v = _project(value, params["v_proj"], dtype, precision).reshape(B, key.shape[1], N, H)
+    q, k, v = _heads(params, query, key, value, N, precision)  # (B, T/n, N, H), (B, S/n, N, H) x 2
     context = ring_attention(q, k, v, keep, axis=axis, masked_rows=masked_rows, S_total=S_total, precision=precision)
     return _project(context.reshape(B, Tb, E), params["out_proj"], dtype, precision)  # (B, T/n, E)
 
@@ -184,10 +189,7 @@ def _sp_body(params, query, key, value, keep=None, *, N, masked_rows, precision,
 def _dp_body(params, query, key, value, keep=None, *, N, masked_rows, precision, axis):
     dtype = query.dtype
     B, T, E = query.shape
-    H = E // N
-    q = _project(query, params["q_proj"], dtype, precision).reshape(B, T, N, H)
-    k = _project(key, params["k_proj"], dtype, precision).reshape(B, key.shape[1], N, H)
-    v = _project(value, params["v_proj"], dtype, precision).reshape(B, key.shape[1], N, H)
+    q, k, v = _heads(params, query, key, value, N, precision)  # (B/n, T, N, H), (B/n, S, N, H) x 2
     context, _ = attention_core(q, k, v, keep, masked_rows=masked_rows, precision=precision)
     return _project(context.reshape(B, T, E), params["out_proj"], dtype, precision)
 

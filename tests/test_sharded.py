@@ -135,27 +135,6 @@ def test_jax_bad_configurations_are_clear_errors():
         parallel.make_mesh(3, devices=jax.devices()[:1])
 
 
-def test_jax_one_device_mesh_matches_oracle():
-    """The shard_map bodies on a 1-device mesh are the module's maths (every layout, a mask)."""
-    from flax import nnx
-
-    import mha_jax
-    from mha_jax import parallel
-    from parity import reference
-
-    rng = np.random.default_rng(1)
-    m = mha_jax.MultiHeadAttention(12, 3, rngs=nnx.Rngs(0), masked_rows="uniform", param_dtype=np.float64)
-    q, k, v = rng.standard_normal((2, 6, 12)), rng.standard_normal((2, 4, 12)), rng.standard_normal((2, 4, 12))
-    keep = rng.random((2, 6, 4)) < 0.5
-    keep[0, 1] = False
-    sd = {f"{p}.{w}": np.asarray(leaves[n]).T if n == "kernel" else np.asarray(leaves[n])
-          for p, leaves in parallel.params_of(m).items() for n, w in (("kernel", "weight"), ("bias", "bias"))}
-    expected = reference.forward(sd, q, k, v, keep, num_heads=3, masked_rows="uniform").output
-    for layout in LAYOUTS:
-        got = parallel.sharded_call(m, q, k, v, keep, mesh=parallel.make_mesh(1), layout=layout)
-        np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-12, atol=1e-12, err_msg=layout)
-
-
 def test_torch_without_a_process_group_is_a_clear_error():
     import mha_torch
     from mha_torch import parallel
