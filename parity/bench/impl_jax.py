@@ -11,6 +11,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from mha_jax import kernels
+
 from parity.bench.measure import Bench, CpuPeakRss
 from parity.bench.spec import BenchCase, canonical_weights, make_inputs
 from parity.env import pin_jax
@@ -100,7 +102,17 @@ def build(impl: Implementation, case: BenchCase, pass_: str, device: str, seed: 
             return int(total), f"{device}: XLA memory_analysis temp + output bytes of the compiled program", out
     return Bench(
         step=step, sync=sync, aot_compile=aot_compile, recompile=recompile, fingerprint=fingerprint, memory=memory,
+        kernel=kernel_of(impl, case, dev),
     )
+
+
+def kernel_of(impl: Implementation, case: BenchCase, device) -> str:
+    """What runs inside: for our fused path the kernel `mha_jax.kernels` chooses (with its blocks)."""
+    if impl.family == "ours-jax" and not impl.returns_weights:
+        c = kernels.fused_choice(case.batch, case.heads, case.seq_q, case.seq_k, case.embed // case.heads,
+                                 jnp.dtype(case.dtype), has_mask=False, device=device)
+        return c.kernel + (f" {c.q_chunk}x{c.k_chunk}" if c.kernel == "chunked" else "")
+    return {"ours-jax": "einsum (weights)", "jax-dpa-core": "dpa-xla"}.get(impl.family or impl.name, impl.family or impl.name)
 
 
 def peak_gflops(dtype: str, sizes, device: str, timing, clock) -> tuple[float, int]:

@@ -118,7 +118,9 @@ def build(impl: Implementation, case: BenchCase, pass_: str, device: str, seed: 
     fingerprint = None
     if pass_ == "fwd":
         fingerprint = lambda out: float(out[0].double().abs().mean())  # noqa: E731
+    kernel = "sdpa" if not impl.returns_weights else "bmm-softmax (weights)"
     return Bench(
+        kernel=kernel if impl.role != "user" else impl.name,
         step=step, sync=sync, compiles_on_first_call=impl.mode == "compile", recompile=recompile,
         fingerprint=fingerprint, memory=_memory_probe(device, step, sync),
     )

@@ -91,6 +91,7 @@ class Bench:
     # One untimed call under a peak-memory probe: (bytes, source, the call's output). It
     # stands in for the last warm-up call, so that slow cases pay no extra call for it.
     memory: Callable[[], tuple[int | None, str, Any]] | None = None
+    kernel: str | None = None  # what actually ran (e.g. the JAX fused path's choice), for the row
 
 
 def run_bench(bench: Bench, timing: Timing, clock: Clock = time.perf_counter) -> dict:

@@ -58,8 +58,10 @@ def _cells(row) -> list[str]:
     def marked(x, spec):
         return "-" if x is None else spec.format(x) + mark
 
+    # Our JAX fused path chooses its kernel per problem: say which one ran.
+    chosen = f" [{row['kernel']}]" if row.get("kernel") and row["impl"] == "ours-jax" and not row["need_weights"] else ""
     return [
-        _case(row), row["pass"], _variant(row), _fmt_s(row["median_s"]), _fmt_s(row["iqr_s"]),
+        _case(row), row["pass"], _variant(row) + chosen, _fmt_s(row["median_s"]), _fmt_s(row["iqr_s"]),
         marked(row["ratio"], "{:.2f}×"), marked(row["gflops"], "{:.1f}"), marked(row["peak_fraction"], "{:.0%}"),
         _fmt_s(row["compile_s"]), _fmt_s(row["recompile_s"]), _mem(row["peak_mem_bytes"]), note,
     ]

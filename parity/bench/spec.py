@@ -22,7 +22,7 @@ DTYPES = {name: numpy_dtype(name) for name in ("float32", "bfloat16", "float16")
 # One result row, in this order in the JSON and the Markdown.
 ROW_FIELDS = (
     "impl", "framework", "mode", "pass", "batch", "seq_q", "seq_k", "embed", "heads", "dtype",
-    "need_weights", "device", "compile_s", "recompile_s", "median_s", "iqr_s", "min_s", "repeats",
+    "need_weights", "kernel", "device", "compile_s", "recompile_s", "median_s", "iqr_s", "min_s", "repeats",
     "ratio", "gflops", "peak_gflops", "peak_fraction", "peak_mem_bytes", "mem_source", "out_fingerprint",
     "status", "message", "warning",
 )

@@ -48,6 +48,7 @@ def run_item(mod, impl, case: BenchCase, pass_: str, device: str, seed: int, tim
     row = empty_row(impl, case, pass_, device=device)
     try:
         bench = mod.build(impl, case, pass_, device, seed)
+        row["kernel"] = bench.kernel
         row.update(run_bench(bench, timing, clock))
         row["status"] = "ok"
     except Exception as e:  # noqa: BLE001 - any failure of one item is recorded, the sweep goes on
@@ -63,6 +64,7 @@ def run_group_interleaved(mod, group, device: str, seed: int, timing: Timing, cl
         rows[item_id] = empty_row(impl, case, pass_, device=device)
         try:
             benches.append(mod.build(impl, case, pass_, device, seed))
+            rows[item_id]["kernel"] = benches[-1].kernel
             slots.append(item_id)
         except Exception as e:  # noqa: BLE001
             rows[item_id].update(status="error", message=error_message(e))
