@@ -60,9 +60,18 @@ class Choice:
 
 
 # scripts/measure_blocks.py on the project's 2-core AMD EPYC VM (float32, H=64, precision
-# "highest"); every time in docs/results/flash-blocks-cpu.json, the method in docs/drafts/flash.md.
+# "highest"), three runs while other jobs shared the cores (load average 6-11), combined with
+# `--combine` (geometric mean of each candidate's time / the run's fastest); every time is in
+# docs/results/flash-blocks-cpu.run{1,2,3}.json, the method in docs/drafts/flash.md. The score
+# after each row: 1.00 = fastest in every run that measured it.
 TABLE: dict[str, tuple[Measured, ...]] = {
-    "cpu": (),
+    "cpu": (
+        Measured(BN=32, T=256, S=256, fastest="einsum", blocks=(256, 256)),  # chunked 1.15, dpa-xla 1.25
+        Measured(BN=32, T=512, S=512, fastest="chunked", blocks=(256, 256)),  # einsum 1.71, dpa-xla 2.30
+        Measured(BN=32, T=1024, S=1024, fastest="chunked", blocks=(256, 256)),  # 256x512 1.31, einsum 2.19
+        Measured(BN=32, T=2048, S=2048, fastest="chunked", blocks=(256, 512)),  # 512x512 1.02, 256x2048 1.25, 512x1024 1.26
+        Measured(BN=8, T=8192, S=8192, fastest="chunked", blocks=(512, 512)),  # 256x512 1.16, 512x1024 1.43
+    ),
 }
 
 

@@ -81,18 +81,40 @@ def measure_size(B, N, T, H, blocks, passes, reps, dtype, budget_s):
     return rows
 
 
-def summarise(rows):
-    """Per (B, N, T, S): the fastest kernel and the fastest chunk sizes, by the fwd+bwd min (fwd if absent)."""
+def summarise(runs):
+    """Per (B, N, T, S): the fastest kernel and the chunked kernel's fastest blocks, judged by fwd+bwd.
+
+    runs: a list of runs (each a list of rows). Absolute times from different runs on a shared
+    machine are not comparable, so each candidate's score is the geometric mean, over the runs
+    that measured it, of its time / the fastest candidate's time in that run; where two or more
+    runs measured a size, a candidate seen in only one of them is left out.
+    """
     out = []
-    for key in sorted({(r["B"], r["N"], r["T"], r["S"]) for r in rows}):
-        mine = [r for r in rows if (r["B"], r["N"], r["T"], r["S"]) == key]
-        passes = {r["pass_"] for r in mine}
-        pick = [r for r in mine if r["pass_"] == ("fwdbwd" if "fwdbwd" in passes else "fwd")]
-        best = min(pick, key=lambda r: r["min_s"])
-        chunked = [r for r in pick if r["candidate"].startswith("chunked:")]
-        blocks = min(chunked, key=lambda r: r["min_s"])["candidate"].split(":")[1] if chunked else None
-        out.append(dict(BN=key[0] * key[1], T=key[2], S=key[3], fastest=best["candidate"].split(":")[0], blocks=blocks))
+    sizes = sorted({(r["B"], r["N"], r["T"], r["S"]) for run in runs for r in run})
+    for key in sizes:
+        ratios = {}
+        for run in runs:
+            mine = [r for r in run if (r["B"], r["N"], r["T"], r["S"]) == key]
+            pick = [r for r in mine if r["pass_"] == "fwdbwd"] or [r for r in mine if r["pass_"] == "fwd"]
+            if pick:
+                best = min(r["min_s"] for r in pick)
+                for r in pick:
+                    ratios.setdefault(r["candidate"], []).append(r["min_s"] / best)
+        need = 2 if max(len(v) for v in ratios.values()) >= 2 else 1
+        score = {c: math.exp(np.mean(np.log(v))) for c, v in ratios.items() if len(v) >= need}
+        fastest = min(score, key=score.get)
+        chunked = [c for c in score if c.startswith("chunked:")]
+        blocks = min(chunked, key=score.get).split(":")[1] if chunked else None
+        out.append(dict(BN=key[0] * key[1], T=key[2], S=key[3], fastest=fastest.split(":")[0], blocks=blocks,
+                        scores={c: round(v, 3) for c, v in sorted(score.items(), key=lambda kv: kv[1])}))
     return out
+
+
+def print_table(table):
+    print("rows for mha_jax.kernels.TABLE:")
+    for t in table:
+        blocks = "None" if t["blocks"] is None else "(" + t["blocks"].replace("x", ", ") + ")"
+        print(f"    Measured(BN={t['BN']}, T={t['T']}, S={t['S']}, fastest={t['fastest']!r}, blocks={blocks}),  # {t['scores']}")
 
 
 def main(argv=None):
@@ -104,7 +126,15 @@ def main(argv=None):
     p.add_argument("--budget", type=float, default=0.5, help="seconds per candidate that set the repeats of small sizes")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--json", default=None)
+    p.add_argument("--combine", nargs="+", metavar="RUN.json", help="only summarise earlier runs together (no timing)")
     args = p.parse_args(argv)
+    if args.combine:
+        runs = []
+        for path in args.combine:
+            with open(path) as f:
+                runs.append(json.load(f)["rows"])
+        print_table(summarise(runs))
+        return
     if args.reps < 1:
         p.error("--reps must be >= 1")
     jax.config.update("jax_default_matmul_precision", "highest")  # as mha-bench pins it
@@ -116,7 +146,7 @@ def main(argv=None):
     rows = []
     for B, N, T, H in sizes:
         rows += measure_size(B, N, T, H, blocks, args.passes.split(","), args.reps, jnp.dtype(args.dtype), args.budget)
-    table = summarise(rows)
+    table = summarise([rows])
     report = dict(device_kind=kind, machine=platform.processor() or platform.machine(), cores=os.cpu_count(),
                   load_average_start=load_start, load_average_end=os.getloadavg(), dtype=args.dtype,
                   jax=jax.__version__, precision="highest", rows=rows, table=table)
@@ -124,10 +154,7 @@ def main(argv=None):
     with open(path, "w") as f:
         json.dump(report, f, indent=1)
     print(f"wrote {path}; load average at end {report['load_average_end']}")
-    print("rows for mha_jax.kernels.TABLE:")
-    for t in table:
-        blocks = "None" if t["blocks"] is None else "(" + t["blocks"].replace("x", ", ") + ")"
-        print(f"    Measured(BN={t['BN']}, T={t['T']}, S={t['S']}, fastest={t['fastest']!r}, blocks={blocks}),")
+    print_table(table)
 
 
 if __name__ == "__main__":

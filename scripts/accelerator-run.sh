@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# One prepared accelerator run (issue 10 item 4): on a machine with a GPU, install the CUDA
+# builds into .venv, run the parity matrix on the GPU and a mha-bench sweep, and write
+#   docs/results/parity-gpu.{json,md,png}  docs/results/bench-gpu.{json,md,png}
+# within about 8 minutes (parity <= 3 min, bench <= 5 min; each is stopped with SIGINT at
+# its limit, and both tools write the report of what finished when interrupted).
+#
+#   scripts/accelerator-run.sh                         # the GPU run
+#   scripts/accelerator-run.sh --device cpu --tiny --out /tmp/dry   # CPU dry run of the same steps
+#
+# Options:
+#   --device gpu|cpu    where parity and bench run (default gpu)
+#   --tiny              a tiny plan (parity --quick, bench T=64, float32, fwd) for a dry run
+#   --out DIR           where the reports go (default docs/results)
+#   --tag NAME          report names parity-NAME.*, bench-NAME.* (default: the device)
+#   --no-install        skip the CUDA installs (already done, or a CPU dry run)
+#   --wheelhouse DIR    install from local wheels (pip --no-index --find-links DIR), for a
+#                       machine that cannot reach the package indexes
+# Environment: TORCH_CUDA_INDEX (default https://download.pytorch.org/whl/cu128),
+#   PARITY_LIMIT_S (180), BENCH_LIMIT_S (300).
+#
+# The venv on the accelerator machine is throwaway: installing torch's CUDA build there
+# replaces the pinned CPU build of the same version (torch==2.13.0); requirements.lock is
+# never changed.
+set -euo pipefail
+
+DEVICE=gpu
+TINY=0
+OUT=docs/results
+TAG=""
+INSTALL=1
+WHEELHOUSE=""
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        --device) DEVICE="$2"; shift 2 ;;
+        --tiny) TINY=1; shift ;;
+        --out) OUT="$2"; shift 2 ;;
+        --tag) TAG="$2"; shift 2 ;;
+        --no-install) INSTALL=0; shift ;;
+        --wheelhouse) WHEELHOUSE="$2"; shift 2 ;;
+        -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+        *) echo "accelerator-run.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
+    esac
+done
+case "$DEVICE" in gpu|cpu) ;; *) echo "accelerator-run.sh: --device must be gpu or cpu, got $DEVICE" >&2; exit 2 ;; esac
+TAG="${TAG:-$DEVICE}"
+PARITY_LIMIT_S="${PARITY_LIMIT_S:-180}"
+BENCH_LIMIT_S="${BENCH_LIMIT_S:-300}"
+TORCH_CUDA_INDEX="${TORCH_CUDA_INDEX:-https://download.pytorch.org/whl/cu128}"
+
+cd "$(dirname "$0")/.."
+mkdir -p "$OUT"
+BIN=.venv/bin
+START=$(date +%s)
+log() { echo "[accelerator-run $(( $(date +%s) - START ))s] $*"; }
+
+log "venv (pinned CPU wheels) via make"
+make --no-print-directory .venv/.installed
+
+if [[ "$DEVICE" == gpu && "$INSTALL" == 1 ]]; then
+    PIP=("$BIN/pip" install --quiet)
+    [[ -n "$WHEELHOUSE" ]] && PIP+=(--no-index --find-links "$WHEELHOUSE")
+    log "installing JAX's CUDA wheels (.[cuda])"
+    "${PIP[@]}" -e '.[cuda]'
+    log "installing torch 2.13.0's CUDA build"
+    if [[ -n "$WHEELHOUSE" ]]; then "${PIP[@]}" torch==2.13.0; else "${PIP[@]}" --index-url "$TORCH_CUDA_INDEX" torch==2.13.0; fi
+fi
+
+log "devices"
+"$BIN/python" - "$DEVICE" <<'EOF'
+import sys
+import jax, torch
+want = sys.argv[1]
+print("jax", jax.__version__, jax.devices(), "| torch", torch.__version__, "cuda", torch.cuda.is_available())
+if want == "gpu" and jax.default_backend() != "gpu":
+    sys.exit("accelerator-run.sh: JAX sees no GPU (is the CUDA jax wheel installed?)")
+if want == "gpu" and not torch.cuda.is_available():
+    print("warning: torch sees no CUDA device: its rows will be skip rows", file=sys.stderr)
+import mha_jax.kernels as k
+for T in (512, 4096, 16384):
+    for dt in ("float32", "bfloat16", "float16"):
+        c = k.fused_choice(4, 8, T, T, 64, dt, has_mask=False)
+        print(f"fused kernel B=4 N=8 T=S={T} {dt}: {c.kernel} {c.q_chunk}x{c.k_chunk} ({c.why})")
+EOF
+
+if [[ "$TINY" == 1 ]]; then
+    PARITY_ARGS=(--quick)
+    BENCH_ARGS=(--preset quick --seq 64 --dtypes float32 --passes fwd --impls 'ours-jax:*,ours-torch:eager:fused' --budget 0.2)
+else
+    PARITY_ARGS=()
+    BENCH_ARGS=(--preset default --seq 512,2048,4096,16384 --dtypes float32,bfloat16,float16 --passes fwd,fwd+bwd
+                --impls 'ours-jax:*,ours-torch:eager:*,jax-dpa-core,torch-sdpa-core' --budget 0.3)
+fi
+
+status=0
+log "mha-parity on $DEVICE (limit ${PARITY_LIMIT_S}s)"
+timeout -s INT -k 20 "$PARITY_LIMIT_S" "$BIN/mha-parity" --device "$DEVICE" "${PARITY_ARGS[@]}" --no-progress \
+    --json "$OUT/parity-$TAG.json" --markdown "$OUT/parity-$TAG.md" --plot "$OUT/parity-$TAG.png" || status=$?
+log "mha-parity exit $status"
+
+bstatus=0
+log "mha-bench on $DEVICE (limit ${BENCH_LIMIT_S}s)"
+timeout -s INT -k 20 "$BENCH_LIMIT_S" "$BIN/mha-bench" --device "$DEVICE" "${BENCH_ARGS[@]}" --no-progress \
+    --json "$OUT/bench-$TAG.json" --markdown "$OUT/bench-$TAG.md" --plot "$OUT/bench-$TAG.png" || bstatus=$?
+log "mha-bench exit $bstatus"
+
+ls -l "$OUT"/parity-"$TAG".* "$OUT"/bench-"$TAG".* 2>/dev/null || true
+log "done (parity exit $status, bench exit $bstatus)"
+[[ $status == 0 && $bstatus == 0 ]]
