@@ -143,7 +143,7 @@ def test_training_and_peers_pass():
     checks = {r.check for r in report.rows}
     assert checks == {"training", "peers"}
     peers = {r.impl for r in report.rows if r.check == "peers"}
-    assert peers == {"torch-mha", "torch-sdpa-core", "flax-linen-mha", "flax-nnx-mha", "jax-dpa-core"}
+    assert peers >= {"torch-mha", "torch-sdpa-core", "flax-linen-mha", "flax-nnx-mha", "jax-dpa-core"}
     losses = [r for r in report.rows if r.quantity == "loss"]
     assert len(losses) == 3  # adam, adamw, sgd
 
