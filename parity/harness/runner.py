@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import fnmatch
 import time
+from dataclasses import dataclass
 
 from parity.atomic import check_writable, write_atomic
 from parity.devices import DevicePlan, resolve_device
@@ -120,46 +121,65 @@ def run(
     finished is still written (report.interrupted is True).
     """
     started = time.perf_counter()
-    explicit = {"dtypes": dtypes is not None, "checks": checks is not None}
-    dtypes, checks = _validate(dtypes, checks, (json_path, markdown_path, plot_path))
-    cases = _select_cases(tuple(cases) if cases is not None else (quick_matrix() if quick else default_matrix()), case_filter)
-    selected = select_impls(impls, compile)
-    peers = tuple(p for p in select("peer") if p.harness)
-    units = [(c, d) for c in cases for d in dtypes if d in c.dtypes]
-    x64 = any(d == "float64" for _, d in units)  # float64 needs jax_enable_x64: on for this run only
-    plan = resolve_device(device)
-    extra = {"dtypes": ",".join(dtypes), "checks": ",".join(checks), "cases": len(cases),
-             "implementations": ",".join(i.name for i in selected), "x64_enabled_for_run": x64}
-    coverage_of = (dtypes if explicit["dtypes"] else (), checks if explicit["checks"] else ())
-    with pinned(framework_defaults, x64):
-        report = Report(_environment(plan, seed, framework_defaults, extra))
+    p = _plan(cases, case_filter, dtypes, checks, impls, device, quick, compile, (json_path, markdown_path, plot_path))
+    extra = {"dtypes": ",".join(p.dtypes), "checks": ",".join(p.checks), "cases": len(p.cases),
+             "implementations": ",".join(i.name for i in p.impls), "x64_enabled_for_run": p.x64}
+    with pinned(framework_defaults, p.x64):
+        report = Report(_environment(p.device, seed, framework_defaults, extra))
         if on_start is not None:
-            on_start(len(units))
+            on_start(len(p.units))
         try:
-            if plan.skip_reason:
-                report.rows += [Row(c.name, ch, "*", "*", d, plan.name, "skip", message=plan.skip_reason)
-                                for c, d in units for ch in checks]
+            if p.device.skip_reason:
+                report.rows += [Row(c.name, ch, "*", "*", d, p.device.name, "skip", message=p.device.skip_reason)
+                                for c, d in p.units for ch in p.checks]
             else:
-                _loop(report, units, seed, checks, selected, peers, _runners(plan), on_progress, should_stop)
-                report.rows += _sharded(devices, layouts, dtypes, checks, seed, should_stop)
+                _loop(report, p, seed, _runners(p.device), on_progress, should_stop)
+                report.rows += _sharded(devices, layouts, p.dtypes, p.checks, seed, should_stop)
         except KeyboardInterrupt:
             report.interrupted = True
         finally:
             if not report.interrupted:  # what an interrupted run did not reach is not a "cannot run"
-                report.rows += coverage(report.rows, cases, *coverage_of, selected, plan.name)
+                report.rows += coverage(report.rows, p.cases, *p.coverage_of, p.impls, p.device.name)
             report.elapsed_s = time.perf_counter() - started
             report.write_errors = write_reports(report, json_path, markdown_path, plot_path)
     return report
 
 
-def _loop(report, units, seed, checks, impls, peers, runners, on_progress, should_stop) -> None:
-    for case, dtype in units:
+@dataclass(frozen=True)
+class RunPlan:
+    """What a run will do, decided (and validated) before anything runs."""
+
+    cases: tuple
+    dtypes: tuple
+    checks: tuple
+    impls: tuple  # ours and the user's, for forward and gradient
+    peers: tuple
+    units: tuple  # (case, dtype) pairs
+    device: DevicePlan
+    coverage_of: tuple  # (dtypes, checks) the caller named: those that run nothing get a skip row
+
+    @property
+    def x64(self) -> bool:  # float64 needs jax_enable_x64: on for this run only
+        return any(d == "float64" for _, d in self.units)
+
+
+def _plan(cases, case_filter, dtypes, checks, impls, device, quick, compile, paths) -> RunPlan:
+    named = (dtypes if dtypes is not None else (), checks if checks is not None else ())
+    dtypes, checks = _validate(dtypes, checks, paths)
+    cases = _select_cases(tuple(cases) if cases is not None else (quick_matrix() if quick else default_matrix()), case_filter)
+    units = tuple((c, d) for c in cases for d in dtypes if d in c.dtypes)
+    peers = tuple(p for p in select("peer") if p.harness)
+    return RunPlan(cases, dtypes, checks, select_impls(impls, compile), peers, units, resolve_device(device), named)
+
+
+def _loop(report, p: RunPlan, seed, runners, on_progress, should_stop) -> None:
+    for case, dtype in p.units:
         if should_stop is not None and should_stop():
             report.interrupted = True
             return
         if on_progress is not None:
             on_progress(f"{case.name} {dtype}")
-        report.rows += _run_unit(case, dtype, seed, checks, impls, peers, runners)
+        report.rows += _run_unit(case, dtype, seed, p.checks, p.impls, p.peers, runners)
 
 
 def _sharded(devices, layouts, dtypes, checks, seed, should_stop) -> list[Row]:
