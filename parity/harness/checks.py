@@ -18,6 +18,7 @@ from parity.harness.judge import judge, judge_grads, logits, nan_note, status
 from parity.harness.matrix import Case, Inputs
 from parity.harness.report import Row
 from parity.impls import Implementation, builtin
+from parity.impls.ecosystem_impls import MissingPackage
 from parity.tolerances import TOLERANCES, Comparison, errors
 
 TRAIN_STEPS = 5
@@ -34,7 +35,9 @@ OPTIMIZERS = {
 # the table's entry for the dtype it really computes in, and the row says so.
 # Measured (seed 0, default matrix): jax.nn.dot_product_attention's float64 output
 # is off the float64 oracle by ~1e-8 because its softmax always runs in float32.
-PEER_EFFECTIVE_DTYPE = {("jax-dpa-core", "float64"): "float32"}
+# Keras 3's default call runs jax.nn.dot_product_attention too: 2.2e-7 off in float64
+# (docs/drafts/ecosystem-peers.md).
+PEER_EFFECTIVE_DTYPE = {("jax-dpa-core", "float64"): "float32", ("keras-mha", "float64"): "float32"}
 
 GRAD_GROUPS = {
     "d_inputs": ("query", "key", "value"),
@@ -337,9 +340,18 @@ def check_training(unit: Unit) -> list[Row]:
 # ---------------------------------------------------------------- peers
 
 
+def _unit_kind(unit: Unit) -> str:
+    """The unit's kind, "<self|cross>/<mask kind>/<dtype>", which an implementation's `runs_on` patterns match."""
+    return f"{'cross' if unit.case.shape.cross else 'self'}/{unit.case.mask}/{unit.dtype}"
+
+
 def check_peers(unit: Unit, peers) -> list[Row]:
     rows = []
     for peer in peers:
+        if not peer.runs(_unit_kind(unit)):
+            rows.append(unit.row("peers", peer, "oracle", "skip", message=(
+                f"{peer.name} runs on {', '.join(peer.runs_on)} only (its runs_on); this is {_unit_kind(unit)}")))
+            continue
         policy = peer.policy(unit.case.masked_rows)
         effective = PEER_EFFECTIVE_DTYPE.get((peer.name, unit.dtype), unit.dtype)
         table = TOLERANCES[effective]
@@ -352,6 +364,9 @@ def check_peers(unit: Unit, peers) -> list[Row]:
         try:
             out, w = unit.runner(peer).forward(unit.built(peer, policy), *unit.inputs())
             ours = unit.runner(peer).forward(unit.built(ours_impl, policy), *unit.inputs())
+        except MissingPackage as e:
+            rows.append(unit.row("peers", peer, "oracle", "skip", message=f"{peer.name} not run: {e}"))
+            continue
         except Exception as e:
             rows.append(_error_row(unit, "peers", peer, "oracle", e))
             continue

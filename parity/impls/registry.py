@@ -62,10 +62,10 @@ class Implementation:
     harness          whether `mha-parity` runs it (the benchmark-only variants of peers do not)
     materializes     builds a (B, N, T, S) score tensor at any length (None: when it returns weights);
                      the benchmark skips what cannot fit
-    case_kinds       the cases it can run, as fnmatch patterns over a case's kind "<self|cross>/<mask kind>"
-                     (mask kinds: none, padding, causal, random); None: every case. HF BERT is
-                     self-attention only ("self/*"), GPT-2 also causal only ("self/causal"). The peers
-                     check gives a skip row saying so on any other case.
+    runs_on          where the peers check runs it: fnmatch patterns over a unit's kind
+                     "<self|cross>/<mask kind>/<dtype>" (mask kinds: none, padding, causal, random);
+                     None: everywhere. What it can express (HF BERT is self-attention: "self/*/*";
+                     GPT-2 also causal: "self/causal/*") or what is worth the time. Elsewhere: a skip row.
     """
 
     name: str
@@ -83,7 +83,7 @@ class Implementation:
     harness: bool = True
     materializes: bool | None = None
     doc: str = ""
-    case_kinds: tuple[str, ...] | None = None
+    runs_on: tuple[str, ...] | None = None
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name or any(c.isspace() for c in self.name):
@@ -99,16 +99,16 @@ class Implementation:
             raise ValueError(f"implementation {self.name!r}: mode 'compile' is torch.compile; JAX uses 'jit'")
         if not (callable(self.factory) or isinstance(self.factory, str)):
             raise TypeError(f"implementation {self.name!r}: factory must be callable or 'module:attribute'")
-        if self.case_kinds is not None and (not isinstance(self.case_kinds, tuple) or not all(
-                isinstance(k, str) and k.count("/") == 1 for k in self.case_kinds)):
-            raise TypeError(f"implementation {self.name!r}: case_kinds must be a tuple of '<self|cross>/<mask kind>' "
-                            f"patterns (e.g. ('self/causal',)), got {self.case_kinds!r}")
+        if self.runs_on is not None and (not isinstance(self.runs_on, tuple) or not all(
+                isinstance(k, str) and k.count("/") == 2 for k in self.runs_on)):
+            raise TypeError(f"implementation {self.name!r}: runs_on must be a tuple of '<self|cross>/<mask kind>/<dtype>' "
+                            f"patterns (e.g. ('self/causal/*',)), got {self.runs_on!r}")
 
-    def runs_case(self, kind: str) -> bool:
-        """Whether it can run a case of this kind ("self/causal", "cross/random", ...)."""
+    def runs(self, kind: str) -> bool:
+        """Whether the peers check runs it on a unit of this kind ("self/causal/float32", ...)."""
         import fnmatch
 
-        return self.case_kinds is None or any(fnmatch.fnmatchcase(kind, p) for p in self.case_kinds)
+        return self.runs_on is None or any(fnmatch.fnmatchcase(kind, p) for p in self.runs_on)
 
     @property
     def materializes_scores(self) -> bool:
@@ -252,19 +252,21 @@ BUILTIN = (
     # The real libraries (the optional `.[ecosystem]` extra; absent: a skip row). Forward only:
     # their modules hold their own weights. What they do, as measured: docs/drafts/ecosystem-peers.md.
     Implementation("hf-bert-attention", "torch", f"{_E}:hf_bert", masked_rows="uniform", mask_shape="BTS",
-                   uses_params=False, role="peer", bench=False, case_kinds=("self/*",),
+                   uses_params=False, role="peer", bench=False, runs_on=("self/*/*",),
                    doc="transformers BertAttention (self + output.dense), eager; additive mask 0 / finfo.min, "
                    "so empty rows are uniform"),
     Implementation("hf-gpt2-attention", "torch", f"{_E}:hf_gpt2", masked_rows="uniform", mask_shape="BTS",
-                   uses_params=False, role="peer", bench=False, case_kinds=("self/causal",),
+                   uses_params=False, role="peer", bench=False, runs_on=("self/causal/*",),
                    doc="transformers GPT2Attention, eager; causal by its mask (create_causal_mask), "
                    "a query with only padding is uniform over all keys"),
+    # Keras and Equinox run op by op: each new dtype costs ~0.5 s of compiles (measured), so
+    # the default run checks them in float64/float32 (16-bit: measured in the draft, 1.3-1.5x the yardstick).
     Implementation("keras-mha", "jax", f"{_E}:keras_mha", masked_rows="uniform", mask_shape="BTS",
-                   uses_params=False, role="peer", bench=False,
+                   uses_params=False, role="peer", bench=False, runs_on=("*/*/float64", "*/*/float32"),
                    doc="keras.layers.MultiHeadAttention (JAX backend), default call = jax.nn.dot_product_attention; "
                    "bool mask True = attend; empty rows uniform; float32 softmax in float64 runs"),
     Implementation("equinox-mha", "jax", f"{_E}:equinox_mha", masked_rows="uniform", mask_shape="BTS",
-                   uses_params=False, role="peer", bench=False,
+                   uses_params=False, role="peer", bench=False, runs_on=("*/*/float64", "*/*/float32"),
                    doc="equinox.nn.MultiheadAttention, vmapped; bool mask True = attend; masked scores finfo.min, "
                    "so empty rows are uniform"),
 )
