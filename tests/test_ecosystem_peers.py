@@ -16,8 +16,8 @@ from parity.harness import runner as harness_runner
 from parity.impls import Implementation
 from parity.impls import ecosystem_impls as eco
 
-NEW = ("hf-bert-attention", "hf-gpt2-attention", "keras-mha", "equinox-mha")
-REF = {"hf-bert-attention": "torch[uniform]", "hf-gpt2-attention": "torch[uniform]",
+NEW = ("hf-bert", "hf-gpt2", "keras-mha", "equinox-mha")
+REF = {"hf-bert": "torch[uniform]", "hf-gpt2": "torch[uniform]",
        "keras-mha": "jax[uniform]", "equinox-mha": "jax[uniform]"}
 SELF = Shape("p", B=3, T=5, S=5, E=12, N=3, cross=False)
 CROSS = Shape("pc", B=3, T=5, S=7, E=15, N=5, cross=True)
@@ -68,8 +68,8 @@ def test_keras_float64_is_judged_at_float32_and_says_so(report):
 
 
 def test_gpt2_runs_on_causal_self_attention_only(report):
-    assert _rows(report, "hf-gpt2-attention", CAUSAL, "pass")
-    skipped = [r for r in report.rows if r.impl == "hf-gpt2-attention" and r.case != CAUSAL.name]
+    assert _rows(report, "hf-gpt2", CAUSAL, "pass")
+    skipped = [r for r in report.rows if r.impl == "hf-gpt2" and r.case != CAUSAL.name]
     assert skipped and all(r.status == "skip" and "self/causal/*" in r.message for r in skipped)
 
 
@@ -82,8 +82,8 @@ def test_hf_peers_skip_cross_attention_keras_and_equinox_run_it(report):
 
 
 def test_16bit_runs_for_hf_and_skips_for_keras_equinox_with_reason(report):
-    assert _rows(report, "hf-bert-attention", RANDOM, "pass") and any(
-        r.dtype == "bfloat16" for r in _rows(report, "hf-bert-attention", RANDOM, "pass"))
+    assert _rows(report, "hf-bert", RANDOM, "pass") and any(
+        r.dtype == "bfloat16" for r in _rows(report, "hf-bert", RANDOM, "pass"))
     for name in ("keras-mha", "equinox-mha"):
         bf16 = [r for r in _rows(report, name) if r.dtype == "bfloat16"]
         assert bf16 and all(r.status == "skip" and "runs_on" in r.message for r in bf16)
@@ -99,7 +99,7 @@ def _flipped(factory):
     return planted
 
 
-@pytest.mark.parametrize("name, attr", [("hf-bert-attention", "hf_bert"), ("keras-mha", "keras_mha")])
+@pytest.mark.parametrize("name, attr", [("hf-bert", "hf_bert"), ("keras-mha", "keras_mha")])
 def test_wrong_mask_polarity_in_an_adapter_fails(monkeypatch, name, attr):
     monkeypatch.setattr(eco, attr, _flipped(getattr(eco, attr)))
     report = _peers_run([RANDOM], ("float32",))
@@ -113,7 +113,7 @@ def test_absent_library_is_a_skip_row_naming_it(monkeypatch):
     for package in ("transformers", "keras", "equinox"):
         monkeypatch.setitem(sys.modules, package, None)  # `import package` now raises ImportError
     report = _peers_run([CAUSAL], ("float32",))
-    for name, package in (("hf-bert-attention", "transformers"), ("hf-gpt2-attention", "transformers"),
+    for name, package in (("hf-bert", "transformers"), ("hf-gpt2", "transformers"),
                           ("keras-mha", "keras"), ("equinox-mha", "equinox")):
         rows = _rows(report, name)
         assert rows and all(r.status == "skip" and f"{package} is not installed" in r.message for r in rows), rows
@@ -128,7 +128,7 @@ def test_a_broken_adapter_import_stays_an_error(monkeypatch):
 
     monkeypatch.setattr(eco, "hf_bert", broken)
     report = _peers_run([RANDOM], ("float32",))
-    assert [r.status for r in _rows(report, "hf-bert-attention")] == ["error"]
+    assert [r.status for r in _rows(report, "hf-bert")] == ["error"]
 
 
 def test_runs_on_must_be_a_tuple_of_unit_patterns():

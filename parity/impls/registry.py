@@ -251,11 +251,11 @@ BUILTIN = (
                    "softmax always in float32 (also for float64 inputs)"),
     # The real libraries (the optional `.[ecosystem]` extra; absent: a skip row). Forward only:
     # their modules hold their own weights. What they do, as measured: docs/drafts/ecosystem-peers.md.
-    Implementation("hf-bert-attention", "torch", f"{_E}:hf_bert", masked_rows="uniform", mask_shape="BTS",
+    Implementation("hf-bert", "torch", f"{_E}:hf_bert", masked_rows="uniform", mask_shape="BTS",
                    uses_params=False, role="peer", bench=False, runs_on=("self/*/*",),
                    doc="transformers BertAttention (self + output.dense), eager; additive mask 0 / finfo.min, "
                    "so empty rows are uniform"),
-    Implementation("hf-gpt2-attention", "torch", f"{_E}:hf_gpt2", masked_rows="uniform", mask_shape="BTS",
+    Implementation("hf-gpt2", "torch", f"{_E}:hf_gpt2", masked_rows="uniform", mask_shape="BTS",
                    uses_params=False, role="peer", bench=False, runs_on=("self/causal/*",),
                    doc="transformers GPT2Attention, eager; causal by its mask (create_causal_mask), "
                    "a query with only padding is uniform over all keys"),
