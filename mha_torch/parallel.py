@@ -2,8 +2,10 @@
 
 - Tensor parallel (heads): `tensor_parallel_plan()` is a DTensor plan for
   `parallelize_module` (ColwiseParallel for q/k/v, RowwiseParallel for out);
-  `parallelize_heads(module, mesh)` applies it after checking the head count.
-  `tp_forward` runs the module's maths with the local head count.
+  `parallelize_heads(module, mesh)` applies it after checking the head count; the
+  module then runs as it is (its head split infers the local head count).
+  `tp_forward` is the same maths for a keep-mask with a head axis (N > 1), which it
+  cuts to this rank's heads (the module's own mask check wants all N).
 - Sequence parallel (ring attention): `sequence_parallel_forward` takes this rank's
   query block and key/value blocks; the k/v blocks travel around the ring with
   point-to-point send/recv (an autograd Function whose backward sends the

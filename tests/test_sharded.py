@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from parity.sharded import MASK_POLICIES, PLANTS, Job
+from parity.sharded.cases import HEAD_MASK
 from parity.sharded.launch import run_sharded, start
 
 _FULL = MASK_POLICIES  # every mask kind, every policy
@@ -28,7 +29,7 @@ def _jobs(fw, devices, dtype, mask_policies, layouts=LAYOUTS):
 
 
 def _main_runs(fw):
-    main = _jobs(fw, 4, "float64", _FULL) + _jobs(fw, 4, "float32", _F32)
+    main = _jobs(fw, 4, "float64", _FULL + ((HEAD_MASK, "zero"),)) + _jobs(fw, 4, "float32", _F32)
     if fw == "jax":  # the unchanged module with head-sharded parameters, GSPMD under jit
         main += _jobs(fw, 4, "float64", (("random", "nan"),), ("tp-gspmd",)) + _jobs(fw, 4, "float32", (("causal", "nan"),), ("tp-gspmd",))
     runs = [{"jobs": main}]
@@ -74,6 +75,7 @@ def test_four_devices_every_layout_mask_policy_dtype_passes(groups, fw):
             for ref in ("oracle", "one-device"):
                 for q in ("output", "d_inputs", "d_params"):
                     assert (f"{fw}-{layout}", "float64", f"{mask}/{policy}", ref, q) in seen
+        assert (f"{fw}-{layout}", "float64", f"{HEAD_MASK}/zero", "oracle", "d_params") in seen  # a mask per head
         assert {(m, p) for (i, d, c, _, _) in seen if i == f"{fw}-{layout}" and d == "float32" for m, p in [c.split("/")]} == set(_F32)
     if fw == "jax":
         assert {(d, c) for (i, d, c, _, _) in seen if i == "jax-tp-gspmd"} == {("float64", "random/nan"), ("float32", "causal/nan")}

@@ -27,6 +27,8 @@ JAX_ONLY_LAYOUTS = ("tp-gspmd",)  # the unchanged module, parameters head-sharde
 FRAMEWORKS = ("torch", "jax")
 MASK_POLICIES = (("none", "nan"), ("padding", "zero"), ("causal", "nan"), ("random", "nan"), ("random", "zero"), ("random", "uniform"))
 """Every mask kind and every policy, each policy meeting fully masked rows (as the harness's default)."""
+HEAD_MASK = "random-heads"
+"""A random keep-mask with a head axis (B, N, T, S): tp cuts it with the heads."""
 
 # Pairwise distinct and divisible by 2 and 4 where a layout splits them:
 # dp splits B=4, tp splits N=8 (H=3), sp splits T=16 and S=12 (cross-attention).
@@ -57,7 +59,8 @@ class Job:
 
     @property
     def case(self) -> Case:
-        return Case(SHAPE, self.mask, self.masked_rows)
+        return Case(SHAPE, "random" if self.mask == HEAD_MASK else self.mask, self.masked_rows,
+                    name=f"{SHAPE.name}/{self.mask}/{self.masked_rows}")
 
     @property
     def impl(self) -> str:
@@ -106,7 +109,12 @@ def _row_empty_within_blocks(keep: np.ndarray) -> np.ndarray:
 def problem(job: Job) -> Problem:
     dtype = numpy_dtype(job.dtype)
     inp = draw_inputs(job.case, job.seed)
-    keep = None if inp.keep is None else _row_empty_within_blocks(inp.keep)
+    keep = inp.keep
+    if job.mask == HEAD_MASK:  # one random mask per head, from the case's own draw
+        rng = np.random.default_rng([job.seed, SHAPE.N])
+        keep = rng.random((SHAPE.B, SHAPE.N, SHAPE.T, SHAPE.S)) < 0.7
+        keep[-1, 1, 0, :] = False  # a fully masked row in one head only
+    keep = None if keep is None else _row_empty_within_blocks(keep)
     low = inp.in_dtype(dtype)
     as64 = [reference.as_float64(x) for x in (low.query, low.key, low.value, low.cotangent)]
     sd64 = {k: reference.as_float64(v) for k, v in low.state_dict.items()}

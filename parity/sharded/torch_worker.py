@@ -55,7 +55,10 @@ def _run_sharded(job, prob, mesh) -> dict:
     keep = None if prob.keep is None else torch.from_numpy(prob.keep)
     if job.layout == "tp":
         parallel.parallelize_heads(module, mesh)
-        output, _ = parallel.tp_forward(module, q, k, v, keep)
+        if keep is not None and keep.shape[1] > 1:  # a per-head mask: tp_forward cuts it to this rank's heads
+            output, _ = parallel.tp_forward(module, q, k, v, keep)
+        else:
+            output, _ = module(q, k, v, keep, need_weights=False)  # the module itself, under the DTensor plan
         (output * cot).sum().backward()
     else:
         cut = {"sp": lambda x, L: x[:, r * (L // n):(r + 1) * (L // n)], "dp": lambda x, L: x[r * (B // n):(r + 1) * (B // n)]}[job.layout]
@@ -154,6 +157,8 @@ def main(argv=None) -> int:
         with open(tmp, "w") as f:
             json.dump({"runs": runs}, f)
         os.replace(tmp, out_path)
+    # Every rank leaves together: tearing gloo down while a peer still talks to it can abort.
+    dist.barrier()
     dist.destroy_process_group()
     return 0
 
