@@ -7,6 +7,7 @@ a wrong mask polarity in an adapter turns its rows red; an absent library is a s
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import pytest
@@ -107,6 +108,16 @@ def test_wrong_mask_polarity_in_an_adapter_fails(monkeypatch, name, attr):
     assert failed == {"oracle", REF[name]}, [(r.reference, r.status) for r in _rows(report, name)]
     others = [r for r in report.rows if r.impl != name and r.status != "skip"]
     assert others and all(r.status == "pass" for r in others)
+
+
+@pytest.mark.parametrize("name", ["hf-bert", "equinox-mha"])
+def test_the_measured_policy_matters(monkeypatch, name):
+    """Declared "zero" instead of the measured "uniform", the fully masked row of RANDOM fails."""
+    select = harness_runner.select
+    monkeypatch.setattr(harness_runner, "select", lambda role=None, *a, **kw: tuple(
+        dataclasses.replace(i, masked_rows="zero") if i.name == name else i for i in select(role, *a, **kw)))
+    report = _peers_run([RANDOM], ("float64",))
+    assert {r.reference for r in _rows(report, name, status="fail")} == {"oracle", REF[name].replace("uniform", "zero")}
 
 
 def test_absent_library_is_a_skip_row_naming_it(monkeypatch):

@@ -350,7 +350,8 @@ def check_peers(unit: Unit, peers) -> list[Row]:
     for peer in peers:
         if not peer.runs(_unit_kind(unit)):
             rows.append(unit.row("peers", peer, "oracle", "skip", message=(
-                f"{peer.name} runs on {', '.join(peer.runs_on)} only (its runs_on); this is {_unit_kind(unit)}")))
+                f"{peer.name} runs only where its runs_on matches the <self|cross>/<mask>/<dtype> of the unit: "
+                f"{', '.join(peer.runs_on)}")))
             continue
         policy = peer.policy(unit.case.masked_rows)
         effective = PEER_EFFECTIVE_DTYPE.get((peer.name, unit.dtype), unit.dtype)
