@@ -25,10 +25,11 @@ from parity.tolerances import Tolerance, compare, tolerance_for
 LAYOUTS = ("tp", "sp", "dp")
 JAX_ONLY_LAYOUTS = ("tp-gspmd",)  # the unchanged module, parameters head-sharded, GSPMD under jit
 FRAMEWORKS = ("torch", "jax")
-MASK_POLICIES = (("none", "nan"), ("padding", "zero"), ("causal", "nan"), ("random", "nan"), ("random", "zero"), ("random", "uniform"))
-"""Every mask kind and every policy, each policy meeting fully masked rows (as the harness's default)."""
 HEAD_MASK = "random-heads"
 """A random keep-mask with a head axis (B, N, T, S): tp cuts it with the heads."""
+MASK_POLICIES = (("none", "nan"), ("padding", "zero"), ("causal", "nan"), ("random", "nan"), ("random", "zero"),
+                 ("random", "uniform"), (HEAD_MASK, "zero"))
+"""Every mask kind and every policy, each policy meeting fully masked rows (as the harness's default)."""
 
 # Pairwise distinct and divisible by 2 and 4 where a layout splits them:
 # dp splits B=4, tp splits N=8 (H=3), sp splits T=16 and S=12 (cross-attention).
