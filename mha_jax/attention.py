@@ -143,7 +143,7 @@ def fused_attention_core(q, k, v, keep=None, *, masked_rows="nan", precision=Non
     if keep is not None:
         # jax gives fully masked rows uniform weights; apply our policy on (B, T, N, H).
         row_any = jnp.transpose(_row_attends(keep), (0, 2, 1, 3))  # (B|1, T|1, N|1, 1)
-        mean_v = None if masked_rows == "zero" else jnp.mean(v.astype(accumulation_dtype(v.dtype)), axis=1, keepdims=True)  # (B, 1, N, H)
+        mean_v = jnp.mean(v.astype(accumulation_dtype(v.dtype)), axis=1, keepdims=True)  # (B, 1, N, H)
         context = fill_masked_rows(context, row_any, masked_rows, mean_v)
     return context
 

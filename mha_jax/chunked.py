@@ -6,7 +6,9 @@ tensor (on CPU, and on GPU outside cuDNN). This kernel never holds more than
 
 Forward: an outer `lax.map` over query blocks, an inner `lax.scan` over key
 blocks carrying the running max, sum and context (flash-attention's recurrence);
-it keeps the output O and the per-row log-sum-exp L (O(T) residuals, no scores).
+it keeps the output O and the per-row log-sum-exp L (O(T) residuals, no scores;
+a problem that fits in one block on both axes also keeps its probabilities, which
+the forward built anyway, and the backward then skips recomputing them).
 Backward (`jax.custom_vjp`): an outer `lax.scan` over key blocks, an inner one
 over query blocks; each block's probabilities are recomputed once,
 P = exp(s - L), and dV += Pᵀ dO, dP = dO Vᵀ, dS = P ∘ (dP - D) with
@@ -63,10 +65,12 @@ def fill_masked_rows(x, row_any, masked_rows: str, uniform_value):
     uniform_value is what such a row holds under "uniform" (1/S for weights, mean V for a
     context). Under "nan" the fill is uniform_value times a factor that is NaN on exactly
     those rows, so on the fused path the gradient meets NaN where the materialised path's
-    NaN weights meet V (the same (batch, head) slices of V), and nowhere else.
+    NaN weights meet V (the same (batch, head) slices of V), and nowhere else. Under "zero"
+    it is 0 * uniform_value: 0, but NaN where mean V is NaN (or infinite), as the
+    materialised path's zero weights times a NaN in V are.
     """
     if masked_rows == "zero":
-        fill = jnp.zeros((), x.dtype)
+        fill = jnp.asarray(uniform_value, x.dtype) * jnp.zeros((), x.dtype)
     elif masked_rows == "nan":
         fill = jnp.asarray(uniform_value, x.dtype) * jnp.where(row_any, 1.0, jnp.nan).astype(x.dtype)
     else:
@@ -83,6 +87,7 @@ class _Plan:
     ck: int  # key block
     scale: float  # left for the scores (1.0 when folded into q)
     precision: object
+    single: bool  # one block on both axes: its probabilities are kept for the backward
 
 
 def _block_mask(plan: _Plan, keep_i, j):
@@ -108,9 +113,10 @@ def _rows(x, i, c):
     return x if x is None or x.shape[2] == 1 else lax.dynamic_slice_in_dim(x, i * c, c, axis=2)
 
 
-def _forward(plan: _Plan, q, k, v, keep):
-    """(O, L): O (B, N, Tp, H) in the accumulation dtype, 0 on rows with no kept key;
-    L (B, N, Tp, 1) the log-sum-exp of each row's scores, 0 on rows with no kept key."""
+def _forward(plan: _Plan, q, k, v, keep, want_p: bool = False):
+    """(O, L, P): O (B, N, Tp, H) in the accumulation dtype, 0 on rows with no kept key;
+    L (B, N, Tp, 1) the log-sum-exp of each row's scores, 0 on rows with no kept key;
+    P the probabilities (B, N, Tp, Sp) when want_p (one block only), else None."""
     B, N, Tp, H = q.shape
     acc = accumulation_dtype(q.dtype)
     nq, nk = Tp // plan.cq, k.shape[2] // plan.ck
@@ -130,17 +136,18 @@ def _forward(plan: _Plan, q, k, v, keep):
             p = jnp.exp(s - safe)
             alpha = jnp.exp(m - safe)
             pv = jnp.einsum("BNTS,BNSH->BNTH", p.astype(v.dtype), vj, preferred_element_type=acc, precision=plan.precision)
-            return (alpha * o + pv, m_new, alpha * l + p.sum(axis=-1, keepdims=True)), None
+            return (alpha * o + pv, m_new, alpha * l + p.sum(axis=-1, keepdims=True)), (p if want_p else None)
 
         init = (jnp.zeros((B, N, plan.cq, H), acc), jnp.full((B, N, plan.cq, 1), -jnp.inf, acc), jnp.zeros((B, N, plan.cq, 1), acc))
-        (o, m, l), _ = lax.scan(k_step, init, jnp.arange(nk))
+        (o, m, l), ps = lax.scan(k_step, init, jnp.arange(nk))
         attends = _rows(row_any, i, plan.cq)  # from the mask, not from l: NaN must stay NaN
-        o = jnp.where(attends, o / jnp.where(attends, l, 1.0), 0.0)
-        lse = jnp.where(attends, jnp.where(m == -jnp.inf, 0.0, m) + jnp.log(jnp.where(attends, l, 1.0)), 0.0)
-        return o, lse
+        l = jnp.where(attends, l, 1.0)
+        o = jnp.where(attends, o / l, 0.0)
+        lse = jnp.where(attends, jnp.where(m == -jnp.inf, 0.0, m) + jnp.log(l), 0.0)
+        return o, lse, (jnp.where(attends, ps[0] / l, 0.0) if want_p else None)  # ps[0]: the one key block
 
-    o, lse = lax.map(q_block, jnp.arange(nq))  # (nq, B, N, cq, H), (nq, B, N, cq, 1)
-    return _unblock(o), _unblock(lse)
+    o, lse, p = lax.map(q_block, jnp.arange(nq))  # (nq, B, N, cq, H), (nq, B, N, cq, 1), (1, B, N, cq, ck)
+    return _unblock(o), _unblock(lse), (p[0] if want_p else None)
 
 
 def _unblock(x):
@@ -150,8 +157,8 @@ def _unblock(x):
 
 
 def _backward(plan: _Plan, res, d_o):
-    """dQ, dK, dV from the saved (q, k, v, keep, O, L) and dO (B, N, Tp, H)."""
-    q, k, v, keep, o, lse = res
+    """dQ, dK, dV from the saved (q, k, v, keep, O, L, P or None) and dO (B, N, Tp, H)."""
+    q, k, v, keep, o, lse, p_saved = res
     acc = accumulation_dtype(q.dtype)
     nq, nk = q.shape[2] // plan.cq, k.shape[2] // plan.ck
     d_o = d_o.astype(acc)
@@ -165,8 +172,10 @@ def _backward(plan: _Plan, res, d_o):
         def q_step(carry, i):
             dk, dv = carry  # (B, N, ck, H) each
             qi, d_oi = _rows(q, i, plan.cq), _rows(d_o, i, plan.cq)  # (B, N, cq, H)
-            s = _block_scores(plan, qi, kj, _block_mask(plan, _rows(keep, i, plan.cq), j))
-            p = jnp.exp(s - _rows(lse, i, plan.cq))  # (B, N, cq, ck); 0 where masked
+            p = p_saved  # (B, N, cq, ck), 0 where masked: a single block kept it from the forward
+            if p is None:  # recompute it, once per block
+                s = _block_scores(plan, qi, kj, _block_mask(plan, _rows(keep, i, plan.cq), j))
+                p = jnp.exp(s - _rows(lse, i, plan.cq))
             dv = dv + dot("BNTS,BNTH->BNSH", p.astype(v.dtype).astype(acc), d_oi)
             dp = dot("BNTH,BNSH->BNTS", d_oi, vj.astype(acc))
             ds = p * (dp - _rows(D, i, plan.cq))
@@ -189,8 +198,8 @@ def _flash(plan: _Plan, q, k, v, keep):
 
 
 def _flash_fwd(plan: _Plan, q, k, v, keep):
-    o, lse = _forward(plan, q, k, v, keep)
-    return o, (q, k, v, keep, o, lse)
+    o, lse, p = _forward(plan, q, k, v, keep, want_p=plan.single)
+    return o, (q, k, v, keep, o, lse, p)
 
 
 _flash.defvjp(_flash_fwd, _backward)
@@ -209,7 +218,7 @@ def chunked_attention(q, k, v, keep=None, *, masked_rows="nan", q_chunk=512, k_c
     q (B, T, N, H), k and v (B, S, N, H); keep: bool keep-mask broadcastable to
     (B, N, T, S), as (B|1, N|1, T|1, S|1), or None. Returns the context (B, T, N, H)
     in q's dtype. Accumulates in float32 for 16-bit inputs, float64 for float64.
-    T = 0 gives an empty context; S = 0 is a ValueError (no key to attend to).
+    T = 0 or B = 0 gives an empty context; S = 0 is a ValueError (no key to attend to).
     """
     B, T, N, H = q.shape
     S = k.shape[1]
@@ -218,8 +227,8 @@ def chunked_attention(q, k, v, keep=None, *, masked_rows="nan", q_chunk=512, k_c
     if q_chunk < 1 or k_chunk < 1:
         raise ValueError(f"q_chunk and k_chunk must be positive, got {q_chunk} and {k_chunk}")
     dtype = q.dtype
-    if T == 0:
-        return jnp.zeros((B, 0, N, H), dtype)
+    if B == 0 or T == 0:
+        return jnp.zeros((B, T, N, H), dtype)
     q, scale = fold_scale(q)
     cq, ck = min(q_chunk, T), min(k_chunk, S)
     Tp, Sp = -(-T // cq) * cq, -(-S // ck) * ck
@@ -228,10 +237,10 @@ def chunked_attention(q, k, v, keep=None, *, masked_rows="nan", q_chunk=512, k_c
         return jnp.pad(jnp.transpose(x, (0, 2, 1, 3)), ((0, 0), (0, 0), (0, Lp - L), (0, 0)))
 
     keep_p = None if keep is None else _pad_keep(keep, S, Tp, Sp)
-    plan = _Plan(S=S, cq=cq, ck=ck, scale=scale, precision=precision)
+    plan = _Plan(S=S, cq=cq, ck=ck, scale=scale, precision=precision, single=(Tp, Sp) == (cq, ck))
     ctx = _flash(plan, blocked(q, T, Tp), blocked(k, S, Sp), blocked(v, S, Sp), keep_p)[:, :, :T]  # (B, N, T, H)
     if keep is not None:
         row_any = keep.any(axis=-1, keepdims=True)  # (B|1, N|1, T|1, 1): from the mask alone
-        mean_v = None if masked_rows == "zero" else jnp.mean(v.astype(ctx.dtype), axis=1)[:, :, None, :]  # (B, N, 1, H)
+        mean_v = jnp.mean(v.astype(ctx.dtype), axis=1)[:, :, None, :]  # (B, N, 1, H)
         ctx = fill_masked_rows(ctx, row_any, masked_rows, mean_v)
     return jnp.transpose(ctx, (0, 2, 1, 3)).astype(dtype)  # (B, T, N, H)

@@ -42,7 +42,7 @@ DEFAULT_BLOCKS = (512, 1024)
 
 @dataclass(frozen=True)
 class Measured:
-    """One measured problem (S = T): its fastest kernel (fwd+bwd) and the chunked kernel's fastest blocks."""
+    """One measured problem (S = T): its fastest kernel (fwd and fwd+bwd together) and the chunked kernel's fastest blocks."""
 
     BN: int  # batch x heads
     T: int
@@ -60,17 +60,18 @@ class Choice:
 
 
 # scripts/measure_blocks.py on the project's 2-core AMD EPYC VM (float32, H=64, precision
-# "highest"), three runs while other jobs shared the cores (load average 6-11), combined with
-# `--combine` (geometric mean of each candidate's time / the run's fastest); every time is in
-# docs/results/flash-blocks-cpu.run{1,2,3}.json, the method in docs/drafts/flash.md. The score
-# after each row: 1.00 = fastest in every run that measured it.
+# "highest"), four runs while other jobs shared the cores (load average 2-11), combined with
+# `--combine` (geometric mean over runs and over the fwd and fwd+bwd passes of each candidate's
+# time / the fastest's); every time is in docs/results/flash-blocks-cpu.run{1,2,3,4}.json, the
+# ratios in docs/results/flash-blocks-cpu.md, the method in docs/drafts/flash.md. The comment
+# after each row gives scores (1.00 = fastest in every run and pass that measured it).
 TABLE: dict[str, tuple[Measured, ...]] = {
     "cpu": (
-        Measured(BN=32, T=256, S=256, fastest="einsum", blocks=(256, 256)),  # chunked 1.15, dpa-xla 1.25
-        Measured(BN=32, T=512, S=512, fastest="chunked", blocks=(256, 256)),  # einsum 1.71, dpa-xla 2.30
-        Measured(BN=32, T=1024, S=1024, fastest="chunked", blocks=(256, 256)),  # 256x512 1.31, einsum 2.19
-        Measured(BN=32, T=2048, S=2048, fastest="chunked", blocks=(256, 512)),  # 512x512 1.02, 256x2048 1.25, 512x1024 1.26
-        Measured(BN=8, T=8192, S=8192, fastest="chunked", blocks=(512, 512)),  # 256x512 1.16, 512x1024 1.43
+        Measured(BN=32, T=256, S=256, fastest="chunked", blocks=(256, 256)),  # 1.07; einsum 1.29, dpa-xla 1.34
+        Measured(BN=32, T=512, S=512, fastest="chunked", blocks=(256, 256)),  # 1.00; 128x256 1.05, einsum 1.59
+        Measured(BN=32, T=1024, S=1024, fastest="chunked", blocks=(128, 256)),  # 1.17; 256x256 1.27, einsum 2.42
+        Measured(BN=32, T=2048, S=2048, fastest="chunked", blocks=(256, 256)),  # 1.03; 256x512 1.13, 512x1024 1.31, 256x2048 1.63
+        Measured(BN=8, T=8192, S=8192, fastest="chunked", blocks=(512, 512)),  # 1.00; 256x512 1.19, 512x1024 1.29
     ),
 }
 
@@ -95,8 +96,8 @@ def _cudnn_allowed(platform: str, dtype, T: int, S: int, H: int, has_mask: bool)
 def choose(*, platform: str, kind: str, dtype, B: int, N: int, T: int, S: int, H: int, has_mask: bool, materialize_limit: int) -> Choice:
     """The kernel and chunk sizes for one fused call; pure (no device is queried)."""
     dtype = jnp.dtype(dtype)
-    if T == 0:
-        return Choice("chunked", *DEFAULT_BLOCKS, why="T = 0: the chunked kernel returns the empty context")
+    if B == 0 or T == 0:
+        return Choice("chunked", *DEFAULT_BLOCKS, why="B = 0 or T = 0: the chunked kernel returns the empty context")
     if _cudnn_allowed(platform, dtype, T, S, H, has_mask):
         return Choice("dpa-cudnn", why="CUDA GPU, 16-bit, head dim and mask within cuDNN's limits")
     fits = B * N * T * S <= materialize_limit

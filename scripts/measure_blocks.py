@@ -82,26 +82,26 @@ def measure_size(B, N, T, H, blocks, passes, reps, dtype, budget_s):
 
 
 def summarise(runs):
-    """Per (B, N, T, S): the fastest kernel and the chunked kernel's fastest blocks, judged by fwd+bwd.
+    """Per (B, N, T, S): the fastest kernel and the chunked kernel's fastest blocks.
 
     runs: a list of runs (each a list of rows). Absolute times from different runs on a shared
-    machine are not comparable, so each candidate's score is the geometric mean, over the runs
-    that measured it, of its time / the fastest candidate's time in that run; where two or more
-    runs measured a size, a candidate seen in only one of them is left out.
+    machine are not comparable, so a candidate's score is the geometric mean of its time / the
+    fastest candidate's time over every (run, pass) that measured it: forward and forward+backward
+    count alike (the fused path serves inference and training). Where two or more runs measured a
+    size, a candidate seen in only one of them is left out.
     """
     out = []
     sizes = sorted({(r["B"], r["N"], r["T"], r["S"]) for run in runs for r in run})
     for key in sizes:
-        ratios = {}
-        for run in runs:
-            mine = [r for r in run if (r["B"], r["N"], r["T"], r["S"]) == key]
-            pick = [r for r in mine if r["pass_"] == "fwdbwd"] or [r for r in mine if r["pass_"] == "fwd"]
-            if pick:
-                best = min(r["min_s"] for r in pick)
+        ratios, seen = {}, {}
+        for n, run in enumerate(runs):
+            for pass_ in ("fwd", "fwdbwd"):
+                pick = [r for r in run if (r["B"], r["N"], r["T"], r["S"]) == key and r["pass_"] == pass_]
                 for r in pick:
-                    ratios.setdefault(r["candidate"], []).append(r["min_s"] / best)
-        need = 2 if max(len(v) for v in ratios.values()) >= 2 else 1
-        score = {c: math.exp(np.mean(np.log(v))) for c, v in ratios.items() if len(v) >= need}
+                    ratios.setdefault(r["candidate"], []).append(r["min_s"] / min(x["min_s"] for x in pick))
+                    seen.setdefault(r["candidate"], set()).add(n)
+        need = 2 if max(len(v) for v in seen.values()) >= 2 else 1
+        score = {c: math.exp(np.mean(np.log(v))) for c, v in ratios.items() if len(seen[c]) >= need}
         fastest = min(score, key=score.get)
         chunked = [c for c in score if c.startswith("chunked:")]
         blocks = min(chunked, key=score.get).split(":")[1] if chunked else None

@@ -77,9 +77,14 @@ def _module_fused(m, q, k, v, keep, g):
     return np.asarray(out), {n: np.asarray(x) for n, x in got.items()}
 
 
-@pytest.mark.parametrize(("mask_kind", "policy"), [(m, "nan") for m in MASKS] + [("3d", "zero"), ("3d", "uniform"), ("causal", "uniform")])
-def test_flash_float64_matches_oracle_forward_and_backward(mask_kind, policy, force_kernel, sd64, rng):
-    force_kernel("chunked", 2, 3)
+CASES = [(m, "nan", (2, 3)) for m in MASKS] + [("3d", "zero", (2, 3)), ("3d", "uniform", (2, 3)), ("causal", "uniform", (2, 3))]
+# one block on both axes: the probabilities are kept from the forward instead of recomputed
+CASES += [("3d", "nan", (8, 8)), ("causal", "uniform", (8, 8))]
+
+
+@pytest.mark.parametrize(("mask_kind", "policy", "blocks"), CASES)
+def test_flash_float64_matches_oracle_forward_and_backward(mask_kind, policy, blocks, force_kernel, sd64, rng):
+    force_kernel("chunked", *blocks)
     q, k, v = make_inputs(rng)
     keep = _mask(mask_kind, rng)
     g = rng.standard_normal((S.B, S.T, S.E))
