@@ -171,9 +171,8 @@ def ring_attention(q, k, v, keep=None, *, axis: str, masked_rows="nan", S_total:
     ctx = ctx / jnp.where(run_sum > 0, run_sum, 1.0)
     if keep is not None:
         row_any = keep.any(axis=-1, keepdims=True)  # (B|1, N|1, T/n, 1): the whole row
-        mean_v = None
-        if masked_rows != "zero":
-            mean_v = lax.psum(v.astype(acc).sum(axis=1), axis)[:, :, None, :] / S_total  # (B, N, 1, H)
+        # mean(V) over the whole sequence; fill_masked_rows wants it for every policy ("zero": 0 x mean V).
+        mean_v = lax.psum(v.astype(acc).sum(axis=1), axis)[:, :, None, :] / S_total  # (B, N, 1, H)
         ctx = fill_masked_rows(ctx, row_any, masked_rows, mean_v)
     return jnp.transpose(ctx, (0, 2, 1, 3)).astype(dtype)  # (B, T/n, N, H)
 
