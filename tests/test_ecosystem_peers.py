@@ -148,3 +148,18 @@ def test_runs_on_must_be_a_tuple_of_unit_patterns():
     with pytest.raises(TypeError, match="runs_on"):
         Implementation("x", "torch", "m:f", runs_on=("self/causal",))
     assert Implementation("x", "torch", "m:f", runs_on=("self/causal/*",)).runs("self/causal/float16")
+
+
+def test_hf_adapter_refuses_cross_attention_inputs():
+    """Called outside the harness with key != query, the HF adapter says why instead of ignoring key."""
+    import numpy as np
+    import torch
+
+    rng = np.random.default_rng(0)
+    sd = {f"{p}.{w}": rng.standard_normal((12, 12) if w == "weight" else (12,))
+          for p in ("q_proj", "k_proj", "v_proj", "out_proj") for w in ("weight", "bias")}
+    fn = eco.hf_bert(sd, 3, dtype="float64", device=torch.device("cpu"))
+    q, k = torch.from_numpy(rng.standard_normal((3, 5, 12))), torch.from_numpy(rng.standard_normal((3, 7, 12)))
+    with pytest.raises(ValueError, match="self-attention"):
+        fn(q, k, k, None)
+    assert fn(q, q, q, None).shape == (3, 5, 12)
