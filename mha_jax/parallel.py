@@ -74,6 +74,16 @@ def check_layout(layout: str, n: int, *, B: int, T: int, S: int, N: int) -> None
             raise ValueError(f"layout {layout!r}: {what}={size} is not divisible by the {n} shards of the mesh axis")
 
 
+def _check_dtypes(query, key, value) -> None:
+    """The module's dtype rules: one floating dtype, and float64 only with x64 (never a silent float32)."""
+    if not (query.dtype == key.dtype == value.dtype):
+        raise TypeError(f"query, key and value dtypes differ: {query.dtype}, {key.dtype}, {value.dtype}")
+    if not jnp.issubdtype(query.dtype, jnp.floating):
+        raise TypeError(f"inputs must be floating point, got {query.dtype}")
+    if query.dtype == jnp.float64 and not jax.config.jax_enable_x64:
+        raise TypeError("float64 needs jax_enable_x64: jax.config.update('jax_enable_x64', True)")
+
+
 def _project(x, p, dtype, precision):
     # Accumulate in >= float32, as mha_jax.MultiHeadAttention does.
     y = jnp.einsum("BTE,EF->BTF", x, p["kernel"].astype(dtype), precision=precision, preferred_element_type=accumulation_dtype(dtype))
@@ -217,6 +227,7 @@ def sharded_attention(params, query, key, value, mask=None, *, mesh, layout: str
     E = params["q_proj"]["kernel"].shape[0]
     check_config(E, num_heads, masked_rows)
     B, T, S = check_qkv_shapes(query.shape, key.shape, value.shape, E)
+    _check_dtypes(query, key, value)
     n = axis_size(mesh, axis)
     check_layout(layout, n, B=B, T=T, S=S, N=num_heads)
     keep = _keep4(mask, B, num_heads, T, S)
@@ -265,7 +276,10 @@ def shard_heads(module, mesh, axis: str = "x"):
 
 
 def sharded_call(module, query, key, value, mask=None, *, mesh, layout: str, axis: str = "x"):
-    """`sharded_attention` with an `mha_jax.MultiHeadAttention`'s parameters, heads, policy and precision."""
+    """`sharded_attention` with an `mha_jax.MultiHeadAttention`'s parameters, heads, policy and precision
+    (and its computation dtype, when it has one: the inputs are cast to it, as the module does)."""
+    if module.dtype is not None:
+        query, key, value = (jnp.asarray(x, module.dtype) for x in (query, key, value))
     return sharded_attention(
         params_of(module), query, key, value, mask, mesh=mesh, layout=layout, num_heads=module.num_heads,
         masked_rows=module.masked_rows, axis=axis, precision=module.precision,

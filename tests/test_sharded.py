@@ -133,6 +133,8 @@ def test_jax_bad_configurations_are_clear_errors():
         parallel.check_layout("sp", 2, B=2, T=6, S=7, N=3)
     with pytest.raises(ValueError, match=r"layout 'dp': batch B=3 is not divisible by the 2 shards"):
         parallel.check_layout("dp", 2, B=3, T=6, S=6, N=3)
+    with pytest.raises(TypeError, match="query, key and value dtypes differ"):
+        parallel.sharded_attention(sd, x, x.astype(np.float32), x, mesh=mesh, layout="dp", num_heads=3)
     with pytest.raises(ValueError, match="a mesh of 3 devices needs 3"):
         parallel.make_mesh(3, devices=jax.devices()[:1])
 
