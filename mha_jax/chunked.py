@@ -20,9 +20,11 @@ taken for a fully masked row. The masked-row policy is applied outside the
 custom VJP, so JAX differentiates it as on the materialised path (the NaN of
 "nan" and the mean of V of "uniform"/"nan" reach V's gradient there).
 
-A custom VJP has no forward-mode rule: jax.jvp / jax.linearize / jax.jacfwd of
-this kernel raise JAX's TypeError ("can't apply forward-mode autodiff (jvp) to a
-custom_vjp function"). Use the materialised `attention_core` for forward mode.
+A custom VJP has no forward-mode rule: jax.jvp and jax.jacfwd of this kernel raise
+JAX's TypeError ("can't apply forward-mode autodiff (jvp) to a custom_vjp
+function"); jax.linearize returns, and its linear map raises the same error when
+applied. Forward-over-reverse works (jax.hessian = jacfwd(jacrev)): the backward
+is plain JAX. Use the materialised `attention_core` for pure forward mode.
 
 Internal layout BNTH (heads next to batch, so every block matmul is a plain
 batched matmul); the public layout is BTNH. Legend in `mha_spec`.

@@ -186,6 +186,14 @@ def test_flash_forward_mode_is_a_clear_error(mode, rng):
             f_jvp(q)
 
 
+def test_flash_hessian_forward_over_reverse_works(rng):
+    """jax.hessian differentiates the backward (plain JAX) forward-mode: it works and is right."""
+    q, k, v = (jnp.asarray(rng.standard_normal(s)) for s in ((1, 3, 1, 2), (1, 4, 1, 2), (1, 4, 1, 2)))
+    got = jax.hessian(lambda q: jnp.sum(chunked_attention(q, k, v, q_chunk=2, k_chunk=3) ** 2))(q)
+    want = jax.hessian(lambda q: jnp.sum(attention_core(q, k, v)[0] ** 2))(q)
+    assert compare(np.asarray(got), np.asarray(want), tolerance_for("float64").gradient).passed
+
+
 @pytest.mark.parametrize("kernel", ["einsum", "chunked", "dpa-xla"])
 @pytest.mark.parametrize("policy", POLICIES)
 def test_nan_input_gives_nan_output_like_the_materialised_path(kernel, policy, force_kernel, rng):
