@@ -263,3 +263,16 @@ def test_report_rerenders_a_saved_run_with_a_titled_plot(tmp_path):
                    "--markdown", str(tmp_path / "p.md")], console=console)
     assert rc == 0, console.file.getvalue()
     assert (tmp_path / "p.png").stat().st_size > 0 and "| case |" in (tmp_path / "p.md").read_text()
+
+
+def test_sharded_subcommand_reports_per_device_memory(tmp_path):
+    """`mha-bench sharded`: sequence parallel over 2 simulated devices holds less per device than 1."""
+    out = tmp_path / "sharded.json"
+    console = _console()
+    assert cli.main(["sharded", "--devices", "1,2", "--layouts", "sp", "--frameworks", "jax", "--seq", "512",
+                     "--json", str(out)], console=console) == 0
+    rows = {r["devices"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows[1]["ratio_to_1_device"] == 1.0
+    assert rows[2]["ratio_to_1_device"] < 0.75, rows[2]  # the ring holds a (B, N, T/2, S/2) score block
+    assert "overhead" in console.file.getvalue()
+    assert cli.main(["sharded", "--embed", "30", "--heads", "4"], console=_console()) == 2

@@ -5,6 +5,7 @@
               [--threads K] [--precision highest|default] [--json P] [--markdown P] [--plot P.png]
     mha-bench compare BASE.json NEW.json [--threshold 0.10]
     mha-bench report RUN.json [--markdown P] [--plot P.png]
+    mha-bench sharded [--devices 1,2,4] [--layouts sp,tp] [--seq 4096] [--json P] [--markdown P]
 
 Exit codes (a run is a pass only if it measured something and nothing failed):
 
@@ -328,6 +329,10 @@ def main(argv=None, console: Console | None = None, spawn=None) -> int:
             console = Console(width=160)  # redirected to a file or a CI log: do not fold at 80
     if argv[:1] == ["compare"]:
         return compare_main(argv[1:], console)
+    if argv[:1] == ["sharded"]:
+        from parity.bench import sharded_cli
+
+        return sharded_cli.main(argv[1:], console)
     if argv[:1] == ["report"]:
         return report_main(argv[1:], console)
     return run(argv, console, spawn)

@@ -1,0 +1,88 @@
+"""`mha-bench sharded`: per-device peak memory and forward time of the sharded layouts.
+
+    mha-bench sharded [--devices 1,2,4] [--layouts sp,tp] [--frameworks jax,torch]
+                      [--seq 4096] [--embed 256] [--heads 4] [--batch 1] [--json P] [--markdown P]
+
+The rows come from `parity.sharded.bench.bench_sharded` (each (framework, layout, devices) in
+fresh processes; JAX's memory is its compiled program's per-device `memory_analysis()`, torch's
+each rank's peak RSS growth). On simulated CPU devices every device shares the same cores: the
+times are overhead measurements, and per-device memory is the headline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from rich.console import Console
+from rich.table import Table
+
+from parity.atomic import check_writable, write_atomic
+from parity.cli_args import comma_separated
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        vals = tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not vals or any(v <= 0 for v in vals):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return vals
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mha-bench sharded", description=__doc__.split("\n\n")[0])
+    p.add_argument("--devices", type=_ints, default=(1, 2, 4), help="device counts (default 1,2,4)")
+    p.add_argument("--layouts", type=comma_separated(("sp", "tp"), nonempty=True), default=("sp", "tp"))
+    p.add_argument("--frameworks", type=comma_separated(("jax", "torch"), nonempty=True), default=("jax", "torch"))
+    p.add_argument("--seq", type=int, default=4096, help="T = S (default 4096)")
+    p.add_argument("--embed", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--markdown", metavar="PATH")
+    return p
+
+
+def markdown(rows, title: str, note: str) -> str:
+    lines = [f"# {title}", "", f"{note}.", "",
+             "| framework | layout | devices | per-device peak | ratio to 1 device | median time | memory source |",
+             "|---|---|---:|---:|---:|---:|---|"]
+    for r in rows:
+        ratio = "-" if r.get("ratio_to_1_device") is None else f"{r['ratio_to_1_device']:.3f}"
+        lines.append(f"| {r['framework']} | {r['layout']} | {r['devices']} | {r['per_device_peak_bytes'] / 2**20:.1f} MiB | "
+                     f"{ratio} | {r['time_s'] * 1e3:.0f} ms | {r['mem_source']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv, console: Console) -> int:
+    args = parser().parse_args(argv)
+    try:
+        for path in (args.json, args.markdown):
+            if path:
+                check_writable(path)
+        if args.embed % args.heads:
+            raise ValueError(f"--embed {args.embed} is not divisible by --heads {args.heads}")
+    except ValueError as e:
+        console.print(f"[red]mha-bench sharded: error: {e}[/red]", soft_wrap=True)
+        return 2
+    from parity.sharded.bench import TIME_NOTE, bench_sharded
+
+    rows = bench_sharded(devices=args.devices, layouts=args.layouts, frameworks=args.frameworks, B=args.batch,
+                         T=args.seq, E=args.embed, N=args.heads, repeats=args.repeats)
+    title = f"Sharded attention: per-device memory, B={args.batch} T=S={args.seq} E={args.embed} N={args.heads} float32 forward"
+    table = Table(title=title, caption=TIME_NOTE)
+    for col in ("framework", "layout", "devices", "per-device peak", "÷ 1 device", "median time"):
+        table.add_column(col, justify="right" if col not in ("framework", "layout") else "left")
+    for r in rows:
+        ratio = "-" if r.get("ratio_to_1_device") is None else f"{r['ratio_to_1_device']:.3f}"
+        table.add_row(r["framework"], r["layout"], str(r["devices"]), f"{r['per_device_peak_bytes'] / 2**20:.1f} MiB",
+                      ratio, f"{r['time_s'] * 1e3:.0f} ms")
+    console.print(table)
+    if args.json:
+        write_atomic(args.json, json.dumps({"schema": "mha-bench-sharded/1", "rows": rows}, indent=1) + "\n")
+    if args.markdown:
+        write_atomic(args.markdown, markdown(rows, title, TIME_NOTE))
+    return 0 if rows else 1
