@@ -37,7 +37,7 @@ def write_margin_plot(report: Report, path) -> None:
 
     groups = margins(report)
     labels = sorted({(c, i) for c, i, *_ in groups}, key=lambda ci: [(g[0], g[1]) for g in groups].index(ci))
-    fig, ax = plt.subplots(figsize=(8, 1.2 + 0.28 * max(len(labels), 1)))
+    fig, ax = plt.subplots(figsize=(8, 2.0 + 0.28 * max(len(labels), 1)))
     for c, i, d, m, failed in groups:
         y = labels.index((c, i))
         ax.scatter(max(m, 1e-6), y, marker=_DTYPE_MARKERS.get(d, "x"), s=36,
@@ -55,7 +55,7 @@ def write_margin_plot(report: Report, path) -> None:
         ax.scatter([], [], marker=mk, color="white", edgecolors="black", label=d)
     for c, col in _CHECK_COLOURS.items():
         ax.scatter([], [], marker="s", color=col, label=c)
-    ax.legend(fontsize=7, loc="lower right", ncol=2)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.09), ncol=5, frameon=False)  # below: never over a point
     ax.grid(True, axis="x", which="both", alpha=0.3)
     fig.tight_layout()
     try:
