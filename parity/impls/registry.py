@@ -211,6 +211,10 @@ def mask_for(impl: Implementation, keep: np.ndarray | None, num_heads: int, dtyp
 
 # ---------------------------------------------------------------- built-ins
 
+# The default matrix's causal self-attention case has peers=True for GPT-2 (causal only); the
+# framework peers skip it to keep the default run within a minute (~3 s of CPU, measured).
+_FRAMEWORK_PEER_CASES = ("cross/*/*", "self/none/*", "self/padding/*", "self/random/*")
+
 _T = "parity.impls.torch_impls"
 _J = "parity.impls.jax_impls"
 _E = "parity.impls.ecosystem_impls"
@@ -231,21 +235,21 @@ BUILTIN = (
     _ours("jax-jit", "jax", f"{_J}:ours_weights", "jit", True, "mha_jax.MultiHeadAttention under jax.jit"),
     _ours("jax-fused", "jax", f"{_J}:ours_fused", "jit", False, "mha_jax, need_weights=False, under jax.jit"),
     Implementation("torch-mha", "torch", f"{_T}:torch_mha_weights", returns_weights=True, masked_rows="nan", mask="drop",
-                   role="peer", doc="torch.nn.MultiheadAttention(batch_first=True), average_attn_weights=False; "
+                   role="peer", runs_on=_FRAMEWORK_PEER_CASES, doc="torch.nn.MultiheadAttention(batch_first=True), average_attn_weights=False; "
                    "bool attn_mask True = masked out; softmax of all -inf gives NaN rows"),
     Implementation("torch-mha-fused", "torch", f"{_T}:torch_mha_fused", masked_rows="zero", mask="drop", role="peer",
                    family="torch-mha", harness=False, doc="torch.nn.MultiheadAttention, need_weights=False (SDPA fast path)"),
-    Implementation("torch-sdpa-core", "torch", f"{_T}:sdpa_core", masked_rows="zero", role="peer",
+    Implementation("torch-sdpa-core", "torch", f"{_T}:sdpa_core", masked_rows="zero", role="peer", runs_on=_FRAMEWORK_PEER_CASES,
                    doc="the same projections around F.scaled_dot_product_attention; bool mask True = attend; "
                    "fully masked rows give 0"),
-    Implementation("flax-linen-mha", "jax", f"{_J}:flax_linen", "jit", True, masked_rows="uniform", role="peer", bench=False,
+    Implementation("flax-linen-mha", "jax", f"{_J}:flax_linen", "jit", True, masked_rows="uniform", role="peer", runs_on=_FRAMEWORK_PEER_CASES, bench=False,
                    doc="flax.linen.MultiHeadDotProductAttention; mask True = attend; masked scores are finfo.min, "
                    "so empty rows are uniform"),
-    Implementation("flax-nnx-mha", "jax", f"{_J}:flax_nnx_weights", "jit", True, masked_rows="uniform", role="peer",
+    Implementation("flax-nnx-mha", "jax", f"{_J}:flax_nnx_weights", "jit", True, masked_rows="uniform", role="peer", runs_on=_FRAMEWORK_PEER_CASES,
                    doc="flax.nnx.MultiHeadAttention, sow_weights=True; mask True = attend; empty rows uniform"),
     Implementation("flax-nnx-mha-fused", "jax", f"{_J}:flax_nnx_fused", "jit", False, masked_rows="uniform", role="peer",
                    family="flax-nnx-mha", harness=False, materializes=True, doc="flax.nnx.MultiHeadAttention without weights"),
-    Implementation("jax-dpa-core", "jax", f"{_J}:dpa_core", "jit", False, masked_rows="uniform", role="peer",
+    Implementation("jax-dpa-core", "jax", f"{_J}:dpa_core", "jit", False, masked_rows="uniform", role="peer", runs_on=_FRAMEWORK_PEER_CASES,
                    materializes=True,
                    doc="the same projections around jax.nn.dot_product_attention (XLA); mask True = attend; "
                    "softmax always in float32 (also for float64 inputs)"),
