@@ -38,3 +38,14 @@ def _number(convert, what: str, ok):
 positive_int = _number(int, "a positive integer", lambda v: v > 0)
 nonnegative_int = _number(int, "a non-negative integer", lambda v: v >= 0)
 positive_float = _number(float, "a positive finite number", lambda v: math.isfinite(v) and v > 0)
+
+
+def positive_ints(text: str) -> tuple[int, ...]:
+    """An argparse `type`: '256,1024' -> (256, 1024), every item a positive integer."""
+    try:
+        vals = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not vals or any(v <= 0 for v in vals):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return vals

@@ -37,19 +37,10 @@ from parity.bench import report, runner
 from parity.bench.spec import DTYPES, IMPLS, PASSES, PRESETS, BenchCase, select_impls
 from parity.impls import load_user_impl
 from parity.cli_args import comma_separated, nonnegative_int, positive_float, positive_int
+from parity.cli_args import positive_ints as _ints
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_WRITE = 0, 1, 2, 3
 OUTPUTS = (("--json", "json"), ("--markdown", "markdown"), ("--plot", "plot"))
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        vals = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not vals or any(v <= 0 for v in vals):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return vals
 
 
 def run_parser() -> argparse.ArgumentParser:

@@ -18,17 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from parity.atomic import check_writable, write_atomic
-from parity.cli_args import comma_separated
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        vals = tuple(int(t) for t in text.split(",") if t.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not vals or any(v <= 0 for v in vals):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return vals
+from parity.cli_args import comma_separated, positive_ints as _ints
 
 
 def parser() -> argparse.ArgumentParser:
