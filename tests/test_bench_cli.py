@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -259,9 +260,13 @@ def test_compare_exit_codes(tmp_path):
 
 def test_report_rerenders_a_saved_run_with_a_titled_plot(tmp_path):
     console = _console()
-    rc = cli.main(["report", "docs/results/bench-cpu.json", "--plot", str(tmp_path / "p.png"),
+    saved = tmp_path / "run.json"
+    shutil.copyfile("docs/results/bench-cpu.json", saved)
+    before = saved.read_bytes()
+    rc = cli.main(["report", str(saved), "--plot", str(tmp_path / "p.png"),
                    "--markdown", str(tmp_path / "p.md")], console=console)
     assert rc == 0, console.file.getvalue()
+    assert saved.read_bytes() == before, "report must not rewrite its input"
     assert (tmp_path / "p.png").stat().st_size > 0 and "| case |" in (tmp_path / "p.md").read_text()
 
 

@@ -293,16 +293,19 @@ def compare_main(argv, console: Console) -> int:
 def report_main(argv, console: Console) -> int:
     p = argparse.ArgumentParser(prog="mha-bench report", description="Re-render a saved mha-bench JSON.",
                                 epilog="Exit: 0 written, 2 bad input or output path, 3 a report could not be written.")
-    p.add_argument("json")
+    # dest "input", not "json": check_outputs/write_outputs treat an attribute named json as the
+    # --json output, which made `report RUN.json` rewrite its own input.
+    p.add_argument("input", metavar="RUN.json")
     p.add_argument("--markdown", metavar="PATH")
     p.add_argument("--plot", metavar="PATH.png")
     args = p.parse_args(argv)
+    args.json = None  # report writes no JSON
     try:
         outputs = check_outputs(args)
     except ValueError as e:
         _error(console, f"mha-bench report: error: {e}")
         return EXIT_USAGE
-    loaded = _load_inputs((args.json,), console, "mha-bench report")
+    loaded = _load_inputs((args.input,), console, "mha-bench report")
     if loaded is None:
         return EXIT_USAGE
     data = loaded[0]
