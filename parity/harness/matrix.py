@@ -17,7 +17,7 @@ import numpy as np
 
 from mha_spec import MASKED_ROWS_POLICIES, check_config
 from parity import draw
-from parity.dtypes import DTYPES, numpy_dtype  # noqa: F401 (numpy_dtype: re-exported for parity.sharded)
+from parity.dtypes import DTYPES
 
 MASK_KINDS = ("none", "padding", "causal", "random")
 CHECKS = ("forward", "gradient", "training", "peers", "sharded")  # sharded: with devices >= 2 (parity.sharded)

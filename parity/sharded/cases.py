@@ -18,9 +18,11 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from parity import reference
-from parity.harness.matrix import Case, Shape, draw_inputs, numpy_dtype
+from parity.dtypes import numpy_dtype
+from parity.harness.judge import judge_grads, status
+from parity.harness.matrix import Case, Shape, draw_inputs
 from parity.harness.report import Row
-from parity.tolerances import Tolerance, compare, tolerance_for
+from parity.tolerances import tolerance_for
 
 LAYOUTS = ("tp", "sp", "dp")
 JAX_ONLY_LAYOUTS = ("tp-gspmd",)  # the unchanged module, parameters head-sharded, GSPMD under jit
@@ -125,22 +127,6 @@ def problem(job: Job) -> Problem:
     return Problem(low.query, low.key, low.value, keep, low.state_dict, low.cotangent, out, grads)
 
 
-def _status(passed: bool) -> str:
-    return "pass" if passed else "fail"
-
-
-def _judge_group(got: dict, expected: dict, names, tol: Tolerance):
-    """Several arrays as one row: the worst by error over its bound, and the names that fail."""
-    cmps = {n: compare(got[n], expected[n], tol) for n in names}
-    worst = max(names, key=lambda n: (not cmps[n].passed, cmps[n].max_abs_err / (tol.atol + tol.rtol)))
-    failing = [n for n in names if not cmps[n].passed]
-    note = f"worst: {worst}" + (f"; fails: {', '.join(failing)}" if failing else "")
-    nan_mismatch = sum(c.nan_mismatch for c in cmps.values())
-    if nan_mismatch:
-        note += f"; NaN placement differs in {nan_mismatch} elements"
-    return cmps[worst], all(c.passed for c in cmps.values()), note
-
-
 def judge_job(job: Job, prob: Problem, sharded: dict, one_device: dict, device: str) -> list[Row]:
     """Rows for output, d_inputs and d_params, against the oracle and the one-device run.
 
@@ -152,9 +138,10 @@ def judge_job(job: Job, prob: Problem, sharded: dict, one_device: dict, device: 
     for ref_name, expected in (("oracle", {"output": prob.oracle_output, **prob.oracle_grads}), ("one-device", one_device)):
         for quantity, names, t in (("output", ("output",), tol.forward), ("d_inputs", GRAD_GROUPS["d_inputs"], tol.gradient),
                                    ("d_params", GRAD_GROUPS["d_params"], tol.gradient)):
-            c, passed, note = _judge_group(sharded, expected, names, t)
+            c, note = judge_grads(sharded, expected, t, names)
+            passed = c.passed
             rows.append(Row(
-                job.case.name, "sharded", job.impl, ref_name, job.dtype, device, _status(passed), quantity,
+                job.case.name, "sharded", job.impl, ref_name, job.dtype, device, status(c), quantity,
                 c.max_abs_err, c.max_rel_err, c.atol, c.rtol,
                 stage="" if passed else f"{job.layout}:{'forward' if quantity == 'output' else 'backward'}",
                 message=f"{job.layout} over {job.devices} devices; {note}",
