@@ -187,3 +187,12 @@ def test_sharded_arguments_are_checked_up_front(argv):
 def test_sharded_check_without_devices_is_a_skip_not_a_pass(capsys):
     assert _cli("--quick", "--checks", "sharded") == 3
     assert "it runs with --devices N" in capsys.readouterr().out
+
+
+def test_a_user_implementation_cannot_take_the_name_of_ours():
+    """Built implementations are cached by name: a user's "torch" must not be judged as ours."""
+    from examples.jax_port import port
+    import dataclasses
+
+    with pytest.raises(ValueError, match="repeated: \\['torch'\\]"):
+        select_impls(["jax-jit", dataclasses.replace(port, name="torch")])

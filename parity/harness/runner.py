@@ -46,6 +46,12 @@ def select_impls(impls=None, compile: bool = False) -> tuple[Implementation, ...
         if not wanted and not any(i.mode == "compile" for i in chosen):
             raise ValueError("--compile adds torch.compile runs of the selected torch implementations, but none is selected")
         chosen = [i for i in ours if i in chosen or i.name in wanted]
+    # Built implementations are cached per name within a unit: a user's "torch" would silently
+    # be judged as ours, so names must be unique across ours, the peers and the user's.
+    every = [i.name for i in (*select(), *user)]
+    repeated = sorted({n for n in every if every.count(n) > 1})
+    if repeated:
+        raise ValueError(f"implementation names must be unique; repeated: {repeated} (rename yours)")
     return (*chosen, *user)
 
 

@@ -30,7 +30,7 @@ import importlib
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -283,19 +283,9 @@ def builtin(name: str) -> Implementation:
     return _BY_NAME[name]
 
 
-def select(role: str | None = None, names=None, *, extra=()) -> tuple[Implementation, ...]:
-    """Built-ins (and `extra`, e.g. user implementations) of a role, optionally by name, in table order."""
-    pool = [*BUILTIN, *extra]
-    seen = [i.name for i in pool]
-    dupes = sorted({n for n in seen if seen.count(n) > 1})
-    if dupes:
-        raise ValueError(f"implementation names must be unique; repeated: {dupes}")
-    if names is not None:
-        unknown = sorted(set(names) - set(seen))
-        if unknown:
-            raise ValueError(f"unknown implementations {unknown}; known: {seen}")
-        pool = [i for i in pool if i.name in names]
-    return tuple(i for i in pool if role is None or i.role == role)
+def select(role: str | None = None) -> tuple[Implementation, ...]:
+    """The built-ins of a role ("ours" | "peer"; None: all), in table order."""
+    return tuple(i for i in BUILTIN if role is None or i.role == role)
 
 
 __all__ = ["Implementation", "implementation", "load_user_impl", "mask_for", "BUILTIN", "builtin", "select",
