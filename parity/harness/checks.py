@@ -8,6 +8,7 @@ stage when the implementation exposes its intermediates.
 
 from __future__ import annotations
 
+import dataclasses
 import traceback
 from dataclasses import dataclass, field
 
@@ -316,7 +317,7 @@ def check_training(unit: Unit) -> list[Row]:
     policy = unit.case.masked_rows
     x = unit.x
     for opt, hp in OPTIMIZERS.items():
-        name, ref = Implementation(f"jax-jit+optax.{opt}", "jax", "-", role="ours"), f"torch+torch.optim.{opt}"
+        name, ref = dataclasses.replace(jax_impl, name=f"jax-jit+optax.{opt}"), f"torch+torch.optim.{opt}"
         try:
             t_loss, t_sd = unit.runners["torch"].train(unit.built(torch_impl, policy), opt, hp, TRAIN_STEPS,
                                                        *unit.inputs(), x.target)
