@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: parity test bench clean
+.PHONY: parity test bench docs clean
 
 $(STAMP): requirements.lock pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,9 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/mha-bench --preset quick --json bench.json --markdown bench.md --plot bench.png $(ARGS)
+
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -d site
 
 clean:
 	rm -rf $(VENV) build *.egg-info
