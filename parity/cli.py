@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--impls", type=comma_separated(ours), default=None, metavar="torch,jax-jit,...",
                    help=f"which of our implementations to run ({', '.join(ours)}; default: all but the torch.compile ones)")
     p.add_argument("--impl", action="append", default=[], metavar="MODULE:ATTR",
-                   help="your own implementation (a parity.impls.Implementation), e.g. examples.jax_port:port; repeatable")
+                   help="your own implementation (a parity.impls.Implementation), e.g. parity.examples.jax_port:port; repeatable")
     p.add_argument("--compile", action="store_true", help="also run torch.compile of the selected torch implementations (slow on CPU)")
     p.add_argument("--framework-defaults", action="store_true",
                    help="keep the frameworks' default matmul precision (TF32 on GPU, bf16 passes on TPU) instead of 'highest'")

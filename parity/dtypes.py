@@ -20,14 +20,6 @@ def numpy_dtype(name: str) -> np.dtype:
     return _NUMPY[name]
 
 
-def dtype_name(dtype) -> str:
-    """The report name of a NumPy, ml_dtypes, torch or JAX dtype (by its printed name)."""
-    name = str(dtype).removeprefix("torch.")
-    if name not in _NUMPY:
-        raise TypeError(f"dtype {dtype} is not one of {DTYPES}")
-    return name
-
-
 def torch_dtype(name: str):
     import torch
 

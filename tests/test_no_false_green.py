@@ -131,8 +131,8 @@ def test_ctrl_c_stops_writes_the_partial_report_and_exits_130(tmp_path):
 
 
 def test_examples_run_and_the_porting_bug_is_localised():
-    from examples.jax_port import port, port_with_head_split_bug
-    from examples.nanogpt_torch import nanogpt
+    from parity.examples.jax_port import port, port_with_head_split_bug
+    from parity.examples.nanogpt_torch import nanogpt
 
     report = run(cases=[Case(SHAPES["cross"], "random", "nan")], dtypes=("float32",), checks=("forward", "gradient"),
                  impls=("torch", port, port_with_head_split_bug, nanogpt), device="cpu")
@@ -173,9 +173,9 @@ def test_bad_user_code_is_an_error_row_and_the_run_completes(factory, message, t
 
 
 def test_cli_loads_a_user_module_and_rejects_a_non_implementation(capsys):
-    assert _cli("--quick", "--checks", "forward", "--impls", "torch", "--impl", "examples.jax_port:port") == 0
+    assert _cli("--quick", "--checks", "forward", "--impls", "torch", "--impl", "parity.examples.jax_port:port") == 0
     assert "jax-port" in capsys.readouterr().out
-    assert _cli("--quick", "--impl", "examples.jax_port:_make") == 2
+    assert _cli("--quick", "--impl", "parity.examples.jax_port:_make") == 2
     assert "not a parity.impls.Implementation" in capsys.readouterr().out
 
 
@@ -191,7 +191,7 @@ def test_sharded_check_without_devices_is_a_skip_not_a_pass(capsys):
 
 def test_a_user_implementation_cannot_take_the_name_of_ours():
     """Built implementations are cached by name: a user's "torch" must not be judged as ours."""
-    from examples.jax_port import port
+    from parity.examples.jax_port import port
     import dataclasses
 
     with pytest.raises(ValueError, match="repeated: \\['torch'\\]"):

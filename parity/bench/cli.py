@@ -56,7 +56,7 @@ def run_parser() -> argparse.ArgumentParser:
                    help="auto = best present; torch runs on cpu when the device is a TPU")
     p.add_argument("--impls", help="comma-separated name[:mode[:weights|fused]] patterns, e.g. ours-torch:eager,jax-dpa-core")
     p.add_argument("--impl", action="append", default=[], metavar="MODULE:ATTR",
-                   help="also time your own implementation (a parity.impls.Implementation), e.g. examples.jax_port:port")
+                   help="also time your own implementation (a parity.impls.Implementation), e.g. parity.examples.jax_port:port")
     p.add_argument("--passes", type=comma_separated(PASSES, nonempty=True), help="fwd,fwd+bwd")
     p.add_argument("--dtypes", type=comma_separated(tuple(DTYPES), nonempty=True), help="float32,bfloat16,float16")
     p.add_argument("--seq", type=_ints, help="sequence lengths (T = S), e.g. 256,1024")

@@ -34,7 +34,7 @@ def _require(package: str) -> None:
     import importlib.util
 
     if importlib.util.find_spec(package) is None:
-        raise MissingPackage(f"{package} is not installed (the optional extra: pip install -e '.[ecosystem]')",
+        raise MissingPackage(f"{package} is not installed (the optional extra: pip install 'mha-parity[ecosystem]')",
                              name=package)
 
 

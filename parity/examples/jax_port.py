@@ -1,6 +1,6 @@
 """A hand-written JAX port of the classic torch module, and the same port with a one-character bug.
 
-    mha-parity --impl examples.jax_port:port --impl examples.jax_port:port_with_head_split_bug --quick
+    mha-parity --impl parity.examples.jax_port:port --impl parity.examples.jax_port:port_with_head_split_bug --quick
 
 `port` is what a careful researcher writes when moving `mha_torch.MultiHeadAttention`
 to JAX: the same projections (torch's (out, in) weights, so x @ W.T + b), heads split
@@ -51,11 +51,11 @@ def _make(num_heads: int, buggy_split: bool):
 _DECLARED = {"framework": "jax", "mode": "jit", "mask": "keep", "masked_rows": "nan", "returns_weights": True}
 
 
-@implementation(name="jax-port", doc="examples/jax_port.py: a hand-written JAX port", **_DECLARED)
+@implementation(name="jax-port", doc="parity.examples.jax_port: a hand-written JAX port", **_DECLARED)
 def port(state_dict, num_heads, *, dtype, device):
     return _make(num_heads, buggy_split=False)
 
 
-@implementation(name="jax-port-head-split-bug", doc="examples/jax_port.py: reshape(B, N, T, H)", **_DECLARED)
+@implementation(name="jax-port-head-split-bug", doc="parity.examples.jax_port: reshape(B, N, T, H)", **_DECLARED)
 def port_with_head_split_bug(state_dict, num_heads, *, dtype, device):
     return _make(num_heads, buggy_split=True)

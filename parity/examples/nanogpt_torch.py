@@ -1,6 +1,6 @@
 """A plain-function PyTorch attention written the nanoGPT way, checked by mha-parity.
 
-    mha-parity --impl examples.nanogpt_torch:nanogpt --quick
+    mha-parity --impl parity.examples.nanogpt_torch:nanogpt --quick
 
 The layer is a pure function of its parameters (the canonical state dict: q_proj,
 k_proj, v_proj, out_proj weight (out, in) and bias), so the harness can take
@@ -20,7 +20,7 @@ from parity.impls import implementation
 
 
 @implementation(name="nanogpt-torch", framework="torch", mask="keep", masked_rows="nan", returns_weights=True,
-                doc="examples/nanogpt_torch.py: plain-function attention, nanoGPT style")
+                doc="parity.examples.nanogpt_torch: plain-function attention, nanoGPT style")
 def nanogpt(state_dict, num_heads, *, dtype, device):
     def attend(p, query, key, value, keep):
         B, T, E = query.size()
