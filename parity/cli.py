@@ -13,7 +13,7 @@ import os
 import signal
 import sys
 
-from parity.cli_args import comma_separated
+from parity.cli_args import comma_separated, positive_float
 from parity.devices import DEVICES
 from parity.dtypes import DTYPES
 from parity.harness.matrix import CHECKS
@@ -46,8 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep the frameworks' default matmul precision (TF32 on GPU, bf16 passes on TPU) instead of 'highest'")
     p.add_argument("--devices", type=int, default=None, metavar="N",
                    help="also check the sharded layouts over N simulated CPU devices / gloo processes (N >= 2)")
-    p.add_argument("--layouts", type=comma_separated(), default=None, metavar="tp,sp,dp",
-                   help="with --devices: which sharded layouts (default: all)")
+    p.add_argument("--layouts", type=comma_separated(nonempty=True), default=None, metavar="tp,sp,dp",
+                   help="with --devices: which sharded layouts (default: all; a repeated one runs once)")
+    p.add_argument("--job-timeout", type=positive_float, default=None, metavar="SECONDS",
+                   help="with --devices: kill a sharded worker group that finishes no job for this long "
+                   "(a rank stuck in a collective; default 600); its unfinished jobs become error rows")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH", help="write the JSON report here (atomically)")
     p.add_argument("--markdown", metavar="PATH", help="write the Markdown report here (atomically)")
@@ -86,6 +89,8 @@ def _usage_problems(args) -> str | None:
         return f"--devices must be at least 2, got {args.devices}"
     if args.layouts and args.devices is None:
         return "--layouts selects sharded layouts: give --devices N too"
+    if args.job_timeout is not None and args.devices is None:
+        return "--job-timeout limits the sharded workers: give --devices N too"
     if args.layouts:
         from parity.sharded import LAYOUTS
 
@@ -125,6 +130,7 @@ def _run(args, console, stop):
             seed=args.seed, quick=args.quick, compile=args.compile, framework_defaults=args.framework_defaults,
             json_path=args.json, markdown_path=args.markdown, plot_path=args.plot, on_start=on_start,
             on_progress=on_progress, should_stop=lambda: stop.requested, devices=args.devices, layouts=args.layouts,
+            job_timeout_s=args.job_timeout,
         )
 
 

@@ -1,24 +1,33 @@
 """`mha-bench sharded`: per-device peak memory and forward time of the sharded layouts.
 
     mha-bench sharded [--devices 1,2,4] [--layouts sp,tp] [--frameworks jax,torch]
-                      [--seq 4096] [--embed 256] [--heads 4] [--batch 1] [--json P] [--markdown P]
+                      [--seq 4096] [--embed 256] [--heads 4] [--batch 1] [--repeats 3]
+                      [--job-timeout 900] [--json P] [--markdown P]
 
 The rows come from `parity.sharded.bench.bench_sharded` (each (framework, layout, devices) in
 fresh processes; JAX's memory is its compiled program's per-device `memory_analysis()`, torch's
 each rank's peak RSS growth). On simulated CPU devices every device shares the same cores: the
 times are overhead measurements, and per-device memory is the headline.
+
+Every argument is checked before anything starts (exit 2): positive sizes, E divisible by N,
+T (sp) and N (tp) divisible by every device count, distinct output files. A repeated device
+count, layout or framework is measured once. Ctrl-C ends the running measurement's processes,
+writes the report of what finished and exits 130.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 
 from rich.console import Console
 from rich.table import Table
 
 from parity.atomic import check_writable, write_atomic
-from parity.cli_args import comma_separated, positive_ints as _ints
+from parity.cli_args import comma_separated, positive_float, positive_int, positive_ints as _ints
+
+EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
 def parser() -> argparse.ArgumentParser:
@@ -26,11 +35,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--devices", type=_ints, default=(1, 2, 4), help="device counts (default 1,2,4)")
     p.add_argument("--layouts", type=comma_separated(("sp", "tp"), nonempty=True), default=("sp", "tp"))
     p.add_argument("--frameworks", type=comma_separated(("jax", "torch"), nonempty=True), default=("jax", "torch"))
-    p.add_argument("--seq", type=int, default=4096, help="T = S (default 4096)")
-    p.add_argument("--embed", type=int, default=256)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--seq", type=positive_int, default=4096, help="T = S (default 4096)")
+    p.add_argument("--embed", type=positive_int, default=256)
+    p.add_argument("--heads", type=positive_int, default=4)
+    p.add_argument("--batch", type=positive_int, default=1)
+    p.add_argument("--repeats", type=positive_int, default=3)
+    p.add_argument("--job-timeout", type=positive_float, default=900, metavar="SECONDS",
+                   help="the longest one measurement's processes may run before they are killed (default 900)")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--markdown", metavar="PATH")
     return p
@@ -48,22 +59,30 @@ def markdown(rows, title: str, note: str) -> str:
 
 
 def main(argv, console: Console) -> int:
+    from parity.sharded.bench import TIME_NOTE, check_sizes, iter_bench_sharded, with_ratios
+
     args = parser().parse_args(argv)
+    sizes = {"B": args.batch, "T": args.seq, "E": args.embed, "N": args.heads, "repeats": args.repeats}
     try:
-        for path in (args.json, args.markdown):
-            if path:
-                check_writable(path)
-        if args.embed % args.heads:
-            raise ValueError(f"--embed {args.embed} is not divisible by --heads {args.heads}")
+        paths = [os.path.abspath(p) for p in (args.json, args.markdown) if p]
+        if len(set(paths)) < len(paths):
+            raise ValueError("--json and --markdown must be different files")
+        for path in paths:
+            check_writable(path)
+        check_sizes(devices=args.devices, layouts=args.layouts, frameworks=args.frameworks, **sizes)
     except ValueError as e:
         console.print(f"[red]mha-bench sharded: error: {e}[/red]", soft_wrap=True)
-        return 2
-    from parity.sharded.bench import TIME_NOTE, bench_sharded
-
-    rows = bench_sharded(devices=args.devices, layouts=args.layouts, frameworks=args.frameworks, B=args.batch,
-                         T=args.seq, E=args.embed, N=args.heads, repeats=args.repeats)
+        return EXIT_USAGE
+    rows, interrupted = [], False
+    try:
+        for row in iter_bench_sharded(devices=args.devices, layouts=args.layouts, frameworks=args.frameworks,
+                                      timeout_s=args.job_timeout, **sizes):
+            rows.append(row)
+    except KeyboardInterrupt:  # the running measurement's processes and files are already gone
+        interrupted = True
+    rows = with_ratios(rows)
     title = f"Sharded attention: per-device memory, B={args.batch} T=S={args.seq} E={args.embed} N={args.heads} float32 forward"
-    table = Table(title=title, caption=TIME_NOTE)
+    table = Table(title=title + (" (interrupted)" if interrupted else ""), caption=TIME_NOTE)
     for col in ("framework", "layout", "devices", "per-device peak", "÷ 1 device", "median time"):
         table.add_column(col, justify="right" if col not in ("framework", "layout") else "left")
     for r in rows:
@@ -72,7 +91,10 @@ def main(argv, console: Console) -> int:
                       ratio, f"{r['time_s'] * 1e3:.0f} ms")
     console.print(table)
     if args.json:
-        write_atomic(args.json, json.dumps({"schema": "mha-bench-sharded/1", "rows": rows}, indent=1) + "\n")
+        write_atomic(args.json, json.dumps({"schema": "mha-bench-sharded/1", "interrupted": interrupted, "rows": rows}, indent=1) + "\n")
     if args.markdown:
-        write_atomic(args.markdown, markdown(rows, title, TIME_NOTE))
-    return 0 if rows else 1
+        write_atomic(args.markdown, markdown(rows, title + (" (interrupted)" if interrupted else ""), TIME_NOTE))
+    if interrupted:
+        console.print("[bold red]interrupted: the report holds the measurements that finished", soft_wrap=True)
+        return EXIT_INTERRUPTED
+    return EXIT_OK if rows else EXIT_FAIL

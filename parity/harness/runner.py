@@ -112,6 +112,7 @@ def run(
     should_stop=None,
     devices: int | None = None,
     layouts=None,
+    job_timeout_s: float | None = None,
 ) -> Report:
     """Run the parity matrix; return the report (and write it, if paths are given).
 
@@ -122,7 +123,10 @@ def run(
     on_start(total_units) and on_progress(description) drive a progress bar;
     should_stop() is asked between units (a graceful Ctrl-C). devices >= 2 adds the sharded
     check (`parity.sharded`: tensor-, sequence- and data-parallel layouts over that many
-    simulated CPU devices / gloo processes; `layouts` filters them). A unit that raises
+    simulated CPU devices / gloo processes; `layouts` filters them; job_timeout_s: how long a
+    sharded worker group may go without finishing a job, default
+    parity.sharded.launch.DEFAULT_JOB_TIMEOUT_S; should_stop() is polled while the workers run,
+    and they stop between jobs). A unit that raises
     becomes error rows; KeyboardInterrupt stops the loop, and the report of what
     finished is still written (report.interrupted is True).
     """
@@ -140,7 +144,9 @@ def run(
                                 for c, d in p.units for ch in p.checks]
             else:
                 _loop(report, p, seed, _runners(p.device), on_progress, should_stop)
-                report.rows += _sharded(devices, layouts, p.dtypes, p.checks, seed, should_stop)
+                report.rows += _sharded(devices, layouts, p.dtypes, p.checks, seed, should_stop, job_timeout_s)
+                if should_stop is not None and should_stop():  # the sharded workers stopped between jobs
+                    report.interrupted = True
         except KeyboardInterrupt:
             report.interrupted = True
         finally:
@@ -188,7 +194,7 @@ def _loop(report, p: RunPlan, seed, runners, on_progress, should_stop) -> None:
         report.rows += _run_unit(case, dtype, seed, p.checks, p.impls, p.peers, runners)
 
 
-def _sharded(devices, layouts, dtypes, checks, seed, should_stop) -> list[Row]:
+def _sharded(devices, layouts, dtypes, checks, seed, should_stop, job_timeout_s=None) -> list[Row]:
     """The sharded layouts across `devices` processes/devices, when asked (float64 and float32 only)."""
     if "sharded" not in checks or not devices or (should_stop is not None and should_stop()):
         return []
@@ -198,7 +204,8 @@ def _sharded(devices, layouts, dtypes, checks, seed, should_stop) -> list[Row]:
     if devices < 2 or not wide:
         why = "--devices must be at least 2" if devices < 2 else "sharded layouts are checked in float64/float32 only"
         return [Row("*", "sharded", "*", "*", "*", "cpu", "skip", message=why)]
-    return run_sharded(devices=devices, layouts=tuple(layouts or LAYOUTS), dtypes=wide, seed=seed)
+    timeout = {} if job_timeout_s is None else {"job_timeout_s": job_timeout_s}
+    return run_sharded(devices=devices, layouts=tuple(layouts or LAYOUTS), dtypes=wide, seed=seed, should_stop=should_stop, **timeout)
 
 
 def _run_unit(case, dtype, seed, checks, impls, peers, runners) -> list[Row]:

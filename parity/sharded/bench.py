@@ -22,10 +22,10 @@ import os
 import resource
 import statistics
 import sys
-import tempfile
 import time
 
-from parity.sharded.launch import _env, _launch, free_port
+from parity.sharded.control import follow_parent
+from parity.sharded.launch import Group, _env, free_port, wait
 
 DEFAULTS = {"B": 1, "T": 4096, "E": 256, "N": 4, "repeats": 3}
 TIME_NOTE = "simulated CPU devices share this machine's cores: times are overhead measurements, not speed-ups"
@@ -145,43 +145,90 @@ def _torch_worker(cfg: dict) -> list[dict]:
 
 
 def _run(framework: str, cfg: dict, timeout_s: float) -> list[dict]:
-    tmp = tempfile.mkdtemp(prefix="sharded-bench-")
-    spec, out = os.path.join(tmp, "cfg.json"), os.path.join(tmp, "rows.json")
-    with open(spec, "w") as f:
-        json.dump(cfg, f)
-    argv = [sys.executable, "-m", "parity.sharded.bench", framework, spec, out]
     n = cfg["devices"]
-    if framework == "jax":
-        commands = [(argv, _env(XLA_FLAGS=f"--xla_force_host_platform_device_count={n}", JAX_PLATFORMS="cpu"))]
-    else:
+
+    def commands(spec_path, out_path):
+        argv = [sys.executable, "-m", "parity.sharded.bench", framework, spec_path, out_path]
+        if framework == "jax":
+            return [(argv, _env(XLA_FLAGS=f"--xla_force_host_platform_device_count={n}", JAX_PLATFORMS="cpu"))]
         port = free_port()
-        commands = [(argv, _env(RANK=r, WORLD_SIZE=n, MASTER_ADDR="127.0.0.1", MASTER_PORT=port)) for r in range(n)]
-    return _launch(commands, out, timeout_s)["rows"]
+        return [(argv, _env(RANK=r, WORLD_SIZE=n, MASTER_ADDR="127.0.0.1", MASTER_PORT=port)) for r in range(n)]
+
+    group = Group("sharded-bench-", cfg, commands, "rows.json")
+    try:
+        wait([group], timeout_s=timeout_s)
+        problem = group.failure()
+        if problem or not os.path.exists(group.out_path):
+            raise RuntimeError(problem or "sharded bench worker wrote no rows")
+        with open(group.out_path) as f:
+            return json.load(f)["rows"]
+    finally:
+        group.close()
+
+
+def check_sizes(*, devices, layouts, frameworks, B: int, T: int, E: int, N: int, repeats: int) -> None:
+    """ValueError naming the first size that cannot be measured as asked (before anything starts).
+
+    Every size is a positive integer; E splits into N heads; sp needs T divisible by each device
+    count (each rank holds T/n rows: fewer rows would be measured than the label says) and tp
+    needs N divisible by it (each rank holds N/n heads).
+    """
+    for name, v in (("B", B), ("T", T), ("E", E), ("N", N), ("repeats", repeats)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    if E % N:
+        raise ValueError(f"E={E} is not divisible by N={N} heads")
+    unknown = [x for x in layouts if x not in ("sp", "tp")] + [x for x in frameworks if x not in ("jax", "torch")]
+    if unknown:
+        raise ValueError(f"unknown layouts/frameworks {unknown}; layouts: sp, tp; frameworks: jax, torch")
+    for n in devices:
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"device counts must be positive integers, got {n!r}")
+        for layout, size, what in (("sp", T, "sequence length T"), ("tp", N, "head count N")):
+            if layout in layouts and size % n:
+                raise ValueError(f"layout {layout!r} over {n} devices: {what}={size} is not divisible by {n}")
+
+
+def iter_bench_sharded(*, devices=(1, 2, 4), layouts=("sp", "tp"), frameworks=("jax", "torch"), timeout_s: float = 900,
+                       **sizes):
+    """Yield each (framework, layout, devices) row as it is measured (no `ratio_to_1_device`; see `with_ratios`).
+
+    A repeated device count, layout or framework is measured once. timeout_s: the longest one
+    measurement's process group may run before it is killed.
+    """
+    cfg0 = {**DEFAULTS, **sizes}
+    devices, layouts, frameworks = (tuple(dict.fromkeys(x)) for x in (devices, layouts, frameworks))
+    check_sizes(devices=devices, layouts=layouts, frameworks=frameworks, **cfg0)
+    for fw in frameworks:
+        for n, layout in ((n, layout) for n in devices for layout in layouts):
+            # One process group per layout: a process's earlier peak (or the heap it kept) would blur the next.
+            for row in _run(fw, {**cfg0, "devices": n, "layouts": [layout]}, timeout_s):
+                yield {**row, **{k: cfg0[k] for k in ("B", "T", "E", "N")}, "S": cfg0["T"], "dtype": "float32",
+                       "pass": "forward", "time_note": TIME_NOTE}
+
+
+def with_ratios(rows: list[dict]) -> list[dict]:
+    """Each row with `ratio_to_1_device`: its per-device memory over the same layout's 1-device row (None if not run)."""
+    base = {(r["framework"], r["layout"]): r["per_device_peak_bytes"] for r in rows if r["devices"] == 1}
+    out = []
+    for r in rows:
+        b = base.get((r["framework"], r["layout"]))
+        out.append({**r, "ratio_to_1_device": round(r["per_device_peak_bytes"] / b, 4) if b else None})
+    return out
 
 
 def bench_sharded(*, devices=(1, 2, 4), layouts=("sp", "tp"), frameworks=("jax", "torch"), timeout_s: float = 900, **sizes) -> list[dict]:
     """Per-device peak memory (bytes) and median forward time for each (framework, layout, devices).
 
-    sizes: B, T (= S), E, N, repeats (defaults in DEFAULTS). Each row also carries
-    `ratio_to_1_device` (per-device memory over the same layout's 1-device row, when run),
-    the sizes and `time_note`.
+    sizes: B, T (= S), E, N, repeats (defaults in DEFAULTS; checked by `check_sizes` before
+    anything starts). Each row also carries `ratio_to_1_device` (per-device memory over the
+    same layout's 1-device row, when run), the sizes and `time_note`.
     """
-    cfg0 = {**DEFAULTS, **sizes}
-    rows = []
-    for fw in frameworks:
-        for n, layout in ((n, layout) for n in devices for layout in layouts):
-            # One process group per layout: a process's earlier peak (or the heap it kept) would blur the next.
-            for row in _run(fw, {**cfg0, "devices": n, "layouts": [layout]}, timeout_s):
-                rows.append({**row, **{k: cfg0[k] for k in ("B", "T", "E", "N")}, "S": cfg0["T"], "dtype": "float32",
-                             "pass": "forward", "time_note": TIME_NOTE})
-    base = {(r["framework"], r["layout"]): r["per_device_peak_bytes"] for r in rows if r["devices"] == 1}
-    for r in rows:
-        b = base.get((r["framework"], r["layout"]))
-        r["ratio_to_1_device"] = round(r["per_device_peak_bytes"] / b, 4) if b else None
-    return rows
+    return with_ratios(list(iter_bench_sharded(devices=devices, layouts=layouts, frameworks=frameworks, timeout_s=timeout_s, **sizes)))
 
 
 def main(argv=None) -> int:
+    follow_parent()
     framework, spec, out = sys.argv[1:] if argv is None else argv
     if framework == "jax":
         import jax

@@ -75,6 +75,9 @@ class Job:
 
 def jobs(*, devices: int, layouts=LAYOUTS, frameworks=FRAMEWORKS, dtypes=("float64", "float32"),
          mask_policies=MASK_POLICIES, seed: int = 0) -> list[Job]:
+    """Every (framework, dtype, layout, mask and policy) job, in that order; each selection is a set
+    (a repeated name runs once, first-seen order), and an unknown layout or framework is a ValueError."""
+    layouts, frameworks, dtypes, mask_policies = (tuple(dict.fromkeys(x)) for x in (layouts, frameworks, dtypes, mask_policies))
     for name, allowed, given in (("layout", LAYOUTS + JAX_ONLY_LAYOUTS, layouts), ("framework", FRAMEWORKS, frameworks)):
         bad = [x for x in given if x not in allowed]
         if bad:

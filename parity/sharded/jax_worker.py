@@ -1,11 +1,12 @@
 """The JAX side of the sharded checks, run in its own process (devices are fixed when JAX starts).
 
-    python -m parity.sharded.jax_worker SPEC.json OUT.json [--coordinator HOST:PORT --num-processes P --process-id I]
+    python -m parity.sharded.jax_worker SPEC.json OUT.jsonl [--coordinator HOST:PORT --num-processes P --process-id I]
 
 Simulated devices: the launcher sets XLA_FLAGS=--xla_force_host_platform_device_count=N.
 Several processes: each calls jax.distributed.initialize (gloo collectives on CPU) and the
 mesh spans every process's devices. Process 0 computes the one-device run, judges and
-writes the rows (JSON) to OUT.
+appends each job's rows to OUT (one JSON line per job, `parity.sharded.control`). Started
+by the launcher, the processes agree between jobs whether it asked them to stop.
 """
 
 from __future__ import annotations
@@ -13,13 +14,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import sys
 import traceback
 from dataclasses import asdict
 from functools import partial
 
 import jax
+
+from parity.sharded import control
 
 def _start(args) -> None:
     if args.coordinator:
@@ -172,11 +174,11 @@ def planted(plant: str | None):
         setattr(par, name, original)
 
 
-def run_jobs(jobs, plant=None) -> list:
+def run_jobs(jobs, plant=None):
+    """Yield each job's rows in order (process 0 judges; the others yield [])."""
     from mha_jax.parallel import make_mesh
     from parity.sharded.cases import error_rows, judge_job, problem
 
-    rows = []
     platform = jax.devices()[0].platform
     with planted(plant):
         for job in jobs:
@@ -185,12 +187,23 @@ def run_jobs(jobs, plant=None) -> list:
                 prob = problem(job)
                 run = _run_gspmd if job.layout == "tp-gspmd" else partial(_run_sharded, plant=plant)
                 sharded = run(job, prob, make_mesh(job.devices))
-                if jax.process_index() != 0:
-                    continue
-                rows += judge_job(job, prob, sharded, _run_one_device(job, prob), device)
+                rows = judge_job(job, prob, sharded, _run_one_device(job, prob), device) if jax.process_index() == 0 else []
             except Exception as exc:  # one job's failure is an error row; the rest still runs
-                rows += error_rows(job, device, f"{type(exc).__name__}: {exc} | {traceback.format_exc(limit=-2)!r}")
-    return rows
+                rows = error_rows(job, device, f"{type(exc).__name__}: {exc} | {traceback.format_exc(limit=-2)!r}")
+            yield rows
+
+
+def _stop_agreed() -> bool:
+    """Whether the launcher asked the group to stop, as every process agrees (a collective: all call it)."""
+    if not control.stoppable():
+        return False
+    flag = control.stop_requested()
+    if jax.process_count() > 1:
+        import numpy as np
+        from jax.experimental import multihost_utils
+
+        flag = bool(np.max(multihost_utils.process_allgather(np.int32(flag))))
+    return flag
 
 
 def main(argv=None) -> int:
@@ -201,16 +214,23 @@ def main(argv=None) -> int:
     ap.add_argument("--num-processes", type=int, default=1)
     ap.add_argument("--process-id", type=int, default=0)
     args = ap.parse_args(argv)
+    control.follow_parent()
     _start(args)
     from parity.sharded.cases import Job
 
     with open(args.spec) as f:
         spec = json.load(f)
-    runs = [[asdict(r) for r in run_jobs([Job(**j) for j in run["jobs"]], run.get("plant"))] for run in spec["runs"]]
-    if jax.process_index() == 0:
-        with open(args.out + ".tmp", "w") as f:
-            json.dump({"runs": runs}, f)
-        os.replace(args.out + ".tmp", args.out)
+    stopped = False
+    for i, run in enumerate(spec["runs"]):
+        with contextlib.closing(run_jobs([Job(**j) for j in run["jobs"]], run.get("plant"))) as results:
+            for j, rows in enumerate(results):
+                if jax.process_index() == 0:
+                    control.append_rows(args.out, i, j, [asdict(r) for r in rows])
+                stopped = _stop_agreed()
+                if stopped:
+                    break
+        if stopped:
+            break
     if args.coordinator:
         jax.distributed.shutdown()
     return 0

@@ -1,16 +1,17 @@
 """The torch side of the sharded checks: one process per rank (gloo on CPU).
 
-    RANK=r WORLD_SIZE=n MASTER_ADDR=127.0.0.1 MASTER_PORT=p python -m parity.sharded.torch_worker SPEC.json OUT.json
+    RANK=r WORLD_SIZE=n MASTER_ADDR=127.0.0.1 MASTER_PORT=p python -m parity.sharded.torch_worker SPEC.json OUT.jsonl
 
 (torchrun sets those variables too.) Every job runs over the whole group; rank 0
-computes the one-device module's answers, judges and writes the rows (JSON) to OUT.
+computes the one-device module's answers, judges and appends each job's rows to OUT
+(one JSON line per job, `parity.sharded.control`). Started by the launcher, the ranks
+agree between jobs whether it asked them to stop.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
 import sys
 import traceback
 from dataclasses import asdict
@@ -18,6 +19,8 @@ from dataclasses import asdict
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from parity.sharded import control
 
 
 def _tensors(prob):
@@ -119,14 +122,14 @@ def planted(plant: str | None, n: int):
         parallel.parallelize_heads = original
 
 
-def run_jobs(jobs, plant=None) -> list:
+def run_jobs(jobs, plant=None):
+    """Yield each job's rows in order (rank 0 judges; the other ranks yield [])."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from parity.sharded.cases import error_rows, judge_job, problem
 
     n = dist.get_world_size()
     mesh = init_device_mesh("cpu", (n,))
-    rows = []
     with planted(plant, n):
         for job in jobs:
             device = f"{n}xcpu ({n} processes, gloo)"
@@ -135,14 +138,23 @@ def run_jobs(jobs, plant=None) -> list:
                     raise ValueError(f"job wants {job.devices} devices, the group has {n} ranks")
                 prob = problem(job)
                 sharded = _run_sharded(job, prob, mesh)
-                if dist.get_rank() == 0:
-                    rows += judge_job(job, prob, sharded, _run_one_device(job, prob), device)
+                rows = judge_job(job, prob, sharded, _run_one_device(job, prob), device) if dist.get_rank() == 0 else []
             except Exception as exc:  # one job's failure is an error row; the rest still runs
-                rows += error_rows(job, device, f"{type(exc).__name__}: {exc} | {traceback.format_exc(limit=-2)!r}")
-    return rows
+                rows = error_rows(job, device, f"{type(exc).__name__}: {exc} | {traceback.format_exc(limit=-2)!r}")
+            yield rows
+
+
+def _stop_agreed() -> bool:
+    """Whether the launcher asked the group to stop, as every rank agrees (a collective: all call it)."""
+    if not control.stoppable():
+        return False
+    flag = torch.tensor([int(control.stop_requested())])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 def main(argv=None) -> int:
+    control.follow_parent()
     argv = sys.argv[1:] if argv is None else argv
     spec_path, out_path = argv
     torch.set_num_threads(1)
@@ -151,12 +163,17 @@ def main(argv=None) -> int:
 
     with open(spec_path) as f:
         spec = json.load(f)
-    runs = [[asdict(r) for r in run_jobs([Job(**j) for j in run["jobs"]], run.get("plant"))] for run in spec["runs"]]
-    if dist.get_rank() == 0:
-        tmp = out_path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump({"runs": runs}, f)
-        os.replace(tmp, out_path)
+    stopped = False
+    for i, run in enumerate(spec["runs"]):
+        with contextlib.closing(run_jobs([Job(**j) for j in run["jobs"]], run.get("plant"))) as results:
+            for j, rows in enumerate(results):
+                if dist.get_rank() == 0:
+                    control.append_rows(out_path, i, j, [asdict(r) for r in rows])
+                stopped = _stop_agreed()
+                if stopped:
+                    break
+        if stopped:
+            break
     # Every rank leaves together: tearing gloo down while a peer still talks to it can abort.
     dist.barrier()
     dist.destroy_process_group()
