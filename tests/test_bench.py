@@ -479,7 +479,7 @@ def test_load_rejects_a_malformed_run_with_a_reason(tmp_path, mutate, message):
 
 def test_load_names_a_parity_report_and_broken_json(tmp_path):
     with pytest.raises(report.BenchFileError, match="looks like an mha-parity report"):
-        report.load("docs/results/parity-cpu.json")
+        report.load("tests/data/parity-quick.json")
     for text, message in (("", "empty file"), ("{", "not valid JSON"), ("[1]", "top level is a list")):
         (tmp_path / "x.json").write_text(text)
         with pytest.raises(report.BenchFileError, match=message):
@@ -489,8 +489,8 @@ def test_load_names_a_parity_report_and_broken_json(tmp_path):
 
 
 def test_saved_results_still_load():
-    for name in ("bench-cpu.json", "bench-cpu.long.json"):
-        assert report.load(f"docs/results/{name}")["rows"]
+    for name in ("bench-cpu.json", "bench-cpu-long.json"):
+        assert report.load(f"tests/data/{name}")["rows"]
 
 
 # ---------------------------------------------------------------- errored rows stay visible

@@ -228,7 +228,7 @@ def _row(impl="torch-sdpa-core", median_s=1e-3, iqr_s=1e-5):
                                      '{"schema": "mha-bench/9", "rows": []}', "PARITY"])
 def test_compare_and_report_reject_bad_input_in_one_line(tmp_path, content):
     good = _saved(tmp_path, "good.json", [_row()])
-    bad = "docs/results/parity-cpu.json" if content == "PARITY" else str(tmp_path / "bad.json")
+    bad = "tests/data/parity-quick.json" if content == "PARITY" else str(tmp_path / "bad.json")
     if content != "PARITY":
         (tmp_path / "bad.json").write_text(content)
     for argv in (["compare", good, bad], ["compare", bad, good], ["report", bad]):
@@ -261,7 +261,7 @@ def test_compare_exit_codes(tmp_path):
 def test_report_rerenders_a_saved_run_with_a_titled_plot(tmp_path):
     console = _console()
     saved = tmp_path / "run.json"
-    shutil.copyfile("docs/results/bench-cpu.json", saved)
+    shutil.copyfile("tests/data/bench-cpu.json", saved)
     before = saved.read_bytes()
     rc = cli.main(["report", str(saved), "--plot", str(tmp_path / "p.png"),
                    "--markdown", str(tmp_path / "p.md")], console=console)
