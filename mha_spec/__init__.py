@@ -120,6 +120,131 @@ def mask_shape_4d(mask_shape, batch: int, heads: int, q_len: int, k_len: int) ->
     return shape4
 
 
+ROPE_CONVENTIONS = ("half", "interleaved")
+"""How rotary position embedding pairs a head's H features (H even).
+
+half         feature i with i + H/2 (GPT-NeoX, Hugging Face's `rotate_half`)
+interleaved  feature 2i with 2i + 1 (GPT-J, Meta's original Llama)
+
+Both rotate pair i by the angle `position * rope_theta ** (-2i / H)`, i < H/2.
+"""
+
+
+def _positive_int(name: str, val) -> int:
+    if isinstance(val, bool) or not isinstance(val, int):
+        raise TypeError(f"{name} must be an int, got {type(val).__name__}")
+    if val <= 0:
+        raise ValueError(f"{name} must be positive, got {val}")
+    return val
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """One attention layer: what the weights and the maths are, independent of the sizes.
+
+    embed_dim     E, the model width (query/key/value inputs and the output)
+    num_heads     N query heads
+    num_kv_heads  K key/value heads (None: N); must divide N. Query head h uses key/value
+                  head h // (N // K) (grouped-query attention; K = 1 is multi-query)
+    head_dim      H (None: E // N, which must then divide evenly)
+    qkv_bias      whether q/k/v projections have a bias; out_bias likewise for out_proj
+    rope          None, or a `ROPE_CONVENTIONS` entry: rotate q and k after the head split
+    rope_theta    the rotary base
+    masked_rows   the `MASKED_ROWS_POLICIES` entry for a row that keeps no key
+
+    Weights: q_proj (N*H, E), k_proj and v_proj (K*H, E), out_proj (E, N*H).
+    The defaults are the classic module.
+    """
+
+    embed_dim: int
+    num_heads: int
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    qkv_bias: bool = True
+    out_bias: bool = True
+    rope: str | None = None
+    rope_theta: float = 10000.0
+    masked_rows: str = "nan"
+
+    def __post_init__(self):
+        E = _positive_int("embed_dim", self.embed_dim)
+        N = _positive_int("num_heads", self.num_heads)
+        if self.head_dim is None:
+            if E % N != 0:
+                raise ValueError(f"embed_dim={E} is not divisible by num_heads={N} (or pass head_dim)")
+        else:
+            _positive_int("head_dim", self.head_dim)
+        if self.num_kv_heads is not None:
+            K = _positive_int("num_kv_heads", self.num_kv_heads)
+            if N % K != 0:
+                raise ValueError(f"num_kv_heads={K} must divide num_heads={N}")
+        for name in ("qkv_bias", "out_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.rope is not None and self.rope not in ROPE_CONVENTIONS:
+            raise ValueError(f"rope={self.rope!r} is not None or one of {ROPE_CONVENTIONS}")
+        if self.rope is not None and self.head_size % 2:
+            raise ValueError(f"rope needs an even head_dim, got {self.head_size}")
+        theta = self.rope_theta
+        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 1.0 or theta == float("inf"):
+            raise ValueError(f"rope_theta must be a finite number > 1, got {theta!r}")
+        if self.masked_rows not in MASKED_ROWS_POLICIES:
+            raise ValueError(f"masked_rows={self.masked_rows!r} is not one of {MASKED_ROWS_POLICIES}")
+
+    @property
+    def head_size(self) -> int:
+        """H."""
+        return self.head_dim if self.head_dim is not None else self.embed_dim // self.num_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """K (num_kv_heads resolved)."""
+        return self.num_kv_heads if self.num_kv_heads is not None else self.num_heads
+
+    @property
+    def group(self) -> int:
+        """Query heads per key/value head, N // K."""
+        return self.num_heads // self.kv_heads
+
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every canonical state-dict entry this layer has, and its shape (torch layout)."""
+        E, H, N, K = self.embed_dim, self.head_size, self.num_heads, self.kv_heads
+        shapes = {"q_proj.weight": (N * H, E), "k_proj.weight": (K * H, E),
+                  "v_proj.weight": (K * H, E), "out_proj.weight": (E, N * H)}
+        if self.qkv_bias:
+            shapes.update({"q_proj.bias": (N * H,), "k_proj.bias": (K * H,), "v_proj.bias": (K * H,)})
+        if self.out_bias:
+            shapes["out_proj.bias"] = (E,)
+        return dict(sorted(shapes.items()))
+
+
+@dataclass(frozen=True)
+class Problem:
+    """An attention layer and the sizes it runs at: B batch, T query length, S key length."""
+
+    config: AttentionConfig
+    B: int
+    T: int
+    S: int
+
+    def __post_init__(self):
+        if not isinstance(self.config, AttentionConfig):
+            raise TypeError(f"config must be an AttentionConfig, got {type(self.config).__name__}")
+        for name in ("B", "T", "S"):
+            val = getattr(self, name)
+            if isinstance(val, bool) or not isinstance(val, int) or val < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {val!r}")
+        if self.S == 0:
+            raise ValueError("S=0: a query must have at least one key to attend to")
+
+
+def check_positions(shape, batch: int, length: int, name: str) -> None:
+    """Integer positions for RoPE: [L] (shared by the batch) or [B, L]; ValueError otherwise."""
+    shape = tuple(shape)
+    if shape not in ((length,), (batch, length)):
+        raise ValueError(f"{name} must have shape ({length},) or ({batch}, {length}), got {shape}")
+
+
 STAGE_NAMES = ("q", "k", "v", "scores", "weights", "context", "output")
 
 

@@ -8,7 +8,7 @@ softmax in float32 for 16-bit dtypes, as the modules do). Its error against
 float64 is the yardstick of the three-way judge for 16-bit dtypes.
 `backward` is a hand-derived float64 vector-Jacobian product.
 
-Legend (see mha_spec): B T S N H E.
+Legend (see mha_spec): B T S N H E, and K key/value heads, G = N // K query heads per group.
 """
 
 from __future__ import annotations
@@ -18,21 +18,23 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
-from mha_spec import check_config, check_qkv_shapes, mask_shape_4d
+from mha_spec import AttentionConfig, check_positions, check_qkv_shapes, mask_shape_4d
 
-STAGES = ("q", "k", "v", "scores", "weights", "context", "output")
+STAGES = ("q", "k", "v", "q_rot", "k_rot", "scores", "weights", "context", "output")
 """Intermediates in the order the data flows; the harness names the first that diverges."""
 
 
 @dataclass(frozen=True)
 class Intermediates:
     q: np.ndarray  # (B, N, T, H)
-    k: np.ndarray  # (B, N, S, H)
-    v: np.ndarray  # (B, N, S, H)
+    k: np.ndarray  # (B, K, S, H)
+    v: np.ndarray  # (B, K, S, H)
     scores: np.ndarray  # (B, N, T, S), scaled, -inf where masked
     weights: np.ndarray  # (B, N, T, S), after the masked-row policy
-    context: np.ndarray  # (B, T, E), heads concatenated
+    context: np.ndarray  # (B, T, N*H), heads concatenated
     output: np.ndarray  # (B, T, E)
+    q_rot: np.ndarray | None = None  # (B, N, T, H), q after RoPE; None without RoPE
+    k_rot: np.ndarray | None = None  # (B, K, S, H)
 
 
 def _round(x: np.ndarray, dtype) -> np.ndarray:
@@ -52,26 +54,103 @@ def keep_mask(mask, B: int, N: int, T: int, S: int):
     return (mask != 0).reshape(mask_shape_4d(mask.shape, B, N, T, S))
 
 
+def config_of(sd, num_heads: int, *, masked_rows: str = "nan", num_kv_heads=None, rope=None,
+              rope_theta: float = 10000.0) -> AttentionConfig:
+    """The layer a canonical state dict describes; every key and shape checked (ValueError naming them)."""
+    if "q_proj.weight" not in sd:
+        raise ValueError(f"state dict has no 'q_proj.weight'; keys: {sorted(sd)}")
+    width, E = np.shape(sd["q_proj.weight"])
+    if isinstance(num_heads, int) and not isinstance(num_heads, bool) and num_heads > 0 and width % num_heads:
+        raise ValueError(f"q_proj.weight has {width} rows, not a multiple of num_heads={num_heads}")
+    head_dim = width // num_heads if isinstance(num_heads, int) and num_heads > 0 else None
+    cfg = AttentionConfig(E, num_heads, num_kv_heads=num_kv_heads,
+                          head_dim=None if head_dim is not None and head_dim * num_heads == E else head_dim,
+                          qkv_bias=any(f"{p}.bias" in sd for p in ("q_proj", "k_proj", "v_proj")),
+                          out_bias="out_proj.bias" in sd, rope=rope, rope_theta=rope_theta, masked_rows=masked_rows)
+    expected = cfg.weight_shapes()
+    missing, unexpected = sorted(set(expected) - set(sd)), sorted(set(sd) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"state dict keys do not describe one layer: missing {missing}, unexpected {unexpected} "
+                         "(q/k/v biases come all three or none)")
+    for name, shape in expected.items():
+        if tuple(np.shape(sd[name])) != shape:
+            raise ValueError(f"{name} has shape {tuple(np.shape(sd[name]))}, expected {shape} "
+                             f"(E={E}, N={cfg.num_heads}, K={cfg.kv_heads}, H={cfg.head_size})")
+    return cfg
+
+
+def _positions(pos, batch: int, length: int, name: str) -> np.ndarray:
+    """Integer positions -> float64 (B|1, 1, L, 1), default arange(L)."""
+    if pos is None:
+        return np.arange(length, dtype=np.float64).reshape(1, 1, length, 1)
+    pos = np.asarray(pos)
+    if not np.issubdtype(pos.dtype, np.integer):
+        raise TypeError(f"{name} must be integers, got dtype {pos.dtype}")
+    check_positions(pos.shape, batch, length, name)
+    return pos.astype(np.float64).reshape(-1, 1, length, 1)
+
+
+def rope_angles(pos, head_dim: int, theta: float) -> np.ndarray:
+    """pos (B|1, 1, L, 1) -> angles (B|1, 1, L, H/2): position * theta ** (-2i / H)."""
+    inv_freq = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    return pos * inv_freq
+
+
+def rotate(x, cos, sin, convention: str) -> np.ndarray:
+    """Rotate each feature pair of x (..., H) by the angle whose cos/sin (..., H/2) are given.
+
+    "half" pairs feature i with i + H/2, "interleaved" 2i with 2i + 1; passing -sin undoes it.
+    """
+    H = x.shape[-1]
+    if convention == "half":
+        x1, x2 = x[..., : H // 2], x[..., H // 2:]
+        return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return np.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).reshape(x.shape)
+
+
 def _linear(x, sd, name, dtype):
-    return _round(x @ _round(sd[f"{name}.weight"], dtype).T + _round(sd[f"{name}.bias"], dtype), dtype)
+    y = x @ _round(sd[f"{name}.weight"], dtype).T
+    if f"{name}.bias" in sd:
+        y = y + _round(sd[f"{name}.bias"], dtype)
+    return _round(y, dtype)
 
 
-def forward(sd, query, key, value, mask=None, *, num_heads: int, masked_rows: str = "nan", dtype=np.float64) -> Intermediates:
-    """The classic module's maths, stage by stage; returns every intermediate as float64 arrays."""
-    E = sd["q_proj.weight"].shape[0]
-    H = check_config(E, num_heads, masked_rows)
+def forward(sd, query, key, value, mask=None, *, num_heads: int, masked_rows: str = "nan", dtype=np.float64,
+            num_kv_heads: int | None = None, rope: str | None = None, rope_theta: float = 10000.0,
+            positions=None, key_positions=None) -> Intermediates:
+    """The layer's maths, stage by stage; returns every intermediate as float64 arrays.
+
+    The layer (`mha_spec.AttentionConfig`) is read off the state dict's keys and shapes and the
+    arguments: grouped key/value heads (`num_kv_heads`), missing biases, RoPE. `positions`
+    (T,) | (B, T) and `key_positions` (S,) | (B, S) are integers, default arange. With a low
+    `dtype`, RoPE's cos/sin are stored in the accumulation dtype and the rotated q/k in `dtype`.
+    """
+    cfg = config_of(sd, num_heads, masked_rows=masked_rows, num_kv_heads=num_kv_heads, rope=rope,
+                    rope_theta=rope_theta)
+    E, N, K, H, G = cfg.embed_dim, cfg.num_heads, cfg.kv_heads, cfg.head_size, cfg.group
     B, T, S = check_qkv_shapes(np.shape(query), np.shape(key), np.shape(value), E)
-    N = num_heads
+    if rope is None and (positions is not None or key_positions is not None):
+        raise ValueError("positions/key_positions are given but rope=None: they would be ignored")
     acc = _accumulation_dtype(dtype)
     xq, xk, xv = (_round(np.asarray(x, np.float64), dtype) for x in (query, key, value))
 
-    def heads(x):  # (B, L, E) -> (B, N, L, H)
-        return x.reshape(x.shape[0], x.shape[1], N, H).transpose(0, 2, 1, 3)
+    def heads(x, n):  # (B, L, n*H) -> (B, n, L, H)
+        return x.reshape(x.shape[0], x.shape[1], n, H).transpose(0, 2, 1, 3)
 
-    q = heads(_linear(xq, sd, "q_proj", dtype))
-    k = heads(_linear(xk, sd, "k_proj", dtype))
-    v = heads(_linear(xv, sd, "v_proj", dtype))
-    scores = _round(np.einsum("BNTH,BNSH->BNTS", q, k) / np.sqrt(H), acc)
+    q = heads(_linear(xq, sd, "q_proj", dtype), N)  # (B, N, T, H)
+    k = heads(_linear(xk, sd, "k_proj", dtype), K)  # (B, K, S, H)
+    v = heads(_linear(xv, sd, "v_proj", dtype), K)  # (B, K, S, H)
+    q_rot = k_rot = None
+    if rope is not None:
+        aq = rope_angles(_positions(positions, B, T, "positions"), H, rope_theta)
+        ak = rope_angles(_positions(key_positions, B, S, "key_positions"), H, rope_theta)
+        q_rot = _round(rotate(q, _round(np.cos(aq), acc), _round(np.sin(aq), acc), rope), dtype)
+        k_rot = _round(rotate(k, _round(np.cos(ak), acc), _round(np.sin(ak), acc), rope), dtype)
+    qs = q if q_rot is None else q_rot
+    ks = k if k_rot is None else k_rot
+    qg = qs.reshape(B, K, G, T, H)  # query head h = j * G + g uses key/value head j = h // G
+    scores = _round(np.einsum("BKGTH,BKSH->BKGTS", qg, ks).reshape(B, N, T, S) / np.sqrt(H), acc)
     keep = keep_mask(mask, B, N, T, S)
     if keep is not None:
         scores = np.where(keep, scores, -np.inf)
@@ -84,18 +163,22 @@ def forward(sd, query, key, value, mask=None, *, num_heads: int, masked_rows: st
         weights = shifted / shifted.sum(axis=-1, keepdims=True)
     fill = {"nan": np.nan, "zero": 0.0, "uniform": 1.0 / S}[masked_rows]
     weights = _round(_round(np.where(row_any, weights, fill), acc), dtype)
-    context = _round(np.einsum("BNTS,BNSH->BNTH", weights, v), dtype)
-    context = context.transpose(0, 2, 1, 3).reshape(B, T, E)
+    context = _round(np.einsum("BKGTS,BKSH->BKGTH", weights.reshape(B, K, G, T, S), v), dtype)
+    context = context.reshape(B, N, T, H).transpose(0, 2, 1, 3).reshape(B, T, N * H)
     output = _linear(context, sd, "out_proj", dtype)
-    return Intermediates(q, k, v, scores, weights, context, output)
+    return Intermediates(q, k, v, scores, weights, context, output, q_rot, k_rot)
 
 
-def backward(sd, query, key, value, mask, cotangent, *, num_heads: int, masked_rows: str = "nan", dtype=np.float64) -> dict[str, np.ndarray]:
+def backward(sd, query, key, value, mask, cotangent, *, num_heads: int, masked_rows: str = "nan", dtype=np.float64,
+             num_kv_heads: int | None = None, rope: str | None = None, rope_theta: float = 10000.0,
+             positions=None, key_positions=None) -> dict[str, np.ndarray]:
     """Gradients of sum(output * cotangent) w.r.t. query, key, value and every weight.
 
-    Keys: "query", "key", "value" and the canonical state-dict names. A fully masked
+    Keys: "query", "key", "value" and the state dict's own names. A fully masked
     row's weights are a constant of the policy, so no gradient flows through its
     scores; under "nan" its NaN reaches V's gradients, as in the modules.
+    A key/value head's gradients sum over the query heads of its group; RoPE is a
+    rotation, so its backward rotates the gradient back by the same angle.
     With a low `dtype` it is the same maths with each stored result rounded as the
     modules store it (activations and gradients in the dtype, the softmax backward in
     float32 as its forward): the yardstick of the three-way judge for gradients.
@@ -105,34 +188,44 @@ def backward(sd, query, key, value, mask, cotangent, *, num_heads: int, masked_r
     def r(x, dt=dtype):
         return _round(x, dt)
 
-    f = forward(sd, query, key, value, mask, num_heads=num_heads, masked_rows=masked_rows, dtype=dtype)
+    kw = dict(num_heads=num_heads, masked_rows=masked_rows, num_kv_heads=num_kv_heads, rope=rope,
+              rope_theta=rope_theta, positions=positions, key_positions=key_positions)
+    f = forward(sd, query, key, value, mask, dtype=dtype, **kw)
+    cfg = config_of(sd, num_heads, masked_rows=masked_rows, num_kv_heads=num_kv_heads, rope=rope, rope_theta=rope_theta)
+    N, K, H, G = cfg.num_heads, cfg.kv_heads, cfg.head_size, cfg.group
     W = {k: r(as_float64(v)) for k, v in sd.items()}
     xq, xk, xv = (r(as_float64(x)) for x in (query, key, value))
     g = r(as_float64(cotangent))  # (B, T, E)
-    B, T, E = g.shape
-    N = num_heads
-    H = E // N
+    B, T, _ = g.shape
     S = xk.shape[1]
+    qs = f.q if f.q_rot is None else f.q_rot
+    ks = f.k if f.k_rot is None else f.k_rot
 
-    grads = {
-        "out_proj.weight": r(np.einsum("BTF,BTE->FE", g, f.context)),
-        "out_proj.bias": r(g.sum(axis=(0, 1))),
-    }
-    d_context = r(g @ W["out_proj.weight"]).reshape(B, T, N, H).transpose(0, 2, 1, 3)  # (B, N, T, H)
-    d_weights = r(np.einsum("BNTH,BNSH->BNTS", d_context, f.v))
-    d_v = r(np.einsum("BNTS,BNTH->BNSH", f.weights, d_context))
+    grads = {"out_proj.weight": r(np.einsum("BTF,BTE->FE", g, f.context))}
+    if "out_proj.bias" in sd:
+        grads["out_proj.bias"] = r(g.sum(axis=(0, 1)))
+    d_context = r(g @ W["out_proj.weight"]).reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4)  # (B, K, G, T, H)
+    w = f.weights.reshape(B, K, G, T, S)
+    d_weights = r(np.einsum("BKGTH,BKSH->BKGTS", d_context, f.v)).reshape(B, N, T, S)
+    d_v = r(np.einsum("BKGTS,BKGTH->BKSH", w, d_context))
     keep = keep_mask(mask, B, N, T, S)
     row_any = np.ones((1, 1, 1, 1), bool) if keep is None else keep.any(axis=-1, keepdims=True)
     p = np.where(row_any, f.weights, 0.0)  # the softmax's own output; constant rows carry no gradient
     d_scores = r(p * (d_weights - (d_weights * p).sum(axis=-1, keepdims=True)), acc)
-    d_scores = r(np.where(row_any, d_scores, 0.0) / np.sqrt(H), acc)
-    d_q = r(np.einsum("BNTS,BNSH->BNTH", d_scores, f.k))
-    d_k = r(np.einsum("BNTS,BNTH->BNSH", d_scores, f.q))
+    d_scores = r(np.where(row_any, d_scores, 0.0) / np.sqrt(H), acc).reshape(B, K, G, T, S)
+    d_q = r(np.einsum("BKGTS,BKSH->BKGTH", d_scores, ks)).reshape(B, N, T, H)
+    d_k = r(np.einsum("BKGTS,BKGTH->BKSH", d_scores, qs.reshape(B, K, G, T, H)))
+    if rope is not None:  # the transpose of a rotation is the rotation by minus the angle
+        aq = rope_angles(_positions(positions, B, T, "positions"), H, rope_theta)
+        ak = rope_angles(_positions(key_positions, B, S, "key_positions"), H, rope_theta)
+        d_q = r(rotate(d_q, _round(np.cos(aq), acc), -_round(np.sin(aq), acc), rope))
+        d_k = r(rotate(d_k, _round(np.cos(ak), acc), -_round(np.sin(ak), acc), rope))
 
     for name, d_heads, x, grad_key in (("q_proj", d_q, xq, "query"), ("k_proj", d_k, xk, "key"), ("v_proj", d_v, xv, "value")):
-        d_proj = d_heads.transpose(0, 2, 1, 3).reshape(x.shape[0], x.shape[1], E)  # (B, L, E)
+        d_proj = d_heads.transpose(0, 2, 1, 3).reshape(x.shape[0], x.shape[1], -1)  # (B, L, n*H)
         grads[f"{name}.weight"] = r(np.einsum("BLF,BLE->FE", d_proj, x))
-        grads[f"{name}.bias"] = r(d_proj.sum(axis=(0, 1)))
+        if f"{name}.bias" in sd:
+            grads[f"{name}.bias"] = r(d_proj.sum(axis=(0, 1)))
         grads[grad_key] = r(d_proj @ W[f"{name}.weight"])
     return grads
 
