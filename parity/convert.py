@@ -1,7 +1,8 @@
 """One weight-conversion layer: every format to and from one canonical state dict.
 
-The canonical format is a plain ``dict[str, numpy.ndarray]`` with the classic
-state_dict names and torch's layout (a Linear ``weight`` is (out, in)):
+The canonical format (parity.canonical, re-exported here) is a plain
+``dict[str, numpy.ndarray]`` with the classic state_dict names and torch's layout
+(a Linear ``weight`` is (out, in)):
 
     q_proj.weight (E, E)  q_proj.bias (E,)   ... k_proj, v_proj, out_proj likewise
 
@@ -11,7 +12,7 @@ guessed from a suffix or an ndim. Checkpoint layouts of real models (Hugging Fac
 BERT, ViT, GPT-2) live in parity/layouts.py and are re-exported here; Keras 3 and
 Equinox modules have pairs below like torch's and flax's. Dtypes pass through unchanged (bfloat16 as
 ``ml_dtypes.bfloat16`` NumPy arrays); asking for another dtype is an error, never
-a silent cast. Weight files are safetensors, never pickle.
+a silent cast. Weight files are safetensors, never pickle (parity/weight_file.py reads them).
 """
 
 from __future__ import annotations
@@ -26,11 +27,19 @@ import numpy as np
 
 from mha_spec import MASKED_ROWS_POLICIES, check_config
 from parity.atomic import atomic_path
+from parity.canonical import (  # noqa: F401  (re-exported: the canonical state dict is part of this API)
+    CANONICAL_KEYS,
+    PROJECTIONS,
+    SUPPORTED_DTYPES,
+    check_keys,
+    check_mapping,
+    check_shape,
+    check_state_dict,
+    numpy_to_tensor,
+    tensor_to_numpy,
+)
 from parity.layouts import LAYOUTS, from_layout, read_layout, to_layout  # noqa: F401  (re-exported)
-
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "out_proj")
-CANONICAL_KEYS = tuple(f"{p}.{w}" for p in PROJECTIONS for w in ("weight", "bias"))
-SUPPORTED_DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32), np.dtype(np.float64))
+from parity.weight_file import open_weight_file
 
 # Our projection name -> the flax (linen and nnx) MultiHeadAttention submodule name.
 FLAX_NAMES = {"q_proj": "query", "k_proj": "key", "v_proj": "value", "out_proj": "out"}
@@ -40,47 +49,6 @@ FILE_FORMAT_VERSION = "1"
 
 
 # ---------------------------------------------------------------- checks
-
-
-def _check_keys(found, expected, what: str) -> None:
-    found, expected = set(found), set(expected)
-    missing, unexpected = sorted(expected - found), sorted(found - expected)
-    if missing or unexpected:
-        raise ValueError(f"{what}: missing keys {missing}, unexpected keys {unexpected}")
-
-
-def _check_mapping(tree, what: str) -> None:
-    if not isinstance(tree, Mapping):
-        raise TypeError(f"{what} must be a mapping, got {type(tree).__name__}")
-
-
-def _check_shape(arr, shape, name: str) -> None:
-    if tuple(arr.shape) != tuple(shape):
-        raise ValueError(f"{name} has shape {tuple(arr.shape)}, expected {tuple(shape)}")
-
-
-def check_state_dict(sd) -> tuple[int, np.dtype]:
-    """Validate a canonical state dict; return (embed_dim, dtype)."""
-    if not isinstance(sd, Mapping):
-        raise TypeError(f"state dict must be a mapping of name -> numpy array, got {type(sd).__name__}")
-    _check_keys(sd.keys(), CANONICAL_KEYS, "state dict")
-    for name in CANONICAL_KEYS:
-        if not isinstance(sd[name], np.ndarray):
-            raise TypeError(f"{name} must be a numpy.ndarray, got {type(sd[name]).__name__}")
-    w = sd["q_proj.weight"]
-    if w.ndim != 2:
-        raise ValueError(f"q_proj.weight has shape {w.shape}, expected (E, E)")
-    E = w.shape[0]
-    for p in PROJECTIONS:
-        _check_shape(sd[f"{p}.weight"], (E, E), f"{p}.weight")
-        _check_shape(sd[f"{p}.bias"], (E,), f"{p}.bias")
-    dtypes = {name: sd[name].dtype for name in CANONICAL_KEYS}
-    if len(set(dtypes.values())) != 1:
-        raise TypeError(f"state dict mixes dtypes: {dtypes}")
-    dtype = w.dtype
-    if dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"unsupported dtype {dtype}; expected one of {[str(d) for d in SUPPORTED_DTYPES]}")
-    return E, dtype
 
 
 def _pop_dtype(kwargs: dict, key: str, dtype: np.dtype, as_numpy) -> None:
@@ -118,26 +86,6 @@ def _numpy_dtype_of_torch(torch_dtype) -> np.dtype:
     return np.dtype(table[torch_dtype])
 
 
-def tensor_to_numpy(t) -> np.ndarray:
-    """A torch tensor as a NumPy copy, bit for bit (bfloat16 via ml_dtypes)."""
-    torch = _torch()
-    t = t.detach().cpu()
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16).copy()
-    return t.numpy().copy()
-
-
-def numpy_to_tensor(a: np.ndarray, device=None):
-    """A NumPy array as a torch tensor, bit for bit (bfloat16 via ml_dtypes)."""
-    torch = _torch()
-    a = np.ascontiguousarray(a)
-    if a.dtype == ml_dtypes.bfloat16:
-        t = torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16)
-    else:
-        t = torch.from_numpy(a.copy())
-    return t if device is None else t.to(device)
-
-
 def from_torch(m) -> dict[str, np.ndarray]:
     """mha_torch.MultiHeadAttention -> canonical state dict."""
     from mha_torch import MultiHeadAttention
@@ -148,7 +96,7 @@ def from_torch(m) -> dict[str, np.ndarray]:
             hint = "; for torch.nn.MultiheadAttention use sd = convert.from_torch_mha(m), then convert.to_jax(sd, m.num_heads, masked_rows=...)"
         raise TypeError(f"expected mha_torch.MultiHeadAttention, got {type(m).__name__}{hint}")
     state = m.state_dict()
-    _check_keys(state.keys(), CANONICAL_KEYS, "mha_torch state_dict")
+    check_keys(state.keys(), CANONICAL_KEYS, "mha_torch state_dict")
     sd = {name: tensor_to_numpy(state[name]) for name in CANONICAL_KEYS}
     check_state_dict(sd)
     return sd
@@ -182,8 +130,8 @@ def from_torch_mha(m) -> dict[str, np.ndarray]:
         raise ValueError("add_bias_kv and add_zero_attn have no counterpart in the classic module")
     E = m.embed_dim
     w_in, b_in = tensor_to_numpy(m.in_proj_weight), tensor_to_numpy(m.in_proj_bias)
-    _check_shape(w_in, (3 * E, E), "in_proj_weight")
-    _check_shape(b_in, (3 * E,), "in_proj_bias")
+    check_shape(w_in, (3 * E, E), "in_proj_weight")
+    check_shape(b_in, (3 * E,), "in_proj_bias")
     sd = {}
     for i, p in enumerate(("q_proj", "k_proj", "v_proj")):  # in_proj rows are [q; k; v]
         sd[f"{p}.weight"] = w_in[i * E : (i + 1) * E].copy()
@@ -295,11 +243,11 @@ def _to_flax_layout(sd, num_heads: int) -> dict[str, dict[str, np.ndarray]]:
 
 def _from_flax_layout(tree: Mapping, what: str) -> dict[str, np.ndarray]:
     """{query|key|value|out: {kernel, bias}} (flax layout) -> canonical; the inverse table."""
-    _check_mapping(tree, what)
-    _check_keys(tree.keys(), FLAX_NAMES.values(), what)
+    check_mapping(tree, what)
+    check_keys(tree.keys(), FLAX_NAMES.values(), what)
     for name in FLAX_NAMES.values():
-        _check_mapping(tree[name], f"{what}[{name!r}]")
-        _check_keys(tree[name].keys(), ("kernel", "bias"), f"{what}[{name!r}]")
+        check_mapping(tree[name], f"{what}[{name!r}]")
+        check_keys(tree[name].keys(), ("kernel", "bias"), f"{what}[{name!r}]")
         for leaf in ("kernel", "bias"):
             if not hasattr(tree[name][leaf], "shape"):
                 raise TypeError(f"{what}[{name!r}][{leaf!r}] must be an array, got {type(tree[name][leaf]).__name__}")
@@ -313,13 +261,13 @@ def _from_flax_layout(tree: Mapping, what: str) -> dict[str, np.ndarray]:
     for p in ("q_proj", "k_proj", "v_proj"):
         name = FLAX_NAMES[p]
         kernel, bias = np.asarray(tree[name]["kernel"]), np.asarray(tree[name]["bias"])
-        _check_shape(kernel, (E, N, H), f"{what}[{name!r}]['kernel']")
-        _check_shape(bias, (N, H), f"{what}[{name!r}]['bias']")
+        check_shape(kernel, (E, N, H), f"{what}[{name!r}]['kernel']")
+        check_shape(bias, (N, H), f"{what}[{name!r}]['bias']")
         sd[f"{p}.weight"] = np.ascontiguousarray(kernel.reshape(E, N * H).T)
         sd[f"{p}.bias"] = bias.reshape(N * H).copy()
     kernel, bias = np.asarray(tree["out"]["kernel"]), np.asarray(tree["out"]["bias"])
-    _check_shape(kernel, (N, H, E), f"{what}['out']['kernel']")
-    _check_shape(bias, (E,), f"{what}['out']['bias']")
+    check_shape(kernel, (N, H, E), f"{what}['out']['kernel']")
+    check_shape(bias, (E,), f"{what}['out']['bias']")
     sd["out_proj.weight"] = np.ascontiguousarray(kernel.reshape(N * H, E).T)
     sd["out_proj.bias"] = bias.copy()
     check_state_dict(sd)
@@ -330,7 +278,7 @@ def from_flax_linen(variables) -> dict[str, np.ndarray]:
     """Variables of flax.linen.MultiHeadDotProductAttention ({"params": ...}) -> canonical."""
     if not isinstance(variables, Mapping):
         raise TypeError(f"expected a mapping {{'params': ...}}, got {type(variables).__name__}")
-    _check_keys(variables.keys(), ("params",), "flax.linen variables")
+    check_keys(variables.keys(), ("params",), "flax.linen variables")
     return _from_flax_layout(variables["params"], "flax.linen params")
 
 
@@ -548,18 +496,6 @@ def save(obj, path, *, num_heads: int | None = None, masked_rows: str | None = N
         save_file({k: np.ascontiguousarray(sd[k]) for k in CANONICAL_KEYS}, tmp, metadata=metadata)
 
 
-def _read_file(path: str) -> tuple[dict, dict]:
-    from safetensors import safe_open
-
-    try:
-        with safe_open(path, framework="numpy") as f:
-            return f.metadata() or {}, {k: f.get_tensor(k) for k in f.keys()}
-    except (OSError, FileNotFoundError):
-        raise
-    except Exception as e:  # safetensors raises its own error type on a non-safetensors file
-        raise ValueError(f"{path} is not a readable safetensors file: {e}") from e
-
-
 def _metadata_int(metadata: dict, field: str, path: str) -> int:
     value = metadata[field]
     if not value.isdecimal() or int(value) <= 0:
@@ -568,19 +504,28 @@ def _metadata_int(metadata: dict, field: str, path: str) -> int:
 
 
 def load(path) -> Checkpoint:
-    """Read a file written by `save`; everything needed to rebuild the module comes from the file."""
-    path = os.fspath(path)
-    metadata, sd = _read_file(path)
-    if metadata.get("format") != FILE_FORMAT:
-        raise ValueError(f"{path} has no {FILE_FORMAT!r} metadata (found {sorted(metadata)}); was it written by parity.convert.save?")
-    for field in ("format_version", "embed_dim", "num_heads", "masked_rows"):
-        if field not in metadata:
-            raise ValueError(f"{path}: metadata lacks {field!r}")
-    if metadata["format_version"] != FILE_FORMAT_VERSION:
-        raise ValueError(f"{path}: metadata field 'format_version' = {metadata['format_version']!r}; this version reads {FILE_FORMAT_VERSION!r}")
-    embed_dim, num_heads = _metadata_int(metadata, "embed_dim", path), _metadata_int(metadata, "num_heads", path)
-    if metadata["masked_rows"] not in MASKED_ROWS_POLICIES:
-        raise ValueError(f"{path}: metadata field 'masked_rows' = {metadata['masked_rows']!r} is not one of {MASKED_ROWS_POLICIES}")
+    """Read a file written by `save`; everything needed to rebuild the module comes from the file.
+
+    `path` is a str, bytes or os.PathLike. Every error names the file: a directory, a
+    missing, truncated, pickle or foreign file, a tensor of another dtype, bad metadata.
+    """
+    with open_weight_file(path) as f:
+        path, metadata = f.path, f.metadata
+        if metadata.get("format") != FILE_FORMAT:
+            raise ValueError(f"{path} has no {FILE_FORMAT!r} metadata (found {sorted(metadata)}); was it written by parity.convert.save?")
+        for field in ("format_version", "embed_dim", "num_heads", "masked_rows"):
+            if field not in metadata:
+                raise ValueError(f"{path}: metadata lacks {field!r}")
+        if metadata["format_version"] != FILE_FORMAT_VERSION:
+            raise ValueError(f"{path}: metadata field 'format_version' = {metadata['format_version']!r}; this version reads {FILE_FORMAT_VERSION!r}")
+        embed_dim, num_heads = _metadata_int(metadata, "embed_dim", path), _metadata_int(metadata, "num_heads", path)
+        if metadata["masked_rows"] not in MASKED_ROWS_POLICIES:
+            raise ValueError(f"{path}: metadata field 'masked_rows' = {metadata['masked_rows']!r} is not one of {MASKED_ROWS_POLICIES}")
+        try:
+            check_keys(f.keys, CANONICAL_KEYS, "state dict")
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from e
+        sd = {k: f.get(k) for k in CANONICAL_KEYS}
     try:
         E, _ = check_state_dict(sd)
     except (TypeError, ValueError) as e:

@@ -13,18 +13,21 @@ rest of the model) are ignored. Dtypes pass through unchanged (bfloat16 included
     hf-gpt2   h.{i}.attn.                    c_attn.weight (E, 3E) stored (in, out), columns q | k | v;
                                              c_attn.bias (3E,); c_proj.weight (E, E) (in, out); c_proj.bias (E,)
 
-The canonical state dict is parity.convert's: q_proj/k_proj/v_proj/out_proj
-.weight (out, in) and .bias, as NumPy arrays.
+The canonical state dict is parity.canonical's: q_proj/k_proj/v_proj/out_proj
+.weight (out, in) and .bias, as NumPy arrays. parity.convert re-exports this module's
+API; this module never imports parity.convert.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
+
+from parity.canonical import check_state_dict, tensor_to_numpy
+from parity.weight_file import open_weight_file
 
 
 @dataclass(frozen=True)
@@ -109,8 +112,6 @@ def _as_numpy(x, name: str) -> np.ndarray:
         return x
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(x, torch.Tensor):
-        from parity.convert import tensor_to_numpy
-
         return tensor_to_numpy(x)
     jax = sys.modules.get("jax")
     if jax is not None and isinstance(x, jax.Array):
@@ -128,42 +129,43 @@ def _expected(s: Stored, E: int | None) -> str:
     return text + (" stored (in, out) as a Conv1D" if s.in_out else "")
 
 
-def _choose_spelling(layout: Layout, keys, prefix: str) -> int:
+def _choose_spelling(layout: Layout, keys, prefix: str, source: str) -> int:
     """The spelling all of whose keys are present; a clear KeyError when none or several are."""
     present = set(keys)
     complete = [i for i, sp in enumerate(layout.spellings) if all(prefix + s.key in present for s in sp)]
     if len(complete) == 1:
         return complete[0]
     if len(complete) > 1:
-        raise ValueError(f"layout {layout.name!r}: prefix {prefix!r} holds several spellings at once; pass a narrower prefix")
+        raise ValueError(f"{source}layout {layout.name!r}: prefix {prefix!r} holds several spellings at once; pass a narrower prefix")
     # None complete: report the spelling with most keys found, naming the first missing key.
     best = max(range(len(layout.spellings)), key=lambda i: sum(prefix + s.key in present for s in layout.spellings[i]))
     missing = [s for s in layout.spellings[best] if prefix + s.key not in present]
     s = missing[0]
     others = "" if len(layout.spellings) == 1 else f" (nor the alternative spelling(s) {[sp[0].key for sp in layout.spellings if sp is not layout.spellings[best]]})"
     raise KeyError(
-        f"layout {layout.name!r}: missing {prefix + s.key!r}, expected shape {_expected(s, None)}; "
+        f"{source}layout {layout.name!r}: missing {prefix + s.key!r}, expected shape {_expected(s, None)}; "
         f"{len(missing)} of {len(layout.spellings[best])} tensors missing under prefix {prefix!r}{others}"
     )
 
 
-def _embed_dim(layout: Layout, spelling: int, get, prefix: str) -> int:
+def _embed_dim(layout: Layout, spelling: int, get, prefix: str, source: str) -> int:
     key = prefix + layout.e_key[spelling]
     shape = tuple(get(key).shape)
     if len(shape) != 1:
-        raise ValueError(f"layout {layout.name!r}: {key} has shape {shape}, expected (E,)")
+        raise ValueError(f"{source}layout {layout.name!r}: {key} has shape {shape}, expected (E,)")
     return shape[0]
 
 
 # ---------------------------------------------------------------- API
 
 
-def from_layout_getter(get, keys, layout: str, prefix: str = "") -> dict[str, np.ndarray]:
-    """Shared by from_layout and read_layout: `get(key)` returns one tensor, `keys` are all keys."""
-    from parity.convert import check_state_dict
+def _from_getter(get, keys, layout: str, prefix: str, source: str = "") -> dict[str, np.ndarray]:
+    """Shared by from_layout and read_layout: `get(key)` returns one tensor, `keys` are all keys.
 
+    `source` ("model.safetensors: ") starts every error message about the tensors.
+    """
     lay = _layout(layout)
-    spelling = _choose_spelling(lay, keys, prefix)
+    spelling = _choose_spelling(lay, keys, prefix, source)
     cache: dict[str, np.ndarray] = {}
 
     def fetch(key):  # each tensor is read once (read_layout reads from disk)
@@ -171,17 +173,20 @@ def from_layout_getter(get, keys, layout: str, prefix: str = "") -> dict[str, np
             cache[key] = _as_numpy(get(key), key)
         return cache[key]
 
-    E = _embed_dim(lay, spelling, fetch, prefix)
+    E = _embed_dim(lay, spelling, fetch, prefix, source)
     sd = {}
     for s in lay.spellings[spelling]:
         key = prefix + s.key
         arr = fetch(key)
         if tuple(arr.shape) != _dims(s.shape, E):
             hint = " -- a (3E, E) c_attn is nn.Linear's (out, in) orientation: transposed?" if s.in_out and len(s.parts) > 1 else ""
-            raise ValueError(f"layout {layout!r}: {key} has shape {tuple(arr.shape)}, expected {_expected(s, E)} (E={E}){hint}")
+            raise ValueError(f"{source}layout {layout!r}: {key} has shape {tuple(arr.shape)}, expected {_expected(s, E)} (E={E}){hint}")
         for name, part in zip(s.parts, np.split(arr, len(s.parts), axis=-1)):
             sd[name] = np.ascontiguousarray(part.T if s.in_out else part).copy()
-    check_state_dict(sd)
+    try:
+        check_state_dict(sd)  # the dtypes: one of the four, the same for every tensor
+    except TypeError as e:
+        raise TypeError(f"{source}layout {layout!r} under prefix {prefix!r}: {e}") from e
     return sd
 
 
@@ -189,7 +194,7 @@ def from_layout(tensors: Mapping, layout: str, *, prefix: str = "") -> dict[str,
     """One attention block of a checkpoint (a mapping of names to numpy/torch/jax arrays) -> canonical."""
     if not isinstance(tensors, Mapping):
         raise TypeError(f"tensors must be a mapping of name -> array, got {type(tensors).__name__}")
-    return from_layout_getter(tensors.__getitem__, tensors.keys(), layout, prefix)
+    return _from_getter(tensors.__getitem__, tensors.keys(), layout, prefix)
 
 
 def to_layout(sd, layout: str, *, prefix: str = "", spelling: int = 0) -> dict[str, np.ndarray]:
@@ -198,8 +203,6 @@ def to_layout(sd, layout: str, *, prefix: str = "", spelling: int = 0) -> dict[s
     spelling 0 (default) is the checkpoint-file spelling; "hf-vit" spelling 1 is the
     transformers 5.x module names ({q,k,v,o}_proj), for loading into a ViTAttention.
     """
-    from parity.convert import check_state_dict
-
     lay = _layout(layout)
     if spelling not in range(len(lay.spellings)):
         raise ValueError(f"layout {layout!r} has spellings {list(range(len(lay.spellings)))}, got spelling={spelling!r}")
@@ -212,25 +215,11 @@ def to_layout(sd, layout: str, *, prefix: str = "", spelling: int = 0) -> dict[s
 
 
 def read_layout(path, layout: str, *, prefix: str = "") -> dict[str, np.ndarray]:
-    """Read one attention block from a .safetensors checkpoint: only its tensors are read (safe_open, lazily)."""
-    from safetensors import safe_open
+    """Read one attention block from a .safetensors checkpoint: only its tensors are read (lazily).
 
-    path = os.fspath(path)
-    with safe_open(path, framework="numpy") as f:
-        keys = set(f.keys())
-
-        def get(key):
-            if f.get_slice(key).get_dtype() == "BF16":  # safetensors' numpy reader has no bfloat16
-                return _read_bf16(path, key)
-            return f.get_tensor(key)
-
-        return from_layout_getter(get, keys, layout, prefix)
-
-
-def _read_bf16(path: str, key: str) -> np.ndarray:
-    from safetensors import safe_open
-
-    from parity.convert import tensor_to_numpy
-
-    with safe_open(path, framework="pt") as f:
-        return tensor_to_numpy(f.get_tensor(key))
+    Every error names the file: a directory, a missing, truncated or pickle file, a tensor
+    in a dtype other than float16/bfloat16/float32/float64 (float8 included), a missing key
+    or a wrong shape.
+    """
+    with open_weight_file(path) as f:
+        return _from_getter(f.get, f.keys, layout, prefix, source=f"{f.path}: ")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import re
 
 import jax.numpy as jnp
 import ml_dtypes
@@ -303,11 +304,7 @@ def test_load_names_the_file_when_the_tensors_are_wrong(sd64, tmp_path):
         convert.load(path)
 
 
-def test_load_refuses_pickles_and_foreign_files(sd64, tmp_path):
-    pkl = tmp_path / "weights.pt"
-    pkl.write_bytes(pickle.dumps(sd64))
-    with pytest.raises(ValueError, match="not a readable safetensors file"):
-        convert.load(pkl)
+def test_load_refuses_foreign_files_and_save_a_bad_policy(sd64, tmp_path):
     from safetensors.numpy import save_file
 
     foreign = tmp_path / "foreign.safetensors"
@@ -316,6 +313,128 @@ def test_load_refuses_pickles_and_foreign_files(sd64, tmp_path):
         convert.load(foreign)
     with pytest.raises(ValueError, match="masked_rows='ignore'"):
         convert.save(sd64, tmp_path / "x.safetensors", num_heads=S.N, masked_rows="ignore")
+
+
+# ------------------------------------------------------------- files that are not weight files: both readers
+
+
+READERS = {
+    "load": convert.load,
+    "read_layout": lambda path: convert.read_layout(path, "hf-bert"),
+}
+
+
+class _Planted:
+    """Unpickling this creates `marker`: proof that a reader unpickled the file."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return open, (self.marker, "w")
+
+
+def _good_file(sd64, path, reader: str):
+    """A file the reader accepts: ours for load, one BERT attention block for read_layout."""
+    if reader == "load":
+        convert.save(sd64, path, num_heads=S.N, masked_rows="zero")
+    else:
+        from safetensors.numpy import save_file
+
+        save_file(convert.to_layout(sd64, "hf-bert"), str(path))
+    return path
+
+
+@pytest.mark.parametrize("reader", READERS)
+@pytest.mark.parametrize(
+    "how, message",
+    [
+        ("pickle", r"is a Python pickle \(protocol 4\), not a safetensors file; .*never loaded"),
+        ("torch-zip", r"is a zip archive -- PyTorch's pickle checkpoint format -- not a safetensors file; .*never loaded"),
+        ("torch-legacy", r"is a Python pickle \(protocol 2\), not a safetensors file"),
+    ],
+    ids=["pickle", "torch-zip", "torch-legacy"],
+)
+def test_a_pickle_is_named_and_never_unpickled(reader, how, message, tmp_path):
+    marker = tmp_path / "unpickled"
+    path = tmp_path / "weights.pt"
+    payload = {"q_proj.weight": _Planted(marker)}
+    if how == "pickle":
+        path.write_bytes(pickle.dumps(payload, protocol=4))
+    else:
+        torch.save(payload, path, _use_new_zipfile_serialization=how == "torch-zip")
+    with pytest.raises(ValueError, match=re.escape(str(path)) + " " + message):
+        READERS[reader](path)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("reader", READERS)
+def test_a_truncated_file_is_named(reader, sd64, tmp_path):
+    whole = _good_file(sd64, tmp_path / "whole.safetensors", reader).read_bytes()
+    header_len = int.from_bytes(whole[:8], "little")
+    data_len = len(whole) - 8 - header_len  # what the header describes: every byte after it
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(whole[: len(whole) - 100])
+    with pytest.raises(ValueError, match=re.escape(f"{cut} is truncated: its header describes {data_len} bytes of tensor data, the file holds {data_len - 100}")):
+        READERS[reader](cut)
+    cut.write_bytes(whole[: 8 + header_len // 2])
+    with pytest.raises(ValueError, match=re.escape(f"{cut} is truncated or not a safetensors file: its first 8 bytes announce a {header_len}-byte header")):
+        READERS[reader](cut)
+    cut.write_bytes(whole[:5])
+    with pytest.raises(ValueError, match=re.escape(f"{cut} holds 5 bytes, too few for a safetensors file")):
+        READERS[reader](cut)
+
+
+@pytest.mark.parametrize("reader", READERS)
+def test_a_directory_or_a_missing_file_is_named(reader, sd64, tmp_path):
+    folder = tmp_path / "checkpoint"
+    folder.mkdir()
+    with pytest.raises(IsADirectoryError, match=re.escape(f"{folder} is a directory holding no .safetensors file")):
+        READERS[reader](folder)
+    _good_file(sd64, folder / "model.safetensors", reader)
+    with pytest.raises(IsADirectoryError, match=re.escape(f"{folder} is a directory, not a safetensors file; pass one of the files in it: ['model.safetensors']")):
+        READERS[reader](folder)
+    with pytest.raises(FileNotFoundError, match=re.escape(f"{tmp_path / 'absent.safetensors'}: no such weight file")):
+        READERS[reader](tmp_path / "absent.safetensors")
+
+
+@pytest.mark.parametrize("reader", READERS)
+def test_bytes_paths_are_paths_and_other_objects_are_type_errors(reader, sd64, tmp_path):
+    path = _good_file(sd64, tmp_path / "w.safetensors", reader)
+    from_bytes, from_str = READERS[reader](bytes(path)), READERS[reader](str(path))
+    sd_bytes, sd_str = (x.state_dict if reader == "load" else x for x in (from_bytes, from_str))
+    assert_bit_identical(sd_bytes, sd_str)
+    assert_bit_identical(sd_str, sd64)
+    with pytest.raises(IsADirectoryError, match=re.escape(f"{tmp_path} is a directory")):
+        READERS[reader](bytes(tmp_path))
+    for bad in (3, None):  # an int would otherwise open a file descriptor
+        with pytest.raises(TypeError, match=f"a weight file path must be a str, bytes or os.PathLike, got {type(bad).__name__}"):
+            READERS[reader](bad)
+
+
+@pytest.mark.parametrize("reader", READERS)
+@pytest.mark.parametrize(
+    "dtype, stored, message",
+    [
+        (ml_dtypes.float8_e4m3fn, "F8_E4M3", r" \(float8\): float8 weights are not supported, dequantize them first; only float16, bfloat16, float32 and float64"),
+        (ml_dtypes.float8_e5m2, "F8_E5M2", r" \(float8\): float8 weights are not supported"),
+        (np.int64, "I64", r"; only float16, bfloat16, float32 and float64 tensors are read"),
+    ],
+    ids=["float8_e4m3fn", "float8_e5m2", "int64"],
+)
+def test_a_tensor_of_another_dtype_is_named_by_key(reader, dtype, stored, message, sd64, tmp_path):
+    from safetensors.numpy import save_file
+
+    key = "k_proj.weight" if reader == "load" else "self.key.weight"
+    tensors = dict(sd64) if reader == "load" else convert.to_layout(sd64, "hf-bert")
+    tensors[key] = tensors[key].astype(dtype)
+    path = tmp_path / "odd.safetensors"
+    if reader == "load":
+        _write_with_metadata(path, tensors)
+    else:
+        save_file(tensors, str(path))
+    with pytest.raises(ValueError, match=re.escape(f"{path}: tensor {key!r} has dtype {stored}") + message):
+        READERS[reader](path)
 
 
 def test_bfloat16_tensor_numpy_bridge_is_bit_exact(rng):

@@ -6,6 +6,8 @@ one layer, E=12, N=3, eval mode, dropout 0, eager attention, float64 unless the 
 
 from __future__ import annotations
 
+import re
+
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -290,3 +292,20 @@ def test_wrong_shapes_and_unknown_layouts_are_named(sd64):
         convert.from_layout(tensors, "hf-llama")
     with pytest.raises(TypeError, match="self.query.weight is a list"):
         convert.from_layout(dict(convert.to_layout(sd64, "hf-bert"), **{"self.query.weight": [[0.0]]}), "hf-bert")
+
+
+def test_read_layout_names_the_file_in_its_layout_errors(sd64, tmp_path):
+    """A missing key, a wrong shape, mixed dtypes: the error starts with the file it is about."""
+    from safetensors.numpy import save_file
+
+    tensors = convert.to_layout(sd64, "hf-gpt2", prefix="h.0.attn.")
+    path = tmp_path / "model.safetensors"
+    save_file({k: v for k, v in tensors.items() if k != "h.0.attn.c_proj.bias"}, str(path))
+    with pytest.raises(KeyError, match=re.escape(f"{path}: layout 'hf-gpt2': missing 'h.0.attn.c_proj.bias'")):
+        convert.read_layout(path, "hf-gpt2", prefix="h.0.attn.")
+    save_file(dict(tensors, **{"h.0.attn.c_attn.weight": np.ascontiguousarray(tensors["h.0.attn.c_attn.weight"].T)}), str(path))
+    with pytest.raises(ValueError, match=re.escape(f"{path}: layout 'hf-gpt2': h.0.attn.c_attn.weight has shape (36, 12), expected (12, 36)")):
+        convert.read_layout(path, "hf-gpt2", prefix="h.0.attn.")
+    save_file(dict(tensors, **{"h.0.attn.c_proj.bias": tensors["h.0.attn.c_proj.bias"].astype(np.float32)}), str(path))
+    with pytest.raises(TypeError, match=re.escape(f"{path}: layout 'hf-gpt2' under prefix 'h.0.attn.': state dict mixes dtypes")):
+        convert.read_layout(path, "hf-gpt2", prefix="h.0.attn.")

@@ -1,0 +1,84 @@
+"""The canonical state dict: its names, its check, and the bit-exact torch <-> NumPy bridge.
+
+A plain ``dict[str, numpy.ndarray]`` with the classic state_dict names and torch's
+layout (a Linear ``weight`` is (out, in)):
+
+    q_proj.weight (E, E)  q_proj.bias (E,)   ... k_proj, v_proj, out_proj likewise
+
+parity.convert and parity.layouts both build on this module; it imports neither.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import ml_dtypes
+import numpy as np
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "out_proj")
+CANONICAL_KEYS = tuple(f"{p}.{w}" for p in PROJECTIONS for w in ("weight", "bias"))
+SUPPORTED_DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32), np.dtype(np.float64))
+
+
+def check_keys(found, expected, what: str) -> None:
+    """Missing and unexpected keys, both named: a ValueError."""
+    found, expected = set(found), set(expected)
+    missing, unexpected = sorted(expected - found), sorted(found - expected)
+    if missing or unexpected:
+        raise ValueError(f"{what}: missing keys {missing}, unexpected keys {unexpected}")
+
+
+def check_mapping(tree, what: str) -> None:
+    if not isinstance(tree, Mapping):
+        raise TypeError(f"{what} must be a mapping, got {type(tree).__name__}")
+
+
+def check_shape(arr, shape, name: str) -> None:
+    if tuple(arr.shape) != tuple(shape):
+        raise ValueError(f"{name} has shape {tuple(arr.shape)}, expected {tuple(shape)}")
+
+
+def check_state_dict(sd) -> tuple[int, np.dtype]:
+    """Validate a canonical state dict; return (embed_dim, dtype)."""
+    if not isinstance(sd, Mapping):
+        raise TypeError(f"state dict must be a mapping of name -> numpy array, got {type(sd).__name__}")
+    check_keys(sd.keys(), CANONICAL_KEYS, "state dict")
+    for name in CANONICAL_KEYS:
+        if not isinstance(sd[name], np.ndarray):
+            raise TypeError(f"{name} must be a numpy.ndarray, got {type(sd[name]).__name__}")
+    w = sd["q_proj.weight"]
+    if w.ndim != 2:
+        raise ValueError(f"q_proj.weight has shape {w.shape}, expected (E, E)")
+    E = w.shape[0]
+    for p in PROJECTIONS:
+        check_shape(sd[f"{p}.weight"], (E, E), f"{p}.weight")
+        check_shape(sd[f"{p}.bias"], (E,), f"{p}.bias")
+    dtypes = {name: sd[name].dtype for name in CANONICAL_KEYS}
+    if len(set(dtypes.values())) != 1:
+        raise TypeError(f"state dict mixes dtypes: {dtypes}")
+    dtype = w.dtype
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"unsupported dtype {dtype}; expected one of {[str(d) for d in SUPPORTED_DTYPES]}")
+    return E, dtype
+
+
+def tensor_to_numpy(t) -> np.ndarray:
+    """A torch tensor as a NumPy copy, bit for bit (bfloat16 via ml_dtypes)."""
+    import torch
+
+    t = t.detach().cpu()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16).copy()
+    return t.numpy().copy()
+
+
+def numpy_to_tensor(a: np.ndarray, device=None):
+    """A NumPy array as a torch tensor, bit for bit (bfloat16 via ml_dtypes)."""
+    import torch
+
+    a = np.ascontiguousarray(a)
+    if a.dtype == ml_dtypes.bfloat16:
+        t = torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16)
+    else:
+        t = torch.from_numpy(a.copy())
+    return t if device is None else t.to(device)
