@@ -27,7 +27,7 @@ import numpy as np
 
 from mha_spec import MASKED_ROWS_POLICIES, check_config
 from parity.atomic import atomic_path
-from parity.canonical import (  # noqa: F401  (re-exported: the canonical state dict is part of this API)
+from parity.canonical import (
     CANONICAL_KEYS,
     PROJECTIONS,
     SUPPORTED_DTYPES,
@@ -38,8 +38,21 @@ from parity.canonical import (  # noqa: F401  (re-exported: the canonical state 
     numpy_to_tensor,
     tensor_to_numpy,
 )
-from parity.layouts import LAYOUTS, from_layout, read_layout, to_layout  # noqa: F401  (re-exported)
+from parity.layouts import LAYOUTS, from_layout, read_layout, to_layout
 from parity.weight_file import open_weight_file
+
+__all__ = [
+    # the canonical state dict (parity.canonical)
+    "CANONICAL_KEYS", "PROJECTIONS", "SUPPORTED_DTYPES", "check_state_dict", "tensor_to_numpy", "numpy_to_tensor",
+    # our modules and their peers
+    "from_torch", "to_torch", "from_jax", "to_jax", "torch_to_jax", "jax_to_torch",
+    "from_torch_mha", "to_torch_mha", "from_flax_linen", "to_flax_linen", "from_flax_nnx", "to_flax_nnx",
+    "from_keras", "to_keras", "from_equinox", "to_equinox", "FLAX_NAMES", "EQX_NAMES",
+    # Hugging Face checkpoint layouts (parity.layouts)
+    "LAYOUTS", "from_layout", "to_layout", "read_layout",
+    # weight files
+    "Checkpoint", "save", "load", "FILE_FORMAT", "FILE_FORMAT_VERSION",
+]
 
 # Our projection name -> the flax (linen and nnx) MultiHeadAttention submodule name.
 FLAX_NAMES = {"q_proj": "query", "k_proj": "key", "v_proj": "value", "out_proj": "out"}

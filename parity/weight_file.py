@@ -13,7 +13,7 @@ import json
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import ml_dtypes
 import numpy as np
@@ -44,7 +44,7 @@ class WeightFile:
     path: str
     metadata: dict
     keys: frozenset
-    _handle: object
+    _handle: object = field(repr=False)
 
     def get(self, key: str) -> np.ndarray:
         """One tensor as NumPy, in its stored dtype; a dtype outside FILE_DTYPES is a ValueError naming it."""
@@ -100,7 +100,7 @@ def _not_safetensors_message(path: str, error: Exception) -> str:
     size = os.path.getsize(path)
     with open(path, "rb") as fh:
         head = fh.read(8)
-    never = "weight files are safetensors and a pickle is never loaded here (save it with safetensors.torch.save_file where you trust it)"
+    never = "weight files are safetensors and a pickle is never loaded here (where you trust its source, re-save it with safetensors)"
     if head.startswith(b"PK\x03\x04"):
         return f"{path} is a zip archive -- PyTorch's pickle checkpoint format -- not a safetensors file; {never}"
     if len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5:  # pickle's PROTO opcode and protocol number

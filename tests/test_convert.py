@@ -437,6 +437,17 @@ def test_a_tensor_of_another_dtype_is_named_by_key(reader, dtype, stored, messag
         READERS[reader](path)
 
 
+def test_the_public_api_is_one_definition_each():
+    """parity.convert re-exports the canonical dict's and the layouts' API: the same objects, not copies."""
+    from parity import canonical, layouts
+
+    assert all(hasattr(convert, name) for name in convert.__all__)
+    for module, names in ((canonical, ("CANONICAL_KEYS", "check_state_dict", "tensor_to_numpy", "numpy_to_tensor")),
+                          (layouts, ("LAYOUTS", "from_layout", "to_layout", "read_layout"))):
+        for name in names:
+            assert name in convert.__all__ and getattr(convert, name) is getattr(module, name), name
+
+
 def test_bfloat16_tensor_numpy_bridge_is_bit_exact(rng):
     bits = rng.integers(0, 2**16, 1000, dtype=np.uint16).view(np.int16)
     a = bits.view(ml_dtypes.bfloat16)
