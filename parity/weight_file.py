@@ -20,7 +20,7 @@ import numpy as np
 
 from parity.canonical import tensor_to_numpy
 
-# safetensors' dtype names -> the NumPy dtypes read; every other dtype is refused by name.
+# safetensors' dtype names -> the NumPy dtype each is read as; every other dtype is refused by name.
 FILE_DTYPES = {
     "F16": np.dtype(np.float16),
     "BF16": np.dtype(ml_dtypes.bfloat16),
@@ -54,9 +54,13 @@ class WeightFile:
         if dtype not in FILE_DTYPES:
             kind = " (float8): float8 weights are not supported, dequantize them first" if dtype.startswith("F8") else ""
             raise ValueError(f"{self.path}: tensor {key!r} has dtype {dtype}{kind}; only {_SUPPORTED} tensors are read")
-        if dtype == "BF16":  # not every safetensors version we allow reads BF16 into NumPy; its torch reader does
-            return _read_bf16(self.path, key)
-        return self._handle.get_tensor(key)
+        if dtype == "BF16":  # safetensors' NumPy reader has not always read BF16; its torch reader has, bit for bit
+            arr = _read_bf16(self.path, key)
+        else:
+            arr = self._handle.get_tensor(key)
+        if arr.dtype != FILE_DTYPES[dtype]:  # the stored dtype, never a reader's cast
+            raise TypeError(f"{self.path}: tensor {key!r} is stored as {dtype} but was read as {arr.dtype}")
+        return arr
 
 
 @contextmanager

@@ -437,6 +437,19 @@ def test_a_tensor_of_another_dtype_is_named_by_key(reader, dtype, stored, messag
         READERS[reader](path)
 
 
+def test_a_reader_that_casts_is_caught(sd64, tmp_path, monkeypatch):
+    """The stored dtype is the dtype returned: a reader that hands back another one is an error, not a cast."""
+    from parity import weight_file
+
+    path = tmp_path / "bf16.safetensors"
+    convert.save(cast_sd(sd64, np.dtype(ml_dtypes.bfloat16)), path, num_heads=S.N, masked_rows="zero")
+    assert convert.load(path).state_dict["q_proj.bias"].dtype == np.dtype(ml_dtypes.bfloat16)
+    real = weight_file._read_bf16
+    monkeypatch.setattr(weight_file, "_read_bf16", lambda p, key: real(p, key).astype(np.float32))
+    with pytest.raises(TypeError, match=re.escape(f"{path}: tensor 'q_proj.weight' is stored as BF16 but was read as float32")):
+        convert.load(path)
+
+
 def test_the_public_api_is_one_definition_each():
     """parity.convert re-exports the canonical dict's and the layouts' API: the same objects, not copies."""
     from parity import canonical, layouts
