@@ -8,6 +8,8 @@ the tests below read them. Sizes: parity.sharded.SHAPE (B=4, T=16, S=12, E=24, N
 
 from __future__ import annotations
 
+import tempfile
+
 import jax
 import numpy as np
 import pytest
@@ -15,7 +17,7 @@ import torch
 
 from parity.sharded import MASK_POLICIES, PLANTS, Job
 from parity.sharded.cases import HEAD_MASK
-from parity.sharded.launch import run_sharded, start
+from parity.sharded.launch import finish, run_sharded, start
 
 _FULL = MASK_POLICIES  # every mask kind, every policy
 _F32 = (("causal", "nan"), ("random", "zero"), ("padding", "zero"), ("random", "uniform"))
@@ -43,22 +45,33 @@ def _two_process_jobs(fw):
 
 
 @pytest.fixture(scope="module")
-def groups():
-    """Start every group at once, collect each when a test first asks for it."""
-    pending = {
-        ("jax", 4): start("jax", _main_runs("jax"), devices=4),
-        ("torch", 4): start("torch", _main_runs("torch"), devices=4),
-        ("jax", 2): start("jax", [{"jobs": _two_process_jobs("jax")}], devices=2, processes=2),
-        ("torch", 2): start("torch", [{"jobs": _two_process_jobs("torch")}], devices=2),
-    }
+def groups(tmp_path_factory):
+    """Start every group at once, collect each when a test first asks for it; afterwards no
+    worker runs and no scratch directory is left."""
+    scratch = tmp_path_factory.mktemp("sharded-scratch")
+    saved, tempfile.tempdir = tempfile.tempdir, str(scratch)
+    try:
+        pending = {
+            ("jax", 4): start("jax", _main_runs("jax"), devices=4),
+            ("torch", 4): start("torch", _main_runs("torch"), devices=4),
+            ("jax", 2): start("jax", [{"jobs": _two_process_jobs("jax")}], devices=2, processes=2),
+            ("torch", 2): start("torch", [{"jobs": _two_process_jobs("torch")}], devices=2),
+        }
+    finally:
+        tempfile.tempdir = saved
     done = {}
 
     def get(key):
         if key not in done:
-            done[key] = pending[key](timeout_s=280)
+            done[key] = finish([pending[key]], timeout_s=280)[0]
         return done[key]
 
-    return get
+    yield get
+    for key, g in pending.items():
+        if key not in done:  # a test that stopped early: end the group
+            g.close()
+    assert not list(scratch.glob("sharded-*")), list(scratch.iterdir())
+    assert not [p.pid for g in pending.values() for p in g.procs if p.poll() is None]
 
 
 def _bad(rows):
