@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
-# One prepared accelerator run (issue 10 item 4): on a machine with a GPU, install the CUDA
-# builds into .venv, run the parity matrix on the GPU and a mha-bench sweep, and write
+# One prepared accelerator run: on a machine with a GPU, run the parity matrix on the GPU and
+# a mha-bench sweep, and write
 #   docs/results/parity-gpu.{json,md,png}  docs/results/bench-gpu.{json,md,png}
 # within about 8 minutes (parity <= 3 min, bench <= 5 min; each is stopped with SIGINT at
 # its limit, and both tools write the report of what finished when interrupted).
 #
-#   scripts/accelerator-run.sh                         # the GPU run
+#   scripts/accelerator-run.sh                  # .venv from requirements.lock, plus the CUDA builds
+#   scripts/accelerator-run.sh --system         # the frameworks already installed on the machine
 #   scripts/accelerator-run.sh --device cpu --tiny --out /tmp/dry   # CPU dry run of the same steps
 #
 # Options:
+#   --system            no downloads: a venv with --system-site-packages ($SYSTEM_VENV, default
+#                       .venv-system) and `pip install --no-deps --no-build-isolation -e .`, so
+#                       torch, jax, flax, ... are the ones the machine has (they must be within
+#                       pyproject.toml's ranges: torch 2.11-2.15, jax 0.10.2-0.11.x)
 #   --device gpu|cpu    where parity and bench run (default gpu)
 #   --tiny              a tiny plan (parity --quick, bench T=64, float32, fwd) for a dry run
 #   --out DIR           where the reports go (default docs/results)
@@ -17,11 +22,11 @@
 #   --wheelhouse DIR    install from local wheels (pip --no-index --find-links DIR), for a
 #                       machine that cannot reach the package indexes
 # Environment: TORCH_CUDA_INDEX (default https://download.pytorch.org/whl/cu128),
-#   PARITY_LIMIT_S (180), BENCH_LIMIT_S (300).
+#   PARITY_LIMIT_S (180), BENCH_LIMIT_S (300), PYTHON (python3, for --system),
+#   SYSTEM_VENV (.venv-system).
 #
-# The venv on the accelerator machine is throwaway: installing torch's CUDA build there
-# replaces the pinned CPU build of the same version (torch==2.13.0); requirements.lock is
-# never changed.
+# Without --system the venv is .venv (make): installing torch's CUDA build there replaces the
+# pinned CPU build of the same version (torch==2.13.0); requirements.lock is never changed.
 set -euo pipefail
 
 DEVICE=gpu
@@ -30,6 +35,7 @@ OUT=docs/results
 TAG=""
 INSTALL=1
 WHEELHOUSE=""
+SYSTEM=0
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --device) DEVICE="$2"; shift 2 ;;
@@ -38,7 +44,8 @@ while [[ $# -gt 0 ]]; do
         --tag) TAG="$2"; shift 2 ;;
         --no-install) INSTALL=0; shift ;;
         --wheelhouse) WHEELHOUSE="$2"; shift 2 ;;
-        -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+        --system) SYSTEM=1; shift ;;
+        -h|--help) sed -n '2,29p' "$0"; exit 0 ;;
         *) echo "accelerator-run.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -50,12 +57,54 @@ TORCH_CUDA_INDEX="${TORCH_CUDA_INDEX:-https://download.pytorch.org/whl/cu128}"
 
 cd "$(dirname "$0")/.."
 mkdir -p "$OUT"
-BIN=.venv/bin
 START=$(date +%s)
 log() { echo "[accelerator-run $(( $(date +%s) - START ))s] $*"; }
 
-log "venv (pinned CPU wheels) via make"
-make --no-print-directory .venv/.installed
+if [[ "$SYSTEM" == 1 ]]; then
+    SYSTEM_VENV="${SYSTEM_VENV:-.venv-system}"
+    BIN="$SYSTEM_VENV/bin"
+    log "venv $SYSTEM_VENV over the installed frameworks (${PYTHON:-python3}, no downloads)"
+    [[ -x "$BIN/python" ]] || "${PYTHON:-python3}" -m venv --system-site-packages "$SYSTEM_VENV"
+    if "$BIN/python" -c "import setuptools" 2>/dev/null; then
+        PIP_NO_INDEX=1 "$BIN/python" -m pip install --quiet --no-deps --no-build-isolation -e .
+        MHA_PARITY=("$BIN/mha-parity"); MHA_BENCH=("$BIN/mha-bench")
+    else
+        # Nothing to build the editable install with: the checkout goes on the venv's path.
+        log "no setuptools here: the checkout goes on the venv's path (a .pth file), tools via python -m"
+        "$BIN/python" -c "import os, pathlib, sysconfig; pathlib.Path(sysconfig.get_path('purelib'), 'mha-parity-checkout.pth').write_text(os.getcwd() + '\\n')"
+        MHA_PARITY=("$BIN/python" -m parity); MHA_BENCH=("$BIN/python" -m parity.bench)
+    fi
+    # Every dependency pyproject.toml declares must be there already (nothing can be downloaded);
+    # one outside its range is a warning: the run goes on and the reports name the versions.
+    "$BIN/python" - <<'EOF'
+import importlib.metadata as m, sys, tomllib
+try:
+    from packaging.requirements import Requirement
+except ImportError:
+    from pip._vendor.packaging.requirements import Requirement
+missing, outside = [], []
+with open("pyproject.toml", "rb") as f:
+    for r in map(Requirement, tomllib.load(f)["project"]["dependencies"]):
+        try:
+            v = m.version(r.name)
+        except m.PackageNotFoundError:
+            missing.append(str(r))
+            continue
+        print(f"  {r.name} {v}")
+        if not r.specifier.contains(v, prereleases=True):
+            outside.append(f"{r.name} {v} (pyproject.toml: {r.specifier})")
+for o in outside:
+    print(f"warning: {o} is outside the supported range", file=sys.stderr)
+if missing:
+    sys.exit(f"accelerator-run.sh --system: not installed on this machine: {', '.join(missing)}")
+EOF
+    INSTALL=0
+else
+    BIN=.venv/bin
+    MHA_PARITY=("$BIN/mha-parity"); MHA_BENCH=("$BIN/mha-bench")
+    log "venv (pinned CPU wheels) via make"
+    make --no-print-directory .venv/.installed
+fi
 
 if [[ "$DEVICE" == gpu && "$INSTALL" == 1 ]]; then
     PIP=("$BIN/pip" install --quiet)
@@ -94,13 +143,13 @@ fi
 
 status=0
 log "mha-parity on $DEVICE (limit ${PARITY_LIMIT_S}s)"
-timeout -s INT -k 20 "$PARITY_LIMIT_S" "$BIN/mha-parity" --device "$DEVICE" "${PARITY_ARGS[@]}" --no-progress \
+timeout -s INT -k 20 "$PARITY_LIMIT_S" "${MHA_PARITY[@]}" --device "$DEVICE" "${PARITY_ARGS[@]}" --no-progress \
     --json "$OUT/parity-$TAG.json" --markdown "$OUT/parity-$TAG.md" --plot "$OUT/parity-$TAG.png" || status=$?
 log "mha-parity exit $status"
 
 bstatus=0
 log "mha-bench on $DEVICE (limit ${BENCH_LIMIT_S}s)"
-timeout -s INT -k 20 "$BENCH_LIMIT_S" "$BIN/mha-bench" --device "$DEVICE" "${BENCH_ARGS[@]}" --no-progress \
+timeout -s INT -k 20 "$BENCH_LIMIT_S" "${MHA_BENCH[@]}" --device "$DEVICE" "${BENCH_ARGS[@]}" --no-progress \
     --json "$OUT/bench-$TAG.json" --markdown "$OUT/bench-$TAG.md" --plot "$OUT/bench-$TAG.png" || bstatus=$?
 log "mha-bench exit $bstatus"
 
