@@ -9,6 +9,7 @@ same dependency, only deferred until it bites. (importlib.import_module of a use
 from __future__ import annotations
 
 import ast
+import functools
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -55,6 +56,7 @@ def _imported(node: ast.AST, module: str, is_package: bool, ours) -> set[str]:
     return out
 
 
+@functools.cache  # parsed once per session; callers only read it
 def import_graph() -> dict[str, set[str]]:
     ours = _modules()
     graph = {}
