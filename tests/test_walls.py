@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import ast
+import importlib
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -37,3 +39,37 @@ def test_no_assert_in_library_code():
 def test_no_pickle_in_weight_io():
     source = (ROOT / "parity" / "convert.py").read_text()
     assert "import pickle" not in source and "torch.load" not in source and "torch.save" not in source
+
+
+# The files whose references are checked: the product and its tests (the docs check their own links).
+_REFERRING = [*(p for pkg in ("mha_spec", "mha_torch", "mha_jax", "parity", "scripts", "tests") for p in (ROOT / pkg).rglob("*")
+                if p.suffix in (".py", ".sh")), ROOT / "Makefile", ROOT / "pyproject.toml", ROOT / "noxfile.py"]
+
+
+def _references(pattern: str) -> dict[str, list[str]]:
+    """Each match of `pattern` in the referring files -> the files that name it."""
+    found: dict[str, list[str]] = {}
+    for path in _REFERRING:
+        for match in set(re.findall(pattern, path.read_text())):
+            found.setdefault(match, []).append(str(path.relative_to(ROOT)))
+    return found
+
+
+def test_every_named_script_exists():
+    named = _references(r"\bscripts/[\w.-]+\.(?:py|sh)\b")
+    named = {ref: files for ref, files in named.items() if not (ROOT / ref).is_file()}
+    assert not named, f"named but absent: {named}"
+
+
+def test_every_named_module_attribute_resolves():
+    """'module:attribute' specs in help texts, docstrings and entry points (e.g. parity.examples.jax_port:port)."""
+    named = _references(r"\b((?:mha_spec|mha_torch|mha_jax|parity)(?:\.\w+)*:\w+)")
+    assert "parity.examples.jax_port:port" in named  # the pattern finds what the help texts cite
+    unresolved = {}
+    for spec, files in named.items():
+        module, attr = spec.split(":")
+        try:
+            getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as e:
+            unresolved[spec] = (files, repr(e))
+    assert not unresolved, unresolved
