@@ -202,6 +202,17 @@ def test_every_module_and_name_a_page_cites_exists(page):
     assert not problems, f"{_rel(page)}: {problems}"
 
 
+@pytest.mark.parametrize("page", [p for p in DOC_PAGES if p != README], ids=_rel)
+def test_python_blocks_of_the_docs_pages_are_valid_python(page):
+    """Only parsed, not run: many are fragments (`module`, `keep` defined by the reader) or
+    need the ecosystem extra and minutes of CPU; the README's blocks are the ones that run."""
+    for i, block in enumerate(_blocks(page.read_text(), "python")):
+        try:
+            ast.parse(block)
+        except SyntaxError as e:
+            pytest.fail(f"{_rel(page)} python block {i}: {e}")
+
+
 def test_the_path_check_catches_a_missing_file(tmp_path):
     page = tmp_path / "page.md"
     page.write_text("See `docs/results/no-such-run.json`, `parity/{convert,nope}.py` and [x](gone.md).\n")
