@@ -63,7 +63,8 @@ def test_every_named_script_exists():
 
 def test_every_named_module_attribute_resolves():
     """'module:attribute' specs in help texts, docstrings and entry points (e.g. parity.examples.jax_port:port)."""
-    named = _references(r"\b((?:mha_spec|mha_torch|mha_jax|parity)(?:\.\w+)*:\w+)")
+    # `examples` too: a reference that lost its `parity.` prefix must fail here, not at a user's prompt.
+    named = _references(r"\b((?:mha_spec|mha_torch|mha_jax|parity|examples)(?:\.\w+)*:\w+)")
     assert "parity.examples.jax_port:port" in named  # the pattern finds what the help texts cite
     unresolved = {}
     for spec, files in named.items():
