@@ -5,7 +5,7 @@ in OUR polarity (bool, True = attend), translates the mask to the library's own 
 runs the library's module in `dtype` (weights and inputs are cast to it, explicitly) and
 returns the output as a NumPy array. They are the peer adapters of the parity harness.
 
-What each library does (measured by scripts/measure_ecosystem.py; docs/drafts/ecosystem.md):
+What each library does (measured by scripts/measure_ecosystem.py; docs/conversion.md):
 
     library                 mask it takes                            fully masked row          softmax
     HF BERT (eager)         additive (B, 1, T, S): 0 / finfo.min      uniform (mean of V)       input dtype

@@ -1,6 +1,6 @@
 """torch.nn.MultiheadAttention on a fully masked row, measured on every path: eval/train, grad/no_grad, need_weights, key_padding_mask/attn_mask.
 
-Run: .venv/bin/python scripts/measure_torch_mha_rows.py (the README quotes its output)."""
+Run: .venv/bin/python scripts/measure_torch_mha_rows.py (its result is in docs/semantics.md)."""
 import torch
 torch.manual_seed(0)
 E, N, B, T = 12, 3, 2, 5

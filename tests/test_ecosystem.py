@@ -51,7 +51,7 @@ def test_keras_matches_ours(keras_layer, rng):
     """Keras's attention_mask has our polarity (True = attend); call order (query, value, key).
 
     Compared in float32: Keras's float64 run has a float32 stage (measured error 1e-7, see
-    docs/drafts/ecosystem.md). A fully masked row comes out as the mean of V (our 'uniform').
+    docs/conversion.md). A fully masked row comes out as the mean of V (our 'uniform').
     """
     sd = convert.from_keras(keras_layer)
     assert sd["q_proj.weight"].dtype == np.float32

@@ -1,4 +1,4 @@
-"""Module-level edges (issue 11 items 5-8, issue 7 item 2, issue 9's local head count).
+"""Module-level edges.
 
 Zero lengths, NaN placement on every path, dtype rules, mask-value checks, the
 intermediates API and the shard-agnostic head split, in both frameworks.
@@ -47,7 +47,7 @@ def call(framework, m, q, k, v, mask=None, **kw):
     return to_numpy(out), None if w is None else to_numpy(w)
 
 
-# ------------------------------------------------------------- zero lengths (issue 11 item 6)
+# ------------------------------------------------------------- zero lengths
 
 
 @pytest.mark.parametrize("framework, dtype", FRAMEWORK_DTYPES)
@@ -75,7 +75,7 @@ def test_empty_keys_are_a_value_error(framework, need_weights, masked, sd64):
             run(framework, build(framework, sd64, S.N), q, kv, kv, mask, need_weights=need_weights)
 
 
-# ------------------------------------------------------------- NaN placement (issue 11 item 5)
+# ------------------------------------------------------------- NaN placement
 
 
 def _nan_inputs(rng, where: str, dtype):
@@ -160,7 +160,7 @@ def test_fused_core_puts_nan_where_the_weights_core_does(framework, mask_shape, 
         np.testing.assert_array_equal(nan_f, nan_w, err_msg=policy)
 
 
-# ------------------------------------------------------------- dtypes (issue 11 item 7)
+# ------------------------------------------------------------- dtypes
 
 
 def test_jax_constructor_rejects_non_floating_and_unavailable_dtypes():
@@ -208,7 +208,7 @@ def test_jax_computation_dtype_sets_the_input_dtype(sd64, rng):
     assert c.passed, c
 
 
-# ------------------------------------------------------------- mask values (issue 11 item 8)
+# ------------------------------------------------------------- mask values
 
 
 def _additive(keep, dtype, big=-np.inf):
@@ -246,7 +246,7 @@ def test_jax_mask_values_are_not_checked_under_jit(sd64, rng):
     assert c.passed, c
 
 
-# ------------------------------------------------------------- intermediates (issue 7 item 2)
+# ------------------------------------------------------------- intermediates
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
@@ -298,7 +298,7 @@ def test_16bit_scores_are_float32(framework, dtype, sd64, rng):
     assert to_numpy(stages.weights).dtype == to_numpy(stages.q).dtype == dt
 
 
-# ------------------------------------------------------------- local head count (issue 9 prerequisite)
+# ------------------------------------------------------------- local head count
 
 
 def _shard(framework, m, sd, heads: slice):
