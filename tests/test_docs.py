@@ -213,11 +213,28 @@ def test_python_blocks_of_the_docs_pages_are_valid_python(page):
             pytest.fail(f"{_rel(page)} python block {i}: {e}")
 
 
+def _docs_pages_named_in(text: str) -> set[str]:
+    """Paths of docs pages (docs/**.md outside docs/results/, where scripts write their
+    outputs) that a source file names."""
+    found = set(re.findall(r"(?<![\w/.-])(docs/[\w./-]+\.md)\b", text))
+    return {p for p in found if not p.startswith("docs/results/")}
+
+
+def test_code_names_only_docs_pages_that_exist():
+    """Docstrings and comments that send the reader to a docs page: the page must exist."""
+    sources = [p for d in (*PACKAGES, "scripts", "tests") for p in (ROOT / d).rglob("*") if p.suffix in (".py", ".sh")]
+    sources += [ROOT / "Makefile", ROOT / "pyproject.toml", ROOT / "mkdocs.yml"]
+    dead = {f"{_rel(src)}: {page}" for src in sources if src != Path(__file__)
+            for page in _docs_pages_named_in(src.read_text()) if not (ROOT / page).exists()}
+    assert not dead, sorted(dead)
+
+
 def test_the_path_check_catches_a_missing_file(tmp_path):
     page = tmp_path / "page.md"
     page.write_text("See `docs/results/no-such-run.json`, `parity/{convert,nope}.py` and [x](gone.md).\n")
     written = {w for w, p in _cited_paths(page) if not p.exists()}
     assert written == {"docs/results/no-such-run.json", "parity/nope.py", "gone.md"}
+    assert _docs_pages_named_in("see docs/drafts/gone.md and docs/results/bench-gpu.md") == {"docs/drafts/gone.md"}
 
 
 # ---------------------------------------------------------------- the site
