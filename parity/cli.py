@@ -13,7 +13,7 @@ import os
 import signal
 import sys
 
-from parity.cli_args import comma_separated, positive_float
+from parity.cli_args import comma_separated, nonnegative_int, positive_float
 from parity.devices import DEVICES
 from parity.dtypes import DTYPES
 from parity.harness.matrix import CHECKS
@@ -51,13 +51,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--job-timeout", type=positive_float, default=None, metavar="SECONDS",
                    help="with --devices: kill a sharded worker group that finishes no job for this long "
                    "(a rank stuck in a collective; default 600); its unfinished jobs become error rows")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=nonnegative_int, default=0, help="the inputs' seed (a non-negative integer; default %(default)s)")
     p.add_argument("--json", metavar="PATH", help="write the JSON report here (atomically)")
     p.add_argument("--markdown", metavar="PATH", help="write the Markdown report here (atomically)")
     p.add_argument("--plot", metavar="PATH.png", help="draw every group's error ÷ bound (log scale, pass line at 1)")
     p.add_argument("--all-rows", action="store_true", help="print every row, not the per-group summary")
     p.add_argument("--all-columns", action="store_true", help="also print max_rel_err, atol and rtol")
     p.add_argument("--no-progress", action="store_true", help="no live progress bar")
+    p.add_argument("--no-compile-cache", action="store_true",
+                   help="do not use JAX's persistent compilation cache (in the user's cache directory, $MHA_PARITY_CACHE_DIR)")
     return p
 
 
@@ -143,6 +145,8 @@ def _default_ours(args):
 def main(argv=None) -> int:
     from rich.console import Console
 
+    from parity.impls.registry import LoadError
+
     console = Console(highlight=False)
     stop = GracefulInterrupt(console).install()  # before the slow imports: an early Ctrl-C is still graceful
     args = build_parser().parse_args(argv)
@@ -151,19 +155,28 @@ def main(argv=None) -> int:
         console.print(f"[bold red]mha-parity: {problem}", soft_wrap=True)
         return EXIT_USAGE
     try:
+        from parity import compile_cache
+
+        cache_dir = None if args.no_compile_cache else compile_cache.enable()
+        tally = compile_cache.start()
         report = _run(args, console, stop)
-    except (ValueError, TypeError, ImportError) as e:  # bad arguments, an unwritable path, a user module that does not load
-        console.print(f"[bold red]mha-parity: {type(e).__name__}: {e}", soft_wrap=True)
+    except LoadError as e:  # --impl: any failure to load (SystemExit at import included), one line
+        console.print(f"mha-parity: {e}", soft_wrap=True, markup=False, style="bold red")
         return EXIT_USAGE
-    return _finish(report, args, console)
+    except (ValueError, TypeError, ImportError) as e:  # bad arguments, an unwritable path
+        console.print(f"mha-parity: {type(e).__name__}: {e}", soft_wrap=True, markup=False, style="bold red")
+        return EXIT_USAGE
+    return _finish(report, args, console, tally.summary(cache_dir))
 
 
-def _finish(report, args, console) -> int:
+def _finish(report, args, console, compile_summary: str = "") -> int:
     from parity.harness.report import print_report
 
     if report.environment.get("x64_enabled_for_run"):
         console.print("float64 in the run: jax_enable_x64 was enabled for it (recorded in the report's environment)")
     print_report(report, console, all_rows=args.all_rows, all_columns=args.all_columns)
+    if compile_summary:
+        console.print(compile_summary, markup=False)
     for label, path in (("JSON", args.json), ("Markdown", args.markdown), ("plot", args.plot)):
         if path and not any(path in e for e in report.write_errors):
             console.print(f"{label} report: {path}")

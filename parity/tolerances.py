@@ -8,6 +8,20 @@ oracle's own maths run in that dtype (`reference.forward(..., dtype=...)`), plus
 `atol` as a floor for the case where that yardstick error is ~0. So a 16-bit
 tolerance comes from a measurement, not from taste.
 
+Gradients whose true value is zero (16-bit). A gradient computed from others can be
+exactly zero by the maths: k_proj.bias, because softmax ignores a constant added to
+every score of a row, so sum_s dL/dk[s] = 0. Its yardstick (the oracle's own 16-bit
+maths, which sums the rounded per-key terms in float64) is then ~0 too, and any correct
+16-bit layer's rounding noise would exceed k times it. Rule (`gradient_floors`): each
+gradient belongs to the projection whose output gradient it is computed from
+(GRADIENT_FAMILIES: the input, the weight and the bias of q_proj, k_proj, v_proj;
+out_proj's weight and bias); scale = the largest |true gradient| in that family. A
+gradient whose own largest |true value| is at most eps(dtype) * scale -- zero at the
+dtype's resolution -- is allowed k * eps(dtype) * scale, the rounding of the terms it
+is summed from. Every other gradient keeps its three-way bound unchanged (a floor
+there would loosen it: measured on the default matrix, our modules' bias gradients
+sit at up to 0.7 eps * scale of their bound).
+
 How the numbers were chosen (measured with scripts/measure_tolerances.py, written
 in the README's "Tolerances" section): see the comment on each entry.
 """
@@ -35,7 +49,7 @@ class DtypeTolerance:
 
 
 TOLERANCES: dict[str, DtypeTolerance] = {
-    # The issue's bar: float64 paths agree with the float64 oracle to 1e-12.
+    # The bar: float64 paths agree with the float64 oracle to 1e-12.
     # Measured worst forward error, 4 paths x 3 sizes up to E=512 x 3 seeds: 4.4e-16.
     "float64": DtypeTolerance(forward=Tolerance(1e-12, 1e-12), gradient=Tolerance(1e-12, 1e-12)),
     # float32 eps is 1.2e-7; measured worst forward error (same sweep): 1.4e-7, so ~7x margin.
@@ -66,6 +80,43 @@ class Comparison:
     rtol: float
     nan_mismatch: int  # elements NaN in one array and not the other
     passed: bool
+    values_ok: bool | None = None  # the values where both are not NaN are within the bound (None: not recorded)
+
+
+# The gradients computed from one projection's output gradient (see the module docstring).
+GRADIENT_FAMILIES = {
+    "q_proj": ("query", "q_proj.weight", "q_proj.bias"),
+    "k_proj": ("key", "k_proj.weight", "k_proj.bias"),
+    "v_proj": ("value", "v_proj.weight", "v_proj.bias"),
+    "out_proj": ("out_proj.weight", "out_proj.bias"),
+}
+
+
+def _finite_absmax(x) -> float:
+    a = np.abs(as_float64(x))
+    a = a[np.isfinite(a)]
+    return float(a.max()) if a.size else 0.0
+
+
+def gradient_floors(exact: dict, dtype: str) -> dict[str, float]:
+    """{gradient name: k * eps * family scale} for the gradients whose true value is zero at the
+    dtype's resolution (16-bit only; empty for float64/float32). See the module docstring."""
+    table = TOLERANCES[dtype]
+    if table.three_way_k is None:
+        return {}
+    from parity.dtypes import numpy_dtype
+
+    import ml_dtypes
+
+    eps = float(ml_dtypes.finfo(numpy_dtype(dtype)).eps)
+    floors = {}
+    for names in GRADIENT_FAMILIES.values():
+        present = [n for n in names if n in exact and exact[n] is not None]
+        scale = max((_finite_absmax(exact[n]) for n in present), default=0.0)
+        for n in present:
+            if scale > 0 and _finite_absmax(exact[n]) <= eps * scale:
+                floors[n] = table.three_way_k * eps * scale
+    return floors
 
 
 def errors(actual, expected) -> tuple[float, float, int]:
@@ -88,8 +139,8 @@ def compare(actual, expected, tol: Tolerance) -> Comparison:
     max_abs, max_rel, nan_mismatch = errors(actual, expected)
     a, e = as_float64(actual), as_float64(expected)
     finite = ~(np.isnan(a) | np.isnan(e))
-    ok = np.all(np.abs(a[finite] - e[finite]) <= tol.atol + tol.rtol * np.abs(e[finite]))
-    return Comparison(max_abs, max_rel, tol.atol, tol.rtol, nan_mismatch, bool(ok and nan_mismatch == 0))
+    ok = bool(np.all(np.abs(a[finite] - e[finite]) <= tol.atol + tol.rtol * np.abs(e[finite])))
+    return Comparison(max_abs, max_rel, tol.atol, tol.rtol, nan_mismatch, ok and nan_mismatch == 0, ok)
 
 
 def compare_three_way(actual, expected64, low_dtype_oracle, k: float, floor: float) -> Comparison:
@@ -97,4 +148,5 @@ def compare_three_way(actual, expected64, low_dtype_oracle, k: float, floor: flo
     max_abs, max_rel, nan_mismatch = errors(actual, expected64)
     yardstick, _, _ = errors(low_dtype_oracle, expected64)
     atol = k * yardstick + floor
-    return Comparison(max_abs, max_rel, atol, 0.0, nan_mismatch, bool(max_abs <= atol and nan_mismatch == 0))
+    ok = bool(max_abs <= atol)
+    return Comparison(max_abs, max_rel, atol, 0.0, nan_mismatch, ok and nan_mismatch == 0, ok)

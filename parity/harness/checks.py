@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from parity import reference
-from parity.harness.judge import judge, judge_grads, logits, nan_note, status
+from parity.harness.judge import judge, judge_grads, nan_note, status
 from parity.harness.matrix import Case, Inputs
 from parity.harness.report import Row
 from parity.impls import Implementation, builtin
 from parity.impls.ecosystem_impls import MissingPackage
-from parity.tolerances import TOLERANCES, Comparison, errors
+from parity.tolerances import TOLERANCES, Comparison, errors, gradient_floors
 
 TRAIN_STEPS = 5
 TRAIN_DTYPES = ("float64", "float32")  # 16-bit training drifts by design; nothing sharp to compare
@@ -36,16 +36,17 @@ OPTIMIZERS = {
 # the table's entry for the dtype it really computes in, and the row says so.
 # Measured (seed 0, default matrix): jax.nn.dot_product_attention's float64 output
 # is off the float64 oracle by ~1e-8 because its softmax always runs in float32.
-# Keras 3's default call runs jax.nn.dot_product_attention too: 2.2e-7 off in float64
-# (docs/drafts/ecosystem-peers.md).
+# Keras 3's default call runs jax.nn.dot_product_attention too: 2.2e-7 off in float64.
 PEER_EFFECTIVE_DTYPE = {("jax-dpa-core", "float64"): "float32", ("keras-mha", "float64"): "float32"}
 
 GRAD_GROUPS = {
     "d_inputs": ("query", "key", "value"),
     "d_params": tuple(f"{p}.{w}" for p in ("q_proj", "k_proj", "v_proj", "out_proj") for w in ("weight", "bias")),
 }
-EAGER_JAX_SKIP = "eager JAX compiles each op per shape (~1 s); it runs on the base cases only, jax-jit runs the same program"
-EAGER_JAX_GRAD_SKIP = "JAX gradients are checked under jit (eager jax.grad traces the same program op by op)"
+# Our eager JAX implementation is jax-jit's program run op by op: it is checked where it is
+# cheap. A user's eager JAX implementation is checked everywhere, gradients included.
+EAGER_JAX_SKIP = "eager JAX compiles each op per shape (~1 s); ours runs on the base cases only, jax-jit runs the same program"
+EAGER_JAX_GRAD_SKIP = "our eager JAX is jax-jit's program op by op: its gradients are checked under jit (jax-jit)"
 
 
 @dataclass
@@ -102,7 +103,8 @@ class Unit:
     def built(self, impl: Implementation, policy: str):
         key = (impl.name, policy)
         if key not in self._built:
-            self._built[key] = self.runner(impl).build(impl, self.x.state_dict, self.case.shape.N, policy)
+            sd = {k: v.copy() for k, v in self.x.state_dict.items()}  # a factory that edits its copy spoils nothing
+            self._built[key] = self.runner(impl).build(impl, sd, self.case.shape.N, policy)
         return self._built[key]
 
     def inputs(self):
@@ -113,7 +115,7 @@ class Unit:
         if cmp is not None:
             nums = dict(max_abs_err=cmp.max_abs_err, max_rel_err=cmp.max_rel_err, atol=cmp.atol, rtol=cmp.rtol)
             if cmp.nan_mismatch and "NaN" not in kw.get("message", ""):
-                kw["message"] = (f"{cmp.nan_mismatch} NaN-placement mismatches; " + kw.get("message", "")).strip("; ")
+                kw["message"] = (kw.get("message", "") + f"; {cmp.nan_mismatch} NaN-placement mismatches").strip("; ")
         device = str(self.runner(impl).device).lower()
         return Row(self.case.name, check, impl.name, ref, self.dtype, device, st, quantity, **nums, **kw)
 
@@ -128,18 +130,19 @@ def _error_row(unit: Unit, check: str, impl: Implementation, ref: str, exc: Base
 
 
 def _stage_views(got: dict, exact, low, keep, shape4):
-    """(got, expected, yardstick) per stage; scores are read off the weights when there are weights."""
+    """(got, expected, yardstick) per stage the implementation reports, as it reports it.
+
+    Scores are compared where the case keeps a key on a row that attends to something:
+    what an implementation puts at masked places (-inf, finfo.min, the raw score) is its own.
+    """
     views = {}
-    if "weights" in got:
-        got = dict(got, scores=logits(got["weights"], keep, shape4))
-        views["scores"] = (got["scores"], logits(exact.weights, keep, shape4),
-                           None if low is None else logits(low.weights, keep, shape4))
-    elif "scores" in got:  # raw scores: compare where a key is kept on a row that attends
+    if "scores" in got:
         valid = np.ones(shape4, bool) if keep is None else np.broadcast_to(keep, shape4)
         valid = valid & valid.any(axis=-1, keepdims=True)
 
         def only_valid(s):
-            return np.where(valid, reference.as_float64(s), 0.0)
+            s = reference.as_float64(s)
+            return np.where(valid, s, 0.0) if np.shape(s) == shape4 else s
 
         views["scores"] = (only_valid(got["scores"]), only_valid(exact.scores), None if low is None else only_valid(low.scores))
     for stage in reference.STAGES:
@@ -173,7 +176,41 @@ def divergence(unit: Unit, impl: Implementation, policy: str) -> dict:
 # ---------------------------------------------------------------- forward
 
 
-def _judge_forward(unit: Unit, impl: Implementation, policy: str, out, w) -> list[Row]:
+def _skip_reason(unit: Unit, impl: Implementation, check: str) -> str | None:
+    """Why `impl` does not run `check` in this unit: its own declaration, or our eager JAX's cost."""
+    why = impl.unsupported(unit.dtype)
+    if why:
+        return why
+    if impl.role == "ours" and impl.framework == "jax" and impl.mode == "eager":
+        if check == "gradient":
+            return EAGER_JAX_GRAD_SKIP
+        if not unit.case.jax_eager:
+            return EAGER_JAX_SKIP
+    return None
+
+
+def _changed_rows(unit: Unit, impl: Implementation, check: str, policy: str) -> list[Row]:
+    """A fail row when a call changed its inputs or parameters in place (the runner notes it)."""
+    built = unit.built(impl, policy)
+    changed, built.changed[:] = list(built.changed), []
+    if not changed:
+        return []
+    return [unit.row(check, impl, "inputs", "fail", "inputs",
+                     message=f"{'; '.join(changed)}: an attention layer must not change its arguments")]
+
+
+def _disagreement(c: Comparison, actual, expected) -> str:
+    """What differs, the numbers first: values off the bound, then where NaNs differ."""
+    parts = []
+    if c.values_ok is False:
+        parts.append(f"values off by up to {c.max_abs_err:.3g} where both are numbers "
+                     f"(bound {c.atol:.3g}{f' + {c.rtol:.3g}·|expected|' if c.rtol else ''})")
+    if c.nan_mismatch:
+        parts.append("NaN placement differs: " + nan_note(actual, expected))
+    return "; ".join(parts)
+
+
+def _judge_forward(unit: Unit, impl: Implementation, policy: str, out, w, check: str = "forward", note: str = "") -> list[Row]:
     exact, low = unit.oracle(policy)
     tol, k = unit.tol.forward, unit.tol.three_way_k
     quantities = [("output", out)] + ([] if w is None else [("weights", w)])
@@ -182,9 +219,11 @@ def _judge_forward(unit: Unit, impl: Implementation, policy: str, out, w) -> lis
     rows = []
     for q, a, c in cmps:
         kw = dict(extra) if not c.passed else {}
-        if c.nan_mismatch:
-            kw["message"] = "NaN placement differs: " + nan_note(a, getattr(exact, q))
-        rows.append(unit.row("forward", impl, "oracle", status(c), q, c, **kw))
+        message = [note] if note else []
+        if not c.passed:
+            message += [_disagreement(c, a, getattr(exact, q)), extra.get("message", "")]
+        kw["message"] = "; ".join(m for m in message if m)
+        rows.append(unit.row(check, impl, "oracle", status(c), q, c, **kw))
     return rows
 
 
@@ -219,7 +258,8 @@ def _forward_vs_torch(unit: Unit, impl: Implementation, policy: str, got: dict) 
             continue
         yard_err = None if low is None else errors(getattr(low, q), getattr(exact, q))[0]
         c = judge(a, base[q], unit.tol.forward, unit.tol.three_way_k, yard_err=yard_err)
-        rows.append(unit.row("forward", impl, ref, status(c), q, c))
+        rows.append(unit.row("forward", impl, ref, status(c), q, c,
+                             message="" if c.passed else _disagreement(c, a, base[q])))
     return rows
 
 
@@ -227,7 +267,7 @@ def _prefetch(unit: Unit, impls) -> None:
     """JAX: the jit implementations' forward and gradients in one compiled program (see JaxRunner.prefetch)."""
     if "gradient" not in unit.checks:
         return
-    jitted = [i for i in impls if i.framework == "jax" and i.mode == "jit"]
+    jitted = [i for i in impls if i.framework == "jax" and i.mode == "jit" and not _skip_reason(unit, i, "gradient")]
     try:
         builts = [unit.built(i, i.policy(unit.case.masked_rows)) for i in jitted]
         unit.runners["jax"].prefetch(builts, *unit.inputs(), unit.x.cotangent)
@@ -239,8 +279,9 @@ def check_forward(unit: Unit, impls) -> list[Row]:
     rows = []
     _prefetch(unit, impls)
     for impl in impls:
-        if impl.framework == "jax" and impl.mode == "eager" and not unit.case.jax_eager:
-            rows.append(unit.row("forward", impl, "oracle", "skip", message=EAGER_JAX_SKIP))
+        why = _skip_reason(unit, impl, "forward")
+        if why:
+            rows.append(unit.row("forward", impl, "oracle", "skip", message=why))
             continue
         policy = impl.policy(unit.case.masked_rows)
         try:
@@ -248,27 +289,75 @@ def check_forward(unit: Unit, impls) -> list[Row]:
         except Exception as e:
             rows.append(_error_row(unit, "forward", impl, "oracle", e))
             continue
+        rows += _changed_rows(unit, impl, "forward", policy)
         rows += _judge_forward(unit, impl, policy, out, w)
         if _versus_torch(impl):
             rows += _forward_vs_torch(unit, impl, policy, {"output": out, "weights": w})
+        rows += _changed_rows(unit, impl, "forward", policy)  # the divergence search and our torch calls
     return rows
 
 
 # ---------------------------------------------------------------- gradients
 
 
-def _grad_rows(unit: Unit, impl: Implementation, ref: str, got: dict, expected: dict, yard_err, extra=None) -> list[Row]:
+def _fully_masked_rows(unit: Unit) -> list[tuple[int, int]]:
+    """(batch, query) of every query row that attends to no key."""
+    keep = unit.x.keep
+    if keep is None:
+        return []
+    return [(int(b), int(t)) for b, t in zip(*np.nonzero(~keep.any(axis=-1)[:, 0]))]
+
+
+def _masked_row_note(unit: Unit, got: dict, expected: dict, failing) -> str:
+    """Why q/k gradients differ on fully masked rows, when that is what they do (else "")."""
+    rows = _fully_masked_rows(unit)
+    q = got.get("query")
+    if not rows or q is None or not ({"query", "key"} & set(failing)):
+        return ""
+    a, e = reference.as_float64(q), reference.as_float64(expected["query"])
+    tensors = ", ".join(n for n in failing if n.split(".")[0] in ("query", "key", "q_proj", "k_proj"))
+    where = ", ".join(f"({b}, {t})" for b, t in rows[:6]) + (" ..." if len(rows) > 6 else "")
+    nan_rows = [r for r in rows if np.isnan(a[r]).any() and not np.isnan(e[r]).any()]
+    if nan_rows:
+        return (f"NaN in {tensors}, from the fully masked (batch, query) rows {where}, where the oracle is finite: "
+                "their NaN softmax is differentiated through the scores, as with an additive mask (scores + 0/-inf); "
+                "a select (where(keep, scores, -inf)) keeps that NaN in the value gradients, as the classic module does")
+    bound = unit.tol.gradient.atol
+    moved = [r for r in rows if np.all(e[r] == 0) and np.nanmax(np.abs(a[r])) > bound]
+    if moved:
+        return (f"non-zero gradients in {tensors} from the fully masked (batch, query) rows {where}, where the oracle's "
+                "are 0: gradient flows through those rows' scores, as when masked scores are filled with a large finite "
+                "value (finfo.min, as Hugging Face and Flax do): the forward is uniform, but not a constant")
+    return ""
+
+
+def _grad_rows(unit: Unit, impl: Implementation, ref: str, got: dict, expected: dict, yard_err, floors,
+               extra=None, explain=None) -> list[Row]:
     rows = []
     tol, k = unit.tol.gradient, unit.tol.three_way_k
     for group, names in GRAD_GROUPS.items():
-        if any(got.get(n) is None for n in names):
-            missing = [n for n in names if got.get(n) is None]
+        if group == "d_params" and not impl.uses_params:
             rows.append(unit.row("gradient", impl, ref, "skip", group,
-                                 message=f"{impl.name} gives no gradient for {', '.join(missing)} (uses_params=False?)"))
+                                 message=f"{impl.name} declares uses_params=False: its parameters are its own"))
             continue
-        c, note = judge_grads(got, expected, tol, names, k, yard_err)
+        missing = [n for n in names if got.get(n) is None]
+        # A missing gradient is judged as zero: right only where the true gradient is zero.
+        filled = {n: np.zeros_like(reference.as_float64(expected[n])) if got.get(n) is None else got[n] for n in names}
+        c, note = judge_grads(filled, expected, tol, names, k, yard_err, floors)
         kw = dict(extra or {}) if not c.passed else {}
-        kw["message"] = (kw.get("message", "") + " " + note).strip()
+        message = []
+        if missing:
+            message.append(f"no gradient for {', '.join(missing)} (judged as zero)")
+        message.append(note)
+        if not c.passed:
+            failing = [n for n in names if not judge(filled[n], expected[n], tol, k,
+                                                     yard_err=None if yard_err is None else yard_err[n],
+                                                     floor=floors.get(n, 0.0)).passed]
+            message.insert(0, f"fails: {', '.join(failing)}")
+            if explain is not None:
+                message.append(explain(filled, failing))
+            message.append(kw.get("message", ""))
+        kw["message"] = "; ".join(m for m in message if m)
         rows.append(unit.row("gradient", impl, ref, status(c), group, c, **kw))
     return rows
 
@@ -276,23 +365,32 @@ def _grad_rows(unit: Unit, impl: Implementation, ref: str, got: dict, expected: 
 def check_gradient(unit: Unit, impls) -> list[Row]:
     rows = []
     for impl in impls:
-        if impl.mode == "eager" and impl.framework == "jax":
-            rows.append(unit.row("gradient", impl, "oracle", "skip", message=EAGER_JAX_GRAD_SKIP))
+        why = _skip_reason(unit, impl, "gradient")
+        if why:
+            rows.append(unit.row("gradient", impl, "oracle", "skip", message=why))
             continue
         policy = impl.policy(unit.case.masked_rows)
         expected, yard_err = unit.oracle_grads(policy)
+        floors = gradient_floors(expected, unit.dtype)
         try:
-            got = unit.runner(impl).grads(unit.built(impl, policy), *unit.inputs(), unit.x.cotangent)
+            out, w, got = unit.runner(impl).vjp(unit.built(impl, policy), *unit.inputs(), unit.x.cotangent)
         except Exception as e:
             rows.append(_error_row(unit, "gradient", impl, "oracle", e))
             continue
-        judged = _grad_rows(unit, impl, "oracle", got, expected, yard_err)
+        rows += _changed_rows(unit, impl, "gradient", policy)
+        # The call autograd differentiated is judged too: its output may differ from the forward check's.
+        rows += _judge_forward(unit, impl, policy, out, w, check="gradient", note="the output of the gradient call")
+
+        def explain(filled, failing, expected=expected):
+            return _masked_row_note(unit, filled, expected, failing)
+
+        judged = _grad_rows(unit, impl, "oracle", got, expected, yard_err, floors, explain=explain)
         if any(r.status == "fail" for r in judged):
             # A wrong gradient with a right forward is the backward pass's own fault.
             extra = divergence(unit, impl, policy)
             if extra.get("stage") == "output":
                 extra["stage"] = "backward"
-            judged = _grad_rows(unit, impl, "oracle", got, expected, yard_err, extra)
+            judged = _grad_rows(unit, impl, "oracle", got, expected, yard_err, floors, extra, explain)
         rows += judged
         if _versus_torch(impl):
             ref = _ref_name(unit, policy)
@@ -301,7 +399,8 @@ def check_gradient(unit: Unit, impls) -> list[Row]:
             except Exception as e:
                 rows.append(_error_row(unit, "gradient", impl, ref, e))
                 continue
-            rows += _grad_rows(unit, impl, ref, got, base, yard_err)
+            rows += _grad_rows(unit, impl, ref, got, base, yard_err, floors)
+        rows += _changed_rows(unit, impl, "gradient", policy)
     return rows
 
 

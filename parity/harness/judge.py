@@ -8,6 +8,8 @@
                    store it.
 Implementation-vs-implementation rows use the same bound, with the 16-bit yardstick
 measured on the oracle (so two candidates may each be off by it).
+A 16-bit gradient whose true value is zero is judged against the floor of
+`parity.tolerances.gradient_floors` (its yardstick is ~0 too).
 """
 
 from __future__ import annotations
@@ -18,17 +20,25 @@ from parity import reference
 from parity.tolerances import Comparison, Tolerance, compare, compare_three_way, errors
 
 
-def judge(actual, expected, tol: Tolerance, k: float | None = None, yardstick=None, yard_err: float | None = None) -> Comparison:
-    """The table's judgement; three-way when k is set and a yardstick is known."""
+def judge(actual, expected, tol: Tolerance, k: float | None = None, yardstick=None, yard_err: float | None = None,
+          floor: float = 0.0) -> Comparison:
+    """The table's judgement; three-way when k is set and a yardstick is known.
+
+    floor: the least bound a 16-bit three-way judgement allows (a true-zero gradient's,
+    see parity.tolerances.gradient_floors); 0 leaves the bound as the table makes it.
+    """
     if k is None or (yardstick is None and yard_err is None):
         return compare(actual, expected, tol)
     if yardstick is not None:
-        return compare_three_way(actual, expected, yardstick, k, tol.atol)
-    # Against another candidate: each may be k yardsticks off the oracle, in opposite
-    # directions (one 16-bit ulp apart is normal), so the bound is doubled.
+        yard_err = errors(yardstick, expected)[0]
+        atol = max(k * yard_err + tol.atol, floor)
+    else:
+        # Against another candidate: each may be k yardsticks off the oracle, in opposite
+        # directions (one 16-bit ulp apart is normal), so the bound is doubled.
+        atol = max(2 * k * yard_err + tol.atol, floor)
     max_abs, max_rel, nan_mismatch = errors(actual, expected)
-    atol = 2 * k * yard_err + tol.atol
-    return Comparison(max_abs, max_rel, atol, 0.0, nan_mismatch, bool(max_abs <= atol and nan_mismatch == 0))
+    ok = bool(max_abs <= atol)
+    return Comparison(max_abs, max_rel, atol, 0.0, nan_mismatch, ok and nan_mismatch == 0, ok)
 
 
 def logits(weights, keep, shape4) -> np.ndarray:
@@ -63,9 +73,13 @@ def status(c: Comparison) -> str:
     return "pass" if c.passed else "fail"
 
 
-def judge_grads(got: dict, expected: dict, tol: Tolerance, names, k=None, yard_err=None) -> tuple[Comparison, str]:
-    """Judge several arrays as one row; the row shows the worst (by error over its bound)."""
-    cmps = {n: judge(got[n], expected[n], tol, k, yard_err=None if yard_err is None else yard_err[n]) for n in names}
+def judge_grads(got: dict, expected: dict, tol: Tolerance, names, k=None, yard_err=None,
+                floors: dict | None = None) -> tuple[Comparison, str]:
+    """Judge several arrays as one row; the row shows the worst (by error over its bound) and
+    names every array that fails."""
+    floors = floors or {}
+    cmps = {n: judge(got[n], expected[n], tol, k, yard_err=None if yard_err is None else yard_err[n],
+                     floor=floors.get(n, 0.0)) for n in names}
 
     def badness(n):
         c = cmps[n]
@@ -74,8 +88,12 @@ def judge_grads(got: dict, expected: dict, tol: Tolerance, names, k=None, yard_e
     worst = max(names, key=badness)
     c = cmps[worst]
     total_nan = sum(x.nan_mismatch for x in cmps.values())
-    merged = Comparison(c.max_abs_err, c.max_rel_err, c.atol, c.rtol, total_nan, all(x.passed for x in cmps.values()))
+    merged = Comparison(c.max_abs_err, c.max_rel_err, c.atol, c.rtol, total_nan, all(x.passed for x in cmps.values()),
+                        all(x.values_ok is not False for x in cmps.values()))
     note = f"worst: {worst}" + ("" if c.passed else " (fails)")
+    off = [n for n in names if cmps[n].values_ok is False]
+    if len(off) > 1 or (off and off != [worst]):
+        note += f"; values off the bound in {', '.join(off)}"
     nans = [f"{n}: {nan_note(got[n], expected[n])}" for n in names if cmps[n].nan_mismatch]
     if nans:
         note += f"; NaN placement differs in {'; '.join(nans)}"

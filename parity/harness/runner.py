@@ -21,6 +21,9 @@ from parity.harness.report import Report, Row, to_json, to_markdown
 from parity.impls import Implementation, select
 
 
+USER_CHECKS = ("forward", "gradient")  # the checks that run a user's implementation (the others run ours and the peers)
+
+
 def select_impls(impls=None, compile: bool = False) -> tuple[Implementation, ...]:
     """Ours (by name) and the user's own (Implementation objects), in registry order.
 
@@ -181,7 +184,12 @@ def _plan(cases, case_filter, dtypes, checks, impls, device, quick, compile, pat
     cases = _select_cases(tuple(cases) if cases is not None else (quick_matrix() if quick else default_matrix()), case_filter)
     units = tuple((c, d) for c in cases for d in dtypes if d in c.dtypes)
     peers = tuple(p for p in select("peer") if p.harness)
-    return RunPlan(cases, dtypes, checks, select_impls(impls, compile), peers, units, resolve_device(device), named)
+    chosen = select_impls(impls, compile)
+    user = [i.name for i in chosen if i.role == "user"]
+    if user and not set(USER_CHECKS) & set(checks):
+        raise ValueError(f"{', '.join(user)}: no selected check runs a user implementation (--checks "
+                         f"{','.join(checks)}); the checks that run it: {', '.join(USER_CHECKS)}")
+    return RunPlan(cases, dtypes, checks, chosen, peers, units, resolve_device(device), named)
 
 
 def _loop(report, p: RunPlan, seed, runners, on_progress, should_stop) -> None:

@@ -9,6 +9,7 @@
 from parity.impls.registry import (
     BUILTIN,
     Implementation,
+    LoadError,
     builtin,
     implementation,
     load_user_impl,
@@ -16,4 +17,4 @@ from parity.impls.registry import (
     select,
 )
 
-__all__ = ["Implementation", "implementation", "load_user_impl", "mask_for", "BUILTIN", "builtin", "select"]
+__all__ = ["Implementation", "LoadError", "implementation", "load_user_impl", "mask_for", "BUILTIN", "builtin", "select"]

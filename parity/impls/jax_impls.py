@@ -140,6 +140,7 @@ class Built:
     num_heads: int
     dtype: np.dtype
     cache: dict = field(default_factory=dict)  # (kind, inputs id) -> results of one compiled program
+    changed: list = field(default_factory=list)  # always empty: JAX arrays cannot be changed in place
 
 
 class JaxRunner:
@@ -244,6 +245,10 @@ class JaxRunner:
 
     def grads(self, b: Built, query, key, value, keep, cotangent) -> dict:
         return self._results(b, query, key, value, keep, cotangent)[2]
+
+    def vjp(self, b: Built, query, key, value, keep, cotangent):
+        """(output, weights, gradients) of one program: the output the gradients were taken from."""
+        return self._results(b, query, key, value, keep, cotangent)
 
     def intermediates(self, b: Built, query, key, value, keep) -> dict | None:
         fn = getattr(b.fn, "intermediates", None)

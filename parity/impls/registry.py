@@ -21,7 +21,19 @@ query (B, T, E), key and value (B, S, E); `mask` follows the declared convention
 weights (B, N, T, S) when `returns_weights`.
 Optionally `fn.intermediates(params, query, key, value, mask) -> dict` with any of
 q, k, v (B, N, L, H), scores, weights (B, N, T, S), context (B, T, E), output:
-then a failing check names the first stage where it leaves the oracle.
+then a failing check names the first stage where it leaves the oracle. Stages are
+judged as reported: scores are compared where the oracle's key is kept on a row that
+attends to something (so -inf, finfo.min or unmasked values at masked places all pass);
+weights, context and output everywhere.
+
+`fn` must not change its arguments: the harness checks after every call that the inputs
+and parameters it passed are bit for bit what they were (a change is a fail row).
+
+What an implementation supports is declared, never guessed: `dtypes` (None: every dtype)
+makes the other dtypes skip rows that say so. `Implementation.unsupported(dtype)` is the one
+place that reads these declarations; a later declaration (e.g. the attention variants an
+implementation runs: grouped heads, rotary embeddings, bias-free projections) is a field
+next to `dtypes` and a clause in `unsupported`, and every check skips by it alike.
 """
 
 from __future__ import annotations
@@ -62,6 +74,8 @@ class Implementation:
     harness          whether `mha-parity` runs it (the benchmark-only variants of peers do not)
     materializes     builds a (B, N, T, S) score tensor at any length (None: when it returns weights);
                      the benchmark skips what cannot fit
+    dtypes           the dtypes it supports (e.g. ("float32", "bfloat16")); None: all. Units in
+                     other dtypes are skip rows naming the declaration (see `unsupported`)
     runs_on          where the peers check runs it: fnmatch patterns over a unit's kind
                      "<self|cross>/<mask kind>/<dtype>" (mask kinds: none, padding, causal, random);
                      None: everywhere. What it can express (HF BERT is self-attention: "self/*/*";
@@ -84,6 +98,7 @@ class Implementation:
     materializes: bool | None = None
     doc: str = ""
     runs_on: tuple[str, ...] | None = None
+    dtypes: tuple[str, ...] | None = None
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name or any(c.isspace() for c in self.name):
@@ -103,6 +118,18 @@ class Implementation:
                 isinstance(k, str) and k.count("/") == 2 for k in self.runs_on)):
             raise TypeError(f"implementation {self.name!r}: runs_on must be a tuple of '<self|cross>/<mask kind>/<dtype>' "
                             f"patterns (e.g. ('self/causal/*',)), got {self.runs_on!r}")
+        if self.dtypes is not None:
+            from parity.dtypes import DTYPES
+
+            if not isinstance(self.dtypes, tuple) or not self.dtypes or any(d not in DTYPES for d in self.dtypes):
+                raise ValueError(f"implementation {self.name!r}: dtypes must be a non-empty tuple of {DTYPES} "
+                                 f"(or None for all), got {self.dtypes!r}")
+
+    def unsupported(self, dtype: str) -> str | None:
+        """Why it does not run in a unit of this dtype, by its own declaration (None: it runs)."""
+        if self.dtypes is not None and dtype not in self.dtypes:
+            return f"{self.name} declares dtypes={','.join(self.dtypes)}: {dtype} is not among them"
+        return None
 
     def runs(self, kind: str) -> bool:
         """Whether the peers check runs it on a unit of this kind ("self/causal/float32", ...)."""
@@ -156,33 +183,55 @@ def implementation(**declared):
     return wrap
 
 
+class LoadError(ValueError):
+    """A user implementation ('module:attribute') could not be loaded; the message is one line
+    naming the module and what went wrong. Both command-line tools make it a usage error (exit 2)."""
+
+
 def _import_attr(spec: str):
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise ValueError(f"{spec!r} is not 'module:attribute' (e.g. examples.jax_port:port)")
+        raise LoadError(f"{spec!r} is not 'module:attribute' (e.g. parity.examples.jax_port:port)")
     try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        if e.name != module_name.split(".")[0] or os.getcwd() in sys.path:
-            raise
-        # As `python -m` would: a module in the current directory (examples/, a user's package).
-        sys.path.insert(0, os.getcwd())
-        module = importlib.import_module(module_name)
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            if e.name != module_name.split(".")[0] or os.getcwd() in sys.path:
+                raise
+            # As `python -m` would: a module or package in the current directory.
+            sys.path.insert(0, os.getcwd())
+            module = importlib.import_module(module_name)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # noqa: BLE001 - SystemExit at import included: a module that does not load is a usage error
+        raise LoadError(f"cannot load {spec!r}: importing module {module_name!r} raised {_one_line(e)}") from e
     obj = module
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise ValueError(f"{spec!r}: module {module_name!r} has no attribute {attr!r}")
+            raise LoadError(f"cannot load {spec!r}: module {module_name!r} has no attribute {attr!r}")
         obj = getattr(obj, part)
     return obj
 
 
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    if isinstance(e, SystemExit):
+        text = f"exit status {e.code!r}"
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
 def load_user_impl(spec: str) -> tuple[Implementation, ...]:
-    """'module:attribute' -> the Implementation(s) it names (one, or a tuple/list of them)."""
+    """'module:attribute' -> the Implementation(s) it names (one, or a tuple/list of them).
+
+    Any failure to load -- an exception or a SystemExit at import, a missing attribute,
+    an object that is not an Implementation -- is a `LoadError` (a ValueError) with a
+    one-line message naming the module.
+    """
     obj = _import_attr(spec)
     items = obj if isinstance(obj, (tuple, list)) else (obj,)
     if not items or not all(isinstance(i, Implementation) for i in items):
-        raise TypeError(
-            f"{spec!r} is {type(obj).__name__}, not a parity.impls.Implementation: declare it with "
+        raise LoadError(
+            f"cannot load {spec!r}: it is {type(obj).__name__}, not a parity.impls.Implementation: declare it with "
             f"@parity.impls.implementation(framework=..., mask=..., masked_rows=..., returns_weights=...)"
         )
     return tuple(items)
@@ -254,7 +303,7 @@ BUILTIN = (
                    doc="the same projections around jax.nn.dot_product_attention (XLA); mask True = attend; "
                    "softmax always in float32 (also for float64 inputs)"),
     # The real libraries (the optional `.[ecosystem]` extra; absent: a skip row). Forward only:
-    # their modules hold their own weights. What they do, as measured: docs/drafts/ecosystem-peers.md.
+    # their modules hold their own weights. What they do, as measured: parity.ecosystem's docstring.
     Implementation("hf-bert", "torch", f"{_E}:hf_bert", masked_rows="uniform", mask_shape="BTS",
                    uses_params=False, role="peer", bench=False, runs_on=("self/*/*",),
                    doc="transformers BertAttention (self + output.dense), eager; additive mask 0 / finfo.min, "
@@ -264,7 +313,7 @@ BUILTIN = (
                    doc="transformers GPT2Attention, eager; causal by its mask (create_causal_mask), "
                    "a query with only padding is uniform over all keys"),
     # Keras and Equinox run op by op: each new dtype costs ~0.5 s of compiles (measured), so
-    # the default run checks them in float64/float32 (16-bit: measured in the draft, 1.3-1.5x the yardstick).
+    # the default run checks them in float64/float32 (16-bit measured at 1.3-1.5x the yardstick).
     Implementation("keras-mha", "jax", f"{_E}:keras_mha", masked_rows="uniform", mask_shape="BTS",
                    uses_params=False, role="peer", bench=False, runs_on=("*/*/float64", "*/*/float32"),
                    doc="keras.layers.MultiHeadAttention (JAX backend), default call = jax.nn.dot_product_attention; "
@@ -288,5 +337,5 @@ def select(role: str | None = None) -> tuple[Implementation, ...]:
     return tuple(i for i in BUILTIN if role is None or i.role == role)
 
 
-__all__ = ["Implementation", "implementation", "load_user_impl", "mask_for", "BUILTIN", "builtin", "select",
+__all__ = ["Implementation", "implementation", "load_user_impl", "LoadError", "mask_for", "BUILTIN", "builtin", "select",
            "FRAMEWORKS", "MODES", "MASK_CONVENTIONS", "MASK_SHAPES"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -89,6 +89,8 @@ class Built:
     params: dict  # canonical name -> leaf tensor on the device
     num_heads: int
     dtype: np.dtype
+    state: dict = field(default_factory=dict)  # the canonical NumPy state dict the parameters were made from
+    changed: list = field(default_factory=list)  # what a call changed in place (inputs, parameters), until read
 
 
 class TorchRunner:
@@ -110,7 +112,7 @@ class TorchRunner:
             fn = torch.compile(fn)
             fn.intermediates = getattr(inner, "intermediates", None)
         params = {k: self.t(a) for k, a in sd.items()}
-        return Built(impl, fn, params, num_heads, dtype)
+        return Built(impl, fn, params, num_heads, dtype, state=dict(sd))
 
     def _args(self, b: Built, query, key, value, keep, grad: bool = False):
         xs = [self.t(a).requires_grad_(grad) for a in (query, key, value)]
@@ -130,30 +132,61 @@ class TorchRunner:
         result = self._call(b, (query, key, value), mask)
         return tuple(result) if isinstance(result, (tuple, list)) else (result, None)
 
+    def _fresh(self, b: Built, grad: bool = False) -> dict:
+        """The parameters as new leaves: a call that changes them in place cannot spoil the next one."""
+        return {k: p.detach().clone().requires_grad_(grad) for k, p in b.params.items()}
+
+    def _record_changes(self, b: Built, call: str, xs, params, query, key, value) -> None:
+        """Note (in b.changed) every input or parameter the call left different, bit for bit."""
+        def same(t, a):
+            return convert.tensor_to_numpy(t).tobytes() == np.ascontiguousarray(a).tobytes()
+
+        names = [n for n, x, a in zip(("query", "key", "value"), xs, (query, key, value)) if not same(x, a)]
+        if b.impl.uses_params:
+            names += [n for n, p in params.items() if n in b.state and not same(p, b.state[n])]
+        if names:
+            b.changed.append(f"the {call} call changed {', '.join(names)} in place")
+
     def forward(self, b: Built, query, key, value, keep):
-        xs, mask = self._args(b, query, key, value, keep)
-        with torch.no_grad():
-            out, w = self._checked(b, self._call(b, xs, mask), query, key)
-        return convert.tensor_to_numpy(out), None if w is None else convert.tensor_to_numpy(w)
+        out, w, _ = self._run(b, query, key, value, keep, None)
+        return out, w
+
+    def vjp(self, b: Built, query, key, value, keep, cotangent):
+        """(output, weights, gradients) of ONE call: the output the gradients were taken from, and the
+        gradients of sum(output * cotangent) w.r.t. query, key, value (and every parameter; None
+        where autograd gave none)."""
+        return self._run(b, query, key, value, keep, cotangent)
 
     def grads(self, b: Built, query, key, value, keep, cotangent) -> dict:
         """Gradients of sum(output * cotangent) w.r.t. query, key, value (and every parameter)."""
-        params = {k: p.detach().clone().requires_grad_(True) for k, p in b.params.items()}  # fresh leaves
-        xs, mask = self._args(b, query, key, value, keep, grad=True)
-        out, _ = self._checked(b, self._call(b, xs, mask, params=params), query, key)
-        (out * self.t(cotangent)).sum().backward()
-        grads = {n: x.grad for n, x in zip(("query", "key", "value"), xs)}
-        if b.impl.uses_params:
-            grads.update({n: p.grad for n, p in params.items()})
-        return {n: None if g is None else convert.tensor_to_numpy(g) for n, g in grads.items()}
+        return self.vjp(b, query, key, value, keep, cotangent)[2]
+
+    def _run(self, b: Built, query, key, value, keep, cotangent):
+        grad = cotangent is not None
+        params = self._fresh(b, grad)
+        xs, mask = self._args(b, query, key, value, keep, grad=grad)
+        with torch.enable_grad() if grad else torch.no_grad():
+            out, w = self._checked(b, self._call(b, xs, mask, params=params), query, key)
+            grads = None
+            if grad and out.requires_grad:  # an output cut off from every input and parameter has no gradients
+                (out * self.t(cotangent)).sum().backward()
+            if grad:
+                grads = {n: x.grad for n, x in zip(("query", "key", "value"), xs)}
+                if b.impl.uses_params:
+                    grads.update({n: p.grad for n, p in params.items()})
+                grads = {n: None if g is None else convert.tensor_to_numpy(g) for n, g in grads.items()}
+        self._record_changes(b, "gradient" if grad else "forward", xs, params, query, key, value)
+        return convert.tensor_to_numpy(out), None if w is None else convert.tensor_to_numpy(w), grads
 
     def intermediates(self, b: Built, query, key, value, keep) -> dict | None:
         fn = getattr(b.fn, "intermediates", None)
         if fn is None:
             return None
+        params = self._fresh(b)
         xs, mask = self._args(b, query, key, value, keep)
         with torch.no_grad():
-            got = self._call(b, xs, mask, fn)
+            got = self._call(b, xs, mask, fn, params=params)
+        self._record_changes(b, "intermediates", xs, params, query, key, value)
         return {n: convert.tensor_to_numpy(t) for n, t in stages_dict(b.impl, got).items()}
 
     def train(self, b: Built, optimizer: str, hp: dict, steps: int, query, key, value, keep, target):
