@@ -53,8 +53,10 @@ class Group:
     workers write as they finish jobs; a group whose file has not grown for `timeout_s` is killed.
     """
 
-    def __init__(self, prefix: str, spec: dict, commands, progress: str):
-        """commands(spec_path, out_path) -> [(argv, env), ...]; the spec is written as JSON first."""
+    def __init__(self, prefix: str, spec: dict, commands, progress: str, *, runs=(), device: str = ""):
+        """commands(spec_path, out_path) -> [(argv, env), ...]; the spec is written as JSON first.
+        runs, device: what the group runs and the device label of its rows (`finish`)."""
+        self.runs, self.device = runs, device
         self.tmp = tempfile.mkdtemp(prefix=prefix)
         self.out_path = os.path.join(self.tmp, progress)
         self.procs, self.logs = [], []
@@ -171,9 +173,7 @@ def start(framework: str, runs, *, devices: int, processes: int | None = None) -
     else:
         raise ValueError(f"unknown framework {framework!r}; known: {FRAMEWORKS}")
     spec = {"runs": [{"jobs": [j.to_dict() for j in run["jobs"]], "plant": run.get("plant")} for run in runs]}
-    group = Group(f"sharded-{framework}-", spec, commands, "rows.jsonl")
-    group.runs, group.device = runs, f"{devices}xcpu"
-    return group
+    return Group(f"sharded-{framework}-", spec, commands, "rows.jsonl", runs=runs, device=f"{devices}xcpu")
 
 
 def _rows(group: Group) -> list[list[Row]]:
