@@ -23,6 +23,7 @@ EXIT_FAIL, EXIT_USAGE, EXIT_NOTHING, EXIT_INTERRUPTED = 1, 2, 3, 130
 
 def build_parser() -> argparse.ArgumentParser:
     from parity.impls import select
+    from parity.sharded.launch import DEFAULT_JOB_TIMEOUT_S
 
     ours = [i.name for i in select("ours")]
     p = argparse.ArgumentParser(
@@ -50,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --devices: which sharded layouts (default: all; a repeated one runs once)")
     p.add_argument("--job-timeout", type=positive_float, default=None, metavar="SECONDS",
                    help="with --devices: kill a sharded worker group that finishes no job for this long "
-                   "(a rank stuck in a collective; default 600); its unfinished jobs become error rows")
+                   f"(a rank stuck in a collective; default {DEFAULT_JOB_TIMEOUT_S:g}); its unfinished jobs become error rows")
     p.add_argument("--seed", type=nonnegative_int, default=0, help="the inputs' seed (a non-negative integer; default %(default)s)")
     p.add_argument("--json", metavar="PATH", help="write the JSON report here (atomically)")
     p.add_argument("--markdown", metavar="PATH", help="write the Markdown report here (atomically)")

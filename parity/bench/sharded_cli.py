@@ -26,6 +26,7 @@ from rich.table import Table
 
 from parity.atomic import check_writable, write_atomic
 from parity.cli_args import comma_separated, positive_float, positive_int, positive_ints as _ints
+from parity.sharded.bench import TIMEOUT_S
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -40,8 +41,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--heads", type=positive_int, default=4)
     p.add_argument("--batch", type=positive_int, default=1)
     p.add_argument("--repeats", type=positive_int, default=3)
-    p.add_argument("--job-timeout", type=positive_float, default=900, metavar="SECONDS",
-                   help="the longest one measurement's processes may run before they are killed (default 900)")
+    p.add_argument("--job-timeout", type=positive_float, default=TIMEOUT_S, metavar="SECONDS",
+                   help="the longest one measurement's processes may run before they are killed (default %(default)g)")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--markdown", metavar="PATH")
     return p

@@ -28,6 +28,8 @@ from parity.sharded.control import follow_parent
 from parity.sharded.launch import Group, _env, free_port, wait
 
 DEFAULTS = {"B": 1, "T": 4096, "E": 256, "N": 4, "repeats": 3}
+TIMEOUT_S = 900.0
+"""The longest one measurement's process group may run before it is killed."""
 TIME_NOTE = "simulated CPU devices share this machine's cores: times are overhead measurements, not speed-ups"
 
 
@@ -189,7 +191,7 @@ def check_sizes(*, devices, layouts, frameworks, B: int, T: int, E: int, N: int,
                 raise ValueError(f"layout {layout!r} over {n} devices: {what}={size} is not divisible by {n}")
 
 
-def iter_bench_sharded(*, devices=(1, 2, 4), layouts=("sp", "tp"), frameworks=("jax", "torch"), timeout_s: float = 900,
+def iter_bench_sharded(*, devices=(1, 2, 4), layouts=("sp", "tp"), frameworks=("jax", "torch"), timeout_s: float = TIMEOUT_S,
                        **sizes):
     """Yield each (framework, layout, devices) row as it is measured (no `ratio_to_1_device`; see `with_ratios`).
 
@@ -217,7 +219,7 @@ def with_ratios(rows: list[dict]) -> list[dict]:
     return out
 
 
-def bench_sharded(*, devices=(1, 2, 4), layouts=("sp", "tp"), frameworks=("jax", "torch"), timeout_s: float = 900, **sizes) -> list[dict]:
+def bench_sharded(*, devices=(1, 2, 4), layouts=("sp", "tp"), frameworks=("jax", "torch"), timeout_s: float = TIMEOUT_S, **sizes) -> list[dict]:
     """Per-device peak memory (bytes) and median forward time for each (framework, layout, devices).
 
     sizes: B, T (= S), E, N, repeats (defaults in DEFAULTS; checked by `check_sizes` before
