@@ -154,26 +154,29 @@ def test_jax_sync_blocks_on_every_leaf():
 
 def test_budget_stops_repeats_but_not_before_min_repeats():
     clock = FakeClock()
-    step = lambda: clock.advance(1.0)  # noqa: E731
-    times = measure.repeat(step, lambda out: None, Timing(min_repeats=3, max_repeats=100, budget_s=0.5), clock)
-    assert len(times) == 3
-    times = measure.repeat(step, lambda out: None, Timing(min_repeats=2, max_repeats=100, budget_s=10.0), clock)
-    assert len(times) == 10
+    bench = measure.Bench(step=lambda: clock.advance(1.0), sync=lambda out: None)
+    times, _ = measure.sample({0: bench}, Timing(min_repeats=3, max_repeats=100, budget_s=0.5), clock)
+    assert len(times[0]) == 3
+    times, _ = measure.sample({0: bench}, Timing(min_repeats=2, max_repeats=100, budget_s=10.0), clock)
+    assert len(times[0]) == 10
+    # Two benches share one budget of 2 × budget_s: both stop together, after the same rounds.
+    times, _ = measure.sample({0: bench, 1: bench}, Timing(min_repeats=2, max_repeats=100, budget_s=3.0), clock)
+    assert len(times[0]) == len(times[1]) == 3
 
 
-def test_iqr_warning():
+def test_a_row_above_the_noise_threshold_is_noisy_never_ok():
     quiet = measure.summarize([1.0, 1.0, 1.01, 1.0, 0.99])
-    assert quiet.warning(0.10) is None
+    assert quiet.noise() is None
     noisy = measure.summarize([1.0, 1.0, 1.5, 1.5, 1.0, 1.5])
     assert noisy.median_s == 1.25 and noisy.iqr_s == pytest.approx(0.5)
-    assert "IQR/median" in noisy.warning(0.10)
+    assert "IQR/median = 40.0% > 10%" in noisy.noise()
     clock = FakeClock()
     durations = iter([1.0, 1.0, 2.0, 1.0, 2.0, 2.0])
     res = measure.run_bench(
         measure.Bench(step=lambda: clock.advance(next(durations)), sync=lambda out: None),
         Timing(warmup=0, min_repeats=6, max_repeats=6), clock,
     )
-    assert res["warning"] and "noisy" in res["warning"]
+    assert res["status"] == "noisy" and "noisy" in res["message"]
 
 
 # ---------------------------------------------------------------- peak
@@ -217,11 +220,16 @@ class FakeProc:
         self.stderr = io.StringIO("worker log line\nKilled\n" if rc else "")
         self.rc = rc
 
-    def wait(self):
+    def wait(self, timeout=None):
+        return self.rc
+
+    def poll(self):
         return self.rc
 
     def kill(self):
         pass
+
+    terminate = kill
 
 
 def _row_line(item, **kw):
@@ -243,22 +251,26 @@ def test_dead_worker_costs_one_error_row_and_the_sweep_continues():
         return FakeProc([ln for it in items[2:] for ln in (f"@@START\t{it.id}", _row_line(it))], rc=0)
 
     out = runner.Collected()
-    runner.run_group(cfg, "torch", items, [], out, lambda k, d: None, "/tmp", spawn)
+    runner.run_group(cfg, items, [], out, lambda k, d: None, "/tmp", spawn)
     assert spawned == [[0, 1, 2, 3], [2, 3]]
     assert [out.rows[i]["status"] for i in range(4)] == ["ok", "error", "ok", "ok"]
     assert "signal 9" in out.rows[1]["message"] and "Killed" in out.rows[1]["message"]
 
 
-def test_failing_item_in_worker_becomes_error_row():
+def test_failing_item_in_worker_becomes_error_row(monkeypatch):
     from parity.bench import worker
+
+    monkeypatch.setattr(worker, "emit", lambda kind, payload: None)
 
     class Broken:
         @staticmethod
         def build(impl, case, pass_, device, seed):
             raise RuntimeError("out of memory: tried to allocate 64 GiB")
 
-    row = worker.run_item(Broken, _impl("ours-jax:jit:fused"), CASE, "fwd", "cpu", 0, Timing(), FakeClock())
-    assert row["status"] == "error"
+    group = [(0, _impl("ours-jax:jit:fused"), CASE, "fwd")]
+    rows, v = worker.run_group({"jax": Broken}, group, _worker_spec(), Timing(), FakeClock())
+    row = rows[0][1]
+    assert row["status"] == "error" and v is None
     assert row["message"].startswith("RuntimeError: out of memory")
     assert set(ROW_FIELDS) <= set(row)
 
@@ -273,18 +285,78 @@ def test_items_that_cannot_fit_are_skip_rows_with_the_reason():
     assert "estimated memory" in by_key["ours-torch:eager:weights"].skip
 
 
-def test_different_outputs_are_flagged_as_unequal_work():
-    cfg = runner.RunConfig(preset=PRESETS["quick"], impls=select_impls("ours-torch:eager:weights,ours-jax:jit:fused"),
-                           cases=(CASE,), passes=("fwd",), available_bytes=2**40)
-    items = runner.plan(cfg)
-    out = runner.Collected()
-    out.rows = {
-        items[0].id: _ok_row(out_fingerprint=0.5) | {"impl": "ours-torch", "need_weights": True},
-        items[1].id: _ok_row(out_fingerprint=0.6) | {"impl": "ours-jax", "framework": "jax", "mode": "jit"},
-    }
-    rows = runner.finish(items, out)
-    assert rows[0]["status"] == "ok" and rows[0]["ratio"] == 1.0
-    assert rows[1]["status"] == "error" and "not the same computation" in rows[1]["message"]
+def _worker_spec(**kw):
+    return {"device": "cpu", "precision": "highest", "seed": 0, "interleave": True, "verdict": None, **kw}
+
+
+class FakeMod:
+    """A framework module for the worker: benches whose step advances a fake clock and logs its name,
+    and whose output is `outputs[key]` (default: the reference output)."""
+
+    REF = np.linspace(-1.0, 1.0, 2 * 3 * 4).reshape(2, 3, 4)
+
+    def __init__(self, clock, log, costs, outputs=None):
+        self.clock, self.log, self.costs, self.outputs = clock, log, costs, outputs or {}
+
+    def build(self, impl, case, pass_, device, seed):
+        key = impl.bench_key
+
+        def step():
+            self.log.append(key)
+            self.clock.advance(self.costs[key])
+
+        return measure.Bench(step=step, sync=lambda out: None, output=lambda: self.outputs.get(key, self.REF))
+
+    def reset_compiled(self):
+        pass
+
+
+def _fake_group(keys, costs, outputs=None, **spec):
+    from parity.bench import worker
+
+    clock, log = FakeClock(), []
+    group = [(i, _impl(k), CASE, "fwd") for i, k in enumerate(keys)]
+    mods = {fw: FakeMod(clock, log, costs, outputs) for fw in ("torch", "jax")}
+    rows, v = worker.run_group(mods, group, _worker_spec(**spec), Timing(warmup=1, min_repeats=8, max_repeats=8), clock)
+    return dict(rows), v, log
+
+
+@pytest.mark.parametrize("planted", ["negated", "time-reversed"])
+def test_a_different_output_is_an_error_row(monkeypatch, planted):
+    from parity.bench import worker
+
+    monkeypatch.setattr(worker, "emit", lambda kind, payload: None)
+    wrong = -FakeMod.REF if planted == "negated" else FakeMod.REF[:, ::-1]
+    keys = ["ours-torch:eager:fused", "torch-sdpa-core:eager:fused", "ours-jax:jit:fused"]
+    rows, _, _ = _fake_group(keys, dict.fromkeys(keys, 1.0), {"ours-jax:jit:fused": wrong})
+    assert rows[0]["status"] == "ok" and rows[1]["status"] == "ok" and rows[1]["out_max_diff"] == 0.0
+    assert rows[2]["status"] == "error"
+    assert "not the same computation as ours-torch:eager:fused" in rows[2]["message"]
+    assert rows[2]["median_s"] == 1.0  # measured, kept, marked
+
+
+def test_same_output_bounds_come_from_the_tolerance_table():
+    from parity.tolerances import TOLERANCES
+
+    ref = np.random.default_rng(0).standard_normal((3, 5, 12))
+    f32 = TOLERANCES["float32"].forward
+    assert measure.output_bound("float32") == (2 * f32.atol, 2 * f32.rtol, True)
+    # float32: one float32 rounding of every element is far inside twice the table's bound ...
+    assert measure.same_output(ref.astype(np.float32), ref, "float32")[1] is None
+    # ... a negated or time-reversed output is not, nor a NaN where the reference has none.
+    for wrong in (-ref, ref[:, ::-1]):
+        diff, why = measure.same_output(wrong, ref, "float32")
+        assert why and diff > 0.1
+    nan = ref.copy()
+    nan[0, 0, 0] = np.nan
+    assert "NaN" in measure.same_output(nan, ref, "float32")[1]
+    # bfloat16: a rounding to bfloat16 passes (3 units of rounding of max|ref| each side), a sign flip does not.
+    import ml_dtypes
+
+    rounded = ref.astype(ml_dtypes.bfloat16).astype(np.float64)
+    assert measure.same_output(rounded, ref, "bfloat16")[1] is None
+    assert measure.same_output(-ref, ref, "bfloat16")[1]
+    assert measure.output_bound("float32", "default") == measure.output_bound("bfloat16")
 
 
 def test_select_impls():
@@ -368,7 +440,7 @@ def test_plot_writes_a_png(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-# ---------------------------------------------------------------- interleaving
+# ---------------------------------------------------------------- interleaving and pairing
 
 
 def test_interleaved_repeats_alternate_and_cancel_load_drift():
@@ -383,7 +455,7 @@ def test_interleaved_repeats_alternate_and_cancel_load_drift():
         return measure.Bench(step=step, sync=lambda out: None)
 
     timing = Timing(warmup=1, min_repeats=4, max_repeats=4)
-    res = measure.run_interleaved([make("a", 1.0), make("b", 1.0)], timing, clock)
+    res = measure.time_group([make("a", 1.0), make("b", 1.0)], timing, clock)
     assert order[2:] == ["a", "b", "b", "a"] * 2  # after one warm-up each: a b, b a, a b, b a
     # Identical work keeps a ratio of 1 under a linear drift: a fixed a-b order would give
     # medians of calls (5, 7) against (6, 8), i.e. 1.30/1.35 = 0.963; a b b a gives (6, 7) vs (5, 8).
@@ -401,11 +473,58 @@ def test_interleaved_failure_leaves_the_rotation_only():
         clock.advance(1.0)
 
     good = measure.Bench(step=lambda: clock.advance(1.0), sync=lambda out: None)
-    res = measure.run_interleaved(
+    res = measure.time_group(
         [measure.Bench(step=bad, sync=lambda out: None), good], Timing(warmup=1, min_repeats=4, max_repeats=4), clock,
     )
     assert isinstance(res[0], RuntimeError)
     assert res[1]["repeats"] == 4 and res[1]["median_s"] == 1.0
+
+
+def test_torch_and_jax_implementations_of_a_case_are_timed_in_one_rotation(monkeypatch):
+    """Pairing: one worker runs both frameworks' benches in the same rounds, direction alternating,
+    and the default verdict compares the fastest implementation of each framework."""
+    from parity.bench import worker
+
+    monkeypatch.setattr(worker, "emit", lambda kind, payload: None)
+    keys = ["ours-torch:eager:fused", "torch-sdpa-core:eager:fused", "ours-jax:jit:fused", "ours-jax:jit:weights"]
+    costs = {keys[0]: 3.0, keys[1]: 2.0, keys[2]: 1.0, keys[3]: 4.0}
+    rows, v, log = _fake_group(keys, costs)
+    rounds = [log[i:i + 4] for i in range(0, len(log), 4)]  # the output call is the one warm-up: no step before
+    assert len(rounds) == 8 and all(sorted(r) == sorted(keys) for r in rounds)
+    assert rounds[0] == keys and rounds[1] == keys[::-1] and rounds[2] == keys
+    assert (v["faster"], v["slower"]) == ("ours-jax:jit:fused", "torch-sdpa-core:eager:fused")
+    assert v["ratio"] == pytest.approx(2.0) and v["ci"] == [pytest.approx(2.0)] * 2 and v["repeats"] == 8
+    assert v["conclusive"]
+    _, named, _ = _fake_group(keys, costs, verdict=["ours-torch:eager:fused", "ours-jax:jit:weights"])
+    assert (named["faster"], named["slower"], named["ratio"]) == ("ours-torch:eager:fused", "ours-jax:jit:weights",
+                                                                pytest.approx(4 / 3))
+
+
+def test_one_worker_per_case_holds_both_frameworks():
+    cfg = runner.RunConfig(preset=PRESETS["quick"], impls=select_impls("ours-torch:eager:fused,ours-jax:jit:fused"),
+                           cases=(CASE, BenchCase(1, 8, 8, 12, 3, "float32")), passes=("fwd", "fwd+bwd"),
+                           available_bytes=2**40)
+    items = runner.plan(cfg)
+    per_case = runner._groups(items, "case")
+    assert len(per_case) == 2
+    assert all({it.impl.framework for it in g} == {"torch", "jax"} and len({it.case for it in g}) == 1 for g in per_case)
+    assert [len(g) for g in runner._groups(items, "run")] == [8]
+
+
+def test_sampling_stops_once_the_interval_is_narrow_enough():
+    clock = FakeClock()
+    benches = {0: measure.Bench(step=lambda: clock.advance(1.0), sync=lambda out: None),
+               1: measure.Bench(step=lambda: clock.advance(2.0), sync=lambda out: None)}
+    checks = []
+
+    def settled(times):
+        checks.append(len(times[0]))
+        return len(times[0]) >= 12
+
+    times, _ = measure.sample(benches, Timing(min_repeats=8, max_repeats=100, budget_s=1e9), clock, settled=settled)
+    assert checks[0] == 8 and len(times[0]) == len(times[1]) == checks[-1] >= 12
+    assert len(times[0]) < 100  # the budget is far: the interval stopped it
+    assert checks == sorted(set(checks)) and len(checks) < len(times[0]) - 7  # not after every round
 
 
 # ---------------------------------------------------------------- compare: the noise rule
@@ -459,7 +578,7 @@ def _bench_json(tmp_path, mutate):
 @pytest.mark.parametrize("mutate, message", [
     (lambda d: d.update(rows=5), "'rows' must be a list"),
     (lambda d: d.update(rows=[]), "'rows' is empty"),
-    (lambda d: d.update(schema="mha-bench/2"), "schema 'mha-bench/2' is not supported"),
+    (lambda d: d.update(schema="mha-bench/9"), "schema 'mha-bench/9' is not supported"),
     (lambda d: d.pop("schema"), "no 'schema' field"),
     (lambda d: d["rows"][0].update(median_s=0), "median_s = 0 is not a finite positive"),
     (lambda d: d["rows"][0].update(median_s=None), "median_s = None"),
@@ -470,8 +589,18 @@ def _bench_json(tmp_path, mutate):
     (lambda d: d["rows"][0].pop("impl"), "missing field(s) impl"),
     (lambda d: d["rows"][0].update(batch=True), "batch=True"),
     (lambda d: d["rows"].append(dict(d["rows"][0])), "row 1 repeats row 0"),
+    (lambda d: d["rows"][0].update(median_s=10**400), "median_s = an integer of 401 digits is not a finite"),
+    (lambda d: d["rows"][0].update(batch=10**30), "batch=" + str(10**30)),
+    (lambda d: d["rows"][0].update(status="noisy", iqr_s=0.4), None),  # a valid noisy row
+    (lambda d: d.update(verdicts=5), "'verdicts' must be a list"),
+    (lambda d: d.update(verdicts=[{"case": "x"}]), "verdict 0: missing field(s) pass"),
+    (lambda d: d.update(verdicts=[{"case": "x", "pass": "fwd", "faster": "a", "slower": "b", "ratio": 10**400,
+                                   "ci": [1, 2], "conclusive": True, "repeats": 8}]), "verdict 0: ratio"),
 ])
 def test_load_rejects_a_malformed_run_with_a_reason(tmp_path, mutate, message):
+    if message is None:
+        assert report.load(_bench_json(tmp_path, mutate))["rows"]
+        return
     with pytest.raises(report.BenchFileError, match="bad.json") as e:
         report.load(_bench_json(tmp_path, mutate))
     assert message in str(e.value) and "\n" not in str(e.value)
@@ -511,8 +640,33 @@ def test_a_row_above_the_peak_keeps_its_numbers_marked_in_table_ratio_and_markdo
     assert cells[5] == "0.33× (error)" and cells[6] == "150.0 (error)"
     console = report.Console(file=io.StringIO(), width=300)
     report.print_table(rows, console)
-    assert "0.33× (error)" in console.file.getvalue()
+    text = console.file.getvalue()
+    line = next(ln for ln in text.splitlines() if "ours-torch eager fused" in ln)
+    assert "0.33×" in line and line.rstrip().endswith("error")  # the console: the number, and its status
+    assert "error: ours-torch:eager:fused fwd" in text and "exceeds the measured" in text  # the reason, below
     assert "0.33× (error)" in report.markdown(rows, _env())
+
+
+@pytest.mark.parametrize("width", [100, 300])
+def test_the_console_table_fits_100_columns_without_cutting_a_word(width):
+    rows = []
+    for im in select_impls("ours-torch:eager,torch-sdpa-core,ours-jax:jit,jax-dpa-core"):
+        for pass_ in ("fwd", "fwd+bwd"):
+            row = empty_row(im, BenchCase(16, 32768, 32768, 4096, 32, "bfloat16"), pass_, status="noisy",
+                            median_s=123.456, iqr_s=98.7, ratio=12.345, gflops=12345.6, peak_fraction=0.99,
+                            compile_s=12.3, message="noisy: IQR/median = 80% > 10%")
+            rows.append(row)
+    rows[0] |= {"status": "error", "message": "RuntimeError: " + "x" * 300}
+    console = report.Console(file=io.StringIO(), width=width, force_terminal=width == 100)
+    report.print_table(rows, console)
+    text = console.file.getvalue()
+    from rich.text import Text
+
+    lines = [Text.from_ansi(ln).plain for ln in text.splitlines()]
+    assert max(len(ln) for ln in lines) <= 100
+    table = [ln for ln in lines if ln.startswith(("fwd ", "fwd+bwd "))]
+    assert len(table) == len(rows)  # one line per row: nothing folds
+    assert all("…" not in ln for ln in table) and all(ln.split()[-1] in ("noisy", "error") for ln in table)
 
 
 # ---------------------------------------------------------------- the peak is re-measured
@@ -541,7 +695,7 @@ def _vet(monkeypatch, rates, row_gflops):
                            cases=(CASE,), passes=("fwd",), available_bytes=2**40)
     flops = pass_flops(CASE, "fwd")
     mod = FakePeakMod(*rates)
-    bar = worker.PeakBar(mod, "torch", "cpu", [{"dtype": "float32", "sizes": [2048]}], [], FakeClock())
+    bar = worker.PeakBar({"torch": mod}, {"torch": "cpu"}, [{"dtype": "float32", "sizes": [2048]}], [], FakeClock())
     bar.measure("float32")
     verdicts = []
     for gflops in row_gflops:
@@ -549,7 +703,7 @@ def _vet(monkeypatch, rates, row_gflops):
         row = empty_row(item.impl, item.case, item.pass_, status="ok", median_s=flops / (gflops * 1e9), iqr_s=0.0)
         bar.vet([(item.id, row)])
         out = runner.Collected()
-        runner.run_group(cfg, "torch", [item], [], out, lambda k, d: None, "/tmp",
+        runner.run_group(cfg, [item], [], out, lambda k, d: None, "/tmp",
                          lambda spec, env: FakeProc([*lines, f"@@ROW\t{json.dumps({'id': item.id, **row})}"], rc=0))
         verdicts.append(runner.finish([item], out)[0]["status"])
     return verdicts, [json.loads(ln.split("\t", 1)[1]) for ln in lines], mod

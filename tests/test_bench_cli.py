@@ -29,21 +29,33 @@ def test_tiny_real_sweep_writes_json_markdown_and_plot(tmp_path):
     console = _console()
     rc = cli.main(
         [*TINY, "--impls", "ours-torch:eager:fused,torch-sdpa-core,ours-jax:jit:fused,jax-dpa-core",
-         "--passes", "fwd,fwd+bwd", "--threads", "1", "--isolation", "framework",
+         "--passes", "fwd,fwd+bwd", "--threads", "1", "--isolation", "run",
          "--json", str(out), "--markdown", str(tmp_path / "b.md"), "--plot", str(tmp_path / "b.png")],
         console=console,
     )
     assert rc == 0, console.file.getvalue()
     data = json.loads(out.read_text())
     env = data["environment"]
-    for key in ("python", "versions", "cpu_model", "threads", "precision_settings", "XLA_FLAGS", "inductor_env", "peaks"):
+    for key in ("python", "versions", "cpu_model", "threads", "precision_settings", "XLA_FLAGS", "inductor_env", "peaks",
+                "thread_settings", "interference", "calibration_s"):
         assert key in env
-    assert env["threads"] == {"torch": 1, "jax": 1}
+    # One worker held both frameworks (--isolation run), each pinned to the same single CPU.
+    assert env["threads"] == {"torch": 1, "jax": 1} and env["thread_settings"]["torch_threads"] == 1
+    assert env["thread_settings"]["env"] == runner.THREAD_ENV
     assert env["precision_settings"]["jax"]["jax_default_matmul_precision"] == "highest"
     rows = data["rows"]
     assert len(rows) == 2 * 4 * 2
-    # exit 0 means no error row: these tiny shapes run at a few GFLOP/s, far below the peak.
-    assert all(r["status"] == "ok" for r in rows), rows
+    # exit 0 means no error row: these tiny shapes run at a few GFLOP/s, far below the peak, and
+    # every implementation computed the reference's output (out_max_diff within the bound).
+    assert all(r["status"] in ("ok", "noisy") for r in rows), rows
+    assert all(r["out_max_diff"] is not None for r in rows if r["impl"] != "ours-torch")
+    # One verdict per (case, pass), torch against JAX by default, over paired repeats.
+    vs = data["verdicts"]
+    assert len(vs) == 2 * 2
+    for v in vs:
+        assert {v["faster"].split(":")[0], v["slower"].split(":")[0]} & {"ours-jax", "jax-dpa-core"}
+        assert {v["faster"].split(":")[0], v["slower"].split(":")[0]} & {"ours-torch", "torch-sdpa-core"}
+        assert v["ratio"] >= 1 and v["repeats"] >= 8
     for r in rows:
         assert list(r) == list(ROW_FIELDS)
         assert r["mem_source"] and r["median_s"] > 0
@@ -100,31 +112,35 @@ from parity.bench import report  # noqa: E402
 from parity.bench.spec import IMPLS, BenchCase, empty_row  # noqa: E402
 from test_bench import FakeProc  # noqa: E402
 
-FAST = [*TINY, "--impls", "ours-torch:eager:fused,torch-sdpa-core", "--passes", "fwd", "--isolation", "framework"]
+FAST = [*TINY, "--impls", "ours-torch:eager:fused,torch-sdpa-core", "--passes", "fwd", "--isolation", "run"]
 
 
-def fake_spawn(calls, fail=()):
-    """A worker launcher that runs nothing: ok rows (1 ms) unless the implementation is in `fail`."""
+def fake_spawn(calls, fail=(), noisy=(), verdicts=()):
+    """A worker launcher that runs nothing: ok rows (1 ms) unless the implementation is in `fail`
+    (an error row) or `noisy` (IQR 50 % of the median); `verdicts` are sent as the worker would."""
     impls = {im.bench_key: im for im in IMPLS}
 
     def spawn(spec, env):
         calls.append(spec)
-        lines = [f"@@PEAK\t{json.dumps({'framework': spec['framework'], 'dtype': p['dtype'], 'gflops': 1e6})}"
+        lines = [f"@@PEAK\t{json.dumps({'framework': 'torch', 'dtype': p['dtype'], 'gflops': 1e6})}"
                  for p in spec["peaks"]]
         for item in spec["items"]:
             ok = item["impl"] not in fail
+            status = "error" if not ok else ("noisy" if item["impl"] in noisy else "ok")
             row = empty_row(impls[item["impl"]], BenchCase(**item["case"]), item["pass"], device=spec["device"],
-                            status="ok" if ok else "error", median_s=1e-3 if ok else None, iqr_s=1e-5 if ok else None,
-                            message=None if ok else "RuntimeError: boom", out_fingerprint=1.0 if ok else None)
+                            status=status, median_s=1e-3 if ok else None,
+                            iqr_s=(5e-4 if status == "noisy" else 1e-5) if ok else None,
+                            message=None if status == "ok" else "RuntimeError: boom" if not ok else "noisy: IQR")
             lines += [f"@@START\t{item['id']}", f"@@ROW\t{json.dumps({'id': item['id'], **row})}"]
+        lines += [f"@@VERDICT\t{json.dumps(v)}" for v in verdicts]
         return FakeProc(lines, rc=0)
 
     return spawn
 
 
-def _run(argv, fail=()):
+def _run(argv, fail=(), noisy=(), verdicts=()):
     calls, console = [], _console()
-    rc = cli.main(argv, console=console, spawn=fake_spawn(calls, fail))
+    rc = cli.main(argv, console=console, spawn=fake_spawn(calls, fail, noisy, verdicts))
     return rc, console.file.getvalue(), calls
 
 
@@ -185,7 +201,7 @@ def test_output_paths_are_checked_before_running(tmp_path):
 
 
 def test_a_failed_write_keeps_the_results(tmp_path, monkeypatch):
-    def full_disk(path, rows, env):
+    def full_disk(path, rows, env, verdicts=()):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(report, "write_json", full_disk)
@@ -203,11 +219,65 @@ def test_a_failed_write_keeps_the_results(tmp_path, monkeypatch):
 def test_a_loaded_machine_is_warned_about_on_the_console(monkeypatch):
     import os
 
-    monkeypatch.setattr(os, "getloadavg", lambda: (99.0, 99.0, 99.0))
+    cores = os.cpu_count()
+    monkeypatch.setattr(os, "getloadavg", lambda: (cores / 2, 0.0, 0.0))  # half the cores: interference
     rc, text, _ = _run(FAST)
     assert rc == 0
-    assert "load average 99.00 at the start of the run is at or above" in text
-    assert "load average 99.00 at the end" in text
+    assert f"interference: load average {cores / 2:.2f} at the start of the run is at or above half" in text
+    assert f"load average {cores / 2:.2f} at the end" in text
+    monkeypatch.setattr(os, "getloadavg", lambda: (cores / 2 - 0.01, 0.0, 0.0))
+    assert "interference" not in _run(FAST)[1]
+
+
+def test_a_calibration_loop_that_changed_speed_is_interference():
+    assert cli.calibration_warning(1.0, 1.2) is None
+    assert "took 1.50x as long" in cli.calibration_warning(1.0, 1.5)
+    assert "took 0.50x as long" in cli.calibration_warning(1.0, 0.5)
+    assert cli.calibration_warning(1.0, None) is None
+
+
+def _verdict(conclusive=True, **kw):
+    case = BenchCase(1, 16, 16, 32, 2, "float32")
+    return {"case": case.label, "pass": "fwd", "faster": "torch-sdpa-core:eager:fused",
+            "slower": "ours-torch:eager:fused", "ratio": 1.5, "ci": [1.4, 1.6], "conclusive": conclusive,
+            "repeats": 20, **kw}
+
+
+def test_noisy_rows_are_measured_but_never_ok_nor_a_conclusive_verdict(tmp_path):
+    out = tmp_path / "b.json"
+    seq16 = [a if a != "16,32" else "16" for a in FAST]
+    rc, text, _ = _run([*seq16, "--json", str(out)], noisy=("ours-torch:eager:fused",), verdicts=[_verdict()])
+    assert rc == 0, text  # noisy is not a failure of the implementation: the exit code is unchanged
+    data = json.loads(out.read_text())
+    assert [r["status"] for r in data["rows"]] == ["noisy", "ok"]
+    # The worker's samples excluded 1, but one row is noisy: the verdict is not conclusive, and says why.
+    assert data["verdicts"][0]["conclusive"] is False
+    assert "inconclusive (ours-torch:eager:fused is noisy)" in " ".join(text.split())
+    rc, text, _ = _run([*seq16, "--json", str(out)], verdicts=[_verdict()])
+    assert json.loads(out.read_text())["verdicts"][0]["conclusive"] is True
+    assert ("torch-sdpa-core:eager:fused is 1.5x faster than ours-torch:eager:fused (95% CI 1.4-1.6, 20 repeats)"
+            in " ".join(text.split()))  # the line folds at 100 columns
+    assert list(json.loads(out.read_text())["verdicts"][0]) == [
+        "case", "pass", "faster", "slower", "ratio", "ci", "conclusive", "repeats"]
+
+
+@pytest.mark.parametrize("pair, message", [
+    ("torch-sdpa-core:eager:fused", "name two different implementations"),
+    ("torch-sdpa-core:eager:fused,torch-sdpa-core:eager:fused", "name two different implementations"),
+    ("torch-sdpa-core:eager:fused,ours-jax:jit:fused", "ours-jax:jit:fused not among the selected"),
+])
+def test_verdict_pair_must_name_two_selected_implementations(pair, message):
+    rc, text, calls = _run([*FAST, "--verdict", pair])
+    assert rc == 2 and not calls and message in text
+    rc, _, calls = _run([*FAST, "--verdict", "torch-sdpa-core:eager:fused,ours-torch:eager:fused"])
+    assert rc == 0 and calls[0]["verdict"] == ["torch-sdpa-core:eager:fused", "ours-torch:eager:fused"]
+
+
+def test_piped_output_fits_100_columns(capsys):
+    calls = []
+    assert cli.main(FAST, spawn=fake_spawn(calls, fail=("torch-sdpa-core:eager:fused",))) == 1
+    out = capsys.readouterr().out
+    assert "torch-sdpa-core eager fused" in out and max(len(ln) for ln in out.splitlines()) <= 100
 
 
 # ---------------------------------------------------------------- compare and report: bad input
@@ -281,3 +351,26 @@ def test_sharded_subcommand_reports_per_device_memory(tmp_path):
     assert rows[2]["ratio_to_1_device"] < 0.75, rows[2]  # the ring holds a (B, N, T/2, S/2) score block
     assert "overhead" in console.file.getvalue()
     assert cli.main(["sharded", "--embed", "30", "--heads", "4"], console=_console()) == 2
+
+
+def test_report_refuses_to_write_over_its_input(tmp_path):
+    saved = tmp_path / "run.json"
+    shutil.copyfile("tests/data/bench-cpu.json", saved)
+    before = saved.read_bytes()
+    for flag in ("--markdown", "--plot"):
+        console = _console()
+        assert cli.main(["report", str(saved), flag, str(tmp_path / "." / "run.json")], console=console) == 2
+        assert "is the input file" in console.file.getvalue()
+    assert saved.read_bytes() == before
+
+
+def test_compare_rejects_a_huge_json_integer_in_one_line(tmp_path):
+    good = _saved(tmp_path, "good.json", [_row()])
+    text = (tmp_path / "good.json").read_text()
+    for name, huge in (("digits.json", "1" + "0" * 5000), ("float.json", "1" + "0" * 400)):
+        (tmp_path / name).write_text(text.replace('"median_s": 0.001', f'"median_s": {huge}'))
+        for argv in (["compare", good, str(tmp_path / name)], ["compare", str(tmp_path / name), good]):
+            console = _console()
+            assert cli.main(argv, console=console) == 2
+            out = console.file.getvalue()
+            assert out.count("\n") == 1 and name in out and "Traceback" not in out, out

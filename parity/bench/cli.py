@@ -2,7 +2,8 @@
 
     mha-bench [--preset quick|default|long] [--device cpu|gpu|tpu|auto] [--impls PATTERNS]
               [--passes fwd,fwd+bwd] [--dtypes ...] [--seq ...] [--batch ..] [--embed ..] [--heads ..]
-              [--threads K] [--precision highest|default] [--json P] [--markdown P] [--plot P.png]
+              [--threads K] [--precision highest|default] [--verdict A,B]
+              [--json P] [--markdown P] [--plot P.png]
     mha-bench compare BASE.json NEW.json [--threshold 0.10]
     mha-bench report RUN.json [--markdown P] [--plot P.png]
     mha-bench sharded [--devices 1,2,4] [--layouts sp,tp] [--seq 4096] [--json P] [--markdown P]
@@ -17,6 +18,11 @@ Exit codes (a run is a pass only if it measured something and nothing failed):
        that is not a valid mha-bench JSON, or no row to compare
     3  the run finished but a report file could not be written: the table was printed
        and the results were saved as JSON in the temporary directory (the path is printed)
+  130  interrupted (Ctrl-C): the worker was ended, the rows measured so far were printed
+       and written to the requested reports, the others say they were not run
+
+A `noisy` row (IQR/median above spec.NOISY_IQR) is measured, not failed: it does not
+change the exit code, but it is never `ok` and never supports a conclusive verdict.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 from dataclasses import replace
 
 from rich.console import Console
@@ -34,12 +41,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from parity.atomic import writable_problem
 from parity.bench import report, runner
-from parity.bench.spec import DTYPES, IMPLS, PASSES, PRESETS, BenchCase, select_impls
+from parity.bench.spec import DTYPES, IMPLS, MEASURED, PASSES, PRESETS, BenchCase, select_impls
 from parity.impls import load_user_impl
 from parity.cli_args import comma_separated, nonnegative_int, positive_float, positive_int
 from parity.cli_args import positive_ints as _ints
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_WRITE = 0, 1, 2, 3
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_WRITE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 OUTPUTS = (("--json", "json"), ("--markdown", "markdown"), ("--plot", "plot"))
 
 
@@ -49,7 +56,8 @@ def run_parser() -> argparse.ArgumentParser:
         description="Jit benchmark of multi-head attention across torch and JAX "
         "(also: `mha-bench compare BASE.json NEW.json`, `mha-bench report RUN.json`).",
         epilog="implementations: " + ", ".join(im.bench_key for im in IMPLS)
-        + ". Exit: 0 pass, 1 an item failed or nothing was measured, 2 usage error, 3 a report could not be written.",
+        + ". Exit: 0 pass, 1 an item failed or nothing was measured, 2 usage error, 3 a report could not be written, "
+        "130 interrupted (partial report written).",
     )
     p.add_argument("--preset", choices=sorted(PRESETS), default="quick", help="grid and timing preset (default quick)")
     p.add_argument("--device", choices=("cpu", "gpu", "tpu", "auto"), default="cpu",
@@ -70,10 +78,14 @@ def run_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", type=positive_float, help="seconds of timed repeats per item (overrides the preset)")
     p.add_argument("--min-repeats", type=positive_int)
     p.add_argument("--peak-sizes", type=_ints, help="square matmul sizes for the measured peak (overrides the preset)")
-    p.add_argument("--isolation", choices=("case", "framework"),
-                   help="one worker per (framework, case) or per framework (default: the preset's)")
+    p.add_argument("--isolation", choices=("case", "run"),
+                   help="one worker (both frameworks) per case, or one for the whole run (default: the preset's)")
     p.add_argument("--sequential", action="store_true",
-                   help="time implementations one after another instead of round-robin per (case, pass)")
+                   help="time implementations one after another instead of round-robin per (case, pass): "
+                   "samples are then not paired")
+    p.add_argument("--verdict", metavar="A,B",
+                   help="the two implementations (full keys, e.g. ours-jax:jit:fused,torch-sdpa-core:eager:fused) every "
+                   "verdict compares (default: the fastest of each framework)")
     p.add_argument("--item-timeout", type=positive_float, default=1800.0, help="seconds before a stuck item is killed")
     p.add_argument("--seed", type=nonnegative_int, default=0, help="NumPy seed for weights and inputs (>= 0)")
     p.add_argument("--json", metavar="PATH")
@@ -117,11 +129,25 @@ def build_config(args) -> runner.RunConfig:
     impls = (*impls, *(u for u in user if u.bench_key not in {i.bench_key for i in impls}))
     if args.peak_sizes:
         preset = replace(preset, peak_sizes=args.peak_sizes)
+    pair = _verdict_pair(args.verdict, impls) if args.verdict is not None else None
     return runner.RunConfig(
         preset=preset, device=device, device_absent=absent, impls=impls, cases=cases, user_impls=tuple(args.impl),
         passes=args.passes or preset.passes, threads=args.threads, precision=args.precision, seed=args.seed,
         isolation=args.isolation or preset.isolation, interleave=not args.sequential, item_timeout_s=args.item_timeout, timing=timing,
+        verdict=pair,
     )
+
+
+def _verdict_pair(spec: str, impls) -> tuple[str, str]:
+    """--verdict A,B: two different keys of selected implementations."""
+    keys = [k.strip() for k in spec.split(",")]
+    known = [im.bench_key for im in impls]
+    if len(keys) != 2 or not all(keys) or keys[0] == keys[1]:
+        raise ValueError(f"--verdict {spec!r}: name two different implementations, e.g. {','.join(known[:2])}")
+    missing = [k for k in keys if k not in known]
+    if missing:
+        raise ValueError(f"--verdict: {', '.join(missing)} not among the selected implementations: {', '.join(known)}")
+    return keys[0], keys[1]
 
 
 def check_outputs(args) -> list[tuple[str, str]]:
@@ -145,21 +171,37 @@ def _error(console: Console, text: str) -> None:
 
 
 def _warn(console: Console, text: str) -> None:
-    console.print(text, style="yellow", markup=False, soft_wrap=True)
+    console.print(text, style="yellow", markup=False, width=min(console.width, report.CONSOLE_WIDTH))
 
 
 def load_warning(when: str, load, cores: int | None) -> str | None:
-    """A warning when the 1-minute load average is at or above the core count."""
-    if not load or not cores or load[0] < cores:
+    """Interference: the 1-minute load average at or above half the cores."""
+    if not load or not cores or load[0] < cores / 2:
         return None
-    return (f"warning: load average {load[0]:.2f} at the {when} of the run is at or above the {cores} cores: "
-            "other processes compete for the CPU, so timings are noisy and ratios between runs unreliable")
+    return (f"interference: load average {load[0]:.2f} at the {when} of the run is at or above half the {cores} cores: "
+            "other processes compete for the CPU; rows may turn noisy and verdicts inconclusive")
 
 
-def _warn_load(console: Console, when: str, load) -> None:
-    text = load_warning(when, load, os.cpu_count())
-    if text:
-        _warn(console, text)
+CALIBRATION_DRIFT = 0.25  # the calibration loop slowing or speeding by more than this is interference
+
+
+def calibrate(repeats: int = 5) -> float:
+    """Seconds for a fixed pure-Python loop (the fastest of a few): how fast one core is right now."""
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x = 0
+        for i in range(200_000):
+            x += i * i
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def calibration_warning(start: float | None, end: float | None) -> str | None:
+    if not start or not end or abs(end / start - 1) <= CALIBRATION_DRIFT:
+        return None
+    return (f"interference: a fixed calibration loop took {end / start:.2f}x as long at the end of the run as at the "
+            "start: the machine's speed changed while it ran")
 
 
 def _loadavg():
@@ -184,7 +226,7 @@ def _execute(cfg, items, no_progress: bool, console: Console, spawn):
         return runner.execute(cfg, items, on_event, **kw)
 
 
-def write_outputs(outputs, rows, env: dict, console: Console, keep_results: bool = True) -> bool:
+def write_outputs(outputs, rows, env: dict, console: Console, keep_results: bool = True, verdicts=()) -> bool:
     """Write every requested report; True if all were written. On a failure say so and, unless
     a JSON was written (or `keep_results` is off: `report` re-renders a file that exists), save
     the results as JSON in the temporary directory and say where."""
@@ -192,7 +234,7 @@ def write_outputs(outputs, rows, env: dict, console: Console, keep_results: bool
     failed, json_written = [], False
     for flag, path in outputs:
         try:
-            writers[flag](path, rows, env)
+            writers[flag](path, rows, env, verdicts)
             json_written = json_written or flag == "--json"
         except Exception as e:  # noqa: BLE001 - a full disk or a plotting bug must not lose the results
             failed.append(flag)
@@ -200,18 +242,18 @@ def write_outputs(outputs, rows, env: dict, console: Console, keep_results: bool
     if failed and keep_results and not json_written:
         fd, fallback = tempfile.mkstemp(prefix="mha-bench-results-", suffix=".json")
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(report.to_json(rows, env), f, indent=1, allow_nan=False)
+            json.dump(report.to_json(rows, env, verdicts), f, indent=1, allow_nan=False)
         _error(console, f"mha-bench: the results are kept in {fallback}")
     return not failed
 
 
-def verdict(rows, console: Console) -> int:
+def exit_code(rows, console: Console) -> int:
     """EXIT_FAILED when an item failed or nothing was measured, else EXIT_OK; says which."""
     counts = collections.Counter(r["status"] for r in rows)
     if counts["error"]:
         _error(console, f"{counts['error']} item(s) failed; see the status column")
         return EXIT_FAILED
-    if not counts["ok"]:
+    if not sum(counts[s] for s in MEASURED):
         reasons = collections.Counter(r.get("message") or "" for r in rows if r["status"] == "skip")
         why = "; ".join(f"{n}× {msg}" for msg, n in reasons.most_common(3))
         _error(console, f"mha-bench: nothing was measured: all {len(rows)} row(s) are skip rows ({why})")
@@ -235,18 +277,30 @@ def run(argv, console: Console, spawn=None) -> int:
         return EXIT_OK
     if cfg.device_absent:
         _warn(console, f"mha-bench: device {cfg.device} not present ({cfg.device_absent}): every item is a skip row")
-    load_start = _loadavg()
-    _warn_load(console, "start", load_start)
+    load_start, calib_start = _loadavg(), calibrate()
+    start_text = load_warning("start", load_start, os.cpu_count())
+    if start_text:
+        _warn(console, start_text)
     collected = _execute(cfg, items, args.no_progress, console, spawn)
-    rows = runner.finish(items, collected, cfg.precision)
-    env = {"loadavg_start": load_start, **runner.bench_environment(cfg, collected)}
+    if collected.interrupted:
+        _warn(console, "mha-bench: interrupted: the worker was ended; the items not run are reported as such")
+        load_end, calib_end = _loadavg(), None
+    else:
+        load_end, calib_end = _loadavg(), calibrate()
+    rows = runner.finish(items, collected)
+    vs = runner.finish_verdicts(items, rows, collected)
+    end_texts = [t for t in (load_warning("end", load_end, os.cpu_count()), calibration_warning(calib_start, calib_end)) if t]
+    interference = [t for t in (start_text, *end_texts) if t]
+    env = {"loadavg_start": load_start, **runner.bench_environment(cfg, collected), "loadavg_end": load_end,
+           "calibration_s": [calib_start, calib_end], "interference": interference, "interrupted": collected.interrupted}
     report.print_table(rows, console)
-    for r in rows:
-        if r["status"] == "ok" and r.get("warning"):
-            _warn(console, f"warning: {r['impl']} {r['mode']} {r['pass']} {r['seq_q']}: {r['warning']}")
-    _warn_load(console, "end", env["loadavg_end"])
-    written = write_outputs(outputs, rows, env, console)
-    code = verdict(rows, console)
+    report.print_verdicts(vs, rows, console)
+    for text in end_texts:
+        _warn(console, text)
+    written = write_outputs(outputs, rows, env, console, verdicts=vs)
+    if collected.interrupted:
+        return EXIT_INTERRUPTED
+    code = exit_code(rows, console)
     return code if written else EXIT_WRITE
 
 
@@ -302,6 +356,9 @@ def report_main(argv, console: Console) -> int:
     args.json = None  # report writes no JSON
     try:
         outputs = check_outputs(args)
+        for flag, path in outputs:
+            if os.path.realpath(path) == os.path.realpath(args.input):
+                raise ValueError(f"{flag} {path} is the input file: it would overwrite the saved run")
     except ValueError as e:
         _error(console, f"mha-bench report: error: {e}")
         return EXIT_USAGE
@@ -310,7 +367,9 @@ def report_main(argv, console: Console) -> int:
         return EXIT_USAGE
     data = loaded[0]
     report.print_table(data["rows"], console)
-    written = write_outputs(outputs, data["rows"], data.get("environment", {}), console, keep_results=False)
+    report.print_verdicts(data.get("verdicts", []), data["rows"], console)
+    written = write_outputs(outputs, data["rows"], data.get("environment", {}), console, keep_results=False,
+                            verdicts=data.get("verdicts", []))
     return EXIT_OK if written else EXIT_WRITE
 
 
@@ -320,13 +379,17 @@ def main(argv=None, console: Console | None = None, spawn=None) -> int:
     if console is None:
         console = Console()
         if not console.is_terminal:
-            console = Console(width=160)  # redirected to a file or a CI log: do not fold at 80
-    if argv[:1] == ["compare"]:
-        return compare_main(argv[1:], console)
-    if argv[:1] == ["sharded"]:
-        from parity.bench import sharded_cli
+            console = Console(width=100)  # redirected to a file or a CI log: the table is made for 100 columns
+    try:
+        if argv[:1] == ["compare"]:
+            return compare_main(argv[1:], console)
+        if argv[:1] == ["sharded"]:
+            from parity.bench import sharded_cli
 
-        return sharded_cli.main(argv[1:], console)
-    if argv[:1] == ["report"]:
-        return report_main(argv[1:], console)
-    return run(argv, console, spawn)
+            return sharded_cli.main(argv[1:], console)
+        if argv[:1] == ["report"]:
+            return report_main(argv[1:], console)
+        return run(argv, console, spawn)
+    except KeyboardInterrupt:  # outside the sweep (which reports what it measured): nothing to save
+        _error(console, "mha-bench: interrupted")
+        return EXIT_INTERRUPTED

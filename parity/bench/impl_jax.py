@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from mha_jax import kernels
 
@@ -85,9 +86,12 @@ def build(impl: Implementation, case: BenchCase, pass_: str, device: str, seed: 
         program.lower(*args2).compile()
         return clock() - t0
 
-    fingerprint = None
-    if pass_ == "fwd":
-        fingerprint = lambda out: float(jnp.abs(out[0].astype(jnp.float32)).mean())  # noqa: E731
+    forward = None if pass_ == "fwd" else _program(runner, built, "fwd")  # fwd+bwd: its forward, for the check
+
+    def output():
+        out = holder["compiled"](*args) if forward is None else forward(*args)
+        return np.asarray(out[0].astype(jnp.float32))
+
     if device == "cpu":
         rss = CpuPeakRss()
         memory = lambda: rss(step, sync)  # noqa: E731
@@ -101,17 +105,18 @@ def build(impl: Implementation, case: BenchCase, pass_: str, device: str, seed: 
             total = ma.temp_size_in_bytes + ma.output_size_in_bytes
             return int(total), f"{device}: XLA memory_analysis temp + output bytes of the compiled program", out
     return Bench(
-        step=step, sync=sync, aot_compile=aot_compile, recompile=recompile, fingerprint=fingerprint, memory=memory,
+        step=step, sync=sync, aot_compile=aot_compile, recompile=recompile, output=output, memory=memory,
         kernel=kernel_of(impl, case, dev),
     )
 
 
 def kernel_of(impl: Implementation, case: BenchCase, device) -> str:
-    """What runs inside: for our fused path the kernel `mha_jax.kernels` chooses (with its blocks)."""
+    """What runs inside: for our fused path the kernel `mha_jax.kernels` chooses, with its blocks and
+    where the choice came from (user table, built-in, other cpu, rule, no rows), e.g. "chunked 512x512 (built-in)"."""
     if impl.family == "ours-jax" and not impl.returns_weights:
         c = kernels.fused_choice(case.batch, case.heads, case.seq_q, case.seq_k, case.embed // case.heads,
                                  jnp.dtype(case.dtype), has_mask=False, device=device)
-        return c.kernel + (f" {c.q_chunk}x{c.k_chunk}" if c.kernel == "chunked" else "")
+        return c.kernel + (f" {c.q_chunk}x{c.k_chunk}" if c.kernel == "chunked" else "") + f" ({c.source})"
     return {"ours-jax": "einsum (weights)", "jax-dpa-core": "dpa-xla"}.get(impl.family or impl.name, impl.family or impl.name)
 
 

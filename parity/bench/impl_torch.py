@@ -115,14 +115,18 @@ def build(impl: Implementation, case: BenchCase, pass_: str, device: str, seed: 
         step2 = _step(runner, built, case.shrunk(), pass_, device, seed)
         recompile = lambda clock: first_call_overhead(step2, sync, clock)  # noqa: E731
     step = _step(runner, built, case, pass_, device, seed)
-    fingerprint = None
-    if pass_ == "fwd":
-        fingerprint = lambda out: float(out[0].double().abs().mean())  # noqa: E731
+    q, k, v = _tensors(case, device, seed, requires_grad=False)
+
+    def output():
+        with torch.inference_mode():
+            out, _ = runner.call(built, q, k, v)
+        return out.detach().float().cpu().numpy()
+
     kernel = "sdpa" if not impl.returns_weights else "bmm-softmax (weights)"
     return Bench(
         kernel=kernel if impl.role != "user" else impl.name,
         step=step, sync=sync, compiles_on_first_call=impl.mode == "compile", recompile=recompile,
-        fingerprint=fingerprint, memory=_memory_probe(device, step, sync),
+        output=output, memory=_memory_probe(device, step, sync),
     )
 
 

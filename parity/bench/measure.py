@@ -2,14 +2,16 @@
 
 An implementation hands over a `Bench`: a no-argument `step` (one call of the
 thing being measured, returning its outputs), a `sync` that waits for those
-outputs, and optionally how it compiles. `run_bench` then
+outputs, and optionally how it compiles. `time_group` then, for every
+implementation of one (case, pass):
 
 1. compiles ahead of time if it can (JAX: `.lower(...).compile()`), timed as compile_s;
 2. otherwise, for compile-on-first-call (torch.compile), times the first call and
    reports compile_s = first call - steady median;
-3. runs `warmup` discarded calls;
-4. repeats timed calls, each ending in `sync`, until the budget is spent (at least
-   min_repeats, at most max_repeats), and reports median, IQR and min;
+3. runs `warmup` discarded calls (the memory probe and the output check are two of them);
+4. times rounds, one synchronised call of every implementation per round, reversing
+   the order each round (A B C, C B A, ...), until the verdict's interval is narrow
+   enough or the budget is spent (`Timing`), and reports median, IQR and min;
 5. measures the recompilation cost of a shape change, if the bench offers one.
 """
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import math
 import os
 import re
 import time
@@ -24,9 +27,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
-from parity.bench.spec import Timing
+from parity.bench.spec import NOISY_IQR, Timing
 
 Clock = Callable[[], float]
 
@@ -38,10 +42,10 @@ class Stats:
     min_s: float
     repeats: int
 
-    def warning(self, iqr_warn: float) -> str | None:
-        """Noisy when the interquartile range exceeds iqr_warn of the median."""
-        if self.median_s > 0 and self.iqr_s / self.median_s > iqr_warn:
-            return f"noisy: IQR/median = {self.iqr_s / self.median_s:.0%} > {iqr_warn:.0%}"
+    def noise(self, threshold: float = NOISY_IQR) -> str | None:
+        """Why the row is `noisy` (its IQR above `threshold` of the median), or None."""
+        if self.median_s > 0 and self.iqr_s / self.median_s > threshold:
+            return f"noisy: IQR/median = {self.iqr_s / self.median_s:.1%} > {threshold:.0%}"
         return None
 
 
@@ -61,16 +65,6 @@ def timed_call(step: Callable[[], Any], sync: Callable[[Any], None], clock: Cloc
     return clock() - t0
 
 
-def repeat(step, sync, timing: Timing, clock: Clock) -> list[float]:
-    times: list[float] = []
-    start = clock()
-    while len(times) < timing.max_repeats:
-        times.append(timed_call(step, sync, clock))
-        if len(times) >= timing.min_repeats and clock() - start >= timing.budget_s:
-            break
-    return times
-
-
 def first_call_overhead(step, sync, clock: Clock, steady_calls: int = 3) -> float:
     """Compile-on-first-call cost: the first call minus the fastest of a few steady calls."""
     first = timed_call(step, sync, clock)
@@ -87,23 +81,25 @@ class Bench:
     aot_compile: Callable[[], Any] | None = None  # compiles; the call is timed as compile_s
     compiles_on_first_call: bool = False  # torch.compile
     recompile: Callable[[Clock], float] | None = None  # seconds to recompile for a new shape
-    fingerprint: Callable[[Any], float] | None = None  # mean |output| of a step's output: equal work
+    # One untimed forward call, its output (B, T, E) as a NumPy array: every implementation
+    # of a case must compute the same output (`same_output`). It stands in for a warm-up call.
+    output: Callable[[], np.ndarray] | None = None
     # One untimed call under a peak-memory probe: (bytes, source, the call's output). It
     # stands in for the last warm-up call, so that slow cases pay no extra call for it.
     memory: Callable[[], tuple[int | None, str, Any]] | None = None
     kernel: str | None = None  # what actually ran (e.g. the JAX fused path's choice), for the row
 
 
-def run_bench(bench: Bench, timing: Timing, clock: Clock = time.perf_counter) -> dict:
-    """Time one item; returns the row fields it measured."""
-    res = run_interleaved([bench], timing, clock)[0]
-    if isinstance(res, Exception):
-        raise res
-    return res
+@dataclass
+class Prepared:
+    compile_s: float | None
+    first_call_s: float | None  # torch.compile's compiling call, None otherwise
+    fields: dict  # row fields measured while preparing (memory)
+    output: np.ndarray | None
 
 
-def _prepare(bench: Bench, timing: Timing, clock: Clock) -> tuple[float | None, float | None, dict]:
-    """Compile and warm up one bench: (compile_s or None, first-call time or None, extra row fields)."""
+def prepare(bench: Bench, timing: Timing, clock: Clock) -> Prepared:
+    """Compile and warm up one bench; its output and peak memory come from two of the warm-up calls."""
     compile_s = first = None
     if bench.aot_compile is not None:
         t0 = clock()
@@ -112,77 +108,162 @@ def _prepare(bench: Bench, timing: Timing, clock: Clock) -> tuple[float | None, 
     warmup = timing.warmup
     if bench.compiles_on_first_call:
         first = timed_call(bench.step, bench.sync, clock)
-        warmup = max(warmup - 1, 0)  # the compiling call already warmed up
-    extra = {}
+        warmup -= 1  # the compiling call already warmed up
+    output = None
+    if bench.output is not None:
+        output = bench.output()
+        warmup -= 1
     if bench.memory is not None:
-        warmup = max(warmup - 1, 0)  # the probed call is a warm-up call
-    for _ in range(warmup):
+        warmup -= 1
+    for _ in range(max(warmup, 0)):
         timed_call(bench.step, bench.sync, clock)
-    out = None
+    fields = {}
     if bench.memory is not None:
-        extra["peak_mem_bytes"], extra["mem_source"], out = bench.memory()
-    if bench.fingerprint is not None:
-        if out is None:
-            out = bench.step()
-        extra["out_fingerprint"] = bench.fingerprint(out)
-    return compile_s, first, extra
+        fields["peak_mem_bytes"], fields["mem_source"], _ = bench.memory()
+    return Prepared(compile_s, first, fields, output)
 
 
-def run_interleaved(
-    benches: list[Bench], timing: Timing, clock: Clock = time.perf_counter, on_prepare=lambda i: None,
-) -> list[dict | Exception]:
-    """Time several benches of one case round-robin, alternating direction: A, B, C, C, B, A, A, ...
+def sample(
+    benches: dict[int, Bench], timing: Timing, clock: Clock = time.perf_counter, interleave: bool = True,
+    settled: Callable[[dict[int, list[float]]], bool] | None = None,
+) -> tuple[dict[int, list[float]], dict[int, Exception]]:
+    """Timed calls of prepared benches: ({slot: seconds per call}, {slot: the exception it raised}).
 
-    On a shared machine the load drifts over seconds; timing implementations one
-    after the other turns that drift into fake ratios between them. Interleaving
-    gives every implementation the same share of each load phase, so their ratio
-    holds even when the absolute times move. Reversing every other round removes
-    what a fixed order leaves: a linear drift within a round, and the cost of
-    always following the same neighbour (measured: a fixed A, B order showed ours-jax
-    1.06x flax.nnx at T=2048; alternating, 0.99x). Each bench keeps its own budget (time
-    spent in its own timed calls), min and max repeats. A bench that raises gets
-    its exception in its slot and leaves the rotation; the others go on.
+    Interleaved (the default): rounds of one call each, alternating direction: A, B, C, C, B, A, A, ...
+    On a shared machine the load drifts over seconds; timing implementations one after the
+    other turns that drift into fake ratios between them. Round-robin gives every implementation
+    the same share of each load phase, and the i-th calls of two implementations form a pair
+    that saw the same moment (`verdict`). Reversing every other round removes what a fixed order
+    leaves: a linear drift within a round, and the cost of always following the same neighbour
+    (measured: a fixed A, B order showed ours-jax 1.06x flax.nnx at T=2048; alternating, 0.99x).
+    A bench that raises leaves the rotation; the others go on.
+
+    Stops after min_repeats rounds once `settled(times)` (checked at rounds growing by a quarter,
+    so the bootstrap costs little) or once the timed calls spent budget_s per bench; at
+    max_repeats at the latest. Sequential (interleave=False): each bench alone, same rules.
     """
+    times: dict[int, list[float]] = {i: [] for i in benches}
+    errors: dict[int, Exception] = {}
+
+    def run_rounds(slots: list[int]) -> None:
+        active, forward, rounds, next_check = list(slots), True, 0, timing.min_repeats
+        while active:
+            for i in list(active) if forward else list(reversed(active)):
+                try:
+                    times[i].append(timed_call(benches[i].step, benches[i].sync, clock))
+                except Exception as e:  # noqa: BLE001 - recorded per bench
+                    errors[i] = e
+                    active.remove(i)
+            forward, rounds = not forward, rounds + 1
+            if rounds >= timing.max_repeats:
+                break
+            if rounds < timing.min_repeats:
+                continue
+            if sum(sum(times[i]) for i in slots) >= timing.budget_s * len(slots):
+                break
+            if settled is not None and rounds >= next_check:
+                next_check = max(rounds + 1, math.ceil(rounds * 1.25))
+                if settled({i: times[i] for i in active}):
+                    break
+
+    if interleave:
+        run_rounds(list(benches))
+    else:
+        for i in benches:
+            run_rounds([i])
+    return times, errors
+
+
+def time_group(
+    benches: list[Bench], timing: Timing, clock: Clock = time.perf_counter, on_prepare=lambda i: None,
+    interleave: bool = True, settled=None,
+) -> list[dict | Exception]:
+    """Prepare, sample and summarise several benches of one (case, pass); per slot the row fields
+    it measured (with its raw `samples` and `output`) or the exception it raised."""
     results: list = [None] * len(benches)
     prepared = {}
     for i, b in enumerate(benches):
         on_prepare(i)
         try:
-            prepared[i] = _prepare(b, timing, clock)
+            prepared[i] = prepare(b, timing, clock)
         except Exception as e:  # noqa: BLE001 - recorded per bench
             results[i] = e
-    times: dict[int, list[float]] = {i: [] for i in prepared}
-    active = list(prepared)
-    forward = True
-    while active:
-        for i in list(active) if forward else list(reversed(active)):
-            try:
-                times[i].append(timed_call(benches[i].step, benches[i].sync, clock))
-            except Exception as e:  # noqa: BLE001
-                results[i] = e
-                active.remove(i)
-                continue
-            n, spent = len(times[i]), sum(times[i])
-            if n >= timing.max_repeats or (n >= timing.min_repeats and spent >= timing.budget_s):
-                active.remove(i)
-        forward = not forward
-    for i, (compile_s, first, extra) in prepared.items():
-        if results[i] is not None:
-            continue
-        stats = summarize(times[i])
-        if first is not None:
-            compile_s = max(first - stats.median_s, 0.0)
-        try:
-            recompile_s = benches[i].recompile(clock) if benches[i].recompile is not None else None
-        except Exception as e:  # noqa: BLE001
-            results[i] = e
-            continue
-        results[i] = {
-            "compile_s": compile_s, "recompile_s": recompile_s, "median_s": stats.median_s,
-            "iqr_s": stats.iqr_s, "min_s": stats.min_s, "repeats": stats.repeats,
-            "warning": stats.warning(timing.iqr_warn), **extra,
-        }
+    times, errors = sample({i: benches[i] for i in prepared}, timing, clock, interleave, settled)
+    for i, p in prepared.items():
+        results[i] = errors.get(i) or summary(benches[i], p, times[i], clock)
     return results
+
+
+def summary(bench: Bench, p: Prepared, times: list[float], clock: Clock) -> dict | Exception:
+    """The row fields of one timed bench (recompilation measured now, after its samples)."""
+    stats = summarize(times)
+    compile_s = p.compile_s if p.first_call_s is None else max(p.first_call_s - stats.median_s, 0.0)
+    try:
+        recompile_s = bench.recompile(clock) if bench.recompile is not None else None
+    except Exception as e:  # noqa: BLE001
+        return e
+    noise = stats.noise()
+    return {
+        "compile_s": compile_s, "recompile_s": recompile_s, "median_s": stats.median_s,
+        "iqr_s": stats.iqr_s, "min_s": stats.min_s, "repeats": stats.repeats,
+        "status": "noisy" if noise else "ok", "message": noise, **p.fields,
+        "samples": list(times), "output": p.output,
+    }
+
+
+def run_bench(bench: Bench, timing: Timing, clock: Clock = time.perf_counter) -> dict:
+    """Time one bench alone; returns the row fields it measured."""
+    res = time_group([bench], timing, clock)[0]
+    if isinstance(res, Exception):
+        raise res
+    return res
+
+
+# ---------------------------------------------------------------- the same computation
+
+
+def output_bound(dtype: str, precision: str = "highest") -> tuple[float, float, bool]:
+    """(atol, rtol, elementwise) for |out - reference| between two implementations' outputs of one case.
+
+    From the tolerance table (`parity.tolerances`): each implementation may be off the exact
+    answer by the table's forward bound, so two of them may differ by twice it, elementwise:
+    |out - ref| <= 2·atol + 2·rtol·|ref|. 16-bit dtypes (and float32 matmuls at "default"
+    precision, which may round their inputs to bfloat16 on an accelerator): the table judges
+    those against the oracle's own maths in that dtype (three-way), which the benchmark does
+    not run, so the yardstick is k units of rounding (k = the table's three_way_k) of the
+    output's largest value, for each of the two: |out - ref| <= 2·atol + 2·k·eps·max|ref|.
+    """
+    from parity.bench.spec import DTYPES
+    from parity.tolerances import tolerance_for
+
+    judged = "bfloat16" if dtype == "float32" and precision == "default" else dtype
+    tol = tolerance_for(DTYPES[judged])
+    if tol.three_way_k is None:
+        return 2 * tol.forward.atol, 2 * tol.forward.rtol, True
+    return 2 * tol.forward.atol, 2 * tol.three_way_k * float(ml_dtypes.finfo(DTYPES[judged]).eps), False
+
+
+def same_output(out: np.ndarray, ref: np.ndarray, dtype: str, precision: str = "highest") -> tuple[float, str | None]:
+    """(max |out - ref|, None) if `out` computes what `ref` does (`output_bound`), else (that, why not).
+    NaNs must sit at the same places."""
+    a, r = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    if a.shape != r.shape:
+        return math.inf, f"output shape {a.shape} differs from the reference's {r.shape}"
+    nan_a, nan_r = np.isnan(a), np.isnan(r)
+    if np.any(nan_a != nan_r):
+        return math.inf, f"NaN at {int(np.count_nonzero(nan_a != nan_r))} place(s) where the reference has none, or the reverse"
+    diff = np.where(nan_r, 0.0, np.abs(a - r))
+    atol, rtol, elementwise = output_bound(dtype, precision)
+    size = np.where(nan_r, 0.0, np.abs(r))
+    bound = atol + rtol * (size if elementwise else size.max(initial=0.0))
+    worst = float(diff.max(initial=0.0))
+    over = diff > bound
+    if not np.any(over):
+        return worst, None
+    at = np.unravel_index(int(np.argmax(np.where(over, diff - bound, -np.inf))), diff.shape)
+    scale = "|ref|" if elementwise else "max|ref|"
+    return worst, (f"max |out - reference| {worst:.3g} > {atol:.3g} + {rtol:.3g}·{scale} at index "
+                   f"{tuple(int(x) for x in at)} ({int(np.count_nonzero(over))} of {diff.size} elements)")
 
 
 def apply_peak(row: dict, flops: int, peak_gflops: float | None) -> dict:
@@ -192,7 +273,7 @@ def apply_peak(row: dict, flops: int, peak_gflops: float | None) -> dict:
     code eliminated) or the FLOP count is wrong, so the row is demoted to `error`.
     """
     row = dict(row)
-    if row.get("status") != "ok" or not row.get("median_s"):
+    if row.get("status") not in ("ok", "noisy") or not row.get("median_s"):
         return row
     gflops = flops / row["median_s"] / 1e9
     row["gflops"] = gflops

@@ -1,24 +1,32 @@
-"""Outputs: the rich table, JSON, Markdown, the plot, and `compare`.
+"""Outputs: the console table and verdicts, JSON, Markdown, the plot, and `compare`.
 
+The console table fits 100 columns; the Markdown has every column and every message.
 Rows flagged `error` after they were timed (a rate above the measured peak, an output that
-differs from the others') keep their numbers: the tables show them with an "(error)" mark and
-the plot draws them with a red cross, so a reader sees what was rejected instead of a hole.
+differs from the others') keep their numbers: the Markdown marks them "(error)", the console
+shows them in red and the plot draws them with a red cross, so a reader sees what was
+rejected instead of a hole.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 from dataclasses import dataclass, field
 
+from rich import box
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from parity.atomic import atomic_path, write_atomic
-from parity.bench.spec import ROW_FIELDS, STATUSES
+from parity.bench import verdict as verdicts
+from parity.bench.spec import MEASURED, NOISY_IQR, ROW_FIELDS, STATUSES, row_key
 
-SCHEMA = "mha-bench/1"
+SCHEMA = "mha-bench/2"  # /2: the `noisy` status and `verdicts`
+READABLE_SCHEMAS = ("mha-bench/1", SCHEMA)
+CONSOLE_WIDTH = 100
 MATCH_KEY = ("impl", "mode", "pass", "batch", "seq_q", "seq_k", "embed", "heads", "dtype", "need_weights")
 
 
@@ -26,8 +34,12 @@ def _variant(row) -> str:
     return f"{row['impl']} {row['mode']} {'weights' if row['need_weights'] else 'fused'}"
 
 
-def _case(row) -> str:
+def case_label(row) -> str:
+    """The case as rows and verdicts name it (`BenchCase.label`)."""
     return f"B={row['batch']} T={row['seq_q']} S={row['seq_k']} E={row['embed']} N={row['heads']} {row['dtype']}"
+
+
+_case = case_label
 
 
 def _fmt_s(x) -> str:
@@ -44,16 +56,17 @@ def _mem(x) -> str:
     return "-" if x is None else f"{x / 2**20:.0f} MiB"
 
 
-COLUMNS = ("case", "pass", "implementation", "median", "IQR", "ratio", "GFLOP/s", "peak", "compile", "recompile", "mem", "status")
+COLUMNS = ("case", "pass", "implementation", "median", "IQR", "ratio", "GFLOP/s", "peak", "compile", "recompile",
+           "mem", "out diff", "status")
+
+
+def _note(row) -> str:
+    return row["status"] + (f": {row['message']}" if row.get("message") else "")
 
 
 def _cells(row) -> list[str]:
-    status = row["status"]
-    if status != "ok":
-        note = f"{status}: {row.get('message') or ''}"
-    else:
-        note = "ok" + (f" ({row['warning']})" if row.get("warning") else "")
-    mark = " (error)" if status == "error" else ""  # a number that was measured but not trusted
+    """The Markdown cells of a row: every column, the status with its message."""
+    mark = " (error)" if row["status"] == "error" else ""  # a number that was measured but not trusted
 
     def marked(x, spec):
         return "-" if x is None else spec.format(x) + mark
@@ -63,34 +76,74 @@ def _cells(row) -> list[str]:
     return [
         _case(row), row["pass"], _variant(row) + chosen, _fmt_s(row["median_s"]), _fmt_s(row["iqr_s"]),
         marked(row["ratio"], "{:.2f}×"), marked(row["gflops"], "{:.1f}"), marked(row["peak_fraction"], "{:.0%}"),
-        _fmt_s(row["compile_s"]), _fmt_s(row["recompile_s"]), _mem(row["peak_mem_bytes"]), note,
+        _fmt_s(row["compile_s"]), _fmt_s(row["recompile_s"]), _mem(row["peak_mem_bytes"]),
+        _fmt(row.get("out_max_diff"), "{:.2g}"), _note(row),
+    ]
+
+
+CONSOLE_COLUMNS = ("pass", "implementation", "median", "IQR", "ratio", "GFLOP/s", "peak", "compile", "status")
+_STATUS_STYLE = {"error": "red", "noisy": "yellow", "skip": "dim"}
+
+
+def _console_cells(row) -> list[str]:
+    iqr = None if not row.get("median_s") or row.get("iqr_s") is None else row["iqr_s"] / row["median_s"]
+    return [
+        row["pass"], _variant(row), _fmt_s(row["median_s"]), _fmt(iqr, "{:.0%}"), _fmt(row["ratio"], "{:.2f}×"),
+        _fmt(row["gflops"], "{:.1f}"), _fmt(row["peak_fraction"], "{:.0%}"), _fmt_s(row["compile_s"]), row["status"],
     ]
 
 
 def print_table(rows, console: Console | None = None) -> None:
-    """One table per case (ratio = median / fastest implementation of that case and pass)."""
+    """One table per case, at most CONSOLE_WIDTH columns wide; then the messages of the rows
+    that are not ok (errors one by one, skips counted by reason). The Markdown has the rest."""
     console = console or Console()
+    width = min(console.width, CONSOLE_WIDTH)
     by_case: dict = {}
     for row in rows:
         by_case.setdefault(_case(row), []).append(row)
     for case, members in by_case.items():
-        table = Table(title=f"{case}  (ratio = median / fastest ok row of the same pass)", title_justify="left")
-        for col in COLUMNS[1:]:
-            table.add_column(col, overflow="fold", no_wrap=col not in ("status", "implementation"))
-        for row in members:
-            table.add_row(*(escape(c) for c in _cells(row)[1:]))
-        console.print(table)
+        table = Table(title=f"{case}  (IQR / median; ratio to the fastest ok row)", title_justify="left",
+                      box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1), collapse_padding=True)
+        for col in CONSOLE_COLUMNS:
+            table.add_column(col, no_wrap=True, overflow="ellipsis", max_width=30 if col == "implementation" else None,
+                             justify="left" if col in ("pass", "implementation", "status") else "right")
+        for row in sorted(members, key=lambda r: r["pass"] != "fwd"):  # stable: plan order within a pass
+            table.add_row(*(Text(c) for c in _console_cells(row)), style=_STATUS_STYLE.get(row["status"]))
+        console.print(table, width=width)
+    for row in rows:
+        if row["status"] == "error" and row.get("message"):
+            console.print(f"error: {row_key(row)} {row['pass']} {_case(row)}: {row['message']}",
+                          markup=False, style=_STATUS_STYLE["error"], width=width)
+    skips = collections.Counter(row.get("message") or "" for row in rows if row["status"] == "skip")
+    for message, n in skips.items():
+        console.print(f"skip: {n} row(s): {message}", markup=False, style="dim", width=width)
 
 
-def to_json(rows, env: dict) -> dict:
-    return {"schema": SCHEMA, "environment": env, "rows": [{k: r.get(k) for k in ROW_FIELDS} for r in rows]}
+def verdict_lines(vs, rows) -> list[str]:
+    """One sentence per verdict (`verdict.sentence`), with why an inconclusive one is."""
+    by_case: dict = {}
+    for r in rows:
+        by_case.setdefault((_case(r), r["pass"]), {})[row_key(r)] = r
+    return [f"{v['pass']} {v['case']}: " + verdicts.sentence(v, by_case.get((v["case"], v["pass"]), {})) for v in vs]
 
 
-def write_json(path: str, rows, env: dict) -> None:
-    write_atomic(path, (json.dumps(to_json(rows, env), indent=1, allow_nan=False) + "\n").encode())
+def print_verdicts(vs, rows, console: Console | None = None) -> None:
+    console = console or Console()
+    for v, line in zip(vs, verdict_lines(vs, rows)):
+        console.print("verdict " + line, markup=False, style="bold" if v["conclusive"] else None,
+                      width=min(console.width, CONSOLE_WIDTH))
 
 
-def markdown(rows, env: dict) -> str:
+def to_json(rows, env: dict, verdicts_=()) -> dict:
+    return {"schema": SCHEMA, "environment": env, "rows": [{k: r.get(k) for k in ROW_FIELDS} for r in rows],
+            "verdicts": [{k: v[k] for k in verdicts.VERDICT_FIELDS} for v in verdicts_]}
+
+
+def write_json(path: str, rows, env: dict, verdicts_=()) -> None:
+    write_atomic(path, (json.dumps(to_json(rows, env, verdicts_), indent=1, allow_nan=False) + "\n").encode())
+
+
+def markdown(rows, env: dict, verdicts_=()) -> str:
     peaks = ", ".join(f"{p['dtype']} {p['gflops']:.0f} GFLOP/s" for p in env.get("peaks", []) if p.get("gflops"))
     lines = [
         "# mha-bench results",
@@ -104,6 +157,14 @@ def markdown(rows, env: dict) -> str:
         f"on {env.get('cpu_count')} cores (other processes on the machine make timings noisy)",
         f"- FLOPs: {env.get('flops_formula')}; ratio = median / fastest ok row of the same case and pass; "
         "numbers marked (error) were measured but rejected (see the status column)",
+        f"- threads: {env.get('thread_settings') or env.get('threads')}",
+        f"- noisy: IQR/median above {NOISY_IQR:.0%}; verdicts: {verdicts.CI_LEVEL:.0%} percentile-bootstrap interval of "
+        f"the median paired log ratio, conclusive when it excludes 1, with at least {verdicts.MIN_PAIRS} repeats and both "
+        "rows ok",
+        *(f"- **{w}**" for w in env.get("interference") or ()),
+        "",
+        *(["## Verdicts", "", *(f"- {line}" for line in verdict_lines(verdicts_, rows)), ""] if verdicts_ else []),
+        "## Rows",
         "",
         "| " + " | ".join(COLUMNS) + " |",
         "|" + "---|" * len(COLUMNS),
@@ -113,8 +174,8 @@ def markdown(rows, env: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_markdown(path: str, rows, env: dict) -> None:
-    write_atomic(path, markdown(rows, env).encode())
+def write_markdown(path: str, rows, env: dict, verdicts_=()) -> None:
+    write_atomic(path, markdown(rows, env, verdicts_).encode())
 
 
 # ---------------------------------------------------------------- plot
@@ -166,10 +227,12 @@ def plot_title(rows, env: dict | None) -> str:
     return "mha-bench: " + ", ".join(bits)
 
 
-def write_plot(path: str, rows, env: dict | None = None) -> None:
-    """Time and GFLOP/s against sequence length, log-log, one column per pass.
+def write_plot(path: str, rows, env: dict | None = None, verdicts_=()) -> None:
+    """Time and GFLOP/s, one column per pass, with the spread (IQR) as error bars on the times.
 
-    Rows flagged `error` that still have a time are drawn as red crosses, off the lines.
+    Several sequence lengths: lines against the length, log-log. One length: a bar per
+    implementation (points stacked in one column would hide each other). Rows flagged
+    `error` that still have a time are drawn as red crosses (lines) or red-hatched bars.
     """
     import matplotlib
 
@@ -177,22 +240,36 @@ def write_plot(path: str, rows, env: dict | None = None) -> None:
     import matplotlib.lines
     import matplotlib.pyplot as plt
 
-    timed = [r for r in rows if r["status"] in ("ok", "error") and r.get("median_s")]
+    timed = [r for r in rows if r["status"] in ("ok", "noisy", "error") and r.get("median_s")]
     passes = [p for p in ("fwd", "fwd+bwd") if any(r["pass"] == p for r in timed)] or ["fwd"]
     styles = series_styles(timed)
+    bars = len({r["seq_q"] for r in timed}) == 1
     fig, axes = plt.subplots(2, len(passes), figsize=(6.5 * len(passes), 8.5), squeeze=False)
     for col, pass_ in enumerate(passes):
-        for key, style in styles.items():
-            members = sorted((r for r in timed if r["pass"] == pass_ and _series_key(r) == key), key=lambda r: r["seq_q"])
-            if members:
-                _plot_series(axes[0][col], axes[1][col], members, style)
-        for ax, ylabel in ((axes[0][col], "median time (s)"), (axes[1][col], "GFLOP/s")):
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
-            ax.set_xlabel("sequence length (T = S)")
-            ax.set_ylabel(ylabel)
+        members = [r for r in timed if r["pass"] == pass_]
+        if bars:
+            _plot_bars(axes[0][col], axes[1][col], members, styles)
+        else:
+            for key, style in styles.items():
+                series = sorted((r for r in members if _series_key(r) == key), key=lambda r: r["seq_q"])
+                if series:
+                    _plot_series(axes[0][col], axes[1][col], series, style)
+        for ax, label in ((axes[0][col], "median time (s), error bars: IQR"), (axes[1][col], "GFLOP/s")):
+            if bars:
+                ax.set_xlabel(label)
+            else:
+                ax.set_xscale("log", base=2)
+                ax.set_yscale("log")
+                ax.set_xlabel("sequence length (T = S)")
+                ax.set_ylabel(label)
             ax.grid(True, which="both", alpha=0.3)
-        axes[0][col].set_title(f"{pass_}")
+        shared = ""
+        if bars and members:
+            r0 = members[0]
+            shared = f", T={r0['seq_q']} S={r0['seq_k']}" + "".join(
+                f" {short}={r0[k]}" for k, short in (("batch", "B"), ("embed", "E"), ("heads", "N"))
+                if len({r[k] for r in members}) == 1)
+        axes[0][col].set_title(f"{pass_}{shared}")
     fig.suptitle(plot_title(rows, env), fontsize=10)
     legend: dict = {}  # label -> handle, once each: a series may appear in one pass only
     for ax in axes[0]:
@@ -202,9 +279,9 @@ def write_plot(path: str, rows, env: dict | None = None) -> None:
         del legend[_ERROR_LABEL]
         legend[_ERROR_LABEL] = matplotlib.lines.Line2D([], [], linestyle="none", color="grey", **_ERROR_MARKER)
     handles, labels = list(legend.values()), list(legend)
-    if handles:
+    if handles and not bars:
         fig.legend(handles, labels, loc="lower center", ncol=2, fontsize=7)
-    fig.tight_layout(rect=(0, 0.04 + 0.018 * math.ceil(len(labels) / 2), 1, 0.97))
+    fig.tight_layout(rect=(0, 0 if bars else 0.04 + 0.018 * math.ceil(len(labels) / 2), 1, 0.97))
     try:
         with atomic_path(path, suffix=".png") as tmp:
             fig.savefig(tmp, dpi=110)
@@ -216,19 +293,51 @@ _ERROR_LABEL = "error row (measured, not trusted)"
 _ERROR_MARKER = {"marker": "X", "markersize": 9, "markeredgecolor": "red", "markeredgewidth": 1.5}
 
 
+def _iqr_bars(members) -> list[float]:
+    """Half the IQR of each row (the error bar either side of the median)."""
+    return [(r.get("iqr_s") or 0.0) / 2 for r in members]
+
+
+def _series_label(r) -> str:
+    return f"{_variant(r)} {r['dtype']} B={r['batch']} E={r['embed']} N={r['heads']}"
+
+
 def _plot_series(ax_time, ax_rate, members, style) -> None:
-    """One series on both axes: a line through its ok points, red crosses on its error points."""
-    r0 = members[0]
-    label = f"{_variant(r0)} {r0['dtype']} B={r0['batch']} E={r0['embed']} N={r0['heads']}"
-    ok = [r for r in members if r["status"] == "ok"]
+    """One series on both axes: a line through its measured points, red crosses on its error points."""
+    label = _series_label(members[0])
+    ok = [r for r in members if r["status"] in MEASURED]
     bad = [r for r in members if r["status"] == "error"]
+    if ok:
+        ax_time.errorbar([r["seq_q"] for r in ok], [r["median_s"] for r in ok], yerr=_iqr_bars(ok), label=label,
+                         markersize=4, capsize=2, **style)
+    rated = [r for r in ok if r.get("gflops")]
+    if rated:
+        ax_rate.plot([r["seq_q"] for r in rated], [r["gflops"] for r in rated], label=label, markersize=4, **style)
     for ax, field_ in ((ax_time, "median_s"), (ax_rate, "gflops")):
-        pts = [(r["seq_q"], r[field_]) for r in ok if r.get(field_)]
-        if pts:
-            ax.plot(*zip(*pts), label=label, markersize=4, **style)
         errs = [(r["seq_q"], r[field_]) for r in bad if r.get(field_)]
         if errs:
             ax.plot(*zip(*errs), linestyle="none", color=style["color"], label=_ERROR_LABEL, **_ERROR_MARKER)
+
+
+def _plot_bars(ax_time, ax_rate, members, styles) -> None:
+    """One horizontal bar per row (one sequence length): median with its IQR, and GFLOP/s.
+    Labels name the implementation, and the dtype and shape only where the rows differ in them."""
+    members = sorted(members, key=lambda r: str(_series_key(r)))
+    varying = [k for k in ("dtype", "batch", "embed", "heads") if len({r[k] for r in members}) > 1]
+    short = {"dtype": "", "batch": "B=", "embed": "E=", "heads": "N="}
+    labels = [" ".join([_variant(r), *(f"{short[k]}{r[k]}" for k in varying)])
+              + ("" if r["status"] == "ok" else f" ({r['status']})") for r in members]
+    y = list(range(len(members)))
+    colors = [styles[_series_key(r)]["color"] for r in members]
+    hatch = ["xx" if r["status"] == "error" else ("//" if r["status"] == "noisy" else "") for r in members]
+    edge = ["red" if r["status"] == "error" else "black" for r in members]
+    for ax, values, err in ((ax_time, [r["median_s"] for r in members], _iqr_bars(members)),
+                            (ax_rate, [r.get("gflops") or 0.0 for r in members], None)):
+        drawn = ax.barh(y, values, xerr=err, color=colors, edgecolor=edge, capsize=3)
+        for patch, h in zip(drawn, hatch):
+            patch.set_hatch(h)
+        ax.set_yticks(y, labels, fontsize=8)
+        ax.invert_yaxis()
 
 
 # ---------------------------------------------------------------- reading saved runs
@@ -255,6 +364,8 @@ def load(path: str) -> dict:
         data = json.loads(text)
     except json.JSONDecodeError as e:
         raise BenchFileError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+    except (ValueError, RecursionError) as e:  # an integer too long to convert, nesting too deep
+        raise BenchFileError(f"{path}: not a readable JSON: {str(e).splitlines()[0][:200]}") from None
     validate(data, path)
     return data
 
@@ -266,8 +377,9 @@ def validate(data, path: str = "input") -> None:
     if schema is None:
         hint = " (it looks like an mha-parity report)" if {"summary", "rows"} <= set(data) else ""
         raise BenchFileError(f"{path}: not an mha-bench JSON: no 'schema' field{hint}")
-    if schema != SCHEMA:
-        raise BenchFileError(f"{path}: schema {schema!r} is not supported (this mha-bench reads {SCHEMA!r})")
+    if schema not in READABLE_SCHEMAS:
+        raise BenchFileError(f"{path}: schema {str(schema)[:80]!r} is not supported (this mha-bench reads "
+                             f"{' and '.join(map(repr, READABLE_SCHEMAS))})")
     rows = data.get("rows")
     if not isinstance(rows, list):
         raise BenchFileError(f"{path}: 'rows' must be a list, got {type(rows).__name__}")
@@ -283,10 +395,38 @@ def validate(data, path: str = "input") -> None:
         first = seen.setdefault(_key(row), i)
         if first != i:
             raise BenchFileError(f"{path}: row {i} repeats row {first} (same case, pass and implementation)")
+    vs = data.get("verdicts", [])
+    if not isinstance(vs, list):
+        raise BenchFileError(f"{path}: 'verdicts' must be a list, got {type(vs).__name__}")
+    for i, v in enumerate(vs):
+        problem = _verdict_problem(v)
+        if problem:
+            raise BenchFileError(f"{path}: verdict {i}: {problem}")
 
+
+def _verdict_problem(v) -> str | None:
+    if not isinstance(v, dict):
+        return f"not an object ({type(v).__name__})"
+    missing = [k for k in verdicts.VERDICT_FIELDS if k not in v]
+    if missing:
+        return f"missing field(s) {', '.join(missing)}"
+    ci = v["ci"]
+    if not (isinstance(ci, list) and len(ci) == 2 and all(_is_num(x) for x in ci)) or not _finite(v["ratio"]):
+        return f"ratio {v['ratio']!r} / ci {ci!r} are not numbers"
+    if not isinstance(v["conclusive"], bool) or not (isinstance(v["repeats"], int) and not isinstance(v["repeats"], bool)):
+        return f"conclusive {v['conclusive']!r} / repeats {v['repeats']!r} are not a bool and an int"
+    return None
 
 def _is_num(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _finite(x) -> bool:
+    """A number that is finite as a float (a huge JSON integer is not: it overflows)."""
+    try:
+        return _is_num(x) and math.isfinite(float(x))
+    except OverflowError:
+        return False
 
 
 def _row_problem(row) -> str | None:
@@ -298,7 +438,7 @@ def _row_problem(row) -> str | None:
     if row["status"] not in STATUSES:
         return f"status {row['status']!r} is not one of {STATUSES}"
     bad = [k for k in _STR_FIELDS if not isinstance(row[k], str)]
-    bad += [k for k in _INT_FIELDS if not (isinstance(row[k], int) and not isinstance(row[k], bool) and row[k] > 0)]
+    bad += [k for k in _INT_FIELDS if not (isinstance(row[k], int) and not isinstance(row[k], bool) and 0 < row[k] < 2**63)]
     bad += [] if isinstance(row["need_weights"], bool) else ["need_weights"]
     if bad:
         return f"bad value(s) for {', '.join(f'{k}={row[k]!r}' for k in bad)}"
@@ -306,8 +446,9 @@ def _row_problem(row) -> str | None:
         x = row[name]
         if x is None and (row["status"] != "ok"):
             continue
-        if not (_is_num(x) and math.isfinite(x) and (x > 0 if lowest == "positive" else x >= 0)):
-            return f"{name} = {x!r} is not a finite {lowest} number ({row['status']} row)"
+        if not (_finite(x) and (x > 0 if lowest == "positive" else x >= 0)):
+            shown = repr(x) if not isinstance(x, int) or abs(x) < 10**30 else f"an integer of {len(str(abs(x)))} digits"
+            return f"{name} = {shown} is not a finite {lowest} number ({row['status']} row)"
     return None
 
 
@@ -349,11 +490,21 @@ def verdict(base_s: float, base_iqr: float, new_s: float, new_iqr: float, thresh
     return "ok"
 
 
+def noisy(row) -> str | None:
+    """Why a measured row is too noisy to decide anything with (the run's own rule, spec.NOISY_IQR:
+    status `noisy`, or an IQR/median above it in a file written before that status existed)."""
+    if row["status"] == "noisy":
+        return row.get("message") or "noisy"
+    spread = row["iqr_s"] / row["median_s"]
+    return f"noisy: IQR/median = {spread:.1%} > {NOISY_IQR:.0%}" if spread > NOISY_IQR else None
+
+
 def compare(base: dict, new: dict, threshold: float = 0.10) -> Comparison:
     """Match the rows of two validated runs by case, pass and implementation (see `verdict`).
 
-    A row ok in base and not ok in new is a regression ("no longer ok"); a row not ok in
-    base has no speed to compare against ("not compared")."""
+    A row measured in base and failed or skipped in new is a regression ("no longer ok"); a
+    row not measured in base has no speed to compare against ("not compared"). A row noisy in
+    either run (`noisy`, the run's own rule) decides nothing: "noisy", never a regression."""
     if not (math.isfinite(threshold) and threshold > 0):
         raise ValueError(f"threshold must be a positive finite number, got {threshold!r}")
     base_rows = {_key(r): r for r in base["rows"]}
@@ -368,13 +519,14 @@ def compare(base: dict, new: dict, threshold: float = 0.10) -> Comparison:
             continue
         entry = {"key": dict(zip(MATCH_KEY, k)), "base_s": b.get("median_s"), "new_s": r.get("median_s"),
                  "change": None, "noise": None, "regression": False, "note": ""}
-        if b["status"] != "ok":
+        if b["status"] not in MEASURED:
             entry.update(verdict="not compared", note=f"base {b['status']}")
-        elif r["status"] != "ok":
+        elif r["status"] not in MEASURED:
             entry.update(verdict="no longer ok", regression=True, note=f"now {r['status']}: {r.get('message')}")
         else:
-            v = verdict(b["median_s"], b["iqr_s"], r["median_s"], r["iqr_s"], threshold)
-            entry.update(change=r["median_s"] / b["median_s"] - 1,
+            why = [f"{name} {n}" for name, n in (("base", noisy(b)), ("new", noisy(r))) if n]
+            v = "noisy" if why else verdict(b["median_s"], b["iqr_s"], r["median_s"], r["iqr_s"], threshold)
+            entry.update(change=r["median_s"] / b["median_s"] - 1, note="; ".join(why),
                          noise=(b["iqr_s"] + r["iqr_s"]) / 2 / b["median_s"], verdict=v, regression=v == "REGRESSION")
         out.entries.append(entry)
     return out

@@ -1,20 +1,20 @@
 """Plan a sweep, run it in worker subprocesses, and turn what comes back into rows.
 
-Isolation: by default each (framework, case) group runs in its own worker, so
-the peak-memory probe, the XLA and inductor compile caches and the allocator
-state of one case never leak into another, while the several implementations
-and passes of that case share one start-up (importing torch or jax + flax costs
-1.5-3 s per process here, which per (implementation, case, pass) would eat the
-quick preset's budget several times over). Workers run one at a time, never in
-parallel: they would compete for the same cores.
+A worker loads both frameworks when a case has implementations of both, so that one
+case's torch and JAX implementations are timed round-robin in one process and their
+samples pair up (see `worker`). Isolation: by default each case runs in a worker of its
+own, so the peak-memory probe, the XLA and inductor compile caches and the allocator
+state of one case never leak into another, while the implementations and passes of
+that case share one start-up (importing torch, jax and flax costs 3-5 s per process
+here). Workers run one at a time, never in parallel: they would compete for the cores.
 
-The quick preset uses one worker per framework instead: it has no torch.compile
-(whose caches would carry over), JAX's compile cache is keyed by shape so cases
-cannot hit each other's entries, and the memory probe resets the RSS high-water
-mark per item; two start-ups instead of four keep it under a minute on 2 cores.
+The quick preset uses one worker for the whole run instead: it has no torch.compile
+(whose caches would carry over), JAX's compile cache is keyed by shape so cases cannot
+hit each other's entries, and the memory probe resets the RSS high-water mark per item.
 
-If a worker dies (killed for memory, a segfault) or an item exceeds its time
-limit, the item it was on becomes an `error` row and a fresh worker takes the rest.
+If a worker dies (killed for memory, a segfault) or an item exceeds its time limit, the
+item it was on becomes an `error` row and a fresh worker takes the rest. On Ctrl-C the
+worker is ended, its files removed, and the items not yet run are reported as such.
 """
 
 from __future__ import annotations
@@ -32,15 +32,23 @@ from dataclasses import asdict, dataclass, field
 
 import psutil
 
+from parity.bench import verdict as verdicts
 from parity.bench.measure import apply_peak
-from parity.bench.spec import BenchCase, Preset, Timing, empty_row, estimate_bytes, pass_flops
+from parity.bench.spec import (
+    NOISY_IQR, BenchCase, Preset, Timing, empty_row, estimate_bytes, framework_device, pass_flops, row_key,
+)
 from parity.bench.worker import TAG
 from parity.devices import resolve_device
 from parity.env import PACKAGES, environment
 from parity.impls import Implementation
 
-DEVICES = ("cpu", "gpu", "tpu")
 MEM_HEADROOM = 0.8  # skip an item whose estimate exceeds this fraction of available memory
+INTERRUPTED = "not run: interrupted (Ctrl-C)"
+# Thread settings every worker gets (the environment block records them). torch's OpenMP
+# threads otherwise spin-wait after each parallel region; next to another busy process a
+# spinning thread holds a core the other needs, and a call can take 50x longer (measured,
+# docs/benchmark.md). Both frameworks get the same CPU count (`measure.pin_threads`).
+THREAD_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
 def device_absent(requested: str) -> tuple[str, str | None]:
@@ -48,13 +56,6 @@ def device_absent(requested: str) -> tuple[str, str | None]:
     read from device nodes only, so the parent process imports no framework."""
     plan = resolve_device(requested, probe=False)
     return plan.name, plan.skip_reason.removeprefix(f"device {plan.name} not present: ") or None
-
-
-def framework_device(framework: str, device: str) -> str:
-    """What each framework runs on: torch uses cuda for gpu and stays on cpu with a TPU."""
-    if framework == "torch":
-        return "cuda" if device == "gpu" else "cpu"
-    return device
 
 
 @dataclass(frozen=True)
@@ -69,17 +70,18 @@ class RunConfig:
     threads: int | None = None
     precision: str = "highest"  # highest | default
     seed: int = 0
-    isolation: str = "case"  # case | framework
+    isolation: str = "case"  # case | run
     item_timeout_s: float = 900.0
     interleave: bool = True  # time the implementations of a (case, pass) round-robin
     timing: Timing = field(default_factory=Timing)
     available_bytes: int | None = None
+    verdict: tuple[str, str] | None = None  # the pair every verdict compares (--verdict); None: see worker
 
     def __post_init__(self):
         if self.precision not in ("highest", "default"):
             raise ValueError(f"precision must be 'highest' or 'default', got {self.precision!r}")
-        if self.isolation not in ("case", "framework"):
-            raise ValueError(f"isolation must be 'case' or 'framework', got {self.isolation!r}")
+        if self.isolation not in ("case", "run"):
+            raise ValueError(f"isolation must be 'case' or 'run', got {self.isolation!r}")
 
 
 @dataclass(frozen=True)
@@ -117,14 +119,13 @@ def plan(cfg: RunConfig) -> list[Item]:
     return items
 
 
-def _groups(cfg: RunConfig, items: list[Item]) -> list[tuple[str, list[Item]]]:
+def _groups(items: list[Item], isolation: str) -> list[list[Item]]:
+    """The items each worker runs: one case (both frameworks) per worker, or all in one."""
     groups: dict = {}
     for it in items:
-        if it.skip:
-            continue
-        key = (it.impl.framework, it.case) if cfg.isolation == "case" else (it.impl.framework,)
-        groups.setdefault(key, []).append(it)
-    return [(key[0], its) for key, its in groups.items()]
+        if not it.skip:
+            groups.setdefault(it.case if isolation == "case" else None, []).append(it)
+    return list(groups.values())
 
 
 # ---------------------------------------------------------------- workers
@@ -133,19 +134,22 @@ Spawn = Callable[[dict, dict], subprocess.Popen]
 
 
 def _spawn(spec: dict, env: dict) -> subprocess.Popen:
-    fd, path = tempfile.mkstemp(prefix="mha-bench-", suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        json.dump(spec, f)
+    """A worker, its spec on stdin (no file to leave behind)."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "parity.bench.worker", path],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        [sys.executable, "-m", "parity.bench.worker"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
     )
-    proc.spec_path = path
+    try:
+        proc.stdin.write(json.dumps(spec))
+        proc.stdin.close()
+    except BrokenPipeError:  # it died at start-up: its exit code and stderr say why
+        pass
     return proc
 
 
 def _worker_env(cfg: RunConfig, scratch: str) -> dict:
     env = dict(os.environ)
+    env.update(THREAD_ENV)
     # A fresh inductor cache per worker: torch.compile times are cold compiles, not disk-cache hits.
     env["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-", dir=scratch)
     # Allocate GPU memory on demand so that JAX's peak is the program's, not a 75% preallocation.
@@ -166,6 +170,8 @@ class Collected:
     rows: dict = field(default_factory=dict)  # item id -> row
     peaks: list = field(default_factory=list)  # every matmul-peak measurement of the run
     envs: dict = field(default_factory=dict)  # framework -> env report
+    verdicts: list = field(default_factory=list)  # one per (case, pass) that timed two implementations
+    interrupted: bool = False  # Ctrl-C: the rows of the items not run say so
 
 
 @dataclass
@@ -178,8 +184,33 @@ class WorkerEnd:
     stderr_tail: list
 
 
-def _consume(proc, cfg: RunConfig, framework: str, by_id: dict, out: Collected, on_event) -> WorkerEnd:
-    """Read a worker's tagged lines into `out` until it exits; kill it when an item overruns."""
+def _end(proc) -> None:
+    """End a worker that is still running (it ignores SIGINT): SIGTERM, then SIGKILL."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=5.0)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _consume(proc, cfg: RunConfig, by_id: dict, out: Collected, on_event) -> WorkerEnd:
+    """Read a worker's tagged lines into `out` until it exits; kill it when an item overruns.
+    Whatever interrupts the reading (Ctrl-C) ends the worker before it propagates."""
+    try:
+        return _read(proc, cfg, by_id, out, on_event)
+    finally:
+        _end(proc)
+        for stream in (proc.stdout, proc.stderr):
+            try:
+                stream.close()
+            except (OSError, ValueError):
+                pass
+
+
+def _read(proc, cfg: RunConfig, by_id: dict, out: Collected, on_event) -> WorkerEnd:
     q: queue.Queue = queue.Queue()
     threads = [threading.Thread(target=_pump, args=(stream, q, tag), daemon=True)
                for stream, tag in ((proc.stdout, "out"), (proc.stderr, "err"))]
@@ -203,7 +234,7 @@ def _consume(proc, cfg: RunConfig, framework: str, by_id: dict, out: Collected, 
             kind, _, payload = line[len(TAG):].partition("\t")
             data = json.loads(payload)
             if kind == "ENV":
-                out.envs.setdefault(framework, data)
+                out.envs.setdefault(data["framework"], data)
             elif kind == "PEAK":
                 out.peaks.append(data)
             elif kind == "START":
@@ -213,15 +244,11 @@ def _consume(proc, cfg: RunConfig, framework: str, by_id: dict, out: Collected, 
                 out.rows[data.pop("id")] = data
                 current = None
                 on_event("row", data)
+            elif kind == "VERDICT":
+                out.verdicts.append(data)
     rc = proc.wait()
     for t in threads:
         t.join(timeout=5.0)
-    for stream in (proc.stdout, proc.stderr):
-        stream.close()
-    try:
-        os.unlink(proc.spec_path)
-    except (AttributeError, OSError):
-        pass
     return WorkerEnd(rc, current, timed_out, stderr_tail)
 
 
@@ -237,7 +264,7 @@ def _death_message(end: WorkerEnd, cfg: RunConfig) -> str:
 
 
 def run_group(
-    cfg: RunConfig, framework: str, items: list[Item], peaks: list[dict], out: Collected,
+    cfg: RunConfig, items: list[Item], peaks: list[dict], out: Collected,
     on_event: Callable[[str, object], None], scratch: str, spawn: Spawn = _spawn,
 ) -> None:
     """Run items in workers until each has a row; a dead or stuck worker costs one item."""
@@ -245,56 +272,70 @@ def run_group(
     by_id = {it.id: it for it in items}
     while pending:
         spec = {
-            "framework": framework, "device": framework_device(framework, cfg.device), "threads": cfg.threads,
+            "device": cfg.device, "threads": cfg.threads,
             "precision": cfg.precision, "seed": cfg.seed, "timing": asdict(cfg.timing),
             "peaks": peaks, "items": [it.spec() for it in pending], "interleave": cfg.interleave,
-            "user_impls": list(cfg.user_impls),
+            "user_impls": list(cfg.user_impls), "verdict": list(cfg.verdict) if cfg.verdict else None,
             # The best rates so far: the worker re-measures its peak when a row beats them.
             "known_peaks": [rec for rec in out.peaks if rec.get("gflops")],
         }
-        end = _consume(spawn(spec, _worker_env(cfg, scratch)), cfg, framework, by_id, out, on_event)
+        end = _consume(spawn(spec, _worker_env(cfg, scratch)), cfg, by_id, out, on_event)
         pending = [it for it in pending if it.id not in out.rows]
         if not pending:
             break
         victims = [by_id[end.current]] if end.current is not None else pending  # died outside an item: all fail
         for it in victims:
-            out.rows[it.id] = empty_row(it.impl, it.case, it.pass_, device=cfg.device, status="error",
-                                        message=_death_message(end, cfg))
+            out.rows[it.id] = empty_row(it.impl, it.case, it.pass_, device=framework_device(it.impl.framework, cfg.device),
+                                        status="error", message=_death_message(end, cfg))
             on_event("row", out.rows[it.id])
         pending = [it for it in pending if it.id not in out.rows]
 
 
 def execute(cfg: RunConfig, items: list[Item], on_event=lambda kind, data: None, spawn: Spawn = _spawn) -> Collected:
+    """Every item's row (skips included). Ctrl-C ends the running worker and removes the scratch
+    directory; the items without a row get one that says they were not run (`interrupted`)."""
     out = Collected()
     for it in items:
         if it.skip:
-            out.rows[it.id] = empty_row(it.impl, it.case, it.pass_, device=cfg.device, status="skip", message=it.skip)
+            out.rows[it.id] = empty_row(it.impl, it.case, it.pass_, device=framework_device(it.impl.framework, cfg.device),
+                                        status="skip", message=it.skip)
             on_event("row", out.rows[it.id])
-    with tempfile.TemporaryDirectory(prefix="mha-bench-") as scratch:
-        for framework, group in _groups(cfg, items):
-            # Every worker re-measures the peak for its dtypes: the run's peak is the best of
-            # them all, so a burst of load during one measurement cannot lower the bar.
-            dtypes = sorted({it.case.dtype for it in group})
-            peaks = [{"dtype": d, "sizes": list(cfg.preset.peak_sizes)} for d in dtypes]
-            run_group(cfg, framework, group, peaks, out, on_event, scratch, spawn)
+    try:
+        with tempfile.TemporaryDirectory(prefix="mha-bench-") as scratch:
+            for group in _groups(items, cfg.isolation):
+                # Every worker re-measures the peak for its dtypes: the run's peak is the best of
+                # them all, so a burst of load during one measurement cannot lower the bar.
+                dtypes = sorted({it.case.dtype for it in group})
+                peaks = [{"dtype": d, "sizes": list(cfg.preset.peak_sizes)} for d in dtypes]
+                run_group(cfg, group, peaks, out, on_event, scratch, spawn)
+    except KeyboardInterrupt:
+        out.interrupted = True
+        for it in items:
+            if it.id not in out.rows:
+                out.rows[it.id] = empty_row(it.impl, it.case, it.pass_, device=framework_device(it.impl.framework, cfg.device),
+                                            status="skip", message=INTERRUPTED)
     return out
 
 
 # ---------------------------------------------------------------- post-processing
 
-FINGERPRINT_RTOL = {"float32": 1e-3, "bfloat16": 3e-2, "float16": 1e-2}
-REFERENCE_ORDER = ("ours-torch:eager:weights", "ours-torch:eager:fused", "ours-jax:jit:weights")
 
-
-def finish(items: list[Item], out: Collected, precision: str = "highest") -> list[dict]:
-    """Rows in plan order with GFLOP/s, peak fraction, equal-work check and ratio to the fastest."""
+def finish(items: list[Item], out: Collected) -> list[dict]:
+    """Rows in plan order with GFLOP/s, peak fraction and the ratio to the fastest ok row."""
     rows = []
     for it in items:
         row = out.rows[it.id]
         rows.append(apply_peak(row, pass_flops(it.case, it.pass_), device_peak(out.peaks, it.case.dtype)))
-    _check_fingerprints(items, rows, precision)
     _ratios(items, rows)
     return rows
+
+
+def finish_verdicts(items: list[Item], rows: list[dict], out: Collected) -> list[dict]:
+    """The workers' verdicts, conclusive only where both rows ended up ok (`verdict.finalize`)."""
+    by_case: dict = {}
+    for it, row in zip(items, rows):
+        by_case.setdefault((it.case.label, it.pass_), {})[row_key(row)] = row
+    return [verdicts.finalize(v, by_case.get((v["case"], v["pass"]), {})) for v in out.verdicts]
 
 
 def device_peak(peaks: list, dtype: str) -> float | None:
@@ -328,20 +369,21 @@ def _check_fingerprints(items, rows, precision) -> None:
 
 
 def _ratios(items, rows) -> None:
-    """ratio = median / the fastest ok row of the same (case, pass).
+    """ratio = median / the fastest ok row of the same (case, pass); the fastest noisy row when none is ok.
 
-    Rows flagged `error` after timing keep a ratio too (shown marked), against the ok
-    rows only: an impossible time must not become everyone else's yardstick.
+    Rows flagged `error` after timing keep a ratio too (shown marked), against the others:
+    an impossible time must not become everyone else's yardstick.
     """
     fastest: dict = {}
-    for it, row in zip(items, rows):
-        if row["status"] == "ok":
+    for status in ("ok", "noisy"):
+        for it, row in zip(items, rows):
             key = (it.case, it.pass_)
-            fastest[key] = min(fastest.get(key, float("inf")), row["median_s"])
+            if row["status"] == status and (key not in fastest or fastest[key][0] == status):
+                fastest[key] = (status, min(fastest.get(key, (status, float("inf")))[1], row["median_s"]))
     for it, row in zip(items, rows):
         best = fastest.get((it.case, it.pass_))
-        if row["status"] in ("ok", "error") and row.get("median_s") and best:
-            row["ratio"] = row["median_s"] / best
+        if row["status"] in ("ok", "noisy", "error") and row.get("median_s") and best:
+            row["ratio"] = row["median_s"] / best[1]
 
 
 def bench_environment(cfg: RunConfig, out: Collected) -> dict:
@@ -359,6 +401,11 @@ def bench_environment(cfg: RunConfig, out: Collected) -> dict:
         "device_names": {fw: {k: v for k, v in e.items() if k.endswith("_device")} for fw, e in out.envs.items()},
         "threads_requested": cfg.threads,
         "threads": {fw: len(e.get("cpus", [])) for fw, e in out.envs.items()},
+        "thread_settings": {
+            "env": THREAD_ENV, "affinity_cpus": {fw: e.get("cpus") for fw, e in out.envs.items()},
+            "torch_threads": out.envs.get("torch", {}).get("torch_threads"),
+            "xla_threads": "the process's CPU affinity (XLA sizes its pools from it)",
+        },
         "precision": cfg.precision,
         "precision_settings": {
             fw: {k: v for k, v in e.items() if "precision" in k} for fw, e in out.envs.items()
@@ -369,13 +416,15 @@ def bench_environment(cfg: RunConfig, out: Collected) -> dict:
         "inductor_cache": "fresh per worker (cold compiles)",
         "isolation": cfg.isolation,
         "interleaved": cfg.interleave,
+        "paired": cfg.interleave,
+        "verdict_rule": {"ci_level": verdicts.CI_LEVEL, "ci_target": verdicts.CI_TARGET, "min_pairs": verdicts.MIN_PAIRS,
+                         "noisy_iqr": NOISY_IQR, "statistic": "median of paired log(time ratio), percentile bootstrap"},
         "preset": cfg.preset.name,
         "timing": asdict(cfg.timing),
         "peaks": [
             {"dtype": dt, "gflops": device_peak(out.peaks, dt)} for dt in sorted({p["dtype"] for p in out.peaks})
         ],
         "peak_measurements": out.peaks,
-        "loadavg_end": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "flops_formula": "fwd = 2·B·E²·(2·Nq + 2·Nk) + 4·B·Nq·Nk·E; fwd+bwd = 3 × fwd",
         "unavailable": {fw: e.get("unavailable") for fw, e in out.envs.items() if e.get("unavailable")},
     }

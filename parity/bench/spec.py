@@ -23,10 +23,26 @@ DTYPES = {name: numpy_dtype(name) for name in ("float32", "bfloat16", "float16")
 ROW_FIELDS = (
     "impl", "framework", "mode", "pass", "batch", "seq_q", "seq_k", "embed", "heads", "dtype",
     "need_weights", "kernel", "device", "compile_s", "recompile_s", "median_s", "iqr_s", "min_s", "repeats",
-    "ratio", "gflops", "peak_gflops", "peak_fraction", "peak_mem_bytes", "mem_source", "out_fingerprint",
+    "ratio", "gflops", "peak_gflops", "peak_fraction", "peak_mem_bytes", "mem_source", "out_max_diff",
     "status", "message", "warning",
 )
-STATUSES = ("ok", "error", "skip")
+# ok: measured and trusted; noisy: measured, but its spread is above NOISY_IQR (never ok, never
+# in a conclusive verdict); error: failed, or measured and rejected; skip: not run, with the reason.
+STATUSES = ("ok", "noisy", "error", "skip")
+MEASURED = ("ok", "noisy")
+NOISY_IQR = 0.10  # a row whose IQR / median exceeds this is `noisy`, here and in `compare`
+
+
+def framework_device(framework: str, device: str) -> str:
+    """What each framework runs on: torch uses cuda for gpu and stays on cpu with a TPU."""
+    if framework == "torch":
+        return "cuda" if device == "gpu" else "cpu"
+    return device
+
+
+def row_key(row: dict) -> str:
+    """A row's implementation key, family:mode:weights|fused (what `Implementation.bench_key` gives)."""
+    return f"{row['impl']}:{row['mode']}:{'weights' if row['need_weights'] else 'fused'}"
 
 
 @dataclass(frozen=True)
@@ -137,13 +153,18 @@ def estimate_bytes(impl: Implementation, case: BenchCase, pass_: str) -> int:
 
 @dataclass(frozen=True)
 class Timing:
-    """How one item is timed (see `measure.run_bench`)."""
+    """How one (case, pass) is timed (see `measure.time_group`).
+
+    Repeats are rounds: each implementation of the case is timed once per round. After
+    min_repeats rounds, sampling stops as soon as the verdict's interval is narrow enough
+    (`verdict.settled`) or the timed calls have spent budget_s per implementation; never
+    more than max_repeats rounds.
+    """
 
     warmup: int = 1  # steady-state calls run and discarded after compilation
-    min_repeats: int = 3
-    max_repeats: int = 50
-    budget_s: float = 1.0  # stop repeating once this much time is spent (after min_repeats)
-    iqr_warn: float = 0.10  # warn when IQR / median exceeds this
+    min_repeats: int = 8
+    max_repeats: int = 200
+    budget_s: float = 1.0  # seconds of timed calls per implementation (the group gets n × this)
 
     def __post_init__(self):
         if self.warmup < 0 or self.min_repeats < 1 or self.max_repeats < self.min_repeats:
@@ -164,7 +185,7 @@ class Preset:
     impls: str | None = None  # select_impls pattern; None = all
     timing: Timing = field(default_factory=Timing)
     peak_sizes: tuple[int, ...] = (1024, 2048)  # square matmuls for the measured peak
-    isolation: str = "case"  # one worker per (framework, case), or per framework (see runner)
+    isolation: str = "case"  # one worker per case, or one for the whole run (see runner)
     doc: str = ""
 
     def cases(self) -> list[BenchCase]:
@@ -187,18 +208,18 @@ _NO_COMPILE = ",".join(
 PRESETS = {
     "quick": Preset(
         "quick", batch=(2,), seqs=(128, 512), embed=(256,), heads=(4,), dtypes=("float32",),
-        impls=_NO_COMPILE, timing=Timing(warmup=1, min_repeats=3, max_repeats=15, budget_s=0.2),
-        peak_sizes=(1024, 2048), isolation="framework",
-        doc="smoke run, <= 60 s on a 2-core CPU; no torch.compile; one worker per framework",
+        impls=_NO_COMPILE, timing=Timing(warmup=1, min_repeats=8, max_repeats=200, budget_s=0.5),
+        peak_sizes=(1024, 2048), isolation="run",
+        doc="smoke run, about a minute on a 2-core CPU; no torch.compile; one worker for the run",
     ),
     "default": Preset(
         "default", batch=(4,), seqs=(256, 1024, 2048), embed=(512,), heads=(8,),
-        dtypes=("float32", "bfloat16"), timing=Timing(warmup=2, min_repeats=5, max_repeats=50, budget_s=1.5),
+        dtypes=("float32", "bfloat16"), timing=Timing(warmup=2, min_repeats=8, max_repeats=400, budget_s=1.5),
         peak_sizes=(1024, 2048, 3072), doc="every implementation, float32 and bfloat16",
     ),
     "long": Preset(
         "long", batch=(1,), seqs=(1024, 2048, 4096, 8192, 16384, 32768), embed=(512,), heads=(8,),
-        dtypes=("float32",), timing=Timing(warmup=1, min_repeats=2, max_repeats=10, budget_s=4.0),
+        dtypes=("float32",), timing=Timing(warmup=1, min_repeats=3, max_repeats=50, budget_s=4.0),
         peak_sizes=(1024, 2048), doc="sequence sweep to 32768; materialising paths skipped where they cannot fit",
     ),
 }

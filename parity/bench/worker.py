@@ -1,35 +1,45 @@
-"""The subprocess that runs one group of items of one framework.
+"""The subprocess that times a group of items, torch and JAX alike, in one process.
 
-    python -m parity.bench.worker SPEC.json
+    python -m parity.bench.worker < SPEC.json
 
-SPEC holds the framework, device, threads, precision, seed, timing, the matmul
-peaks to measure and the items. Results go to stdout as tagged JSON lines, one
-per event, flushed at once, so that the parent keeps every finished row even if
-this process is killed (out of memory) half-way:
+SPEC (read from stdin, so no file is left behind) holds the device, threads,
+precision, seed, timing, the matmul peaks to measure and the items. Results go to
+stdout as tagged JSON lines, one per event, flushed at once, so that the parent keeps
+every finished row even if this process is killed (out of memory) half-way:
 
-    @@ENV <json>    @@PEAK <json>    @@START <item id>    @@ROW <json>
+    @@ENV <json>    @@PEAK <json>    @@START <item id>    @@ROW <json>    @@VERDICT <json>
 
-A row whose rate beats the best matmul peak known so far triggers a fresh peak
-measurement before the row is sent (`PeakBar`): the parent judges every row
-against the best of all the run's measurements.
+Both frameworks are loaded here when the items need both, so that the implementations
+of one (case, pass) — torch and JAX together — are timed round-robin and every round
+gives paired samples (`measure.sample`, `verdict`). Before timing, every implementation's
+output is compared with the first one's (`measure.same_output`): a mismatch is an `error`
+row. A row whose rate beats the best matmul peak known so far triggers a fresh peak
+measurement before the row is sent (`PeakBar`).
 
-A failing item becomes an `error` row and the loop goes on. By default all the
-implementations of one (case, pass) are timed round-robin (`measure.run_interleaved`)
-so that load drift on a shared machine hits them alike.
+SIGINT is ignored: a Ctrl-C at the terminal reaches the whole process group, and the
+parent, which owns the partial report, ends this process itself.
 """
 
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import time
 import traceback
 
-from parity.bench.measure import pin_threads, run_bench, run_interleaved
-from parity.bench.spec import IMPLS, PEAK_TIMING, BenchCase, Timing, empty_row, pass_flops
+import numpy as np
+
+from parity.bench import verdict
+from parity.bench.measure import pin_threads, prepare, same_output, sample, summary
+from parity.bench.spec import (
+    IMPLS, PEAK_TIMING, BenchCase, Timing, empty_row, framework_device, pass_flops,
+)
 from parity.impls import load_user_impl
 
 TAG = "@@"
+# Which implementation's output the others are compared with, when present (else the first).
+REFERENCE_ORDER = ("ours-torch:eager:weights", "ours-torch:eager:fused", "ours-jax:jit:weights")
 
 
 def emit(kind: str, payload) -> None:
@@ -43,45 +53,101 @@ def error_message(e: BaseException) -> str:
     return f"{type(e).__name__}: {head}"[:500]
 
 
-def run_item(mod, impl, case: BenchCase, pass_: str, device: str, seed: int, timing: Timing, clock) -> dict:
-    """Build, time, probe memory and fingerprint one item; exceptions become an error row."""
-    row = empty_row(impl, case, pass_, device=device)
-    try:
-        bench = mod.build(impl, case, pass_, device, seed)
-        row["kernel"] = bench.kernel
-        row.update(run_bench(bench, timing, clock))
-        row["status"] = "ok"
-    except Exception as e:  # noqa: BLE001 - any failure of one item is recorded, the sweep goes on
-        row.update(status="error", message=error_message(e))
-        traceback.print_exc(file=sys.stderr)
-    return row
+def _reference_slot(slots: list[int], keys: dict[int, str]) -> int:
+    for key in REFERENCE_ORDER:
+        for s in slots:
+            if keys[s] == key:
+                return s
+    return slots[0]
 
 
-def run_group_interleaved(mod, group, device: str, seed: int, timing: Timing, clock):
-    """All implementations of one (case, pass), timed round-robin (see measure.run_interleaved)."""
-    rows, benches, slots = {}, [], []
+def verdict_pair(keys: dict[int, str], frameworks: dict[int, str], times: dict[int, list[float]],
+                 named: list[str] | None) -> tuple[int, int] | None:
+    """The two slots a verdict compares: `named` (--verdict A,B) if both are here; else the fastest
+    (by median so far) of each framework, or the two fastest when one framework is present."""
+    live = [s for s in times if times[s]]
+    if named:
+        by_key = {keys[s]: s for s in live}
+        return (by_key[named[0]], by_key[named[1]]) if all(k in by_key for k in named) else None
+    ranked = sorted(live, key=lambda s: float(np.median(times[s])))
+    best = {}
+    for s in ranked:
+        best.setdefault(frameworks[s], s)
+    if len(best) >= 2:
+        return tuple(sorted(best.values()))[:2]
+    return tuple(sorted(ranked[:2])) if len(ranked) >= 2 else None
+
+
+def run_group(mods: dict, group, spec: dict, timing: Timing, clock):
+    """All implementations of one (case, pass): build, check outputs, time, summarise.
+
+    Returns ([(item id, row)], verdict dict or None)."""
+    precision, seed, interleave = spec["precision"], spec["seed"], spec.get("interleave", True)
+    named = spec.get("verdict")
+    rows, benches, prepared, keys, fws = {}, {}, {}, {}, {}
     for item_id, impl, case, pass_ in group:
+        device = framework_device(impl.framework, spec["device"])
         rows[item_id] = empty_row(impl, case, pass_, device=device)
+        keys[item_id], fws[item_id] = impl.bench_key, impl.framework
+        emit("START", item_id)
         try:
-            benches.append(mod.build(impl, case, pass_, device, seed))
-            rows[item_id]["kernel"] = benches[-1].kernel
-            slots.append(item_id)
-        except Exception as e:  # noqa: BLE001
+            bench = mods[impl.framework].build(impl, case, pass_, device, seed)
+            rows[item_id]["kernel"] = bench.kernel
+            prepared[item_id] = prepare(bench, timing, clock)
+            benches[item_id] = bench
+        except Exception as e:  # noqa: BLE001 - any failure of one item is recorded, the group goes on
             rows[item_id].update(status="error", message=error_message(e))
             traceback.print_exc(file=sys.stderr)
-    results = run_interleaved(benches, timing, clock, on_prepare=lambda i: emit("START", slots[i]))
-    for item_id, res in zip(slots, results):
-        row = rows[item_id]
-        try:
-            if isinstance(res, Exception):
-                raise res
-            row.update(res)
-            row["status"] = "ok"
-        except Exception as e:  # noqa: BLE001
-            row.update(status="error", message=error_message(e))
-            traceback.print_exception(e, file=sys.stderr)
-    del benches  # free this group's inputs and executables before the next
-    return [(item_id, rows[item_id]) for item_id, *_ in group]
+    mismatch = {}
+    with_output = [s for s in benches if prepared[s].output is not None]
+    if with_output:
+        ref = _reference_slot(with_output, keys)
+        dtype = group[0][2].dtype
+        for s in with_output:
+            if s == ref:
+                continue
+            try:
+                diff, why = same_output(prepared[s].output, prepared[ref].output, dtype, precision)
+            except Exception as e:  # noqa: BLE001 - an output that cannot be compared is this item's failure
+                diff, why = None, f"its output could not be compared: {error_message(e)}"
+            rows[s]["out_max_diff"] = diff
+            if why:
+                mismatch[s] = f"not the same computation as {keys[ref]}: {why}"
+        for s in with_output:
+            prepared[s].output = None  # free the arrays before timing
+
+    case, pass_ = group[0][2], group[0][3]
+
+    def settled(times):
+        pair = verdict_pair(keys, fws, {s: t for s, t in times.items() if s not in mismatch}, named)
+        if pair is None:
+            return False
+        a, b = pair
+        v = verdict.compute(case.label, pass_, keys[a], times[a], keys[b], times[b], paired=True)
+        return verdict.settled(v)
+
+    times, errors = sample(benches, timing, clock, interleave, settled if interleave else None)
+    for s, bench in benches.items():
+        res = errors.get(s) or summary(bench, prepared[s], times[s], clock)
+        if isinstance(res, Exception):
+            rows[s].update(status="error", message=error_message(res))
+            traceback.print_exception(res, file=sys.stderr)
+            continue
+        res.pop("samples"), res.pop("output")
+        rows[s].update(res)
+        if s in mismatch:
+            rows[s].update(status="error", message=mismatch[s])
+    timed = {s: times[s] for s in benches if s not in errors and times[s]}
+    pair = verdict_pair(keys, fws, {s: t for s, t in timed.items() if s not in mismatch}, named)
+    v = None
+    if pair is not None:
+        a, b = pair
+        ta, tb = timed[a], timed[b]
+        if interleave:  # pairs: a bench that failed mid-way leaves the rounds it did complete
+            n = min(len(ta), len(tb))
+            ta, tb = ta[:n], tb[:n]
+        v = verdict.compute(case.label, pass_, keys[a], ta, keys[b], tb, paired=interleave)
+    return [(item_id, rows[item_id]) for item_id, *_ in group], v
 
 
 class PeakBar:
@@ -90,8 +156,9 @@ class PeakBar:
     A rate above the device's peak cannot be real, but on a loaded machine the peak taken
     at start-up may have caught a burst of load while a later item ran in a quiet moment.
     So before the parent demotes such a row to `error` (measure.apply_peak, against the
-    best of every measurement of the run), the worker measures the peak again right then.
-    At most MAX_REMEASURES per dtype: a real bug (a missing sync) must not cost one per row.
+    best of every measurement of the run), the worker measures the peak again right then,
+    with every framework it has loaded. At most MAX_REMEASURES per dtype: a real bug (a
+    missing sync) must not cost one per row.
 
     The re-measure adds a square matmul of the row's own FLOP count to the preset's sizes.
     Measured under load 9-10 on 2 cores: the 1024-2048 matmuls (10-90 ms a call) peaked at
@@ -101,8 +168,8 @@ class PeakBar:
 
     MAX_REMEASURES = 3
 
-    def __init__(self, mod, framework: str, device: str, peaks: list[dict], known: list[dict], clock):
-        self.mod, self.framework, self.device, self.clock = mod, framework, device, clock
+    def __init__(self, mods: dict, devices: dict, peaks: list[dict], known: list[dict], clock):
+        self.mods, self.devices, self.clock = mods, devices, clock
         self.sizes = {p["dtype"]: p["sizes"] for p in peaks}
         self.best: dict[str, float] = {}
         for rec in known:
@@ -115,21 +182,22 @@ class PeakBar:
 
     def measure(self, dtype: str, reason: str | None = None, extra_size: int | None = None) -> None:
         sizes = sorted({*self.sizes[dtype], extra_size} - {None})
-        try:
-            rate, n = self.mod.peak_gflops(dtype, sizes, self.device, PEAK_TIMING, self.clock)
-            rec = {"framework": self.framework, "dtype": dtype, "gflops": rate, "size": n}
-        except Exception as e:  # noqa: BLE001
-            rec = {"framework": self.framework, "dtype": dtype, "gflops": None, "error": error_message(e)}
-        if reason:
-            rec["remeasured_for"] = reason
-        emit("PEAK", rec)
-        self._raise_bar(rec)
+        for fw, mod in self.mods.items():
+            try:
+                rate, n = mod.peak_gflops(dtype, sizes, self.devices[fw], PEAK_TIMING, self.clock)
+                rec = {"framework": fw, "dtype": dtype, "gflops": rate, "size": n}
+            except Exception as e:  # noqa: BLE001
+                rec = {"framework": fw, "dtype": dtype, "gflops": None, "error": error_message(e)}
+            if reason:
+                rec["remeasured_for"] = reason
+            emit("PEAK", rec)
+            self._raise_bar(rec)
 
     def vet(self, rows: list[tuple[int, dict]]) -> None:
         """Re-measure once per dtype if any of these rows' rates is above the bar."""
         worst: dict[str, tuple[float, int, int]] = {}
         for item_id, row in rows:
-            if row.get("status") != "ok" or not row.get("median_s"):
+            if row.get("status") not in ("ok", "noisy") or not row.get("median_s"):
                 continue
             case = BenchCase(**{k: row[k] for k in ("batch", "seq_q", "seq_k", "embed", "heads", "dtype")})
             flops = pass_flops(case, row["pass"])
@@ -149,65 +217,72 @@ def matched_size(flops: int) -> int:
     return max(64, round((flops / 2) ** (1 / 3) / 64) * 64)
 
 
-def run_items(mod, spec: dict, items, timing: Timing, clock):
-    """Yield the rows of each timing group: one item at a time, or one (case, pass) round-robin."""
-    device, seed = spec["device"], spec["seed"]
-    if not spec.get("interleave", True):
-        for item_id, impl, case, pass_ in items:
-            emit("START", item_id)
-            mod.reset_compiled()
-            yield [(item_id, run_item(mod, impl, case, pass_, device, seed, timing, clock))]
-        return
-    groups: dict = {}
+def groups(items) -> list[list]:
+    """The items by (case, pass), in plan order: each group is timed together."""
+    out: dict = {}
     for item in items:
-        groups.setdefault((item[2], item[3]), []).append(item)
-    for group in groups.values():
-        mod.reset_compiled()
-        yield run_group_interleaved(mod, group, device, seed, timing, clock)
+        out.setdefault((item[2], item[3]), []).append(item)
+    return list(out.values())
 
 
-def setup(spec: dict, cpus: list[int]):
-    """Import the framework's implementation module and configure it: (module, env report)."""
-    fw, device = spec["framework"], spec["device"]
-    if fw == "torch":
+def setup(framework: str, spec: dict, cpus: list[int]):
+    """Import one framework's implementation module and configure it: (module, env report)."""
+    device = framework_device(framework, spec["device"])
+    if framework == "torch":
         from parity.bench import impl_torch as mod
 
         env = mod.setup(device, len(cpus), spec["precision"])
-    elif fw == "jax":
+    elif framework == "jax":
         from parity.bench import impl_jax as mod
 
         env = mod.setup(device, spec["precision"])
     else:
-        raise ValueError(f"unknown framework {fw!r}")
+        raise ValueError(f"unknown framework {framework!r}")
     env["cpus"] = cpus
     env["unavailable"] = mod.check_device(device)
     return mod, env
 
 
 def main(argv=None) -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent ends this process (module docstring)
     argv = sys.argv[1:] if argv is None else argv
-    with open(argv[0]) as f:
-        spec = json.load(f)
-    cpus = pin_threads(spec.get("threads"))  # before any framework sizes its thread pools
-    mod, env = setup(spec, cpus)
-    fw, device, reason = spec["framework"], spec["device"], env["unavailable"]
-    emit("ENV", {"framework": fw, **env})
+    if argv:
+        with open(argv[0]) as f:
+            spec = json.load(f)
+    else:
+        spec = json.load(sys.stdin)
+    cpus = pin_threads(spec.get("threads"))  # before any framework sizes its pools
     user = [i for s in spec.get("user_impls", []) for i in load_user_impl(s)]
     impls = {im.bench_key: im for im in (*IMPLS, *user)}
     items = [(item["id"], impls[item["impl"]], BenchCase(**item["case"]), item["pass"]) for item in spec["items"]]
-    if reason:
-        for item_id, impl, case, pass_ in items:
-            emit("START", item_id)
-            emit("ROW", {"id": item_id, **empty_row(impl, case, pass_, device=device, status="skip", message=reason)})
-        return 0
+    mods, devices = {}, {}
+    for fw in sorted({impl.framework for _, impl, _, _ in items}, key=("torch", "jax").index):
+        mod, env = setup(fw, spec, cpus)
+        devices[fw] = framework_device(fw, spec["device"])
+        emit("ENV", {"framework": fw, **env})
+        if env["unavailable"]:
+            for item_id, impl, case, pass_ in items:
+                if impl.framework == fw:
+                    emit("START", item_id)
+                    emit("ROW", {"id": item_id, **empty_row(impl, case, pass_, device=devices[fw], status="skip",
+                                                            message=env["unavailable"])})
+            continue
+        mods[fw] = mod
+    items = [it for it in items if it[1].framework in mods]
     clock = time.perf_counter
-    bar = PeakBar(mod, fw, device, spec.get("peaks", []), spec.get("known_peaks", []), clock)
+    bar = PeakBar(mods, devices, spec.get("peaks", []), spec.get("known_peaks", []), clock)
     for peak in spec.get("peaks", []):
         bar.measure(peak["dtype"])
-    for rows in run_items(mod, spec, items, Timing(**spec["timing"]), clock):
+    timing = Timing(**spec["timing"])
+    for group in groups(items):
+        for mod in mods.values():
+            mod.reset_compiled()
+        rows, v = run_group(mods, group, spec, timing, clock)
         bar.vet(rows)
         for item_id, row in rows:
             emit("ROW", {"id": item_id, **row})
+        if v is not None:
+            emit("VERDICT", v)
     return 0
 
 
