@@ -43,7 +43,7 @@ from parity.env import PACKAGES, environment
 from parity.impls import Implementation
 
 MEM_HEADROOM = 0.8  # skip an item whose estimate exceeds this fraction of available memory
-INTERRUPTED = "not run: interrupted (Ctrl-C)"
+INTERRUPTED = "not measured: interrupted (Ctrl-C)"
 # Thread settings every worker gets (the environment block records them). torch's OpenMP
 # threads otherwise spin-wait after each parallel region; next to another busy process a
 # spinning thread holds a core the other needs, and a call can take 50x longer (measured,
