@@ -41,7 +41,7 @@ def test_tiny_real_sweep_writes_json_markdown_and_plot(tmp_path):
         assert key in env
     # One worker held both frameworks (--isolation run), each pinned to the same single CPU.
     assert env["threads"] == {"torch": 1, "jax": 1} and env["thread_settings"]["torch_threads"] == 1
-    assert env["thread_settings"]["env"] == runner.THREAD_ENV
+    assert env["thread_settings"]["env"] == runner.thread_env()
     assert env["precision_settings"]["jax"]["jax_default_matmul_precision"] == "highest"
     rows = data["rows"]
     assert len(rows) == 2 * 4 * 2

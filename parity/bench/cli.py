@@ -348,7 +348,7 @@ def report_main(argv, console: Console) -> int:
     p = argparse.ArgumentParser(prog="mha-bench report", description="Re-render a saved mha-bench JSON.",
                                 epilog="Exit: 0 written, 2 bad input or output path, 3 a report could not be written.")
     # dest "input", not "json": check_outputs/write_outputs treat an attribute named json as the
-    # --json output, which made `report RUN.json` rewrite its own input.
+    # --json output; report writes none.
     p.add_argument("input", metavar="RUN.json")
     p.add_argument("--markdown", metavar="PATH")
     p.add_argument("--plot", metavar="PATH.png")

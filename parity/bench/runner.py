@@ -48,7 +48,13 @@ INTERRUPTED = "not measured: interrupted (Ctrl-C)"
 # threads otherwise spin-wait after each parallel region; next to another busy process a
 # spinning thread holds a core the other needs, and a call can take 50x longer (measured,
 # docs/benchmark.md). Both frameworks get the same CPU count (`measure.pin_threads`).
+# A value set in the environment of mha-bench wins (to measure the alternative).
 THREAD_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def thread_env() -> dict:
+    """The thread settings the workers get: THREAD_ENV unless the environment sets them."""
+    return {k: os.environ.get(k, v) for k, v in THREAD_ENV.items()}
 
 
 def device_absent(requested: str) -> tuple[str, str | None]:
@@ -149,7 +155,7 @@ def _spawn(spec: dict, env: dict) -> subprocess.Popen:
 
 def _worker_env(cfg: RunConfig, scratch: str) -> dict:
     env = dict(os.environ)
-    env.update(THREAD_ENV)
+    env.update(thread_env())
     # A fresh inductor cache per worker: torch.compile times are cold compiles, not disk-cache hits.
     env["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-", dir=scratch)
     # Allocate GPU memory on demand so that JAX's peak is the program's, not a 75% preallocation.
@@ -402,7 +408,7 @@ def bench_environment(cfg: RunConfig, out: Collected) -> dict:
         "threads_requested": cfg.threads,
         "threads": {fw: len(e.get("cpus", [])) for fw, e in out.envs.items()},
         "thread_settings": {
-            "env": THREAD_ENV, "affinity_cpus": {fw: e.get("cpus") for fw, e in out.envs.items()},
+            "env": thread_env(), "affinity_cpus": {fw: e.get("cpus") for fw, e in out.envs.items()},
             "torch_threads": out.envs.get("torch", {}).get("torch_threads"),
             "xla_threads": "the process's CPU affinity (XLA sizes its pools from it)",
         },
