@@ -781,3 +781,81 @@ def test_plot_has_a_title_and_draws_error_rows(tmp_path, monkeypatch):
     assert titles == ["mha-bench: device cpu (Fake CPU), preset quick, precision highest"]
     assert markers.count((1, "X")) == 4  # two error rows, each on the time and the GFLOP/s axes
     assert legends[0].count("error row (measured, not trusted)") == 1 and legends[0][-1].startswith("error row")
+
+
+# ---------------------------------------------------------------- verdicts on synthetic samples
+
+from parity.bench import verdict  # noqa: E402
+
+
+def _load(n, seed=0):
+    """A common-mode load factor per round, 1x to 5x: what a busy machine does to both calls of a round."""
+    return np.random.default_rng(seed).uniform(1.0, 5.0, n)
+
+
+def test_a_clear_difference_is_conclusive_with_its_ratio_inside_the_interval():
+    load = _load(40)
+    jitter = np.random.default_rng(1).normal(1.0, 0.01, 40)
+    a = 0.010 * load
+    b = 0.013 * load * jitter  # B takes 1.3x A's time in every round, within 1 %
+    v = verdict.compute("case", "fwd", "A", a, "B", b)
+    assert (v["faster"], v["slower"], v["repeats"]) == ("A", "B", 40)
+    assert v["ci"][0] < 1.3 < v["ci"][1] and v["ci"][0] > 1.25 and v["ci"][1] < 1.35
+    assert v["conclusive"] and verdict.settled(v)
+    # Swapped arguments give the same verdict, oriented the same way.
+    w = verdict.compute("case", "fwd", "B", b, "A", a)
+    assert (w["faster"], w["slower"]) == ("A", "B") and w["ratio"] == pytest.approx(v["ratio"])
+    assert w["ci"] == pytest.approx(v["ci"])
+
+
+def test_pairing_cancels_a_common_load_that_unpaired_samples_cannot():
+    load = _load(30, seed=2)
+    a, b = 0.010 * load, 0.011 * load  # exactly 1.1x in every round, under a 1x-5x load
+    paired = verdict.compute("c", "fwd", "A", a, "B", b, paired=True)
+    unpaired = verdict.compute("c", "fwd", "A", a, "B", b, paired=False)
+    assert paired["ci"] == [pytest.approx(1.1), pytest.approx(1.1)] and paired["conclusive"]
+    assert unpaired["ci"][0] < 1.0 < unpaired["ci"][1] and not unpaired["conclusive"]
+
+
+def test_no_real_difference_is_inconclusive_and_says_why():
+    rng = np.random.default_rng(3)
+    a = 0.010 * rng.lognormal(0.0, 0.2, 30)
+    b = 0.010 * rng.lognormal(0.0, 0.2, 30)  # the same distribution: the interval must contain 1
+    v = verdict.compute("c", "fwd", "A", a, "B", b)
+    assert v["ci"][0] < 1.0 < v["ci"][1] and not v["conclusive"]
+    rows = {"A": {"status": "ok"}, "B": {"status": "ok"}}
+    assert "interval contains 1" in verdict.why_inconclusive(verdict.finalize(v, rows), rows)
+    assert verdict.sentence(verdict.finalize(v, rows), rows).startswith("inconclusive (the interval contains 1")
+
+
+def test_too_few_repeats_or_a_noisy_row_is_never_conclusive():
+    few = verdict.compute("c", "fwd", "A", [1.0] * 5, "B", [2.0] * 5)
+    assert few["ci"] == [2.0, 2.0] and not few["conclusive"]  # the interval excludes 1, but 5 < MIN_PAIRS
+    ok = {"A": {"status": "ok"}, "B": {"status": "ok"}}
+    assert verdict.why_inconclusive(few, ok) == f"too few repeats (5 < {verdict.MIN_PAIRS})"
+    enough = verdict.compute("c", "fwd", "A", [1.0] * 8, "B", [2.0] * 8)
+    assert verdict.finalize(enough, ok)["conclusive"]
+    for status in ("noisy", "error"):
+        rows = {"A": {"status": "ok"}, "B": {"status": status}}
+        final = verdict.finalize(enough, rows)
+        assert not final["conclusive"] and verdict.why_inconclusive(final, rows) == f"B is {status}"
+
+
+def test_settled_is_a_half_width_within_five_percent_of_the_ratio():
+    base = {"ratio": 2.0, "conclusive": True, "repeats": 20}
+    assert verdict.settled({**base, "ci": [1.91, 2.09]})  # half-width 0.09 < 5 % of 2
+    assert not verdict.settled({**base, "ci": [1.89, 2.11]})  # 0.11 > 0.1
+    assert not verdict.settled({**base, "ci": [-np.inf, np.inf]})
+    with pytest.raises(ValueError, match="paired samples must be as many"):
+        verdict.compute("c", "fwd", "A", [1.0, 1.0], "B", [1.0])
+
+
+def test_compare_calls_a_noisy_row_noisy_whatever_its_change():
+    base, doubled = _ok_row(median_s=1.0, iqr_s=0.01), _ok_row(median_s=2.0, iqr_s=0.01)
+    noisy_new = doubled | {"status": "noisy", "message": "noisy: IQR/median = 30.0% > 10%"}
+    old_schema_noisy = doubled | {"iqr_s": 0.5}  # a file without the status: IQR/median 25 %
+    for new in (noisy_new, old_schema_noisy):
+        result = report.compare({"rows": [base]}, {"rows": [new]}, 0.10)
+        assert [e["verdict"] for e in result.entries] == ["noisy"] and result.regressions == 0
+        assert "new noisy: IQR/median" in result.entries[0]["note"]
+    assert report.compare({"rows": [base]}, {"rows": [doubled]}, 0.10).regressions == 1

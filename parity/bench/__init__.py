@@ -1,19 +1,19 @@
 """`mha-bench`: a jit benchmark of multi-head attention across torch and JAX.
 
-Layout (each module imports at most one framework, except `worker`, which
-imports the one it is asked to run):
+Layout (each module imports at most one framework, except `worker`, which imports the
+ones its items need, both when a case has torch and JAX implementations):
 
-    spec      cases, implementations, presets, the FLOP formula, memory estimates
-    measure   framework-free timing methodology: warm-up, compile split, repeats,
-              median/IQR/min, synchronisation, CPU peak-RSS probe
+    spec      cases, implementations, presets, statuses, the FLOP formula, memory estimates
+    measure   framework-free timing methodology: warm-up, compile split, paired round-robin
+              rounds, median/IQR/min, synchronisation, the output check, CPU peak-RSS probe
+    verdict   which implementation is faster, by how much, with a bootstrap interval (scipy)
     impl_torch / impl_jax   the implementations under test, built from one canonical
               state dict (`parity.convert`) and one set of inputs
-    worker    the subprocess that runs one group of items and prints result rows
-    runner    plans the sweep, starts workers, turns crashes into error rows,
+    worker    the subprocess that times one group of items and prints result rows and verdicts
+    runner    plans the sweep, starts workers, turns crashes and Ctrl-C into rows,
               applies the measured matmul peak
-    report    rich table, JSON, Markdown, plot, compare
-    cli       `mha-bench` / `python -m parity.bench`
-"""
+    report    console table, JSON, Markdown, plot, compare
+    cli       `mha-bench` / `python -m parity.bench`"""
 
 from parity.bench.spec import ROW_FIELDS, BenchCase, forward_flops, pass_flops
 

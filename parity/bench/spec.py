@@ -24,7 +24,7 @@ ROW_FIELDS = (
     "impl", "framework", "mode", "pass", "batch", "seq_q", "seq_k", "embed", "heads", "dtype",
     "need_weights", "kernel", "device", "compile_s", "recompile_s", "median_s", "iqr_s", "min_s", "repeats",
     "ratio", "gflops", "peak_gflops", "peak_fraction", "peak_mem_bytes", "mem_source", "out_max_diff",
-    "status", "message", "warning",
+    "status", "message",
 )
 # ok: measured and trusted; noisy: measured, but its spread is above NOISY_IQR (never ok, never
 # in a conclusive verdict); error: failed, or measured and rejected; skip: not run, with the reason.
