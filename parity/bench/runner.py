@@ -150,6 +150,10 @@ def _spawn(spec: dict, env: dict) -> subprocess.Popen:
         proc.stdin.close()
     except BrokenPipeError:  # it died at start-up: its exit code and stderr say why
         pass
+    except BaseException:  # Ctrl-C before anyone reads it: no worker may outlive this
+        proc.kill()
+        proc.wait()
+        raise
     return proc
 
 
@@ -166,8 +170,11 @@ def _worker_env(cfg: RunConfig, scratch: str) -> dict:
 
 
 def _pump(stream, q: queue.Queue, tag: str) -> None:
-    for line in stream:
-        q.put((tag, line))
+    try:
+        for line in stream:
+            q.put((tag, line))
+    except (OSError, ValueError):  # the stream was closed under it: the worker was ended (Ctrl-C)
+        pass
     q.put((tag, None))
 
 
