@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from parity.bench import measure, report, runner
+from parity.bench import measure, report, sweep
 from parity.bench.spec import (
     IMPLS, PRESETS, ROW_FIELDS, BenchCase, Timing, empty_row, forward_flops, pass_flops, select_impls,
 )
@@ -137,7 +137,7 @@ def test_every_timed_call_is_synchronised_before_the_clock_stops():
 
 def test_jax_sync_blocks_on_every_leaf():
     pytest.importorskip("jax")
-    from parity.bench import impl_jax
+    from parity.bench import jax_bench
 
     class FakeArray:
         def __init__(self):
@@ -148,7 +148,7 @@ def test_jax_sync_blocks_on_every_leaf():
             return self
 
     a, b = FakeArray(), FakeArray()
-    impl_jax.sync((a, [b]))
+    jax_bench.sync((a, [b]))
     assert a.blocked == 1 and b.blocked == 1
 
 
@@ -204,9 +204,9 @@ def test_device_peak_is_the_best_of_all_workers_and_frameworks():
         {"framework": "torch", "dtype": "float32", "gflops": 60.0},
         {"framework": "jax", "dtype": "bfloat16", "gflops": 30.0},
     ]
-    assert runner.device_peak(peaks, "float32") == 95.0
-    assert runner.device_peak(peaks, "bfloat16") == 30.0
-    assert runner.device_peak(peaks, "float16") is None
+    assert sweep.device_peak(peaks, "float32") == 95.0
+    assert sweep.device_peak(peaks, "bfloat16") == 30.0
+    assert sweep.device_peak(peaks, "float16") is None
 
 
 # ---------------------------------------------------------------- sweep: failures, skips, equal work
@@ -238,9 +238,9 @@ def _row_line(item, **kw):
 
 
 def test_dead_worker_costs_one_error_row_and_the_sweep_continues():
-    cfg = runner.RunConfig(preset=PRESETS["quick"], impls=select_impls("ours-torch:eager,torch-mha"),
+    cfg = sweep.RunConfig(preset=PRESETS["quick"], impls=select_impls("ours-torch:eager,torch-mha"),
                            cases=(CASE,), passes=("fwd",), available_bytes=2**40)
-    items = runner.plan(cfg)
+    items = sweep.plan(cfg)
     assert len(items) == 4 and not any(it.skip for it in items)
     spawned = []
 
@@ -250,8 +250,8 @@ def test_dead_worker_costs_one_error_row_and_the_sweep_continues():
             return FakeProc(["@@START\t0", _row_line(items[0]), "@@START\t1"], rc=-9)
         return FakeProc([ln for it in items[2:] for ln in (f"@@START\t{it.id}", _row_line(it))], rc=0)
 
-    out = runner.Collected()
-    runner.run_group(cfg, items, [], out, lambda k, d: None, "/tmp", spawn)
+    out = sweep.Collected()
+    sweep.run_group(cfg, items, [], out, lambda k, d: None, "/tmp", spawn)
     assert spawned == [[0, 1, 2, 3], [2, 3]]
     assert [out.rows[i]["status"] for i in range(4)] == ["ok", "error", "ok", "ok"]
     assert "signal 9" in out.rows[1]["message"] and "Killed" in out.rows[1]["message"]
@@ -277,9 +277,9 @@ def test_failing_item_in_worker_becomes_error_row(monkeypatch):
 
 def test_items_that_cannot_fit_are_skip_rows_with_the_reason():
     big = BenchCase(1, 32768, 32768, 512, 8, "float32")
-    cfg = runner.RunConfig(preset=PRESETS["long"], impls=select_impls("ours-torch:eager"),
+    cfg = sweep.RunConfig(preset=PRESETS["long"], impls=select_impls("ours-torch:eager"),
                            cases=(big,), passes=("fwd",), available_bytes=24 * 2**30)
-    items = runner.plan(cfg)
+    items = sweep.plan(cfg)
     by_key = {it.impl.bench_key: it for it in items}
     assert by_key["ours-torch:eager:fused"].skip is None
     assert "estimated memory" in by_key["ours-torch:eager:weights"].skip
@@ -501,14 +501,14 @@ def test_torch_and_jax_implementations_of_a_case_are_timed_in_one_rotation(monke
 
 
 def test_one_worker_per_case_holds_both_frameworks():
-    cfg = runner.RunConfig(preset=PRESETS["quick"], impls=select_impls("ours-torch:eager:fused,ours-jax:jit:fused"),
+    cfg = sweep.RunConfig(preset=PRESETS["quick"], impls=select_impls("ours-torch:eager:fused,ours-jax:jit:fused"),
                            cases=(CASE, BenchCase(1, 8, 8, 12, 3, "float32")), passes=("fwd", "fwd+bwd"),
                            available_bytes=2**40)
-    items = runner.plan(cfg)
-    per_case = runner._groups(items, "case")
+    items = sweep.plan(cfg)
+    per_case = sweep._groups(items, "case")
     assert len(per_case) == 2
     assert all({it.impl.framework for it in g} == {"torch", "jax"} and len({it.case for it in g}) == 1 for g in per_case)
-    assert [len(g) for g in runner._groups(items, "run")] == [8]
+    assert [len(g) for g in sweep._groups(items, "run")] == [8]
 
 
 def test_sampling_stops_once_the_interval_is_narrow_enough():
@@ -626,14 +626,14 @@ def test_saved_results_still_load():
 
 
 def test_a_row_above_the_peak_keeps_its_numbers_marked_in_table_ratio_and_markdown():
-    cfg = runner.RunConfig(preset=PRESETS["quick"], impls=select_impls("ours-torch:eager:fused,torch-sdpa-core"),
+    cfg = sweep.RunConfig(preset=PRESETS["quick"], impls=select_impls("ours-torch:eager:fused,torch-sdpa-core"),
                            cases=(CASE,), passes=("fwd",), available_bytes=2**40)
-    items = runner.plan(cfg)
+    items = sweep.plan(cfg)
     flops = pass_flops(CASE, "fwd")
-    out = runner.Collected(peaks=[{"dtype": "float32", "gflops": 100.0}])
+    out = sweep.Collected(peaks=[{"dtype": "float32", "gflops": 100.0}])
     out.rows = {items[0].id: _ok_row(median_s=flops / 50e9) | {"impl": "torch-sdpa-core"},
                 items[1].id: _ok_row(median_s=flops / 150e9)}  # 150 GFLOP/s > the 100 peak: planted
-    rows = runner.finish(items, out)
+    rows = sweep.finish(items, out)
     assert [r["status"] for r in rows] == ["ok", "error"]
     assert rows[1]["ratio"] == pytest.approx(50 / 150)  # against the ok row, not itself
     cells = report._cells(rows[1])
@@ -691,7 +691,7 @@ def _vet(monkeypatch, rates, row_gflops):
 
     lines = []
     monkeypatch.setattr(worker, "emit", lambda kind, payload: lines.append(f"@@{kind}\t{json.dumps(payload)}"))
-    cfg = runner.RunConfig(preset=PRESETS["quick"], impls=select_impls("ours-torch:eager:fused"),
+    cfg = sweep.RunConfig(preset=PRESETS["quick"], impls=select_impls("ours-torch:eager:fused"),
                            cases=(CASE,), passes=("fwd",), available_bytes=2**40)
     flops = pass_flops(CASE, "fwd")
     mod = FakePeakMod(*rates)
@@ -699,13 +699,13 @@ def _vet(monkeypatch, rates, row_gflops):
     bar.measure("float32")
     verdicts = []
     for gflops in row_gflops:
-        item = runner.plan(cfg)[0]
+        item = sweep.plan(cfg)[0]
         row = empty_row(item.impl, item.case, item.pass_, status="ok", median_s=flops / (gflops * 1e9), iqr_s=0.0)
         bar.vet([(item.id, row)])
-        out = runner.Collected()
-        runner.run_group(cfg, [item], [], out, lambda k, d: None, "/tmp",
+        out = sweep.Collected()
+        sweep.run_group(cfg, [item], [], out, lambda k, d: None, "/tmp",
                          lambda spec, env: FakeProc([*lines, f"@@ROW\t{json.dumps({'id': item.id, **row})}"], rc=0))
-        verdicts.append(runner.finish([item], out)[0]["status"])
+        verdicts.append(sweep.finish([item], out)[0]["status"])
     return verdicts, [json.loads(ln.split("\t", 1)[1]) for ln in lines], mod
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from parity.bench import cli, runner
+from parity.bench import cli, sweep
 from parity.bench.spec import ROW_FIELDS
 
 TINY = [
@@ -41,7 +41,7 @@ def test_tiny_real_sweep_writes_json_markdown_and_plot(tmp_path):
         assert key in env
     # One worker held both frameworks (--isolation run), each pinned to the same single CPU.
     assert env["threads"] == {"torch": 1, "jax": 1} and env["thread_settings"]["torch_threads"] == 1
-    assert env["thread_settings"]["env"] == runner.thread_env()
+    assert env["thread_settings"]["env"] == sweep.thread_env()
     assert env["precision_settings"]["jax"]["jax_default_matmul_precision"] == "highest"
     rows = data["rows"]
     assert len(rows) == 2 * 4 * 2
@@ -66,7 +66,7 @@ def test_tiny_real_sweep_writes_json_markdown_and_plot(tmp_path):
 
 
 def test_absent_gpu_is_a_clean_skip(tmp_path):
-    device, absent = runner.device_absent("gpu")
+    device, absent = sweep.device_absent("gpu")
     if absent is None:
         pytest.skip("a GPU is present: nothing to skip")
     out = tmp_path / "gpu.json"
@@ -81,16 +81,16 @@ def test_absent_gpu_is_a_clean_skip(tmp_path):
 
 def test_torch_without_cuda_reports_why():
     torch = pytest.importorskip("torch")
-    from parity.bench import impl_torch
+    from parity.bench import torch_bench
 
     if torch.cuda.is_available():
         pytest.skip("CUDA present")
-    assert "no CUDA device" in impl_torch.check_device("cuda")
-    assert impl_torch.check_device("cpu") is None
+    assert "no CUDA device" in torch_bench.check_device("cuda")
+    assert torch_bench.check_device("cpu") is None
 
 
 def test_auto_device_falls_back_to_cpu_without_accelerators():
-    device, absent = runner.device_absent("auto")
+    device, absent = sweep.device_absent("auto")
     assert absent is None
     from parity.devices import device_nodes
 

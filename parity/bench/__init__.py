@@ -7,10 +7,10 @@ ones its items need, both when a case has torch and JAX implementations):
     measure   framework-free timing methodology: warm-up, compile split, paired round-robin
               rounds, median/IQR/min, synchronisation, the output check, CPU peak-RSS probe
     verdict   which implementation is faster, by how much, with a bootstrap interval (scipy)
-    impl_torch / impl_jax   the implementations under test, built from one canonical
+    torch_bench / jax_bench   the implementations under test, built from one canonical
               state dict (`parity.convert`) and one set of inputs
     worker    the subprocess that times one group of items and prints result rows and verdicts
-    runner    plans the sweep, starts workers, turns crashes and Ctrl-C into rows,
+    sweep     plans the sweep, starts workers, turns crashes and Ctrl-C into rows,
               applies the measured matmul peak
     report    console table, JSON, Markdown, plot, compare
     cli       `mha-bench` / `python -m parity.bench`"""

@@ -40,7 +40,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from parity.atomic import writable_problem
-from parity.bench import report, runner
+from parity.bench import report, sweep
 from parity.bench.spec import DTYPES, IMPLS, MEASURED, PASSES, PRESETS, BenchCase, select_impls
 from parity.impls import load_user_impl
 from parity.cli_args import comma_separated, nonnegative_int, positive_float, positive_int
@@ -100,10 +100,10 @@ def _cpus_available() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def build_config(args) -> runner.RunConfig:
+def build_config(args) -> sweep.RunConfig:
     """The run's configuration; ValueError for a combination that argparse cannot see is wrong."""
     preset = PRESETS[args.preset]
-    device, absent = runner.device_absent(args.device)
+    device, absent = sweep.device_absent(args.device)
     seqs = args.seq or preset.seqs
     if args.max_seq:
         seqs = tuple(s for s in seqs if s <= args.max_seq)
@@ -130,7 +130,7 @@ def build_config(args) -> runner.RunConfig:
     if args.peak_sizes:
         preset = replace(preset, peak_sizes=args.peak_sizes)
     pair = _verdict_pair(args.verdict, impls) if args.verdict is not None else None
-    return runner.RunConfig(
+    return sweep.RunConfig(
         preset=preset, device=device, device_absent=absent, impls=impls, cases=cases, user_impls=tuple(args.impl),
         passes=args.passes or preset.passes, threads=args.threads, precision=args.precision, seed=args.seed,
         isolation=args.isolation or preset.isolation, interleave=not args.sequential, item_timeout_s=args.item_timeout, timing=timing,
@@ -223,7 +223,7 @@ def _execute(cfg, items, no_progress: bool, console: Console, spawn):
                 progress.advance(task)
 
         kw = {"spawn": spawn} if spawn is not None else {}
-        return runner.execute(cfg, items, on_event, **kw)
+        return sweep.execute(cfg, items, on_event, **kw)
 
 
 def write_outputs(outputs, rows, env: dict, console: Console, keep_results: bool = True, verdicts=()) -> bool:
@@ -269,7 +269,7 @@ def run(argv, console: Console, spawn=None) -> int:
     except (ValueError, TypeError, ImportError) as e:  # bad arguments, or an --impl that does not load
         _error(console, f"mha-bench: error: {e}")
         return EXIT_USAGE
-    items = runner.plan(cfg)
+    items = sweep.plan(cfg)
     if args.list:
         for it in items:
             line = f"{it.case.label}  {it.pass_:8s} {it.impl.bench_key}" + (f"  (skip: {it.skip})" if it.skip else "")
@@ -287,11 +287,11 @@ def run(argv, console: Console, spawn=None) -> int:
         load_end, calib_end = _loadavg(), None
     else:
         load_end, calib_end = _loadavg(), calibrate()
-    rows = runner.finish(items, collected)
-    vs = runner.finish_verdicts(items, rows, collected)
+    rows = sweep.finish(items, collected)
+    vs = sweep.finish_verdicts(items, rows, collected)
     end_texts = [t for t in (load_warning("end", load_end, os.cpu_count()), calibration_warning(calib_start, calib_end)) if t]
     interference = [t for t in (start_text, *end_texts) if t]
-    env = {"loadavg_start": load_start, **runner.bench_environment(cfg, collected), "loadavg_end": load_end,
+    env = {"loadavg_start": load_start, **sweep.bench_environment(cfg, collected), "loadavg_end": load_end,
            "calibration_s": [calib_start, calib_end], "interference": interference, "interrupted": collected.interrupted}
     report.print_table(rows, console)
     report.print_verdicts(vs, rows, console)

@@ -185,7 +185,7 @@ class Preset:
     impls: str | None = None  # select_impls pattern; None = all
     timing: Timing = field(default_factory=Timing)
     peak_sizes: tuple[int, ...] = (1024, 2048)  # square matmuls for the measured peak
-    isolation: str = "case"  # one worker per case, or one for the whole run (see runner)
+    isolation: str = "case"  # one worker per case, or one for the whole run (see sweep)
     doc: str = ""
 
     def cases(self) -> list[BenchCase]:

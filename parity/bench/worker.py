@@ -229,11 +229,11 @@ def setup(framework: str, spec: dict, cpus: list[int]):
     """Import one framework's implementation module and configure it: (module, env report)."""
     device = framework_device(framework, spec["device"])
     if framework == "torch":
-        from parity.bench import impl_torch as mod
+        from parity.bench import torch_bench as mod
 
         env = mod.setup(device, len(cpus), spec["precision"])
     elif framework == "jax":
-        from parity.bench import impl_jax as mod
+        from parity.bench import jax_bench as mod
 
         env = mod.setup(device, spec["precision"])
     else:
