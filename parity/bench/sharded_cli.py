@@ -4,7 +4,7 @@
                       [--seq 4096] [--embed 256] [--heads 4] [--batch 1] [--repeats 3]
                       [--job-timeout 900] [--json P] [--markdown P]
 
-The rows come from `parity.sharded.bench.bench_sharded` (each (framework, layout, devices) in
+The rows come from `parity.sharded.bench.iter_bench_sharded` (each (framework, layout, devices) in
 fresh processes; JAX's memory is its compiled program's per-device `memory_analysis()`, torch's
 each rank's peak RSS growth). On simulated CPU devices every device shares the same cores: the
 times are overhead measurements, and per-device memory is the headline.
