@@ -1,59 +1,77 @@
 #!/usr/bin/env bash
-# The benchmark's verdict runs: the same cases once on a quiet machine and once beside a process
-# that keeps one core busy, with the default thread settings and with OpenMP's spin-waiting on
-# (OMP_WAIT_POLICY=ACTIVE, the setting mha-bench replaces). Writes JSON, Markdown and a plot per
-# run into $OUT, then checks that no two conclusive verdicts disagree and that every conclusive
-# interval excludes 1.
+# The benchmark's verdict runs: ours-torch fused, ours-jax fused and torch SDPA, fwd and fwd+bwd,
+# under the quick preset, into $OUT/bench-verdict-NAME.{json,md,png}:
+#
+#   quiet              the default settings on an idle machine
+#   busy               the same beside a process that keeps one core busy
+#   quiet-torch-only   the torch implementations alone in their worker, and
+#   quiet-jax-only     the JAX one alone: what sharing one process costs each framework
+#   quiet-spinning     OMP_WAIT_POLICY=ACTIVE (the OpenMP setting mha-bench replaces), idle
+#   busy-spinning      the same beside the busy process
+#
+# Then it checks the default-setting runs (quiet, busy): no two conclusive verdicts disagree, and
+# every conclusive interval excludes 1; it prints every run's verdicts and medians.
 #
 #   scripts/bench-verdict-runs.sh                     # B=2 T=S=512 E=256 N=4 float32 into docs/results
 #   OUT=/tmp/v SEQ=16 EMBED=12 HEADS=3 BATCH=1 scripts/bench-verdict-runs.sh   # a tiny rehearsal
 #
-# Run it on an otherwise idle machine: the "quiet" run is only quiet if nothing else runs.
+# Run it on an otherwise idle machine: the "quiet" runs are only quiet if nothing else runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-docs/results}
 PY=${PY:-.venv/bin/python}
 mkdir -p "$OUT"
-SHAPE=(--seq "${SEQ:-512}" --batch "${BATCH:-2}" --embed "${EMBED:-256}" --heads "${HEADS:-4}" --dtypes float32)
-COMMON=(--preset quick "${SHAPE[@]}" --passes fwd,fwd+bwd --no-progress
-        --impls ours-torch:eager:fused,ours-jax:jit:fused,torch-sdpa-core:eager:fused)
+COMMON=(--preset quick --seq "${SEQ:-512}" --batch "${BATCH:-2}" --embed "${EMBED:-256}" --heads "${HEADS:-4}"
+        --dtypes float32 --passes fwd,fwd+bwd --no-progress)
+ALL=ours-torch:eager:fused,ours-jax:jit:fused,torch-sdpa-core:eager:fused
 
 busy_pid=""
 stop_busy() { if [ -n "$busy_pid" ]; then kill "$busy_pid" 2>/dev/null || true; wait "$busy_pid" 2>/dev/null || true; busy_pid=""; fi; }
 trap stop_busy EXIT
 
-run() {  # run NAME [ENV=VALUE ...]: one mha-bench run into $OUT/bench-verdict-NAME.{json,md,png}
-  local name=$1; shift
-  echo "== $name: $* mha-bench ${COMMON[*]}"
-  env "$@" "$PY" -m parity.bench "${COMMON[@]}" --json "$OUT/bench-verdict-$name.json" \
+run() {  # run NAME IMPLS [ENV=VALUE ...]
+  local name=$1 impls=$2; shift 2
+  echo "== $name: $* mha-bench ${COMMON[*]} --impls $impls"
+  env "$@" "$PY" -m parity.bench "${COMMON[@]}" --impls "$impls" --json "$OUT/bench-verdict-$name.json" \
     --markdown "$OUT/bench-verdict-$name.md" --plot "$OUT/bench-verdict-$name.png" || echo "(exit $?)"
 }
 
-run quiet
-run quiet-spinning OMP_WAIT_POLICY=ACTIVE
+run quiet "$ALL"
+run quiet-torch-only ours-torch:eager:fused,torch-sdpa-core:eager:fused
+run quiet-jax-only ours-jax:jit:fused
+run quiet-spinning "$ALL" OMP_WAIT_POLICY=ACTIVE
 "$PY" -c 'while True: pass' &   # one core kept busy
 busy_pid=$!
 sleep 2
-run busy
-run busy-spinning OMP_WAIT_POLICY=ACTIVE
+run busy "$ALL"
+run busy-spinning "$ALL" OMP_WAIT_POLICY=ACTIVE
 stop_busy
 
 "$PY" - "$OUT" <<'PYEOF'
 import json, sys
 out = sys.argv[1]
-runs = {n: json.load(open(f"{out}/bench-verdict-{n}.json")) for n in ("quiet", "quiet-spinning", "busy", "busy-spinning")}
-seen, problems = {}, []
+names = ("quiet", "busy", "quiet-torch-only", "quiet-jax-only", "quiet-spinning", "busy-spinning")
+runs = {n: json.load(open(f"{out}/bench-verdict-{n}.json")) for n in names}
 for name, data in runs.items():
-    print(f"-- {name}: interference {data['environment'].get('interference')}")
+    env = data["environment"]
+    print(f"-- {name}: load {env['loadavg_start'][0]:.2f} -> {env['loadavg_end'][0]:.2f}, "
+          f"{env['thread_settings']['env']}, {len(env.get('interference') or [])} interference warning(s)")
+    for r in data["rows"]:
+        print(f"   {r['pass']:8s} {r['impl']:16s} {r['median_s'] * 1e3:9.2f} ms  IQR/median "
+              f"{r['iqr_s'] / r['median_s']:5.1%}  {r['repeats']:3d} repeats  {r['status']}")
     for v in data["verdicts"]:
-        print(f"   {v['pass']:8s} {v['faster']} is {v['ratio']:.3f}x faster than {v['slower']} "
-              f"CI [{v['ci'][0]:.3f}, {v['ci'][1]:.3f}] repeats {v['repeats']} conclusive {v['conclusive']}")
-        if v["conclusive"]:
-            if not (v["ci"][0] > 1 or v["ci"][1] < 1):
-                problems.append(f"{name}: a conclusive interval contains 1: {v}")
-            pair, winner = (v["pass"], frozenset((v["faster"], v["slower"]))), v["faster"]
-            if seen.setdefault(pair, (name, winner))[1] != winner:
-                problems.append(f"{name} and {seen[pair][0]} disagree on {sorted(pair[1])} ({v['pass']})")
-print("\n".join(problems) or "no conclusive verdicts disagree; every conclusive interval excludes 1")
+        print(f"   verdict {v['pass']:8s} {v['faster']} is {v['ratio']:.3f}x faster than {v['slower']} "
+              f"CI [{v['ci'][0]:.3f}, {v['ci'][1]:.3f}], {v['repeats']} repeats, conclusive {v['conclusive']}")
+seen, problems = {}, []
+for name in ("quiet", "busy"):  # the default settings: what the verdict rules promise
+    for v in runs[name]["verdicts"]:
+        if not v["conclusive"]:
+            continue
+        if not (v["ci"][0] > 1 or v["ci"][1] < 1):
+            problems.append(f"{name}: a conclusive interval contains 1: {v}")
+        pair = (v["pass"], frozenset((v["faster"], v["slower"])))
+        if seen.setdefault(pair, (name, v["faster"]))[1] != v["faster"]:
+            problems.append(f"{name} and {seen[pair][0]} disagree on {sorted(pair[1])} ({v['pass']})")
+print("\n".join(problems) or "quiet and busy: no conclusive verdicts disagree; every conclusive interval excludes 1")
 sys.exit(1 if problems else 0)
 PYEOF

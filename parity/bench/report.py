@@ -490,13 +490,10 @@ def verdict(base_s: float, base_iqr: float, new_s: float, new_iqr: float, thresh
     return "ok"
 
 
-def noisy(row) -> str | None:
-    """Why a measured row is too noisy to decide anything with (the run's own rule, spec.NOISY_IQR:
-    status `noisy`, or an IQR/median above it in a file written before that status existed)."""
-    if row["status"] == "noisy":
-        return row.get("message") or "noisy"
-    spread = row["iqr_s"] / row["median_s"]
-    return f"noisy: IQR/median = {spread:.1%} > {NOISY_IQR:.0%}" if spread > NOISY_IQR else None
+def noisy(row) -> bool:
+    """A measured row too noisy to decide anything with, by the run's own rule (spec.NOISY_IQR):
+    status `noisy`, or an IQR/median above it in a file written before that status existed."""
+    return row["status"] == "noisy" or row["iqr_s"] / row["median_s"] > NOISY_IQR
 
 
 def compare(base: dict, new: dict, threshold: float = 0.10) -> Comparison:
@@ -524,7 +521,7 @@ def compare(base: dict, new: dict, threshold: float = 0.10) -> Comparison:
         elif r["status"] not in MEASURED:
             entry.update(verdict="no longer ok", regression=True, note=f"now {r['status']}: {r.get('message')}")
         else:
-            why = [f"{name} {n}" for name, n in (("base", noisy(b)), ("new", noisy(r))) if n]
+            why = [f"{name} {x['iqr_s'] / x['median_s']:.1%}" for name, x in (("base", b), ("new", r)) if noisy(x)]
             v = "noisy" if why else verdict(b["median_s"], b["iqr_s"], r["median_s"], r["iqr_s"], threshold)
             entry.update(change=r["median_s"] / b["median_s"] - 1, note="; ".join(why),
                          noise=(b["iqr_s"] + r["iqr_s"]) / 2 / b["median_s"], verdict=v, regression=v == "REGRESSION")
@@ -536,20 +533,33 @@ _VERDICT_STYLE = {"REGRESSION": "red", "no longer ok": "red", "noisy": "yellow",
 
 
 def print_compare(result: Comparison, threshold: float, console: Console | None = None) -> None:
+    """One table per case, at most CONSOLE_WIDTH columns; the notes too long for a cell below it."""
     console = console or Console()
-    table = Table(title=f"mha-bench compare (REGRESSION: > {threshold:.0%} slower and beyond the mean IQR of the "
-                  "two runs, or no longer ok)")
-    for col in ("case", "pass", "implementation", "base", "new", "change", "noise", "verdict"):
-        table.add_column(col)
+    width = min(console.width, CONSOLE_WIDTH)
+    console.print(f"mha-bench compare: REGRESSION = more than {threshold:.0%} slower and beyond the mean IQR of the "
+                  f"two runs, or no longer ok; noisy = IQR/median above {NOISY_IQR:.0%} in either run, or a change "
+                  "inside the noise", markup=False, width=width)
+    by_case: dict = {}
     for e in result.entries:
-        k, v = e["key"], e["verdict"]
-        style = _VERDICT_STYLE.get(v)
-        table.add_row(
-            escape(_case(k)), k["pass"], escape(_variant(k)), _fmt_s(e["base_s"]), _fmt_s(e["new_s"]),
-            _fmt(e["change"], "{:+.1%}"), _fmt(e["noise"], "±{:.1%}"),
-            (f"[{style}]{v}[/{style}]" if style else v) + (f" {escape(e['note'])}" if e["note"] else ""),
-        )
-    console.print(table)
+        by_case.setdefault(_case(e["key"]), []).append(e)
+    for case, entries in by_case.items():
+        table = Table(title=case, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False,
+                      padding=(0, 1), collapse_padding=True)
+        for col in ("pass", "implementation", "base", "new", "change", "noise", "verdict"):
+            table.add_column(col, no_wrap=True, overflow="ellipsis", max_width=30 if col == "implementation" else None,
+                             justify="right" if col in ("base", "new", "change", "noise") else "left")
+        notes = []
+        for e in entries:
+            k, v = e["key"], e["verdict"]
+            short = v == "noisy" and e["note"]  # the IQR/median of the noisy run(s)
+            cell = v + (f": {e['note']}" if short else "")
+            if e["note"] and not short:
+                notes.append(f"{k['pass']} {_variant(k)}: {v}: {e['note']}")
+            table.add_row(k["pass"], _variant(k), _fmt_s(e["base_s"]), _fmt_s(e["new_s"]),
+                          _fmt(e["change"], "{:+.1%}"), _fmt(e["noise"], "±{:.1%}"), Text(cell, style=_VERDICT_STYLE.get(v)))
+        console.print(table, width=width)
+        for note in notes:
+            console.print("  " + note, markup=False, width=width)
     for name, keys in (("BASE", result.only_base), ("NEW", result.only_new)):
         if keys:
             console.print(f"{len(keys)} row(s) only in {name}:", markup=False)
