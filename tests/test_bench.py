@@ -554,6 +554,7 @@ def test_compare_lists_rows_present_in_one_file_only():
     report.print_compare(result, 0.10, console)
     text = console.file.getvalue()
     assert "1 row(s) only in BASE" in text and "torch-mha" in text and "1 row(s) only in NEW" in text
+    assert max(len(ln) for ln in text.splitlines()) <= 100 and "noisy: new 61.5%" in text
 
 
 def test_a_row_no_longer_ok_is_a_regression_and_a_base_error_is_not_compared():
