@@ -7,6 +7,8 @@
 #   quiet-torch-only   the torch implementations alone in their worker, and
 #   quiet-jax-only     the JAX one alone: what sharing one process costs each framework
 #   quiet-spinning     OMP_WAIT_POLICY=ACTIVE (the OpenMP setting mha-bench replaces), idle
+#   quiet-torch-only-spinning   the torch implementations alone, spinning: against quiet-torch-only,
+#                      what passive waiting costs torch on an idle machine
 #   busy-spinning      the same beside the busy process
 #
 # Then it checks the default-setting runs (quiet, busy): no two conclusive verdicts disagree, and
@@ -40,6 +42,7 @@ run quiet "$ALL"
 run quiet-torch-only ours-torch:eager:fused,torch-sdpa-core:eager:fused
 run quiet-jax-only ours-jax:jit:fused
 run quiet-spinning "$ALL" OMP_WAIT_POLICY=ACTIVE
+run quiet-torch-only-spinning ours-torch:eager:fused,torch-sdpa-core:eager:fused OMP_WAIT_POLICY=ACTIVE
 "$PY" -c 'while True: pass' &   # one core kept busy
 busy_pid=$!
 sleep 2
@@ -50,7 +53,8 @@ stop_busy
 "$PY" - "$OUT" <<'PYEOF'
 import json, sys
 out = sys.argv[1]
-names = ("quiet", "busy", "quiet-torch-only", "quiet-jax-only", "quiet-spinning", "busy-spinning")
+names = ("quiet", "busy", "quiet-torch-only", "quiet-jax-only", "quiet-spinning", "quiet-torch-only-spinning",
+         "busy-spinning")
 runs = {n: json.load(open(f"{out}/bench-verdict-{n}.json")) for n in names}
 for name, data in runs.items():
     env = data["environment"]
