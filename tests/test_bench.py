@@ -237,7 +237,7 @@ def _row_line(item, **kw):
     return "@@ROW\t" + json.dumps({"id": item.id, **row})
 
 
-def test_dead_worker_costs_one_error_row_and_the_sweep_continues():
+def test_dead_worker_costs_one_error_row_and_the_sweep_continues(tmp_path):
     cfg = sweep.RunConfig(preset=PRESETS["quick"], impls=select_impls("ours-torch:eager,torch-mha"),
                            cases=(CASE,), passes=("fwd",), available_bytes=2**40)
     items = sweep.plan(cfg)
@@ -251,7 +251,7 @@ def test_dead_worker_costs_one_error_row_and_the_sweep_continues():
         return FakeProc([ln for it in items[2:] for ln in (f"@@START\t{it.id}", _row_line(it))], rc=0)
 
     out = sweep.Collected()
-    sweep.run_group(cfg, items, [], out, lambda k, d: None, "/tmp", spawn)
+    sweep.run_group(cfg, items, [], out, lambda k, d: None, str(tmp_path), spawn)
     assert spawned == [[0, 1, 2, 3], [2, 3]]
     assert [out.rows[i]["status"] for i in range(4)] == ["ok", "error", "ok", "ok"]
     assert "signal 9" in out.rows[1]["message"] and "Killed" in out.rows[1]["message"]
@@ -686,7 +686,7 @@ class FakePeakMod:
         return self.rates.pop(0), sizes[-1]
 
 
-def _vet(monkeypatch, rates, row_gflops):
+def _vet(monkeypatch, scratch, rates, row_gflops):
     """Run a worker's PeakBar on rows of the given rates; return the parent's verdicts."""
     from parity.bench import worker
 
@@ -704,14 +704,14 @@ def _vet(monkeypatch, rates, row_gflops):
         row = empty_row(item.impl, item.case, item.pass_, status="ok", median_s=flops / (gflops * 1e9), iqr_s=0.0)
         bar.vet([(item.id, row)])
         out = sweep.Collected()
-        sweep.run_group(cfg, [item], [], out, lambda k, d: None, "/tmp",
+        sweep.run_group(cfg, [item], [], out, lambda k, d: None, str(scratch),
                          lambda spec, env: FakeProc([*lines, f"@@ROW\t{json.dumps({'id': item.id, **row})}"], rc=0))
         verdicts.append(sweep.finish([item], out)[0]["status"])
     return verdicts, [json.loads(ln.split("\t", 1)[1]) for ln in lines], mod
 
 
-def test_a_row_above_the_startup_peak_triggers_a_remeasure_and_is_ok_below_the_new_one(monkeypatch):
-    verdicts, peaks, mod = _vet(monkeypatch, [100.0, 200.0], [150.0])
+def test_a_row_above_the_startup_peak_triggers_a_remeasure_and_is_ok_below_the_new_one(monkeypatch, tmp_path):
+    verdicts, peaks, mod = _vet(monkeypatch, tmp_path, [100.0, 200.0], [150.0])
     assert verdicts == ["ok"]
     assert [p["gflops"] for p in peaks] == [100.0, 200.0]
     assert "150.0 GFLOP/s > 100.0" in peaks[1]["remeasured_for"]
@@ -720,14 +720,14 @@ def test_a_row_above_the_startup_peak_triggers_a_remeasure_and_is_ok_below_the_n
     assert 0.5 < 2 * 64**3 / pass_flops(CASE, "fwd") < 2.0
 
 
-def test_a_row_still_above_the_remeasured_peak_is_an_error_and_remeasures_are_capped(monkeypatch):
-    verdicts, peaks, mod = _vet(monkeypatch, [100.0, 120.0, 110.0, 105.0, 999.0], [150.0] * 5)
+def test_a_row_still_above_the_remeasured_peak_is_an_error_and_remeasures_are_capped(monkeypatch, tmp_path):
+    verdicts, peaks, mod = _vet(monkeypatch, tmp_path, [100.0, 120.0, 110.0, 105.0, 999.0], [150.0] * 5)
     assert verdicts == ["error"] * 5
     assert len(peaks) == 1 + 3 and mod.rates == [999.0]  # start-up + MAX_REMEASURES, no more
 
 
-def test_a_row_below_the_peak_costs_no_remeasure(monkeypatch):
-    verdicts, peaks, _ = _vet(monkeypatch, [100.0], [90.0])
+def test_a_row_below_the_peak_costs_no_remeasure(monkeypatch, tmp_path):
+    verdicts, peaks, _ = _vet(monkeypatch, tmp_path, [100.0], [90.0])
     assert verdicts == ["ok"] and len(peaks) == 1
 
 

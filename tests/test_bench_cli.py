@@ -11,7 +11,7 @@ import pytest
 from rich.console import Console
 
 from parity.bench import cli, sweep
-from parity.bench.spec import ROW_FIELDS
+from parity.bench.spec import PRESETS, ROW_FIELDS
 
 TINY = [
     "--seq", "16,32", "--batch", "1", "--embed", "32", "--heads", "2", "--budget", "0.02",
@@ -375,3 +375,17 @@ def test_compare_rejects_a_huge_json_integer_in_one_line(tmp_path):
             assert cli.main(argv, console=console) == 2
             out = console.file.getvalue()
             assert out.count("\n") == 1 and name in out and "Traceback" not in out, out
+
+
+def test_thread_settings_default_to_passive_waiting_and_the_environment_wins(monkeypatch, tmp_path):
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    rc, _, calls = _run([*FAST, "--json", str(tmp_path / "a.json")])
+    assert rc == 0 and json.loads((tmp_path / "a.json").read_text())["environment"]["thread_settings"]["env"] == {
+        "OMP_WAIT_POLICY": "PASSIVE"}
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    monkeypatch.setenv("GOMP_SPINCOUNT", "10000")
+    assert sweep._worker_env(sweep.RunConfig(preset=PRESETS["quick"]), str(tmp_path))["OMP_WAIT_POLICY"] == "ACTIVE"
+    rc, _, _ = _run([*FAST, "--json", str(tmp_path / "b.json")])
+    assert json.loads((tmp_path / "b.json").read_text())["environment"]["thread_settings"]["env"] == {
+        "OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "10000"}

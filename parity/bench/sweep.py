@@ -53,8 +53,10 @@ THREAD_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
 def thread_env() -> dict:
-    """The thread settings the workers get: THREAD_ENV unless the environment sets them."""
-    return {k: os.environ.get(k, v) for k, v in THREAD_ENV.items()}
+    """The thread settings the workers get: THREAD_ENV unless the environment sets them, and the
+    other spin-wait knobs where the environment sets them (recorded with the run)."""
+    env = {k: os.environ.get(k, v) for k, v in THREAD_ENV.items()}
+    return env | {k: os.environ[k] for k in ("GOMP_SPINCOUNT", "KMP_BLOCKTIME") if k in os.environ}
 
 
 def device_absent(requested: str) -> tuple[str, str | None]:
