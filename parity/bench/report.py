@@ -61,7 +61,8 @@ COLUMNS = ("case", "pass", "implementation", "median", "IQR", "ratio", "GFLOP/s"
 
 
 def _note(row) -> str:
-    return row["status"] + (f": {row['message']}" if row.get("message") else "")
+    message = row.get("message") or ""
+    return message if message.startswith(row["status"] + ":") else row["status"] + (f": {message}" if message else "")
 
 
 def _cells(row) -> list[str]:
@@ -170,7 +171,7 @@ def markdown(rows, env: dict, verdicts_=()) -> str:
         "|" + "---|" * len(COLUMNS),
     ]
     for row in rows:
-        lines.append("| " + " | ".join(c.replace("|", "/") for c in _cells(row)) + " |")
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in _cells(row)) + " |")
     return "\n".join(lines) + "\n"
 
 
