@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 
 from rich import box
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
