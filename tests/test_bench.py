@@ -860,3 +860,31 @@ def test_compare_calls_a_noisy_row_noisy_whatever_its_change():
         assert [e["verdict"] for e in result.entries] == ["noisy"] and result.regressions == 0
         assert result.entries[0]["note"] == ("new 25.0%" if new is old_schema_noisy else "new 0.5%")
     assert report.compare({"rows": [base]}, {"rows": [doubled]}, 0.10).regressions == 1
+
+
+def test_one_sequence_length_plots_bars_with_the_iqr_and_several_plot_lines_with_error_bars(tmp_path, monkeypatch):
+    import matplotlib.axes
+
+    calls = []
+    real_barh, real_errorbar = matplotlib.axes.Axes.barh, matplotlib.axes.Axes.errorbar
+    monkeypatch.setattr(matplotlib.axes.Axes, "barh",
+                        lambda self, y, w, **kw: calls.append(("barh", list(w), kw.get("xerr"))) or real_barh(self, y, w, **kw))
+    monkeypatch.setattr(matplotlib.axes.Axes, "errorbar",
+                        lambda self, x, y, **kw: calls.append(("errorbar", list(y), kw.get("yerr")))
+                        or real_errorbar(self, x, y, **kw))
+
+    def rows(seqs):
+        out = []
+        for key, median in (("ours-torch:eager:fused", 2.0), ("ours-jax:jit:fused", 1.0)):
+            for seq in seqs:
+                case = BenchCase(1, seq, seq, 32, 4, "float32")
+                out.append(empty_row(_impl(key), case, "fwd", status="ok", median_s=median, iqr_s=0.4 * median))
+        return out
+
+    report.write_plot(str(tmp_path / "one.png"), rows([64]))
+    times = [c for c in calls if c[0] == "barh" and c[2] is not None]
+    assert times and sorted(times[0][1]) == [1.0, 2.0] and sorted(times[0][2]) == [0.2, 0.4]  # ± IQR / 2
+    calls.clear()
+    report.write_plot(str(tmp_path / "two.png"), rows([64, 128]))
+    assert not any(c[0] == "barh" for c in calls)
+    assert sorted(c[2][0] for c in calls if c[0] == "errorbar") == [0.2, 0.4]
