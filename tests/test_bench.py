@@ -888,3 +888,24 @@ def test_one_sequence_length_plots_bars_with_the_iqr_and_several_plot_lines_with
     report.write_plot(str(tmp_path / "two.png"), rows([64, 128]))
     assert not any(c[0] == "barh" for c in calls)
     assert sorted(c[2][0] for c in calls if c[0] == "errorbar") == [0.2, 0.4]
+
+
+def test_outputs_are_compared_with_the_preferred_reference_holding_at_most_its_array():
+    from parity.bench import worker
+
+    ref, wrong = FakeMod.REF, -FakeMod.REF
+    keys = {0: "ours-jax:jit:fused", 1: "flax-nnx-mha:jit:fused", 2: "ours-torch:eager:fused", 3: "jax-dpa-core:jit:fused"}
+    check = worker.OutputCheck(keys, "float32", "highest")
+    check.add(0, ref)
+    check.add(1, wrong)
+    assert check.ref is None and set(check.held) == {0, 1}  # ours-torch, the preferred reference, may still come
+    check.add(2, ref)
+    assert check.ref == 2 and set(check.held) == {2}  # compared at once, only the reference kept
+    check.add(3, ref)
+    assert set(check.held) == {2} and set(check.diffs) == {0, 1, 3}
+    assert list(check.mismatch) == [1] and "as ours-torch:eager:fused" in check.mismatch[1]
+    # Without any of the preferred ones, the first implementation with an output is the reference.
+    check = worker.OutputCheck({0: "a:jit:fused", 1: "b:jit:fused"}, "float32", "highest")
+    check.add(0, None)  # failed to build
+    check.add(1, ref)
+    assert check.ref == 1 and not check.mismatch

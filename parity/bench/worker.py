@@ -53,12 +53,47 @@ def error_message(e: BaseException) -> str:
     return f"{type(e).__name__}: {head}"[:500]
 
 
-def _reference_slot(slots: list[int], keys: dict[int, str]) -> int:
-    for key in REFERENCE_ORDER:
-        for s in slots:
-            if keys[s] == key:
-                return s
-    return slots[0]
+class OutputCheck:
+    """Every implementation's output against the reference's (`measure.same_output`), compared as
+    soon as the reference is known, so that at most the reference's array is kept: the reference
+    is the first of REFERENCE_ORDER present, else the first implementation with an output."""
+
+    def __init__(self, keys: dict[int, str], dtype: str, precision: str):
+        order = list(keys)
+        self.keys, self.dtype, self.precision = keys, dtype, precision
+        self.rank = {s: (REFERENCE_ORDER.index(k) if k in REFERENCE_ORDER else len(REFERENCE_ORDER), order.index(s))
+                     for s, k in keys.items()}
+        self.pending = set(keys)  # slots whose output may still come
+        self.held: dict[int, object] = {}
+        self.ref: int | None = None
+        self.diffs: dict[int, float | None] = {}
+        self.mismatch: dict[int, str] = {}
+
+    def add(self, slot: int, output) -> None:
+        """`slot` is prepared (output None: it has none, or it failed)."""
+        self.pending.discard(slot)
+        if output is not None:
+            self.held[slot] = output
+        self._compare()
+
+    def _compare(self) -> None:
+        if self.ref is None:
+            best = min(self.held, key=self.rank.get, default=None)
+            if best is None or any(self.rank[s] < self.rank[best] for s in self.pending):
+                return  # a better-ranked reference may still come
+            self.ref = best
+        for s in [s for s in self.held if s != self.ref]:
+            out = self.held.pop(s)
+            try:
+                diff, why = same_output(out, self.held[self.ref], self.dtype, self.precision)
+            except Exception as e:  # noqa: BLE001 - an output that cannot be compared is this item's failure
+                diff, why = None, f"its output could not be compared: {error_message(e)}"
+            self.diffs[s] = diff
+            if why:
+                self.mismatch[s] = f"not the same computation as {self.keys[self.ref]}: {why}"
+
+    def done(self) -> None:
+        self.held.clear()  # the reference's array too: free before timing
 
 
 def verdict_pair(keys: dict[int, str], frameworks: dict[int, str], times: dict[int, list[float]],
@@ -84,11 +119,13 @@ def run_group(mods: dict, group, spec: dict, timing: Timing, clock):
     Returns ([(item id, row)], verdict dict or None)."""
     precision, seed, interleave = spec["precision"], spec["seed"], spec.get("interleave", True)
     named = spec.get("verdict")
-    rows, benches, prepared, keys, fws = {}, {}, {}, {}, {}
+    rows, benches, prepared = {}, {}, {}
+    keys = {item_id: impl.bench_key for item_id, impl, _, _ in group}
+    fws = {item_id: impl.framework for item_id, impl, _, _ in group}
+    check = OutputCheck(keys, group[0][2].dtype, precision)
     for item_id, impl, case, pass_ in group:
         device = framework_device(impl.framework, spec["device"])
         rows[item_id] = empty_row(impl, case, pass_, device=device)
-        keys[item_id], fws[item_id] = impl.bench_key, impl.framework
         emit("START", item_id)
         try:
             bench = mods[impl.framework].build(impl, case, pass_, device, seed)
@@ -98,23 +135,14 @@ def run_group(mods: dict, group, spec: dict, timing: Timing, clock):
         except Exception as e:  # noqa: BLE001 - any failure of one item is recorded, the group goes on
             rows[item_id].update(status="error", message=error_message(e))
             traceback.print_exc(file=sys.stderr)
-    mismatch = {}
-    with_output = [s for s in benches if prepared[s].output is not None]
-    if with_output:
-        ref = _reference_slot(with_output, keys)
-        dtype = group[0][2].dtype
-        for s in with_output:
-            if s == ref:
-                continue
-            try:
-                diff, why = same_output(prepared[s].output, prepared[ref].output, dtype, precision)
-            except Exception as e:  # noqa: BLE001 - an output that cannot be compared is this item's failure
-                diff, why = None, f"its output could not be compared: {error_message(e)}"
-            rows[s]["out_max_diff"] = diff
-            if why:
-                mismatch[s] = f"not the same computation as {keys[ref]}: {why}"
-        for s in with_output:
-            prepared[s].output = None  # free the arrays before timing
+        output = prepared[item_id].output if item_id in prepared else None
+        if item_id in prepared:
+            prepared[item_id].output = None
+        check.add(item_id, output)
+    check.done()
+    mismatch = check.mismatch
+    for s, diff in check.diffs.items():
+        rows[s]["out_max_diff"] = diff
 
     case, pass_ = group[0][2], group[0][3]
 
