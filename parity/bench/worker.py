@@ -12,8 +12,8 @@ every finished row even if this process is killed (out of memory) half-way:
 Both frameworks are loaded here when the items need both, so that the implementations
 of one (case, pass) — torch and JAX together — are timed round-robin and every round
 gives paired samples (`measure.sample`, `verdict`). Before timing, every implementation's
-output is compared with the first one's (`measure.same_output`): a mismatch is an `error`
-row. A row whose rate beats the best matmul peak known so far triggers a fresh peak
+output is compared with a reference's, ours when present, else the first (`OutputCheck`): a
+mismatch is an `error` row. A row whose rate beats the best matmul peak known so far triggers a fresh peak
 measurement before the row is sent (`PeakBar`).
 
 SIGINT is ignored: a Ctrl-C at the terminal reaches the whole process group, and the
