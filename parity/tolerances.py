@@ -113,8 +113,8 @@ def gradient_floors(exact: dict, dtype: str) -> dict[str, float]:
     for names in GRADIENT_FAMILIES.values():
         present = [n for n in names if n in exact and exact[n] is not None]
         scale = max((_finite_absmax(exact[n]) for n in present), default=0.0)
-        for n in present:
-            if scale > 0 and _finite_absmax(exact[n]) <= eps * scale:
+        for n in present:  # an all-NaN gradient (the "nan" policy's v_proj) has no value to floor
+            if scale > 0 and np.isfinite(as_float64(exact[n])).any() and _finite_absmax(exact[n]) <= eps * scale:
                 floors[n] = table.three_way_k * eps * scale
     return floors
 
