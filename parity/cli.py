@@ -70,7 +70,7 @@ class GracefulInterrupt:
     Raising KeyboardInterrupt from a signal handler lands wherever the main thread is,
     possibly inside XLA or torch internals that catch it or leave threads behind
     (measured: runs that ignored Ctrl-C, and segfaults at exit). A flag checked between
-    units is never lost; the second press keeps the old behaviour for a stuck unit.
+    units is never lost; the second press interrupts at once, for a stuck unit.
     """
 
     def __init__(self, console):

@@ -1,7 +1,7 @@
-"""mha-parity never passes what it did not check (issue: no false green), and never loses a report.
+"""mha-parity never passes what it did not check, and never loses a report.
 
-Each test here failed before the fix it names: an empty selection exited 0 with "0 rows",
-an unwritable report path died after the whole run, Ctrl-C was ignored or crashed at exit.
+An empty selection is not a pass, an unwritable report path is refused before the run,
+a failed write keeps the printed results, Ctrl-C writes what finished and exits 130.
 """
 
 from __future__ import annotations
