@@ -171,12 +171,15 @@ def forward(sd, query, key, value, mask=None, *, num_heads: int, masked_rows: st
 
 def backward(sd, query, key, value, mask, cotangent, *, num_heads: int, masked_rows: str = "nan", dtype=np.float64,
              num_kv_heads: int | None = None, rope: str | None = None, rope_theta: float = 10000.0,
-             positions=None, key_positions=None) -> dict[str, np.ndarray]:
+             positions=None, key_positions=None, masked_row_grads: str = "stop") -> dict[str, np.ndarray]:
     """Gradients of sum(output * cotangent) w.r.t. query, key, value and every weight.
 
     Keys: "query", "key", "value" and the state dict's own names. A fully masked
     row's weights are a constant of the policy, so no gradient flows through its
     scores; under "nan" its NaN reaches V's gradients, as in the modules.
+    masked_row_grads="flow" (with "uniform") is what a layer that ADDS a large finite
+    value (finfo.min) to masked scores computes: the uniform row is a softmax like any
+    other, and its gradient flows into the query and key gradients.
     A key/value head's gradients sum over the query heads of its group; RoPE is a
     rotation, so its backward rotates the gradient back by the same angle.
     With a low `dtype` it is the same maths with each stored result rounded as the
@@ -184,6 +187,9 @@ def backward(sd, query, key, value, mask, cotangent, *, num_heads: int, masked_r
     float32 as its forward): the yardstick of the three-way judge for gradients.
     """
     acc = _accumulation_dtype(dtype)
+    if masked_row_grads not in ("stop", "flow"):
+        raise ValueError(f"masked_row_grads must be 'stop' or 'flow', got {masked_row_grads!r}")
+    flow = masked_row_grads == "flow"
 
     def r(x, dt=dtype):
         return _round(x, dt)
@@ -210,9 +216,9 @@ def backward(sd, query, key, value, mask, cotangent, *, num_heads: int, masked_r
     d_v = r(np.einsum("BKGTS,BKGTH->BKSH", w, d_context))
     keep = keep_mask(mask, B, N, T, S)
     row_any = np.ones((1, 1, 1, 1), bool) if keep is None else keep.any(axis=-1, keepdims=True)
-    p = np.where(row_any, f.weights, 0.0)  # the softmax's own output; constant rows carry no gradient
+    p = f.weights if flow else np.where(row_any, f.weights, 0.0)  # the softmax's own output; constant rows carry no gradient
     d_scores = r(p * (d_weights - (d_weights * p).sum(axis=-1, keepdims=True)), acc)
-    d_scores = r(np.where(row_any, d_scores, 0.0) / np.sqrt(H), acc).reshape(B, K, G, T, S)
+    d_scores = r(np.where(row_any | flow, d_scores, 0.0) / np.sqrt(H), acc).reshape(B, K, G, T, S)
     d_q = r(np.einsum("BKGTS,BKSH->BKGTH", d_scores, ks)).reshape(B, N, T, H)
     d_k = r(np.einsum("BKGTS,BKGTH->BKSH", d_scores, qs.reshape(B, K, G, T, H)))
     if rope is not None:  # the transpose of a rotation is the rotation by minus the angle
