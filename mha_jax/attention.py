@@ -20,13 +20,6 @@ from mha_spec import STAGE_NAMES, Stages, check_config, check_mask_values, check
 jax.tree_util.register_dataclass(Stages, data_fields=list(STAGE_NAMES), meta_fields=[])
 
 
-MATERIALIZE_LIMIT = 2**26
-"""Memory guard, not a speed rule: the largest B·N·T·S for which the fused path may run a
-kernel that materialises the (B, N, T, S) scores (256 MiB in float32; its backward holds
-about three such tensors). Above it the chunked kernel runs; below it the measured table
-in `mha_jax.kernels` chooses."""
-
-
 def _torch_linear_init(fan_in: int):
     """U(-1/√fan_in, 1/√fan_in): torch.nn.Linear's default, for weights and biases alike."""
     bound = 1.0 / math.sqrt(fan_in)
@@ -118,8 +111,8 @@ def attention_core(q, k, v, keep=None, *, masked_rows="nan", precision=None, ret
 def fused_attention_core(q, k, v, keep=None, *, masked_rows="nan", precision=None):
     """The same context as `attention_core`, without returning (or, when large, building) weights.
 
-    The kernel and its chunk sizes come from `mha_jax.kernels.choose` (measured per device
-    kind; `kernels.fused_choice` says which one runs, for a benchmark row): our einsum core,
+    The kernel and its chunk sizes come from `mha_jax.kernels.fused_choice` (measured per
+    processor; it also says why, for a benchmark row): our einsum core,
     the chunked kernel (flash backward, O(T + S) memory) or jax.nn.dot_product_attention
     (XLA, or cuDNN on a CUDA GPU for 16-bit). Whichever runs, fully masked rows follow
     `masked_rows` and which rows those are comes from the keep-mask alone, so NaN inputs
@@ -129,10 +122,7 @@ def fused_attention_core(q, k, v, keep=None, *, masked_rows="nan", precision=Non
     S = k.shape[1]
     if S == 0:
         raise ValueError(f"fused_attention_core needs at least one key: got key shape {k.shape} (S=0)")
-    choice = kernels.choose(
-        platform=jax.default_backend(), kind=kernels.device_kind(), dtype=q.dtype, B=B, N=N, T=T, S=S, H=H,
-        has_mask=keep is not None, materialize_limit=MATERIALIZE_LIMIT,
-    )
+    choice = kernels.fused_choice(B, N, T, S, H, q.dtype, has_mask=keep is not None)
     if choice.kernel == "einsum":
         return attention_core(q, k, v, keep, masked_rows=masked_rows, precision=precision)[0]
     if choice.kernel == "chunked":

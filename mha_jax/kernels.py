@@ -7,37 +7,70 @@ Kernels (the names the benchmark records):
   dpa-xla    `jax.nn.dot_product_attention(implementation="xla")`: materialises
   dpa-cudnn  `jax.nn.dot_product_attention(implementation="cudnn")`: cuDNN flash attention
 
-The choice is a pure function of (platform, device kind, dtype, sizes, mask) so a
-benchmark can record which kernel ran (`fused_choice`). Among the kernels that are
-allowed for the dtype and fit the memory guard, it takes the one that was fastest in
-the nearest measured problem of this device kind (`TABLE`, written by
-scripts/measure_blocks.py; nearest in log B·N, log T, log S). Rules that come before
-the table, each for a reason that no timing can overrule:
+Measured rows are keyed by processor (`Processor`: device kind, model, vector ISA), since
+one device kind ("cpu") covers machines whose best blocks differ. `fused_choice` reads,
+in order, and the first that has rows for this processor wins:
+
+1. the user's table, written by `python -m mha_jax.tune` (`mha_jax.cache.kernel_table_path()`);
+   a corrupt or unreadable file is ignored with a UserWarning;
+2. the built-in rows for this processor (`BUILTIN`);
+3. the built-in and user rows of every other processor of the same device kind.
+
+Within those rows the nearest measured problem (in log B·N, log T, log S) gives the kernel
+and the chunked kernel's blocks; `Choice.why` says which source and row. Rules that come
+before any row, each for a reason that no timing can overrule:
 
 - float64 never runs dpa-* (their softmax is float32: 4e-8 off the float64 oracle);
 - float16 never runs dpa-xla (it takes no precision argument, and under a pinned
   "highest" XLA:CPU rejects its float16 backward dots, 'F16_F16_F32');
-- a materialising kernel runs only while B·N·T·S <= the caller's memory guard
-  (`mha_jax.attention.MATERIALIZE_LIMIT`);
+- a materialising kernel runs only while B·N·T·S <= MATERIALIZE_LIMIT;
 - on a CUDA GPU, float16/bfloat16 with a head dim that is a multiple of 8 and <= 128
   (and even T and S when there is a mask: cuDNN's masked backward needs them) runs
-  dpa-cudnn. This branch has not run on a GPU in this project yet (no GPU was lent);
-  only its decision logic is tested, with fake device kinds.
+  dpa-cudnn. Only this decision logic is tested (with fake processors): no GPU run yet.
 
-A device kind with no table (any GPU or TPU so far) takes "einsum" below the guard and
-"chunked" with DEFAULT_BLOCKS above it.
+A processor with no rows of its device kind (any GPU or TPU so far) takes "einsum" below
+the guard and "chunked" with DEFAULT_BLOCKS above it.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import platform as _platform
+import warnings
 from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
+from mha_jax.cache import kernel_table_path
+
 KERNELS = ("einsum", "chunked", "dpa-xla", "dpa-cudnn")
 DEFAULT_BLOCKS = (512, 1024)
+TABLE_SCHEMA = 1
+
+MATERIALIZE_LIMIT = 2**26
+"""Memory guard, not a speed rule: the largest B·N·T·S for which the fused path may run a
+kernel that materialises the (B, N, T, S) scores (256 MiB in float32; its backward holds
+about three such tensors). Above it the chunked kernel runs; below it the measured rows choose."""
+
+# Widest vector ISA first: the first of these in /proc/cpuinfo's flags names the processor's ISA.
+ISA_FLAGS = ("avx512f", "avx2", "avx", "sse4_2", "sve2", "sve", "asimd")
+
+
+@dataclass(frozen=True)
+class Processor:
+    """What measured rows are keyed by: device kind, model and (CPUs) widest vector ISA."""
+
+    device_kind: str  # "cpu", "NVIDIA H100 80GB HBM3", "TPU v5 lite", ...
+    model: str  # CPU model name from /proc/cpuinfo; the device kind for accelerators
+    isa: str = ""  # e.g. "avx512f", "avx2", "asimd"; "" for accelerators
+
+    @property
+    def key(self) -> str:
+        return f"{self.device_kind} | {self.model} | {self.isa}"
 
 
 @dataclass(frozen=True)
@@ -56,29 +89,159 @@ class Choice:
     kernel: str
     q_chunk: int | None = None
     k_chunk: int | None = None
-    why: str = ""
+    why: str = ""  # the whole reason, naming the source and the row
+    source: str = ""  # short, for a benchmark row: "user table", "built-in", "other cpu", "rule", "no rows"
 
 
-# scripts/measure_blocks.py on the project's 2-core AMD EPYC VM (float32, H=64, precision
-# "highest"), four runs while other jobs shared the cores (load average 2-11), combined with
-# `--combine` (geometric mean over runs and over the fwd and fwd+bwd passes of each candidate's
-# time / the fastest's); every time is in docs/results/flash-blocks-cpu.run{1,2,3,4}.json, the
-# ratios in docs/results/flash-blocks-cpu.md, the method in docs/drafts/flash.md. The comment
-# after each row gives scores (1.00 = fastest in every run and pass that measured it).
-TABLE: dict[str, tuple[Measured, ...]] = {
-    "cpu": (
+@dataclass(frozen=True)
+class Source:
+    """Rows of one processor and where they came from (the start of `Choice.why`)."""
+
+    where: str
+    rows: tuple[Measured, ...]
+    label: str = ""  # `Choice.source`
+
+
+EPYC = Processor("cpu", "AMD EPYC", "avx512f")
+XEON = Processor("cpu", "Intel(R) Xeon(R) Processor", "avx512f")
+
+# `python -m mha_jax.tune` (float32, H=64, precision "highest") on 2-core VMs shared with
+# other jobs; each comment gives scores (1.00 = fastest in every run and pass that measured it).
+BUILTIN: dict[str, tuple[Measured, ...]] = {
+    # Four runs combined with --combine (load average 2-11); times in docs/results/flash-blocks-cpu.run{1,2,3,4}.json.
+    EPYC.key: (
         Measured(BN=32, T=256, S=256, fastest="chunked", blocks=(256, 256)),  # 1.07; einsum 1.29, dpa-xla 1.34
         Measured(BN=32, T=512, S=512, fastest="chunked", blocks=(256, 256)),  # 1.00; 128x256 1.05, einsum 1.59
         Measured(BN=32, T=1024, S=1024, fastest="chunked", blocks=(128, 256)),  # 1.17; 256x256 1.27, einsum 2.42
         Measured(BN=32, T=2048, S=2048, fastest="chunked", blocks=(256, 256)),  # 1.03; 256x512 1.13, 512x1024 1.31, 256x2048 1.63
         Measured(BN=8, T=8192, S=8192, fastest="chunked", blocks=(512, 512)),  # 1.00; 256x512 1.19, 512x1024 1.29
     ),
+    XEON.key: (
+        # kernels alone, one round-robin run: 512x512 429 ms fwd / 1485 ms fwd+bwd, 256x256 675 / 1847 ms
+        Measured(BN=32, T=2048, S=2048, fastest="chunked", blocks=(512, 512)),
+    ),
 }
 
 
+def parse_cpuinfo(text: str, fallback_model: str = "") -> tuple[str, str]:
+    """(model name, widest vector ISA) from the text of /proc/cpuinfo."""
+    model, flags = "", set()
+    for line in text.splitlines():
+        name, _, value = line.partition(":")
+        name = name.strip().lower()
+        if name == "model name" and not model:
+            model = value.strip()
+        elif name in ("flags", "features") and not flags:  # x86 "flags", ARM "Features"
+            flags = set(value.split())
+    isa = next((f for f in ISA_FLAGS if f in flags), "")
+    return model or fallback_model, isa
+
+
+@lru_cache(maxsize=1)
+def _cpu() -> tuple[str, str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return parse_cpuinfo(f.read(), _platform.processor() or _platform.machine())
+    except OSError:
+        return _platform.processor() or _platform.machine(), ""
+
+
+def processor(device=None) -> Processor:
+    """The `Processor` of `device` (default: JAX's first device)."""
+    device = device or jax.devices()[0]
+    if device.platform == "cpu":
+        return Processor(device.device_kind, *_cpu())
+    return Processor(device.device_kind, device.device_kind, "")
+
+
 def device_kind(device=None) -> str:
-    """The device kind the table is keyed by ("cpu", "NVIDIA H100 80GB HBM3", "TPU v5 lite", ...)."""
+    """The device kind ("cpu", "NVIDIA H100 80GB HBM3", "TPU v5 lite", ...)."""
     return (device or jax.devices()[0]).device_kind
+
+
+# ---------------------------------------------------------------- the user's table
+
+
+def _row(d) -> Measured:
+    if not isinstance(d, dict):
+        raise ValueError(f"a row must be an object, got {d!r}")
+    for f in ("BN", "T", "S"):
+        if not isinstance(d.get(f), int) or isinstance(d.get(f), bool) or d[f] < 1:
+            raise ValueError(f"row field {f} must be a positive integer, got {d.get(f)!r}")
+    if d.get("fastest") not in KERNELS:
+        raise ValueError(f"row field fastest must be one of {KERNELS}, got {d.get('fastest')!r}")
+    blocks = d.get("blocks")
+    if blocks is not None:
+        if (not isinstance(blocks, list) or len(blocks) != 2
+                or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in blocks)):
+            raise ValueError(f"row field blocks must be null or two positive integers, got {blocks!r}")
+        blocks = tuple(blocks)
+    return Measured(BN=d["BN"], T=d["T"], S=d["S"], fastest=d["fastest"], blocks=blocks)
+
+
+def parse_table(data) -> dict[Processor, tuple[Measured, ...]]:
+    """The user's table (parsed JSON) -> {processor: rows}; ValueError naming what is wrong."""
+    if not isinstance(data, dict) or data.get("schema") != TABLE_SCHEMA:
+        got = data.get("schema") if isinstance(data, dict) else type(data).__name__
+        raise ValueError(f"expected an object with schema {TABLE_SCHEMA}, got schema {got!r}")
+    entries = data.get("processors")
+    if not isinstance(entries, dict):
+        raise ValueError("'processors' must be an object keyed by processor")
+    out = {}
+    for key, entry in entries.items():
+        if not isinstance(entry, dict):
+            raise ValueError(f"processor {key!r}: its entry must be an object")
+        fields = [entry.get(f) for f in ("device_kind", "model", "isa")]
+        if not all(isinstance(f, str) for f in fields):
+            raise ValueError(f"processor {key!r}: device_kind, model and isa must be strings")
+        proc = Processor(*fields)
+        if proc.key != key:
+            raise ValueError(f"processor key {key!r} does not match its fields ({proc.key!r})")
+        rows = entry.get("rows")
+        if not isinstance(rows, list) or not rows:
+            raise ValueError(f"processor {key!r}: 'rows' must be a non-empty list")
+        try:
+            out[proc] = tuple(_row(r) for r in rows)
+        except ValueError as e:
+            raise ValueError(f"processor {key!r}: {e}") from None
+    return out
+
+
+def load_user_table(path: Path | None = None) -> dict[Processor, tuple[Measured, ...]]:
+    """The user's measured rows; {} when there is no file. A file that cannot be read or parsed
+    is ignored with a UserWarning naming it (the built-in rows then apply): never an error."""
+    path = Path(path or kernel_table_path())
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return {}
+    except OSError as e:
+        warnings.warn(f"mha_jax kernel table {path} could not be read ({e}); using the built-in rows", UserWarning, stacklevel=2)
+        return {}
+    try:
+        return parse_table(json.loads(text))
+    except ValueError as e:  # json.JSONDecodeError is a ValueError
+        warnings.warn(f"mha_jax kernel table {path} is ignored ({e}); using the built-in rows. "
+                      "Rerun `python -m mha_jax.tune` or delete the file.", UserWarning, stacklevel=2)
+        return {}
+
+
+def sources_for(proc: Processor, user: dict[Processor, tuple[Measured, ...]], user_path: str = "the user's table") -> tuple[Source, ...]:
+    """The rows `choose` picks from, in the order the module docstring gives."""
+    if proc in user:
+        return (Source(f"user table {user_path} for {proc.model} ({proc.isa or proc.device_kind})", user[proc], "user table"),)
+    if proc.key in BUILTIN:
+        return (Source(f"built-in rows for {proc.model} ({proc.isa or proc.device_kind})", BUILTIN[proc.key], "built-in"),)
+    others = {p: r for p, r in user.items() if p.device_kind == proc.device_kind}
+    for key, rows in BUILTIN.items():
+        other = Processor(*key.split(" | "))
+        if other.device_kind == proc.device_kind and other not in others:
+            others[other] = rows
+    return tuple(Source(f"no rows for {proc.model} ({proc.isa or '-'}): rows of {p.model} ({p.isa or '-'})", rows,
+                        f"other {proc.device_kind}") for p, rows in others.items())
+
+
+# ---------------------------------------------------------------- the choice
 
 
 def _distance(row: Measured, BN: int, T: int, S: int) -> float:
@@ -93,36 +256,38 @@ def _cudnn_allowed(platform: str, dtype, T: int, S: int, H: int, has_mask: bool)
     return not has_mask or (T % 2 == 0 and S % 2 == 0)
 
 
-def choose(*, platform: str, kind: str, dtype, B: int, N: int, T: int, S: int, H: int, has_mask: bool, materialize_limit: int) -> Choice:
-    """The kernel and chunk sizes for one fused call; pure (no device is queried)."""
+def choose(*, platform: str, sources: tuple[Source, ...], dtype, B: int, N: int, T: int, S: int, H: int, has_mask: bool,
+           materialize_limit: int) -> Choice:
+    """The kernel and chunk sizes for one fused call; pure (no device or file is read)."""
     dtype = jnp.dtype(dtype)
     if B == 0 or T == 0:
-        return Choice("chunked", *DEFAULT_BLOCKS, why="B = 0 or T = 0: the chunked kernel returns the empty context")
+        return Choice("chunked", *DEFAULT_BLOCKS, why="B = 0 or T = 0: the chunked kernel returns the empty context", source="rule")
     if _cudnn_allowed(platform, dtype, T, S, H, has_mask):
-        return Choice("dpa-cudnn", why="CUDA GPU, 16-bit, head dim and mask within cuDNN's limits")
+        return Choice("dpa-cudnn", why="CUDA GPU, 16-bit, head dim and mask within cuDNN's limits", source="rule")
     fits = B * N * T * S <= materialize_limit
     allowed = {"chunked"}
     if fits:
         allowed.add("einsum")
         if dtype in (jnp.float32, jnp.bfloat16):
             allowed.add("dpa-xla")
-    rows = sorted(TABLE.get(kind, ()), key=lambda r: _distance(r, B * N, T, S))
-    with_blocks = [r for r in rows if r.blocks is not None]
-    blocks = with_blocks[0].blocks if with_blocks else DEFAULT_BLOCKS
-    if not rows:
+    ranked = sorted(((_distance(r, B * N, T, S), n, r) for n, src in enumerate(sources) for r in src.rows), key=lambda x: x[:2])
+    if not ranked:
         kernel = "einsum" if fits else "chunked"
-        return Choice(kernel, *(blocks if kernel == "chunked" else (None, None)), why=f"no measured table for device kind {kind!r}")
-    kernel = rows[0].fastest if rows[0].fastest in allowed else ("einsum" if fits else "chunked")
-    why = f"nearest measured: B·N={rows[0].BN} T={rows[0].T} S={rows[0].S} ({rows[0].fastest} fastest)"
-    if kernel != rows[0].fastest:
-        why += f"; {rows[0].fastest} not allowed for {dtype.name} at B·N·T·S={B * N * T * S}"
-    return Choice(kernel, *(blocks if kernel == "chunked" else (None, None)), why=why)
+        blocks = DEFAULT_BLOCKS if kernel == "chunked" else (None, None)
+        return Choice(kernel, *blocks, why="no measured rows for this device kind", source="no rows")
+    _, n, row = ranked[0]
+    blocks = next((r.blocks for _, _, r in ranked if r.blocks is not None), DEFAULT_BLOCKS)
+    kernel = row.fastest if row.fastest in allowed else ("einsum" if fits else "chunked")
+    why = f"{sources[n].where}: nearest measured B·N={row.BN} T={row.T} S={row.S} ({row.fastest} fastest)"
+    if kernel != row.fastest:
+        why += f"; {row.fastest} not allowed for {dtype.name} at B·N·T·S={B * N * T * S}"
+    return Choice(kernel, *(blocks if kernel == "chunked" else (None, None)), why=why, source=sources[n].label)
 
 
 def fused_choice(B: int, N: int, T: int, S: int, H: int, dtype, *, has_mask: bool, device=None) -> Choice:
     """What `fused_attention_core` runs for these sizes on `device` (default: JAX's first device)."""
-    from mha_jax import attention  # late: attention imports this module
-
     device = device or jax.devices()[0]
-    return choose(platform=device.platform, kind=device_kind(device), dtype=dtype, B=B, N=N, T=T, S=S, H=H,
-                  has_mask=has_mask, materialize_limit=attention.MATERIALIZE_LIMIT)
+    path = kernel_table_path()
+    sources = sources_for(processor(device), load_user_table(path), str(path))
+    return choose(platform=device.platform, sources=sources, dtype=dtype, B=B, N=N, T=T, S=S, H=H,
+                  has_mask=has_mask, materialize_limit=MATERIALIZE_LIMIT)

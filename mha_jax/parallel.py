@@ -273,14 +273,3 @@ def shard_heads(module, mesh, axis: str = "x"):
             var = getattr(layer, name)
             var.set_value(jax.device_put(var.get_value(), sharding))
     return module
-
-
-def sharded_call(module, query, key, value, mask=None, *, mesh, layout: str, axis: str = "x"):
-    """`sharded_attention` with an `mha_jax.MultiHeadAttention`'s parameters, heads, policy and precision
-    (and its computation dtype, when it has one: the inputs are cast to it, as the module does)."""
-    if module.dtype is not None:
-        query, key, value = (jnp.asarray(x, module.dtype) for x in (query, key, value))
-    return sharded_attention(
-        params_of(module), query, key, value, mask, mesh=mesh, layout=layout, num_heads=module.num_heads,
-        masked_rows=module.masked_rows, axis=axis, precision=module.precision,
-    )

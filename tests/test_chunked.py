@@ -1,5 +1,9 @@
-"""The chunked (online-softmax) JAX attention: oracle agreement with chunks smaller than the
-sequence, the masked-row policies, gradients, and no (B, N, T, S) array in its program."""
+"""The chunked kernel (online softmax, flash backward, block skipping) and the fused path that runs it.
+
+Gradients are judged against the oracle's hand-derived float64 backward through the real
+module, with the fused path forced onto the chunked kernel with blocks (2, 3): several
+blocks on both axes and ragged tails (T=5, S=7 pad to 6 and 9), and masks that leave whole
+blocks empty (skipped) and whole rows fully masked."""
 
 from __future__ import annotations
 
@@ -8,30 +12,158 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
-import mha_jax.attention
-from conftest import make_state_dict, random_keep_mask
-from helpers import build, run
-from mha_jax import attention_core, chunked_attention
+import mha_jax.chunked as chunked
+import mha_jax.kernels as kernels
+from conftest import SIZES as S
+from conftest import make_inputs, make_state_dict, random_keep_mask
+from helpers import build, cast_sd, np_dtype, run
+from mha_jax import attention_core, chunked_attention, fused_attention_core
 from parity import reference
-from parity.tolerances import compare, tolerance_for
+from parity.tolerances import compare, compare_three_way, tolerance_for
 
-B, T, S, N, H = 2, 37, 29, 3, 4  # chunks of 8 and 5 leave ragged tails on both axes
-
-
-def _qkv(rng, dtype=np.float64):
-    return (rng.standard_normal(shape).astype(dtype) for shape in ((B, T, N, H), (B, S, N, H), (B, S, N, H)))
+POLICIES = ("nan", "zero", "uniform")
 
 
-@pytest.mark.parametrize("policy", ["nan", "zero", "uniform"])
+def _mask(kind: str, rng):
+    """Keep-masks of every accepted shape, for (B, T, S) = (3, 5, 7) and blocks (2, 3).
+
+    "causal", "padding" and "holes" leave whole blocks empty (the kernel skips them) and
+    whole rows fully masked; all but "none"/"heads"/"keys" have a fully masked row."""
+    if kind == "none":
+        return None
+    if kind == "2d":  # [T, S]
+        return random_keep_mask(rng, (S.T, S.S), fully_masked_row=(0, 2))
+    if kind == "3d":  # [B, T, S]
+        return random_keep_mask(rng, (S.B, S.T, S.S), fully_masked_row=(1, 4))
+    if kind == "heads":  # [B, N, T, S], a different mask per head
+        return rng.random((S.B, S.N, S.T, S.S)) > 0.3
+    if kind == "keys":  # [B, 1, 1, S]: key padding, broadcast over heads and queries
+        keep = np.ones((S.B, 1, 1, S.S), bool)
+        keep[0, ..., 4:] = False
+        return keep
+    if kind == "queries":  # [1, 1, T, 1]: query 3 sees nothing, the others everything
+        keep = np.ones((1, 1, S.T, 1), bool)
+        keep[..., 3, :] = False
+        return keep
+    if kind == "causal":  # query t sees keys s <= t - 1: row 0 sees nothing
+        return np.arange(S.S)[None, :] <= np.arange(S.T)[:, None] - 1
+    if kind == "padding":  # key lengths 5, 0, 6: batch 1 sees nothing, key block 2 (keys 6..8) is empty
+        return (np.arange(S.S)[None, :] < np.array([5, 0, 6])[:, None])[:, None, None, :]
+    if kind == "holes":  # random, with block (0, 1) (queries 0-1, keys 3-5) empty in every batch
+        keep = random_keep_mask(rng, (S.B, S.T, S.S), fully_masked_row=(1, 4))
+        keep[:, 0:2, 3:6] = False
+        return keep
+    raise ValueError(kind)
+
+
+def _expected_kinds(keep, T: int, Sk: int, cq: int, ck: int) -> np.ndarray:
+    """Block kinds by looping over the blocks of the broadcast, padded mask: padded keys are never
+    kept, padded queries are masked unless the mask has no query axis (then it holds for them too)."""
+    k4 = keep.reshape((1,) * (4 - keep.ndim) + keep.shape)
+    Tp, Sp = -(-T // cq) * cq, -(-Sk // ck) * ck
+    rows = Tp if k4.shape[2] == 1 else T
+    full = np.zeros((S.B, S.N, Tp, Sp), bool)
+    full[:, :, :rows, :Sk] = np.broadcast_to(k4, (S.B, S.N, rows, Sk))
+    kinds = np.empty((Tp // cq, Sp // ck), int)
+    for i in range(kinds.shape[0]):
+        for j in range(kinds.shape[1]):
+            block = full[:, :, i * cq:(i + 1) * cq, j * ck:(j + 1) * ck]
+            kinds[i, j] = chunked.FULL if block.all() else chunked.PARTIAL if block.any() else chunked.EMPTY
+    return kinds
+
+
+@pytest.mark.parametrize("kind", ["causal", "padding", "holes"])
+def test_block_kinds_find_the_empty_blocks(kind, rng):
+    keep = _mask(kind, rng)
+    k4 = jnp.asarray(keep.reshape((1,) * (4 - keep.ndim) + keep.shape))
+    padded = chunked._pad_keep(k4, S.S, 6, 9)
+    plan = chunked._Plan(S=S.S, cq=2, ck=3, scale=1.0, precision=None, single=False)
+    got = np.asarray(chunked._block_kinds(plan, padded, 3, 3))  # (1, 3) when the mask has no query axis
+    want = _expected_kinds(keep, S.T, S.S, 2, 3)
+    np.testing.assert_array_equal(np.broadcast_to(got, want.shape), want)
+    assert (want == chunked.EMPTY).any()  # these masks exercise the skip
+
+
+def test_a_skipped_block_never_reads_its_values():
+    """An empty block's matmuls do not run: a NaN value there reaches no query of that block
+    (the materialised path's 0 x NaN reaches every row), and rows that keep the key get NaN."""
+    T = 6
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal((1, T, 1, 4))) for _ in range(3))
+    v = v.at[0, 5].set(jnp.nan)  # the last key's value
+    keep = jnp.asarray(np.tril(np.ones((T, T), bool)))[None, None]  # causal: blocks (0, 2), (1, 2) are empty
+    got = np.asarray(chunked_attention(q, k, v, keep, q_chunk=2, k_chunk=2))
+    assert np.isfinite(got[0, :4]).all() and np.isnan(got[0, 5]).all()
+    assert np.isnan(np.asarray(attention_core(q, k, v, keep)[0])).all()  # the check can fail
+
+
+@pytest.fixture
+def force_kernel(monkeypatch):
+    """Make fused_attention_core run one kernel, e.g. force_kernel("chunked", 2, 3)."""
+
+    def force(kernel, q_chunk=None, k_chunk=None):
+        monkeypatch.setattr(kernels, "choose", lambda **kw: kernels.Choice(kernel, q_chunk, k_chunk, "forced by a test"))
+
+    return force
+
+
+def _module_fused(m, q, k, v, keep, g):
+    """(output, gradients of sum(output * g) w.r.t. the parameters and the three inputs) on the
+    fused path, as NumPy in the oracle's names; one jitted program (compiling beats eager here)."""
+    mask = None if keep is None else jnp.asarray(keep)
+
+    def loss(m, q, k, v):
+        out = m(q, k, v, mask, need_weights=False)[0]
+        return jnp.sum(out * g), out
+
+    step = nnx.jit(nnx.grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
+    (gm, gq, gk, gv), out = step(m, *(jnp.asarray(x) for x in (q, k, v)))
+    got = {"query": gq, "key": gk, "value": gv}
+    for p in ("q_proj", "k_proj", "v_proj", "out_proj"):
+        got[f"{p}.weight"] = np.asarray(getattr(gm, p).kernel[...]).T
+        got[f"{p}.bias"] = getattr(gm, p).bias[...]
+    return np.asarray(out), {n: np.asarray(x) for n, x in got.items()}
+
+
+CASES = [(m, "nan", (2, 3)) for m in ("none", "2d", "3d", "heads", "keys", "queries")]
+CASES += [(m, p, (2, 3)) for m in ("causal", "padding", "holes") for p in POLICIES]  # skipped blocks, every policy
+# one block on both axes: the probabilities are kept from the forward instead of recomputed
+CASES += [("3d", "nan", (8, 8)), ("causal", "uniform", (8, 8))]
+
+
+@pytest.mark.parametrize(("mask_kind", "policy", "blocks"), CASES)
+def test_float64_forward_and_all_gradients_match_the_oracle(mask_kind, policy, blocks, force_kernel, sd64, rng):
+    force_kernel("chunked", *blocks)
+    q, k, v = make_inputs(rng)
+    keep = _mask(mask_kind, rng)
+    g = rng.standard_normal((S.B, S.T, S.E))
+    m = build("jax", sd64, S.N, masked_rows=policy)
+    out, got = _module_fused(m, q, k, v, keep, g)
+    tol = tolerance_for("float64")
+    c = compare(out, reference.forward(sd64, q, k, v, keep, num_heads=S.N, masked_rows=policy).output, tol.forward)
+    assert c.passed, c
+    ref = reference.backward(sd64, q, k, v, keep, g, num_heads=S.N, masked_rows=policy)
+    assert len(ref) == 11
+    for name, expected in ref.items():
+        c = compare(got[name], expected, tol.gradient)  # NaNs required at the oracle's places
+        assert c.passed, (name, c)
+    if policy == "nan" and mask_kind in ("2d", "3d", "queries", "causal", "padding", "holes"):  # the NaN check above can fail
+        assert np.isnan(ref["value"]).any() and not np.isnan(ref["query"]).all()
+
+
+@pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("mask_kind", ["none", "random", "causal"])
-def test_chunked_matches_materialised_core(policy, mask_kind, rng):
-    q, k, v = _qkv(rng)
+def test_kernel_matches_the_materialised_core(policy, mask_kind, rng):
+    """Kernel level, long ragged axes (T=37, S=29, blocks 8 x 5): forward within the float64 table."""
+    B, T, Sk, N, H = 2, 37, 29, 3, 4
+    q, k, v = (rng.standard_normal(s) for s in ((B, T, N, H), (B, Sk, N, H), (B, Sk, N, H)))
     keep = None
     if mask_kind == "random":
-        keep = random_keep_mask(rng, (B, 1, T, S), fully_masked_row=(1, 30))
+        keep = random_keep_mask(rng, (B, 1, T, Sk), fully_masked_row=(1, 30))
     elif mask_kind == "causal":  # query t sees keys s <= t - 3: rows 0..2 see nothing
-        keep = (np.arange(S)[None, :] <= np.arange(T)[:, None] - 3)[None, None]
+        keep = (np.arange(Sk)[None, :] <= np.arange(T)[:, None] - 3)[None, None]
     expected, _ = attention_core(q, k, v, keep, masked_rows=policy)
     got = chunked_attention(q, k, v, keep, masked_rows=policy, q_chunk=8, k_chunk=5)
     c = compare(np.asarray(got), np.asarray(expected), tolerance_for("float64").forward)
@@ -40,13 +172,75 @@ def test_chunked_matches_materialised_core(policy, mask_kind, rng):
         assert np.isnan(np.asarray(got)).any()
 
 
-def test_chunked_module_path_matches_oracle_with_grads(rng, monkeypatch):
-    """Force the module's fused path onto the chunked kernel and check forward and VJP at 1e-12."""
-    monkeypatch.setattr(mha_jax.attention, "MATERIALIZE_LIMIT", 0)
+@pytest.mark.parametrize("policy", POLICIES)
+def test_nan_gradients_sit_where_the_materialised_path_puts_them(policy, rng):
+    """Kernel level: d(q, k, v) of the chunked kernel vs jax.grad of the materialised core."""
+    B, T, Sk, N, H = 2, 5, 7, 3, 4
+    q, k, v = (rng.standard_normal(s) for s in ((B, T, N, H), (B, Sk, N, H), (B, Sk, N, H)))
+    keep = jnp.asarray(random_keep_mask(rng, (B, 1, T, Sk), fully_masked_row=(1, 2)))
+    ct = rng.standard_normal((B, T, N, H))
+
+    def grads(f):
+        return jax.jit(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v) * ct), argnums=(0, 1, 2)))(q, k, v)
+
+    want = grads(lambda q, k, v: attention_core(q, k, v, keep, masked_rows=policy)[0])
+    got = grads(lambda q, k, v: chunked_attention(q, k, v, keep, masked_rows=policy, q_chunk=2, k_chunk=3))
+    for name, a, e in zip("qkv", got, want):
+        c = compare(np.asarray(a), np.asarray(e), tolerance_for("float64").gradient)
+        assert c.passed, (name, c)
+    assert np.isnan(np.asarray(want[2])).any() == (policy == "nan")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_low_precision_close_to_the_plain_core(dtype, rng):
+    import ml_dtypes
+
+    dt = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32
+    q, k, v = (rng.standard_normal(s).astype(dt) for s in ((2, 37, 3, 4), (2, 29, 3, 4), (2, 29, 3, 4)))
+    exact, _ = attention_core(*(x.astype(np.float64) for x in (q, k, v)))
+    got = chunked_attention(q, k, v, q_chunk=8, k_chunk=5)
+    plain, _ = attention_core(q, k, v)
+    assert got.dtype == dt
+    err_chunked = np.abs(np.asarray(got, np.float64) - np.asarray(exact)).max()
+    err_plain = np.abs(np.asarray(plain, np.float64) - np.asarray(exact)).max()
+    # Same accumulation dtype, different summation order: within 2x of the plain path's
+    # error plus a few units of the dtype's rounding (measured: ratio ~1 in float32 and bfloat16).
+    eps = float(jnp.finfo(dt).eps)
+    assert err_chunked <= 2 * err_plain + 4 * eps, (err_chunked, err_plain)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_16bit_within_the_three_way_bound(dtype, force_kernel, rng):
+    """Forward and every gradient within k x the oracle's own error in that dtype (large logits)."""
+    force_kernel("chunked", 2, 3)
+    dt = np_dtype(dtype)
+    sd = cast_sd(make_state_dict(rng, S.E, scale=1.5), dt)
+    q, k, v = (x.astype(dt) for x in make_inputs(rng))
+    keep = random_keep_mask(rng, (S.B, S.T, S.S))
+    g = rng.standard_normal((S.B, S.T, S.E)).astype(dt)
+    m = build("jax", sd, S.N, masked_rows="zero")
+    sd64, x64, g64 = {n: reference.as_float64(a) for n, a in sd.items()}, [reference.as_float64(x) for x in (q, k, v)], reference.as_float64(g)
+    kw = {"num_heads": S.N, "masked_rows": "zero"}
+    tol = tolerance_for(dt)
+    out, got = _module_fused(m, q, k, v, keep, jnp.asarray(g))
+    exact, low = reference.forward(sd64, *x64, keep, **kw), reference.forward(sd, *x64, keep, dtype=dt, **kw)
+    c = compare_three_way(np.asarray(out), exact.output, low.output, tol.three_way_k, tol.forward.atol)
+    assert c.passed, c
+    exact_g, low_g = reference.backward(sd64, *x64, keep, g64, **kw), reference.backward(sd, *x64, keep, g64, dtype=dt, **kw)
+    for name in exact_g:
+        c = compare_three_way(got[name], exact_g[name], low_g[name], tol.three_way_k, tol.gradient.atol)
+        assert c.passed, (name, c)
+
+
+def test_module_fused_path_matches_the_oracle_above_the_memory_guard(rng, monkeypatch):
+    """With the guard at 0 the module's own choice (not a forced one) runs the chunked kernel."""
+    monkeypatch.setattr(kernels, "MATERIALIZE_LIMIT", 0)
+    B, T, Sk, N, H = 2, 37, 29, 3, 4
     E = N * H
+    assert kernels.fused_choice(B, N, T, Sk, H, jnp.float64, has_mask=True).kernel == "chunked"
     sd = make_state_dict(rng, E)
-    x_q, x_k, x_v = rng.standard_normal((B, T, E)), rng.standard_normal((B, S, E)), rng.standard_normal((B, S, E))
-    keep = random_keep_mask(rng, (B, T, S), fully_masked_row=(0, 4))
+    x_q, x_k, x_v = rng.standard_normal((B, T, E)), rng.standard_normal((B, Sk, E)), rng.standard_normal((B, Sk, E))
+    keep = random_keep_mask(rng, (B, T, Sk), fully_masked_row=(0, 4))
     g = rng.standard_normal((B, T, E))
     m = build("jax", sd, N, masked_rows="uniform")
     out, _ = run("jax", m, x_q, x_k, x_v, keep, need_weights=False)
@@ -59,22 +253,99 @@ def test_chunked_module_path_matches_oracle_with_grads(rng, monkeypatch):
         assert c.passed, (name, c)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_chunked_low_precision_close_to_plain(dtype, rng):
-    import ml_dtypes
+def _small(rng, B=2, T=5, Sk=7, N=3, H=4):
+    return tuple(jnp.asarray(rng.standard_normal(s)) for s in ((B, T, N, H), (B, Sk, N, H), (B, Sk, N, H)))
 
-    dt = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32
-    q, k, v = _qkv(rng, dt)
-    exact, _ = attention_core(*(x.astype(np.float64) for x in (q, k, v)))
-    got = chunked_attention(q, k, v, q_chunk=8, k_chunk=5)
-    plain, _ = attention_core(q, k, v)
-    assert got.dtype == dt
-    err_chunked = np.abs(np.asarray(got, np.float64) - np.asarray(exact)).max()
-    err_plain = np.abs(np.asarray(plain, np.float64) - np.asarray(exact)).max()
-    # Same accumulation dtype, different summation order: within 2x of the plain path's
-    # error plus a few units of the dtype's rounding (measured: ratio ~1 in float32 and bfloat16).
-    eps = float(jnp.finfo(dt).eps)
-    assert err_chunked <= 2 * err_plain + 4 * eps, (err_chunked, err_plain)
+
+def test_under_jit_and_vmap(rng):
+    """jax.jit and jax.vmap of the flash gradient agree with the materialised core's gradient."""
+    q, k, v = _small(rng)
+    keep = jnp.asarray(random_keep_mask(rng, (2, 1, 5, 7), fully_masked_row=(0, 1)))
+
+    def grad_of(core):
+        return jax.grad(lambda q, k, v: jnp.sum(core(q, k, v) ** 2), argnums=(0, 1, 2))
+
+    flash = grad_of(lambda q, k, v: chunked_attention(q, k, v, keep, masked_rows="uniform", q_chunk=2, k_chunk=3))
+    plain = jax.jit(grad_of(lambda q, k, v: attention_core(q, k, v, keep, masked_rows="uniform")[0]))
+    # vmap over a leading axis of 2 copies (the second scaled), against the plain core one at a time
+    stack = [jnp.stack([x, 0.5 * x]) for x in (q, k, v)]
+    mapped = jax.jit(jax.vmap(flash))(*stack)
+    jitted = jax.jit(flash)(q, k, v)
+    tol = tolerance_for("float64").gradient
+    for j, s in enumerate((1.0, 0.5)):
+        want = plain(q * s, k * s, v * s)
+        for i in range(3):
+            assert compare(np.asarray(mapped[i][j]), np.asarray(want[i]), tol).passed, (i, j)
+            if j == 0:
+                assert compare(np.asarray(jitted[i]), np.asarray(want[i]), tol).passed, i
+
+
+@pytest.mark.parametrize("mode", ["jvp", "linearize"])
+def test_forward_mode_is_a_clear_error(mode, rng):
+    """A custom VJP has no forward-mode rule; JAX's TypeError says so (documented in chunked.py)."""
+    q, k, v = _small(rng)
+
+    def f(q):
+        return chunked_attention(q, k, v, q_chunk=2, k_chunk=3)
+
+    with pytest.raises(TypeError, match="can't apply forward-mode autodiff"):
+        if mode == "jvp":
+            jax.jvp(f, (q,), (q,))
+        else:  # linearize traces the primal; applying the linear map raises
+            _, f_jvp = jax.linearize(f, q)
+            f_jvp(q)
+
+
+def test_hessian_forward_over_reverse_works(rng):
+    """jax.hessian differentiates the backward (plain JAX) forward-mode: it works and is right."""
+    q, k, v = (jnp.asarray(rng.standard_normal(s)) for s in ((1, 3, 1, 2), (1, 4, 1, 2), (1, 4, 1, 2)))
+    got = jax.hessian(lambda q: jnp.sum(chunked_attention(q, k, v, q_chunk=2, k_chunk=3) ** 2))(q)
+    want = jax.hessian(lambda q: jnp.sum(attention_core(q, k, v)[0] ** 2))(q)
+    assert compare(np.asarray(got), np.asarray(want), tolerance_for("float64").gradient).passed
+
+
+@pytest.mark.parametrize("kernel", ["einsum", "chunked", "dpa-xla"])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_nan_input_gives_nan_output_like_the_materialised_path(kernel, policy, force_kernel, rng):
+    """NaN in one query row and one key: NaN exactly where attention_core puts it; batch 1 stays finite."""
+    force_kernel(kernel, 2, 3)
+    dtype = jnp.float32 if kernel == "dpa-xla" else jnp.float64
+    q, k, v = (x.astype(dtype) for x in _small(rng))
+    q = q.at[0, 1].set(jnp.nan)  # batch 0, query 1 (a row that attends)
+    k = k.at[0, 5].set(jnp.nan)  # batch 0, key 5: every row of batch 0 that keeps it
+    keep = np.ones((2, 1, 5, 7), bool)
+    keep[0, :, 3, :] = False  # batch 0, query 3 attends to nothing: the policy, not NaN
+    keep[0, :, 4, 5] = False  # batch 0, query 4 drops the NaN key: finite
+    keep = jnp.asarray(keep)
+    got = np.asarray(fused_attention_core(q, k, v, keep, masked_rows=policy))
+    want = np.asarray(attention_core(q, k, v, keep, masked_rows=policy)[0])
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    assert np.isnan(got[0, 1]).all() and np.isnan(got[0, 0]).all()  # the check can fail
+    assert np.isfinite(got[0, 4]).all() and np.isfinite(got[1]).all()
+    assert np.isnan(got[0, 3]).all() == (policy == "nan")
+
+
+def test_nan_input_module_fused_equals_weights_path(force_kernel, sd64, rng):
+    force_kernel("chunked", 2, 3)
+    q, k, v = make_inputs(rng)
+    q[1, 2, 0] = np.nan
+    m = build("jax", sd64, S.N, masked_rows="zero")
+    fused, _ = m(*(jnp.asarray(x) for x in (q, k, v)), need_weights=False)
+    plain, _ = m(*(jnp.asarray(x) for x in (q, k, v)))
+    np.testing.assert_array_equal(np.isnan(np.asarray(fused)), np.isnan(np.asarray(plain)))
+    assert np.isnan(np.asarray(fused)[1, 2]).all() and np.isfinite(np.asarray(fused)[[0, 2]]).all()
+
+
+def test_zero_length_queries_and_keys(rng):
+    q, k, v = _small(rng)
+    empty = chunked_attention(q[:, :0], k, v, q_chunk=2, k_chunk=3)
+    assert empty.shape == (2, 0, 3, 4) and empty.dtype == q.dtype
+    d_k = jax.grad(lambda k: chunked_attention(q[:, :0], k, v).sum())(k)
+    assert np.array_equal(np.asarray(d_k), np.zeros(k.shape))
+    with pytest.raises(ValueError, match="S=0"):
+        chunked_attention(q, k[:, :0], v[:, :0])
+    with pytest.raises(ValueError, match="S=0"):
+        fused_attention_core(q, k[:, :0], v[:, :0])
 
 
 def _largest_intermediate(jaxpr) -> int:
@@ -89,7 +360,7 @@ def _largest_intermediate(jaxpr) -> int:
 
 
 @pytest.mark.parametrize("with_grad", [False, True])
-def test_chunked_never_builds_the_score_tensor(with_grad):
+def test_never_builds_the_score_tensor(with_grad):
     Bq, L, Nh, Hd = 1, 256, 2, 4
     q = jnp.zeros((Bq, L, Nh, Hd))
 

@@ -1,0 +1,210 @@
+"""Measure the fused-attention kernels and chunk sizes on this machine and write the user's kernel table.
+
+    python -m mha_jax.tune                         # default sizes: ~5 min on an idle 2-core CPU
+    python -m mha_jax.tune --sizes 4x8x2048x64 --blocks 256x256,512x512,512x1024
+    python -m mha_jax.tune --show                  # which rows this processor uses, and from where
+    python -m mha_jax.tune --combine RUN1.json RUN2.json   # summarise saved runs (no timing)
+
+For every size (B x N x T x H, S = T) it compiles each candidate, then times them round-robin
+(the direction reversed each round, so a load drift hits all alike) and keeps the min and
+the median of the repeats; only ratios within one size of one run mean anything on a shared
+machine. Candidates: our einsum core without weights ("einsum", materialises (B, N, T, S)),
+`jax.nn.dot_product_attention`'s XLA path ("dpa-xla", materialises too) and the chunked
+kernel at each block size; materialising candidates are skipped above
+`mha_jax.kernels.MATERIALIZE_LIMIT` scores. Passes: "fwd" (the context) and "fwdbwd"
+(gradient of its sum w.r.t. q, k, v). A candidate's score is the geometric mean of its
+time / the fastest's over the passes (1.00 = fastest in both).
+
+The rows go into the user's table (`mha_jax.cache.kernel_table_path()`, `--out` to
+choose another file) under this processor's key, next to any other processor's rows in
+that file; `mha_jax.kernels` reads them first from then on. `--json` also saves every
+time, the load average and the processor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mha_jax import kernels
+from mha_jax.attention import attention_core
+from mha_jax.cache import kernel_table_path
+from mha_jax.chunked import chunked_attention
+
+DEFAULT_SIZES = "4x8x256x64,4x8x512x64,4x8x1024x64,4x8x2048x64,1x8x8192x64"
+DEFAULT_BLOCKS = "128x256,256x256,256x512,512x512,512x1024,1024x1024"
+
+
+def candidates(B: int, N: int, T: int, H: int, blocks) -> dict:
+    """{name: f(q, k, v) -> context (B, T, N, H)}; a block larger than T is the whole axis."""
+    out = {}
+    if B * N * T * T <= kernels.MATERIALIZE_LIMIT:
+        out["einsum"] = lambda q, k, v: attention_core(q, k, v)[0]
+        out["dpa-xla"] = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, scale=1.0 / math.sqrt(H), implementation="xla")
+    for cq, ck in dict.fromkeys((min(cq, T), min(ck, T)) for cq, ck in blocks):
+        out[f"chunked:{cq}x{ck}"] = lambda q, k, v, cq=cq, ck=ck: chunked_attention(q, k, v, q_chunk=cq, k_chunk=ck)
+    return out
+
+
+def _program(f, pass_: str):
+    if pass_ == "fwd":
+        return jax.jit(f)
+    return jax.jit(jax.grad(lambda q, k, v: f(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2)))
+
+
+def measure_size(B, N, T, H, blocks, passes, reps, dtype, budget_s, log=print) -> list[dict]:
+    """Timed rows (one per candidate and pass) for one size."""
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal((B, T, N, H)), dtype) for _ in range(3))
+    rows = []
+    for pass_ in passes:
+        compiled, first = {}, []
+        for name, f in candidates(B, N, T, H, blocks).items():
+            compiled[name] = _program(f, pass_).lower(q, k, v).compile()
+            t0 = time.perf_counter()
+            jax.block_until_ready(compiled[name](q, k, v))  # warm-up
+            first.append(time.perf_counter() - t0)
+        # Small problems get more repeats (up to ~budget_s per candidate, at most 50).
+        reps_here = max(reps, min(50, int(budget_s / max(min(first), 1e-4))))
+        times = {name: [] for name in compiled}
+        order = list(compiled)
+        for r in range(reps_here):
+            for name in order if r % 2 == 0 else order[::-1]:
+                t0 = time.perf_counter()
+                jax.block_until_ready(compiled[name](q, k, v))
+                times[name].append(time.perf_counter() - t0)
+        for name, ts in times.items():
+            rows.append(dict(B=B, N=N, T=T, S=T, H=H, pass_=pass_, candidate=name, min_s=min(ts), median_s=float(np.median(ts)), reps=len(ts)))
+            log(f"B={B} N={N} T={T} H={H} {pass_:7s} {name:18s} min {1e3 * min(ts):9.1f} ms  median {1e3 * np.median(ts):9.1f} ms")
+    return rows
+
+
+def summarise(runs) -> list[dict]:
+    """Per (B, N, T, S): the fastest kernel and the chunked kernel's fastest blocks.
+
+    runs: a list of runs (each a list of rows). Absolute times from different runs on a shared
+    machine are not comparable, so a candidate's score is the geometric mean of its time / the
+    fastest candidate's time over every (run, pass) that measured it: forward and forward+backward
+    count alike (the fused path serves inference and training). Where two or more runs measured a
+    size, a candidate seen in only one of them is left out.
+    """
+    out = []
+    sizes = sorted({(r["B"], r["N"], r["T"], r["S"]) for run in runs for r in run})
+    for key in sizes:
+        ratios, seen = {}, {}
+        for n, run in enumerate(runs):
+            for pass_ in ("fwd", "fwdbwd"):
+                pick = [r for r in run if (r["B"], r["N"], r["T"], r["S"]) == key and r["pass_"] == pass_]
+                for r in pick:
+                    ratios.setdefault(r["candidate"], []).append(r["min_s"] / min(x["min_s"] for x in pick))
+                    seen.setdefault(r["candidate"], set()).add(n)
+        need = 2 if max(len(v) for v in seen.values()) >= 2 else 1
+        score = {c: math.exp(np.mean(np.log(v))) for c, v in ratios.items() if len(seen[c]) >= need}
+        fastest = min(score, key=score.get)
+        chunked = [c for c in score if c.startswith("chunked:")]
+        blocks = [int(b) for b in min(chunked, key=score.get).split(":")[1].split("x")] if chunked else None
+        out.append(dict(BN=key[0] * key[1], T=key[2], S=key[3], fastest=fastest.split(":")[0], blocks=blocks,
+                        scores={c: round(v, 3) for c, v in sorted(score.items(), key=lambda kv: kv[1])}))
+    return out
+
+
+def write_table(path: Path, proc: kernels.Processor, rows: list[dict], meta: dict) -> None:
+    """Put `rows` under `proc` in the table at `path`, keeping other processors' entries.
+
+    An unreadable or corrupt file is replaced (kernels.load_user_table warns about it)."""
+    entries = {}
+    try:
+        existing = json.loads(path.read_text())
+        kernels.parse_table(existing)
+        entries = existing["processors"]
+    except (OSError, ValueError):
+        pass
+    kernels.parse_table({"schema": kernels.TABLE_SCHEMA, "processors": {proc.key: {
+        "device_kind": proc.device_kind, "model": proc.model, "isa": proc.isa, "rows": rows}}})  # what we write must read back
+    entries[proc.key] = {"device_kind": proc.device_kind, "model": proc.model, "isa": proc.isa, **meta, "rows": rows}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"schema": kernels.TABLE_SCHEMA, "processors": entries}, indent=1) + "\n")
+    os.replace(tmp, path)  # atomic: a reader never sees half a file
+
+
+def show(path: Path, console=print) -> None:
+    proc = kernels.processor()
+    console(f"processor: {proc.key}")
+    console(f"user table: {path}" + ("" if path.exists() else " (absent)"))
+    for src in kernels.sources_for(proc, kernels.load_user_table(path), str(path)):
+        console(src.where)
+        for r in src.rows:
+            console(f"    B·N={r.BN} T={r.T} S={r.S}: {r.fastest}" + (f", blocks {r.blocks[0]}x{r.blocks[1]}" if r.blocks else ""))
+
+
+def _sizes(text: str, n: int, what: str) -> list[tuple[int, ...]]:
+    try:
+        out = [tuple(int(x) for x in s.split("x")) for s in text.split(",")]
+    except ValueError:
+        out = []
+    if not out or any(len(s) != n or min(s) < 1 for s in out):
+        raise argparse.ArgumentTypeError(f"expected comma-separated {what} of positive integers, got {text!r}")
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m mha_jax.tune", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", default=DEFAULT_SIZES, type=lambda s: _sizes(s, 4, "BxNxTxH"), help="comma-separated BxNxTxH (S = T)")
+    p.add_argument("--blocks", default=DEFAULT_BLOCKS, type=lambda s: _sizes(s, 2, "QxK"), help="comma-separated q_chunk x k_chunk")
+    p.add_argument("--passes", default="fwd,fwdbwd")
+    p.add_argument("--reps", type=int, default=3, help="repeats at least (more for small sizes, see --budget)")
+    p.add_argument("--budget", type=float, default=0.5, help="seconds per candidate that set the repeats of small sizes")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--out", type=Path, default=None, help="the table to write (default: the user's kernel table)")
+    p.add_argument("--json", type=Path, default=None, help="also save every time here")
+    p.add_argument("--show", action="store_true", help="print the rows this processor uses and where they come from")
+    p.add_argument("--combine", nargs="+", type=Path, metavar="RUN.json", help="summarise saved --json runs (no timing, nothing written)")
+    args = p.parse_args(argv)
+    out = args.out or kernel_table_path()
+    if args.show:
+        show(out)
+        return 0
+    if args.combine:
+        runs = [json.loads(path.read_text())["rows"] for path in args.combine]
+        print(json.dumps(summarise(runs), indent=1))
+        return 0
+    if args.reps < 1:
+        p.error("--reps must be >= 1")
+    passes = args.passes.split(",")
+    if not set(passes) <= {"fwd", "fwdbwd"}:
+        p.error(f"--passes: choose from fwd, fwdbwd; got {args.passes!r}")
+    proc = kernels.processor()
+    load_start = os.getloadavg()
+    print(f"processor {proc.key!r}, load average {load_start}, {os.cpu_count()} cores", flush=True)
+    rows = []
+    with jax.default_matmul_precision("highest"):  # as mha-bench pins it
+        for B, N, T, H in args.sizes:
+            rows += measure_size(B, N, T, H, args.blocks, passes, args.reps, jnp.dtype(args.dtype), args.budget,
+                                 log=lambda s: print(s, flush=True))
+    table = summarise([rows])
+    meta = dict(measured=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), jax=jax.__version__,
+                dtype=args.dtype, precision="highest", cores=os.cpu_count(), load_average_start=list(load_start),
+                load_average_end=list(os.getloadavg()))
+    write_table(out, proc, table, meta)
+    print(f"wrote {len(table)} row(s) for {proc.key!r} to {out}")
+    if args.json:
+        args.json.write_text(json.dumps(dict(processor=proc.key, **meta, rows=rows, table=table), indent=1) + "\n")
+        print(f"wrote every time to {args.json}")
+    for t in table:
+        print(f"  B·N={t['BN']} T={t['T']}: {t['fastest']}, blocks {t['blocks']}  {t['scores']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,212 @@
+"""The fused path's kernel table: processor identification, the order of the sources
+(user table, built-in rows for this processor, other processors of the same device kind),
+the user table's schema, a corrupt table (ignored with a warning), and `mha_jax.tune`."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import jax.numpy as jnp
+import pytest
+
+import mha_jax.kernels as kernels
+from mha_jax import tune
+from mha_jax.kernels import Measured, Processor
+
+X86 = """processor\t: 0
+vendor_id\t: GenuineIntel
+model name\t: Intel(R) Xeon(R) Processor
+flags\t\t: fpu sse sse2 sse4_2 avx avx2 fma avx512f avx512bw
+"""
+ARM = """processor\t: 0
+Features\t: fp asimd evtstrm aes crc32
+CPU implementer\t: 0x41
+"""
+
+
+def test_cpuinfo_gives_model_and_widest_vector_isa():
+    assert kernels.parse_cpuinfo(X86) == ("Intel(R) Xeon(R) Processor", "avx512f")
+    assert kernels.parse_cpuinfo(X86.replace(" avx512f avx512bw", "")) == ("Intel(R) Xeon(R) Processor", "avx2")
+    assert kernels.parse_cpuinfo(ARM, fallback_model="aarch64") == ("aarch64", "asimd")
+    assert kernels.parse_cpuinfo("", fallback_model="x86_64") == ("x86_64", "")
+
+
+HERE = Processor("cpu", "Test CPU 9000", "avx2")
+SIBLING = Processor("cpu", "Other CPU", "avx512f")
+ROW = dict(BN=32, T=512, S=512, fastest="chunked")
+
+
+def _choose(sources, **kw):
+    args = dict(platform="cpu", dtype=jnp.float32, B=4, N=8, T=512, S=512, H=64, has_mask=False, materialize_limit=2**26)
+    return kernels.choose(sources=sources, **{**args, **kw})
+
+
+@pytest.fixture
+def builtin(monkeypatch):
+    """Built-in rows for HERE (blocks 16x16) and SIBLING (blocks 32x32) only."""
+    table = {HERE.key: (Measured(**ROW, blocks=(16, 16)),), SIBLING.key: (Measured(**ROW, blocks=(32, 32)),)}
+    monkeypatch.setattr(kernels, "BUILTIN", table)
+    return table
+
+
+def test_sources_in_order_user_then_builtin_then_same_device_kind(builtin):
+    user = {HERE: (Measured(**ROW, blocks=(8, 8)),), SIBLING: (Measured(**ROW, blocks=(64, 64)),)}
+    c = _choose(kernels.sources_for(HERE, user, "/x/kernels.json"))
+    assert (c.kernel, c.q_chunk, c.k_chunk) == ("chunked", 8, 8)
+    assert c.why.startswith("user table /x/kernels.json for Test CPU 9000") and c.source == "user table"
+    c = _choose(kernels.sources_for(HERE, {SIBLING: user[SIBLING]}))  # another processor's user rows do not win
+    assert (c.q_chunk, c.k_chunk) == (16, 16) and c.why.startswith("built-in rows for Test CPU 9000") and c.source == "built-in"
+    stranger = Processor("cpu", "Unknown CPU", "avx2")
+    c = _choose(kernels.sources_for(stranger, {}))
+    assert c.kernel == "chunked" and "no rows for Unknown CPU" in c.why and c.source == "other cpu"
+    assert (c.q_chunk, c.k_chunk) in ((16, 16), (32, 32))
+    c = _choose(kernels.sources_for(stranger, {SIBLING: (Measured(BN=32, T=600, S=600, fastest="chunked", blocks=(64, 64)),)}))
+    assert (c.q_chunk, c.k_chunk) == (16, 16)  # the nearest row among the same kind's, wherever it comes from
+    c = _choose(kernels.sources_for(Processor("TPU v9", "TPU v9"), user))
+    assert c.kernel == "einsum" and c.why == "no measured rows for this device kind" and c.source == "no rows"
+
+
+def test_the_nearest_measured_row_chooses():
+    rows = (
+        Measured(BN=32, T=256, S=256, fastest="einsum", blocks=None),
+        Measured(BN=32, T=2048, S=2048, fastest="chunked", blocks=(256, 2048)),
+        Measured(BN=8, T=8192, S=8192, fastest="chunked", blocks=(512, 1024)),
+    )
+    src = (kernels.Source("fake", rows),)
+    assert _choose(src, T=200, S=200).kernel == "einsum"
+    c = _choose(src, T=2048, S=2048)
+    assert (c.kernel, c.q_chunk, c.k_chunk) == ("chunked", 256, 2048)
+    c = _choose(src, B=1, T=32768, S=32768)
+    assert (c.kernel, c.q_chunk, c.k_chunk) == ("chunked", 512, 1024)
+    assert "nearest measured B·N=8 T=8192" in c.why
+
+
+def test_rules_that_no_measurement_overrules():
+    src = (kernels.Source("fake", (Measured(BN=32, T=512, S=512, fastest="dpa-xla", blocks=(64, 128)),)),)
+    assert _choose(src).kernel == "dpa-xla"
+    assert _choose(src, dtype=jnp.bfloat16).kernel == "dpa-xla"
+    assert _choose(src, dtype=jnp.float64).kernel == "einsum"  # float32 softmax: never for float64
+    assert _choose(src, dtype=jnp.float16).kernel == "einsum"  # XLA:CPU rejects its float16 backward
+    over = _choose(src, T=4096, S=4096, materialize_limit=2**20)
+    assert (over.kernel, over.q_chunk, over.k_chunk) == ("chunked", 64, 128)  # the memory guard, blocks from the row
+    assert _choose(src, T=0).kernel == "chunked"
+
+
+def test_a_cuda_gpu_takes_cudnn_only_within_its_limits():
+    def gpu(**kw):
+        return _choose((), platform="gpu", **kw).kernel
+
+    assert gpu(dtype=jnp.bfloat16) == "dpa-cudnn"
+    assert gpu(dtype=jnp.float16, has_mask=True, T=512, S=256) == "dpa-cudnn"
+    assert gpu(dtype=jnp.float32) == "einsum"  # no rows for this kind: einsum below the guard
+    assert gpu(dtype=jnp.float64) == "einsum"
+    assert gpu(dtype=jnp.bfloat16, H=12) == "einsum"  # head dim not a multiple of 8
+    assert gpu(dtype=jnp.bfloat16, H=256) == "einsum"
+    assert gpu(dtype=jnp.bfloat16, has_mask=True, T=511) == "einsum"  # odd T with a mask
+    big = _choose((), platform="gpu", dtype=jnp.float32, T=65536, S=65536)
+    assert (big.kernel, big.q_chunk, big.k_chunk) == ("chunked", *kernels.DEFAULT_BLOCKS)
+
+
+def _table(proc: Processor, rows) -> dict:
+    return {"schema": kernels.TABLE_SCHEMA, "processors": {proc.key: {
+        "device_kind": proc.device_kind, "model": proc.model, "isa": proc.isa, "rows": rows}}}
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("MHA_PARITY_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
+def test_fused_choice_reads_the_user_table_in_the_cache_dir(cache_dir):
+    assert not kernels.fused_choice(4, 8, 64, 64, 64, jnp.float32, has_mask=False).why.startswith("user table")
+    path = cache_dir / "kernels.json"
+    path.write_text(json.dumps(_table(kernels.processor(), [dict(BN=32, T=64, S=64, fastest="chunked", blocks=[24, 40])])))
+    c = kernels.fused_choice(4, 8, 64, 64, 64, jnp.float32, has_mask=False)
+    assert (c.kernel, c.q_chunk, c.k_chunk) == ("chunked", 24, 40)
+    assert c.why.startswith(f"user table {path}")
+
+
+GOOD_ROW = dict(BN=2, T=8, S=8, fastest="chunked", blocks=[4, 4])
+CORRUPT = {
+    "not JSON": "{not json",
+    "a list": "[]",
+    "another schema": json.dumps({**_table(HERE, [GOOD_ROW]), "schema": 99}),
+    "no rows": json.dumps(_table(HERE, [])),
+    "a zero block": json.dumps(_table(HERE, [{**GOOD_ROW, "blocks": [0, 4]}])),
+    "an unknown kernel": json.dumps(_table(HERE, [{**GOOD_ROW, "fastest": "magic"}])),
+    "a float size": json.dumps(_table(HERE, [{**GOOD_ROW, "T": 8.5}])),
+    "a key that does not match its fields": json.dumps(_table(HERE, [GOOD_ROW])).replace("Test CPU 9000 |", "Test CPU 1 |"),
+}
+
+
+@pytest.mark.parametrize("what", CORRUPT)
+def test_a_corrupt_table_is_ignored_with_a_warning(what, tmp_path):
+    path = tmp_path / "kernels.json"
+    path.write_text(CORRUPT[what])
+    with pytest.warns(UserWarning, match=f"kernel table {path} is ignored"):
+        assert kernels.load_user_table(path) == {}
+
+
+def test_a_good_table_reads_back_without_warning(tmp_path):
+    path = tmp_path / "kernels.json"
+    path.write_text(json.dumps(_table(HERE, [GOOD_ROW, {**GOOD_ROW, "T": 16, "fastest": "einsum", "blocks": None}])))
+    assert kernels.load_user_table(path) == {HERE: (Measured(2, 8, 8, "chunked", (4, 4)), Measured(2, 16, 8, "einsum", None))}
+    assert kernels.load_user_table(tmp_path / "absent.json") == {}
+
+
+def test_a_corrupt_or_unreadable_table_never_stops_a_fused_call(cache_dir):
+    (cache_dir / "kernels.json").write_text("{truncated")
+    with pytest.warns(UserWarning, match="is ignored"):
+        c = kernels.fused_choice(4, 8, 64, 64, 64, jnp.float32, has_mask=False)
+    assert c.kernel in kernels.KERNELS and not c.why.startswith("user table")
+    (cache_dir / "kernels.json").unlink()
+    (cache_dir / "kernels.json").mkdir()  # a directory where the file should be
+    with pytest.warns(UserWarning, match="could not be read"):
+        assert kernels.fused_choice(4, 8, 64, 64, 64, jnp.float32, has_mask=False).kernel in kernels.KERNELS
+
+
+def test_summarise_scores_by_geometric_mean_over_runs_and_passes():
+    def rows(times):
+        return [dict(B=1, N=2, T=8, S=8, pass_=p, candidate=c, min_s=t) for (c, p), t in times.items()]
+
+    run1 = rows({("einsum", "fwd"): 1.0, ("chunked:4x4", "fwd"): 2.0, ("einsum", "fwdbwd"): 4.0, ("chunked:4x4", "fwdbwd"): 2.0,
+                 ("chunked:8x8", "fwd"): 1.5})  # 8x8 measured in one of the two runs only: left out
+    run2 = rows({("einsum", "fwd"): 3.0, ("chunked:4x4", "fwd"): 3.0})
+    (t,) = tune.summarise([run1, run2])
+    # einsum: ratios 1, 2, 1; chunked:4x4: 2, 1, 1 -> both 2^(1/3)
+    assert t["scores"] == {"einsum": round(2 ** (1 / 3), 3), "chunked:4x4": round(2 ** (1 / 3), 3)}
+    assert (t["BN"], t["T"], t["blocks"]) == (2, 8, [4, 4])
+    (t,) = tune.summarise([run1])  # one run: every candidate counts; 8x8 only over the pass that measured it
+    assert t["scores"] == {"einsum": round(math.sqrt(2), 3), "chunked:4x4": round(math.sqrt(2), 3), "chunked:8x8": 1.5}
+    assert t["blocks"] == [4, 4]
+
+
+def test_tune_writes_this_processors_rows_and_keeps_the_others(tmp_path, capsys):
+    path = tmp_path / "kernels.json"
+    path.write_text(json.dumps(_table(SIBLING, [GOOD_ROW])))
+    code = tune.main(["--sizes", "1x2x8x4", "--blocks", "4x4,8x8", "--passes", "fwd", "--reps", "1", "--budget", "0", "--out", str(path)])
+    assert code == 0
+    data = json.loads(path.read_text())
+    proc = kernels.processor()
+    assert data["schema"] == kernels.TABLE_SCHEMA and set(data["processors"]) == {SIBLING.key, proc.key}
+    entry = data["processors"][proc.key]
+    assert (entry["device_kind"], entry["model"], entry["isa"]) == (proc.device_kind, proc.model, proc.isa)
+    assert {"measured", "jax", "dtype", "precision", "load_average_start"} <= set(entry)
+    (row,) = entry["rows"]
+    assert (row["BN"], row["T"], row["S"]) == (2, 8, 8)
+    assert set(row["scores"]) == {"einsum", "dpa-xla", "chunked:4x4", "chunked:8x8"}
+    assert row["fastest"] == min(row["scores"], key=row["scores"].get).split(":")[0]
+    assert row["blocks"] in ([4, 4], [8, 8])
+    table = kernels.load_user_table(path)  # reads back, no warning
+    assert table[proc][0].blocks == tuple(row["blocks"]) and table[SIBLING][0].blocks == (4, 4)
+    tune.main(["--show", "--out", str(path)])
+    assert f"user table {path}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [["--sizes", "2x3"], ["--blocks", "0x4"], ["--passes", "bwd"], ["--reps", "0"]])
+def test_tune_rejects_bad_arguments(argv):
+    with pytest.raises(SystemExit) as e:
+        tune.main(argv + ["--out", "/nonexistent/never-written.json"])
+    assert e.value.code == 2
