@@ -104,13 +104,21 @@ def hf_bert_attention_forward(sd, num_heads: int, query, keep=None, dtype="float
     """
     import torch
 
-    att = hf_bert_attention(sd, num_heads, dtype)
-    x = _torch_inputs(query, _np_dtype(dtype))
-    mask = None if keep is None else convert.numpy_to_tensor(additive_mask(keep, _np_dtype(dtype)))
+    _, call = _hf_bert(sd, num_heads, keep, dtype)
     with torch.no_grad():
+        return convert.tensor_to_numpy(call(_torch_inputs(query, _np_dtype(dtype))))
+
+
+def _hf_bert(sd, num_heads: int, keep, dtype):
+    """(BertAttention, call(x) -> output.dense(self(x))) with our keep-mask as BERT's additive mask."""
+    att = hf_bert_attention(sd, num_heads, dtype)
+    mask = None if keep is None else convert.numpy_to_tensor(additive_mask(keep, _np_dtype(dtype)))
+
+    def call(x):
         ctx, _ = att.self(x, attention_mask=mask)
-        out = att.output.dense(ctx)
-    return convert.tensor_to_numpy(out)
+        return att.output.dense(ctx)
+
+    return att, call
 
 
 def hf_vit_config(embed_dim: int, num_heads: int):
@@ -172,23 +180,63 @@ def hf_gpt2_attention_forward(sd, num_heads: int, query, keep=None, dtype="float
     library's own create_causal_mask turns the padding into GPT-2's additive mask, as GPT2Model does.
     """
     import torch
+
+    _, call = _hf_gpt2(sd, num_heads, np.shape(query), keep, dtype)
+    with torch.no_grad():
+        return convert.tensor_to_numpy(call(_torch_inputs(query, _np_dtype(dtype))))
+
+
+def _hf_gpt2(sd, num_heads: int, shape, keep, dtype):
+    """(GPT2Attention, call(x) -> output) with GPT-2's own causal mask for this padding."""
+    import torch
     from transformers.masking_utils import create_causal_mask
     from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
 
     dt = _np_dtype(dtype)
     sd = _cast_sd(sd, dt)
     E, _ = convert.check_state_dict(sd)
-    B, T = np.shape(query)[:2]
+    B, T = shape[:2]
     config = hf_gpt2_config(E, num_heads, n_positions=max(T, 1))
     att = GPT2Attention(config, layer_idx=0).to(convert._torch_dtype(dt)).eval()
     att.load_state_dict({k: convert.numpy_to_tensor(v) for k, v in convert.to_layout(sd, "hf-gpt2").items()}, strict=True)
-    x = _torch_inputs(query, dt)
     padding = None if keep is None else torch.from_numpy(gpt2_padding_of(keep).astype(np.int64))
     position_ids = torch.arange(T)[None].expand(B, T)
-    with torch.no_grad():
-        mask = create_causal_mask(config=config, inputs_embeds=x, attention_mask=padding, past_key_values=None, position_ids=position_ids)
+
+    def call(x):
+        mask = create_causal_mask(config=config, inputs_embeds=x, attention_mask=padding, past_key_values=None,
+                                  position_ids=position_ids)
         out, _ = att(x, attention_mask=mask)
-    return convert.tensor_to_numpy(out)
+        return out
+
+    return att, call
+
+
+def hf_attention_vjp(library: str, sd, num_heads: int, query, keep, cotangent, dtype="float64") -> dict[str, np.ndarray]:
+    """HF BERT or GPT-2 attention's gradients of sum(output * cotangent), as NumPy arrays.
+
+    library: "hf-bert" | "hf-gpt2" (its layout's name). Keys: "input" -- the gradient
+    w.r.t. its one input x (B, T, E), which as self-attention is the query, key and value
+    at once -- and the canonical weight names (parity.convert), mapped back from the
+    library's own parameters through the layout. A fully masked query row is uniform
+    because finfo.min is ADDED to its scores, so its softmax is differentiated like any
+    other: its gradient reaches the query and key gradients (reference.backward's
+    masked_row_grads="flow").
+    """
+    import torch
+
+    dt = _np_dtype(dtype)
+    if library == "hf-bert":
+        att, call = _hf_bert(sd, num_heads, keep, dtype)
+    elif library == "hf-gpt2":
+        att, call = _hf_gpt2(sd, num_heads, np.shape(query), keep, dtype)
+    else:
+        raise ValueError(f"library must be 'hf-bert' or 'hf-gpt2', got {library!r}")
+    x = _torch_inputs(query, dt).requires_grad_(True)
+    with torch.enable_grad():
+        (call(x) * _torch_inputs(cotangent, dt)).sum().backward()
+    names = set(convert.to_layout(_cast_sd(sd, dt), library))
+    grads = {n: convert.tensor_to_numpy(p.grad) for n, p in att.named_parameters() if n in names}
+    return {"input": convert.tensor_to_numpy(x.grad), **convert.from_layout(grads, library)}
 
 
 # ---------------------------------------------------------------- Keras 3, Equinox

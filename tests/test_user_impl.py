@@ -280,6 +280,11 @@ def additive(p, query, key, value, keep, *, num_heads, const):
 @layer("finfo-min-added", masked_rows="uniform")
 def finfo_min(p, query, key, value, keep, *, num_heads, const):
     return attention(p, query, key, value, keep, num_heads=num_heads, additive=torch.finfo(query.dtype).min)
+
+
+@layer("finfo-min-declared", masked_rows="uniform", masked_row_grads="flow")
+def finfo_min_declared(p, query, key, value, keep, *, num_heads, const):
+    return attention(p, query, key, value, keep, num_heads=num_heads, additive=torch.finfo(query.dtype).min)
 '''
 
 
@@ -297,6 +302,35 @@ def test_masked_row_gradient_differences_stay_red_and_say_why(attr, impl, case, 
     d_inputs = next(r for r in mine if r["quantity"] == "d_inputs")
     assert d_inputs["status"] == "fail"
     assert cause in d_inputs["message"] and "query" in d_inputs["message"] and "(2, 0)" in d_inputs["message"]
+
+
+def test_a_declared_masked_row_gradient_is_judged_as_declared(tmp_path, monkeypatch):
+    """finfo.min added to masked scores, declared masked_row_grads="flow": torch autograd of this layer
+    agrees with the oracle's flow gradient (reference.backward), so it passes."""
+    mod = _module(tmp_path, monkeypatch, "user_masked_declared", MASKED_ROW_LAYERS)
+    code, rows = _cli(tmp_path, "--device", "cpu", "--no-progress", "--cases", "self/random/zero", "--dtypes", "float32",
+                      "--checks", "forward,gradient", "--impls", "torch", "--impl", f"{mod}:finfo_min_declared")
+    assert code == 0 and _mine(rows, "finfo-min-declared", "pass")
+
+
+def test_the_hf_peers_gradients_are_checked_under_their_declared_masked_rows():
+    pytest.importorskip("transformers")
+    import dataclasses
+
+    from parity.harness import checks
+    from parity.harness.matrix import default_matrix, draw_inputs
+    from parity.harness.runner import _runners
+    from parity.devices import resolve_device
+    from parity.impls import builtin
+
+    case = next(c for c in default_matrix() if c.name == "self/random/nan")  # a fully masked row
+    unit = checks.Unit(case, "float32", draw_inputs(case, 0).in_dtype("float32"), _runners(resolve_device("cpu")), ("peers",))
+    bert = builtin("hf-bert")
+    as_declared = {r.quantity: r for r in checks.check_peers(unit, [bert]) if r.quantity.startswith("d_")}
+    assert {q: r.status for q, r in as_declared.items()} == {"d_input": "pass", "d_params": "pass"}
+    stopped = dataclasses.replace(bert, name="hf-bert-stop", masked_row_grads="stop")
+    wrong = {r.quantity: r.status for r in checks.check_peers(unit, [stopped]) if r.quantity.startswith("d_")}
+    assert wrong == {"d_input": "fail", "d_params": "fail"}  # the masked row's gradient is there, and judged
 
 
 def test_a_declared_dtype_set_makes_the_others_skip_rows(tmp_path, monkeypatch):

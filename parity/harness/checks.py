@@ -83,19 +83,22 @@ class Unit:
             self._oracle[policy] = (exact, low)
         return self._oracle[policy]
 
-    def oracle_grads(self, policy: str):
-        """(float64 gradients, per-key yardstick errors of the same maths in the run dtype or None)."""
-        if policy not in self._grads:
+    def oracle_grads(self, policy: str, masked_row_grads: str = "stop"):
+        """(float64 gradients, per-key yardstick errors of the same maths in the run dtype or None).
+
+        masked_row_grads: what the implementation declares its fully masked rows do ("stop" | "flow")."""
+        key = (policy, masked_row_grads)
+        if key not in self._grads:
             sd, q, k, v = self._args64()
             cot = reference.as_float64(self.x.cotangent)
-            kw = {"num_heads": self.case.shape.N, "masked_rows": policy}
+            kw = {"num_heads": self.case.shape.N, "masked_rows": policy, "masked_row_grads": masked_row_grads}
             exact = reference.backward(sd, q, k, v, self.x.keep, cot, **kw)
             yard = None
             if self.tol.three_way_k is not None:
                 low = reference.backward(sd, q, k, v, self.x.keep, cot, dtype=self.x.query.dtype, **kw)
                 yard = {n: errors(low[n], exact[n])[0] for n in exact}
-            self._grads[policy] = (exact, yard)
-        return self._grads[policy]
+            self._grads[key] = (exact, yard)
+        return self._grads[key]
 
     def runner(self, impl: Implementation):
         return self.runners[impl.framework]
@@ -326,8 +329,9 @@ def _masked_row_note(unit: Unit, got: dict, expected: dict, failing) -> str:
     moved = [r for r in rows if np.all(e[r] == 0) and np.nanmax(np.abs(a[r])) > bound]
     if moved:
         return (f"non-zero gradients in {tensors} from the fully masked (batch, query) rows {where}, where the oracle's "
-                "are 0: gradient flows through those rows' scores, as when masked scores are filled with a large finite "
-                "value (finfo.min, as Hugging Face and Flax do): the forward is uniform, but not a constant")
+                "are 0: gradient flows through those rows' scores, as when a large finite value is added to masked scores "
+                "(finfo.min, as Hugging Face does; declare masked_row_grads='flow' if that is meant): "
+                "the forward is uniform, but not a constant")
     return ""
 
 
@@ -370,7 +374,7 @@ def check_gradient(unit: Unit, impls) -> list[Row]:
             rows.append(unit.row("gradient", impl, "oracle", "skip", message=why))
             continue
         policy = impl.policy(unit.case.masked_rows)
-        expected, yard_err = unit.oracle_grads(policy)
+        expected, yard_err = unit.oracle_grads(policy, impl.masked_row_grads)
         floors = gradient_floors(expected, unit.dtype)
         try:
             out, w, got = unit.runner(impl).vjp(unit.built(impl, policy), *unit.inputs(), unit.x.cotangent)
@@ -394,6 +398,12 @@ def check_gradient(unit: Unit, impls) -> list[Row]:
         rows += judged
         if _versus_torch(impl):
             ref = _ref_name(unit, policy)
+            if impl.masked_row_grads != "stop" and _fully_masked_rows(unit):
+                rows.append(unit.row("gradient", impl, ref, "skip", message=(
+                    f"{impl.name} declares masked_row_grads={impl.masked_row_grads} and this case has fully masked rows; "
+                    "our torch module stops their gradient, so it is judged against the oracle only")))
+                rows += _changed_rows(unit, impl, "gradient", policy)
+                continue
             try:
                 base = _torch_reference(unit, policy, "gradient")
             except Exception as e:
@@ -480,6 +490,33 @@ def check_peers(unit: Unit, peers) -> list[Row]:
             yard_err = None if low is None else errors(yard, getattr(exact, q))[0]
             c = judge(a, mine, tol, k, yard_err=yard_err)
             rows.append(unit.row("peers", peer, f"{ours_impl.framework}[{policy}]", status(c), q, c, message=note))
+        vjp = getattr(unit.built(peer, policy).fn, "vjp", None)
+        if vjp is not None:
+            try:
+                rows += _peer_grad_rows(unit, peer, policy, vjp, TOLERANCES[effective], note)
+            except Exception as e:
+                rows.append(_error_row(unit, "peers", peer, "oracle", e))
+    return rows
+
+
+def _peer_grad_rows(unit: Unit, peer: Implementation, policy: str, vjp, table, note: str) -> list[Row]:
+    """A self-attention peer's own gradients (fn.vjp: w.r.t. its one input and its weights) against the
+    oracle's, under the masked-row gradient it declares. Its input is the query, key and value at once,
+    so its input gradient is judged against the sum of the oracle's three."""
+    from parity.impls import mask_for
+
+    expected, yard = unit.oracle_grads(policy, peer.masked_row_grads)
+    x = unit.x
+    got = vjp(x.query, mask_for(peer, x.keep, unit.case.shape.N, x.query.dtype), x.cotangent)
+    expected = dict(expected, input=sum(reference.as_float64(expected[n]) for n in GRAD_GROUPS["d_inputs"]))
+    if yard is not None:  # the sum's error is at most the sum of the three errors
+        yard = dict(yard, input=sum(yard[n] for n in GRAD_GROUPS["d_inputs"]))
+    floors = gradient_floors(expected, unit.dtype)
+    note = f"{note}; masked_row_grads={peer.masked_row_grads}"
+    rows = []
+    for quantity, names in (("d_input", ("input",)), ("d_params", GRAD_GROUPS["d_params"])):
+        c, worst = judge_grads(got, expected, table.gradient, names, table.three_way_k, yard, floors)
+        rows.append(unit.row("peers", peer, "oracle", status(c), quantity, c, message=f"{worst}; {note}"))
     return rows
 
 

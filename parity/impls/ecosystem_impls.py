@@ -1,8 +1,10 @@
 """The real libraries as peers: Hugging Face BERT and GPT-2 (torch), Keras 3 and Equinox (JAX).
 
 Each factory follows the contract in `parity.impls.registry` with `uses_params=False`:
-`factory(state_dict, num_heads, *, dtype, device) -> fn(query, key, value, keep)`, forward
-only (the libraries' modules hold their own weights, so parameter gradients are not checked).
+`factory(state_dict, num_heads, *, dtype, device) -> fn(query, key, value, keep)`. The
+libraries' modules hold their own weights, so the harness's gradient path does not apply;
+the HF peers add `fn.vjp(query, keep, cotangent)`, their own autograd gradients (w.r.t.
+the input and the weights, canonical names), which the peers check judges.
 `keep` is the case's keep-mask (B, T, S), True = attend (declared mask="keep",
 mask_shape="BTS"), or None. Each fn hands NumPy copies to the pure functions of
 `parity.ecosystem` -- which translate the mask to the library's own convention and run the
@@ -45,9 +47,9 @@ def _self_attention(query, key, value, library: str) -> None:
                          f"(got query {np.shape(query)}, key {np.shape(key)}, value {np.shape(value)})")
 
 
-def _torch_peer(forward, library: str, package: str, sd, num_heads, *, dtype, device):
+def _torch_peer(forward, library: str, package: str, sd, num_heads, *, dtype, device, layout: str):
     _require(package)
-    from parity import convert
+    from parity import convert, ecosystem
 
     def fn(query, key, value, keep):
         q, k, v = (convert.tensor_to_numpy(x) for x in (query, key, value))
@@ -55,6 +57,11 @@ def _torch_peer(forward, library: str, package: str, sd, num_heads, *, dtype, de
         keep = None if keep is None else convert.tensor_to_numpy(keep)
         return convert.numpy_to_tensor(forward(sd, num_heads, q, keep, dtype), device)
 
+    def vjp(query, keep, cotangent):
+        """NumPy in and out: {"input": d x, canonical weight name: gradient} (parity.ecosystem.hf_attention_vjp)."""
+        return ecosystem.hf_attention_vjp(layout, sd, num_heads, query, keep, cotangent, dtype)
+
+    fn.vjp = vjp
     return fn
 
 
@@ -75,7 +82,7 @@ def hf_bert(sd, num_heads, *, dtype, device):
     from parity import ecosystem
 
     return _torch_peer(ecosystem.hf_bert_attention_forward, "HF BERT", "transformers", sd, num_heads,
-                       dtype=dtype, device=device)
+                       dtype=dtype, device=device, layout="hf-bert")
 
 
 def hf_gpt2(sd, num_heads, *, dtype, device):
@@ -83,7 +90,7 @@ def hf_gpt2(sd, num_heads, *, dtype, device):
     from parity import ecosystem
 
     return _torch_peer(ecosystem.hf_gpt2_attention_forward, "HF GPT-2", "transformers", sd, num_heads,
-                       dtype=dtype, device=device)
+                       dtype=dtype, device=device, layout="hf-gpt2")
 
 
 def keras_mha(sd, num_heads, *, dtype, device):

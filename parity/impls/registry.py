@@ -74,6 +74,10 @@ class Implementation:
     harness          whether `mha-parity` runs it (the benchmark-only variants of peers do not)
     materializes     builds a (B, N, T, S) score tensor at any length (None: when it returns weights);
                      the benchmark skips what cannot fit
+    masked_row_grads how its gradients treat a fully masked row: "stop" (a constant row: no gradient
+                     reaches its scores, as a select where(keep, scores, fill) gives) | "flow" (the row
+                     is differentiated as a softmax, as when a large finite value is ADDED to masked
+                     scores: HF's finfo.min). The gradient oracle follows the declaration.
     dtypes           the dtypes it supports (e.g. ("float32", "bfloat16")); None: all. Units in
                      other dtypes are skip rows naming the declaration (see `unsupported`)
     runs_on          where the peers check runs it: fnmatch patterns over a unit's kind
@@ -99,6 +103,7 @@ class Implementation:
     doc: str = ""
     runs_on: tuple[str, ...] | None = None
     dtypes: tuple[str, ...] | None = None
+    masked_row_grads: str = "stop"
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name or any(c.isspace() for c in self.name):
@@ -118,6 +123,9 @@ class Implementation:
                 isinstance(k, str) and k.count("/") == 2 for k in self.runs_on)):
             raise TypeError(f"implementation {self.name!r}: runs_on must be a tuple of '<self|cross>/<mask kind>/<dtype>' "
                             f"patterns (e.g. ('self/causal/*',)), got {self.runs_on!r}")
+        if self.masked_row_grads not in ("stop", "flow"):
+            raise ValueError(f"implementation {self.name!r}: masked_row_grads={self.masked_row_grads!r} is not "
+                             "'stop' or 'flow'")
         if self.dtypes is not None:
             from parity.dtypes import DTYPES
 
@@ -305,11 +313,11 @@ BUILTIN = (
     # The real libraries (the optional `.[ecosystem]` extra; absent: a skip row). Forward only:
     # their modules hold their own weights. What they do, as measured: parity.ecosystem's docstring.
     Implementation("hf-bert", "torch", f"{_E}:hf_bert", masked_rows="uniform", mask_shape="BTS",
-                   uses_params=False, role="peer", bench=False, runs_on=("self/*/*",),
+                   uses_params=False, role="peer", bench=False, runs_on=("self/*/*",), masked_row_grads="flow",
                    doc="transformers BertAttention (self + output.dense), eager; additive mask 0 / finfo.min, "
-                   "so empty rows are uniform"),
+                   "so empty rows are uniform, and their gradient flows into the query and key gradients"),
     Implementation("hf-gpt2", "torch", f"{_E}:hf_gpt2", masked_rows="uniform", mask_shape="BTS",
-                   uses_params=False, role="peer", bench=False, runs_on=("self/causal/*",),
+                   uses_params=False, role="peer", bench=False, runs_on=("self/causal/*",), masked_row_grads="flow",
                    doc="transformers GPT2Attention, eager; causal by its mask (create_causal_mask), "
                    "a query with only padding is uniform over all keys"),
     # Keras and Equinox run op by op: each new dtype costs ~0.5 s of compiles (measured), so
