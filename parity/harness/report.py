@@ -214,7 +214,10 @@ def _print_failures(report: Report, console, all_rows: bool) -> None:
     console.print(f"[bold red]{len(bad)} failure(s)/error(s):[/]")
     for r in bad[:40]:
         where = f" stage={r.stage}" if r.stage else ""
-        nums = f" err {fmt(r.max_abs_err)} > bound {fmt(r.atol)}" if r.max_abs_err is not None else ""
+        nums = ""
+        if r.max_abs_err is not None:  # a NaN-placement failure can be within the bound: say which
+            over = r.max_abs_err > (r.atol or 0.0) + (r.rtol or 0.0)
+            nums = f" err {fmt(r.max_abs_err)} {'>' if over else '<='} bound {fmt(r.atol)}"
         console.print(f"[{_STYLE[r.status]}]{r.status}[/] {escape(r.case)} {escape(r.check)} {escape(r.impl)} vs "
                       f"{escape(r.reference)} {r.dtype} {escape(r.quantity)}{nums}{where}", soft_wrap=True)
         if r.message:
