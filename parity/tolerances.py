@@ -30,8 +30,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import ml_dtypes
 import numpy as np
 
+from parity.dtypes import numpy_dtype
 from parity.reference import as_float64
 
 
@@ -104,10 +106,6 @@ def gradient_floors(exact: dict, dtype: str) -> dict[str, float]:
     table = TOLERANCES[dtype]
     if table.three_way_k is None:
         return {}
-    from parity.dtypes import numpy_dtype
-
-    import ml_dtypes
-
     eps = float(ml_dtypes.finfo(numpy_dtype(dtype)).eps)
     floors = {}
     for names in GRADIENT_FAMILIES.values():

@@ -351,3 +351,20 @@ def test_a_negative_seed_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--device", "cpu", "--quick", "--seed", "-1"])
     assert e.value.code == 2 and "non-negative" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("dtype, floored", [("bfloat16", {"k_proj.bias"}), ("float16", {"k_proj.bias"}), ("float32", set())])
+def test_only_a_true_zero_gradient_gets_a_floor(dtype, floored):
+    """Softmax ignores a constant added to a row's scores, so sum_s dL/dk[s] = 0: k_proj.bias's true
+    gradient is 0 and nothing else's is; the floor must leave every other bound as it was."""
+    from parity import reference
+    from parity.harness.matrix import default_matrix, draw_inputs
+    from parity.tolerances import gradient_floors
+
+    for case in default_matrix():
+        if case.name not in ("self/random/nan", "self/padding/zero"):
+            continue
+        x = draw_inputs(case, 0)
+        exact = reference.backward(x.state_dict, x.query, x.key, x.value, x.keep, x.cotangent,
+                                   num_heads=case.shape.N, masked_rows=case.masked_rows)
+        assert set(gradient_floors(exact, dtype)) == floored, case.name

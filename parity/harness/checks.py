@@ -18,7 +18,7 @@ from parity import reference
 from parity.harness.judge import judge, judge_grads, nan_note, status
 from parity.harness.matrix import Case, Inputs
 from parity.harness.report import Row
-from parity.impls import Implementation, builtin
+from parity.impls import Implementation, builtin, mask_for
 from parity.impls.ecosystem_impls import MissingPackage
 from parity.tolerances import TOLERANCES, Comparison, errors, gradient_floors
 
@@ -506,8 +506,6 @@ def _peer_grad_rows(unit: Unit, peer: Implementation, policy: str, vjp, table, n
     """A self-attention peer's own gradients (fn.vjp: w.r.t. its one input and its weights) against the
     oracle's, under the masked-row gradient it declares. Its input is the query, key and value at once,
     so its input gradient is judged against the sum of the oracle's three."""
-    from parity.impls import mask_for
-
     expected, yard = unit.oracle_grads(policy, peer.masked_row_grads)
     x = unit.x
     got = vjp(x.query, mask_for(peer, x.keep, unit.case.shape.N, x.query.dtype), x.cotangent)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from parity import reference
-from parity.tolerances import Comparison, Tolerance, compare, compare_three_way, errors
+from parity.tolerances import Comparison, Tolerance, compare, errors
 
 
 def judge(actual, expected, tol: Tolerance, k: float | None = None, yardstick=None, yard_err: float | None = None,
@@ -39,23 +39,6 @@ def judge(actual, expected, tol: Tolerance, k: float | None = None, yardstick=No
     max_abs, max_rel, nan_mismatch = errors(actual, expected)
     ok = bool(max_abs <= atol)
     return Comparison(max_abs, max_rel, atol, 0.0, nan_mismatch, ok and nan_mismatch == 0, ok)
-
-
-def logits(weights, keep, shape4) -> np.ndarray:
-    """The scores a softmax saw, up to a per-row constant: log(weights) centred over kept keys.
-
-    Exact for softmax outputs, so the scores stage can be read off any implementation
-    that returns weights, with its own core's scale and mask included.
-    """
-    w = reference.as_float64(weights)
-    valid = np.ones(shape4, bool) if keep is None else np.broadcast_to(keep, shape4)
-    valid = valid & valid.any(axis=-1, keepdims=True)  # rows that attend to something
-    with np.errstate(divide="ignore", invalid="ignore"):
-        lw = np.log(np.where(valid, w, 1.0))
-    lw = np.where(np.isfinite(lw), lw, np.nan)  # a kept key with weight 0 is a divergence
-    n = np.maximum(valid.sum(axis=-1, keepdims=True), 1)
-    mean = np.where(valid, lw, 0.0).sum(axis=-1, keepdims=True) / n
-    return np.where(valid, lw - mean, 0.0)
 
 
 def nan_note(actual, expected) -> str:
