@@ -64,7 +64,9 @@ if [[ "$SYSTEM" == 1 ]]; then
     SYSTEM_VENV="${SYSTEM_VENV:-.venv-system}"
     BIN="$SYSTEM_VENV/bin"
     log "venv $SYSTEM_VENV over the installed frameworks (${PYTHON:-python3}, no downloads)"
-    [[ -x "$BIN/python" ]] || "${PYTHON:-python3}" -m venv --system-site-packages "$SYSTEM_VENV"
+    # Without ensurepip (python3-venv missing) the venv still gets the machine's own pip.
+    [[ -x "$BIN/python" ]] || "${PYTHON:-python3}" -m venv --system-site-packages "$SYSTEM_VENV" \
+        || "${PYTHON:-python3}" -m venv --system-site-packages --without-pip "$SYSTEM_VENV"
     if "$BIN/python" -c "import setuptools" 2>/dev/null; then
         PIP_NO_INDEX=1 "$BIN/python" -m pip install --quiet --no-deps --no-build-isolation -e .
         MHA_PARITY=("$BIN/mha-parity"); MHA_BENCH=("$BIN/mha-bench")
