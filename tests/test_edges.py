@@ -129,23 +129,33 @@ def test_nan_input_gives_nan_where_the_maths_puts_it(framework, need_weights, wh
 
 
 CORE_MASK_SHAPES = [(5, 7), (3, 1, 5, 7), (1, 2, 1, 7), (3, 2, 5, 7), (3, 2, 1, 7)]
+# A key axis of 1 (one flag per query row: a query-padding mask), and the causal triangle
+# tril(ones(T, S)), which torch's fused core runs as SDPA's is_causal.
+KEY_AXIS_1_SHAPES = [(5, 1), (3, 2, 5, 1), (1, 2, 1, 1)]
+# JAX runs one key-axis-1 layout here (each jax case compiles; torch's are cheap).
+CORE_CASES = [(f, shape) for f in FRAMEWORKS for shape in [None, *CORE_MASK_SHAPES, (3, 2, 5, 1), "causal"]]
+CORE_CASES += [("torch", shape) for shape in KEY_AXIS_1_SHAPES if shape != (3, 2, 5, 1)]
 
 
-@pytest.mark.parametrize("framework", FRAMEWORKS)
-@pytest.mark.parametrize("mask_shape", [None] + CORE_MASK_SHAPES)
+@pytest.mark.parametrize("framework, mask_shape", CORE_CASES)
 def test_fused_core_puts_nan_where_the_weights_core_does(framework, mask_shape, rng):
     """Single NaN elements of q, k and v, straight into the cores, under every mask layout."""
     B, N, T, S_, H = 3, 2, 5, 7, 4
     q, k, v = rng.standard_normal((B, N, T, H)), rng.standard_normal((B, N, S_, H)), rng.standard_normal((B, N, S_, H))
     q[1, 0, 2, 1] = k[0, 1, 3, 0] = k[2, 0, 5, 3] = v[2, 1, 6, 2] = np.nan
     keep = None
-    if mask_shape is not None:
+    if mask_shape == "causal":
+        keep = np.tril(np.ones((1, 1, T, S_), bool))  # key 3 from row 3 on; no row keeps nothing
+    elif mask_shape is not None:
         keep = rng.random(mask_shape) > 0.4
         keep = keep.reshape((1,) * (4 - keep.ndim) + keep.shape)
         keep[..., 0] = True  # rows keep something...
-        keep[..., 3] = np.arange(mask_shape[-2]) % 2 == 0  # ...key 3 only in even rows
+        if mask_shape[-1] > 1:
+            keep[..., 3] = np.arange(mask_shape[-2]) % 2 == 0  # ...key 3 only in even rows
         if mask_shape[-2] > 1:
             keep[..., 1, :] = False  # and row 1 keeps nothing: the policy's row
+        elif mask_shape[-1] == 1:
+            keep[:, -1] = False  # or the last head keeps nothing at all
     for policy in ("nan", "zero", "uniform"):
         if framework == "torch":
             args = [torch.from_numpy(x) for x in (q, k, v)] + [None if keep is None else torch.from_numpy(keep)]
