@@ -182,41 +182,43 @@ def _cached_tril(T: int, S: int, device: torch.device) -> torch.Tensor:
     return torch.ones(T, S, dtype=torch.bool, device=device).tril_()
 
 
-def _as_words(x: torch.Tensor) -> torch.Tensor:
-    """A contiguous bool tensor seen as int64 words when its layout allows (equal() is ~3x faster)."""
-    if x.is_contiguous() and x.numel() % 8 == 0 and x.storage_offset() % 8 == 0:
-        return x.view(torch.uint8).view(-1).view(torch.int64)
-    return x
+def _as_words(x: torch.Tensor, copies: int) -> torch.Tensor:
+    """A bool tensor of `copies` (T, S) blocks as (copies, words): int64 words where the layout allows.
+
+    equal() on int64 words is ~3x faster than on bools; a layout that does not allow them
+    (not contiguous, T·S not a multiple of 8) is compared as (copies, T·S) bools.
+    """
+    if x.is_contiguous() and x.numel() % (8 * copies) == 0 and x.storage_offset() % 8 == 0:
+        return x.view(torch.uint8).view(torch.int64).reshape(copies, -1)
+    return x.reshape(copies, -1)
 
 
 def _is_causal(keep, T: int, S: int) -> bool:
     """Whether keep (bool, broadcastable to (B, N, T, S)) is exactly the causal mask tril(ones(T, S)).
 
     That is SDPA's is_causal (top-left aligned: query t keeps keys 0..t). Exact, and cheap:
-    a shape test, then one comparison with a cached triangle (int64 words, early exit on the
-    first difference: 2-11 ms at T = S = 4096 on one CPU thread of a loaded machine, against
-    0.7-6 s for that attention's forward and backward). A mask broadcast over batch and heads
-    (size 1 or a stride-0 expand) counts; one with real per-batch or per-head copies is not
-    looked into. Never under torch.compile or when the mask is a torch.func wrapper (the
-    answer is a Python bool of the values); on an accelerator it costs a device sync.
+    a shape test, then one comparison of the mask with a cached triangle (int64 words, early
+    exit on the first difference: 2-11 ms for one [T, S] copy at T = S = 4096 on one CPU thread
+    of a loaded machine, against 0.7-6 s for that attention's forward and backward). A mask
+    with per-batch or per-head copies is compared copy by copy (the mask's own size; a
+    stride-0 expand is one copy). Never under torch.compile or when the mask is a torch.func
+    wrapper (the answer is a Python bool of the values); on an accelerator it costs a sync.
     """
     if keep is None or keep.dtype != torch.bool or keep.ndim < 2 or keep.numel() == 0:
         return False
-    if tuple(keep.shape[-2:]) != (T, S) or torch.compiler.is_compiling():
+    if tuple(keep.shape[-2:]) != (T, S) or torch.compiler.is_compiling() or _is_func_wrapped(keep):
         return False
-    if any(n != 1 and stride != 0 for n, stride in zip(keep.shape[:-2], keep.stride()[:-2])):
-        return False
-    if _is_func_wrapped(keep):
-        return False
-    keep = keep[(0,) * (keep.ndim - 2)]  # (T, S): every copy is this one
+    # A broadcast (stride-0) axis holds one copy: look at its first entry only.
+    keep = keep[tuple(0 if stride == 0 else slice(None) for stride in keep.stride()[:-2])]
+    copies = keep.numel() // (T * S)
     if T * S <= _CAUSAL_CACHE_MAX_BYTES:
         tril = _cached_tril(T, S, keep.device)
     else:
         tril = torch.ones(T, S, dtype=torch.bool, device=keep.device).tril_()
-    a, b = _as_words(keep), _as_words(tril)
+    a, b = _as_words(keep, copies), _as_words(tril, 1)
     if a.dtype != b.dtype:
-        a, b = keep, tril
-    return bool(torch.equal(a, b))
+        a, b = keep.reshape(copies, -1), tril.reshape(1, -1)
+    return bool(torch.equal(a, b.expand_as(a)))
 
 
 def fused_attention_core(q, k, v, keep, *, masked_rows: str = "nan"):

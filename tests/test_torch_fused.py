@@ -187,6 +187,8 @@ def _causal_masks(T, S_):
         "[T,S] float": torch.from_numpy(tril.astype(np.float64)),
         "[T,S] int": torch.from_numpy(tril.astype(np.int32)),
         "[B,T,S] expanded": torch.from_numpy(tril).expand(S.B, T, S_),
+        "[B,1,T,S] copies": torch.from_numpy(np.broadcast_to(tril, (S.B, 1, T, S_)).copy()),
+        "[T,S] not contiguous": torch.from_numpy(np.tril(np.ones((T, 2 * S_), bool))[:, :S_]),
     }
 
 
