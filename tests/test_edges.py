@@ -137,7 +137,7 @@ CORE_CASES = [(f, shape) for f in FRAMEWORKS for shape in [None, *CORE_MASK_SHAP
 CORE_CASES += [("torch", shape) for shape in KEY_AXIS_1_SHAPES if shape != (3, 2, 5, 1)]
 
 
-@pytest.mark.parametrize("framework, mask_shape", CORE_CASES)
+@pytest.mark.parametrize("framework, mask_shape", CORE_CASES, ids=[f"{f}-{m}".replace(" ", "") for f, m in CORE_CASES])
 def test_fused_core_puts_nan_where_the_weights_core_does(framework, mask_shape, rng):
     """Single NaN elements of q, k and v, straight into the cores, under every mask layout."""
     B, N, T, S_, H = 3, 2, 5, 7, 4
