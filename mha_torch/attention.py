@@ -189,7 +189,7 @@ def _as_words(x: torch.Tensor, copies: int) -> torch.Tensor:
     (not contiguous, T·S not a multiple of 8) is compared as (copies, T·S) bools.
     """
     if x.is_contiguous() and x.numel() % (8 * copies) == 0 and x.storage_offset() % 8 == 0:
-        return x.view(torch.uint8).view(torch.int64).reshape(copies, -1)
+        return x.reshape(-1).view(torch.uint8).view(torch.int64).reshape(copies, -1)
     return x.reshape(copies, -1)
 
 
