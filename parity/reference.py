@@ -177,9 +177,10 @@ def backward(sd, query, key, value, mask, cotangent, *, num_heads: int, masked_r
     Keys: "query", "key", "value" and the state dict's own names. A fully masked
     row's weights are a constant of the policy, so no gradient flows through its
     scores; under "nan" its NaN reaches V's gradients, as in the modules.
-    masked_row_grads="flow" (with "uniform") is what a layer that ADDS a large finite
-    value (finfo.min) to masked scores computes: the uniform row is a softmax like any
-    other, and its gradient flows into the query and key gradients.
+    masked_row_grads="flow" is what a layer that ADDS its mask to the scores computes:
+    the row is differentiated as a softmax like any other, so its gradient reaches the
+    query and key gradients -- with "uniform" a large finite fill (finfo.min), with "nan"
+    -inf, whose NaN then spreads there.
     A key/value head's gradients sum over the query heads of its group; RoPE is a
     rotation, so its backward rotates the gradient back by the same angle.
     With a low `dtype` it is the same maths with each stored result rounded as the

@@ -368,3 +368,23 @@ def test_only_a_true_zero_gradient_gets_a_floor(dtype, floored):
         exact = reference.backward(x.state_dict, x.query, x.key, x.value, x.keep, x.cotangent,
                                    num_heads=case.shape.N, masked_rows=case.masked_rows)
         assert set(gradient_floors(exact, dtype)) == floored, case.name
+
+
+@pytest.mark.parametrize("declared, status", [("flow", "pass"), ("stop", "fail")])
+def test_torch_multihead_attention_gradients_are_what_its_declaration_says(declared, status):
+    """torch.nn.MultiheadAttention adds its bool mask as -inf: a fully masked row's NaN reaches the
+    query and key gradients, which is what masked_row_grads="flow" (with "nan") means."""
+    import dataclasses
+
+    from parity.harness import Case, Shape, run
+    from parity.impls import builtin
+
+    assert builtin("torch-mha").masked_row_grads == "flow"
+    peer = dataclasses.replace(builtin("torch-mha"), name="torch-mha-as-user", role="user", runs_on=None,
+                               masked_row_grads=declared)
+    case = Case(Shape("t", B=3, T=5, S=7, E=12, N=3, cross=True), "random", "nan")  # a fully masked row
+    report = run(cases=[case], dtypes=("float32",), checks=("gradient",), impls=("torch", peer), device="cpu")
+    d_inputs = next(r for r in report.rows if r.impl == peer.name and r.reference == "oracle" and r.quantity == "d_inputs")
+    assert d_inputs.status == status
+    if status == "fail":
+        assert "additive mask" in d_inputs.message

@@ -328,7 +328,8 @@ def _masked_row_note(unit: Unit, got: dict, expected: dict, failing) -> str:
     if nan_rows:
         return (f"NaN in {tensors}, from the fully masked (batch, query) rows {where}, where the oracle is finite: "
                 "their NaN softmax is differentiated through the scores, as with an additive mask (scores + 0/-inf); "
-                "a select (where(keep, scores, -inf)) keeps that NaN in the value gradients, as the classic module does")
+                "a select (where(keep, scores, -inf)) keeps that NaN in the value gradients, as the classic module does "
+                "(declare masked_row_grads='flow' if the additive mask is meant)")
     bound = unit.tol.gradient.atol
     moved = [r for r in rows if np.all(e[r] == 0) and np.nanmax(np.abs(a[r])) > bound]
     if moved:

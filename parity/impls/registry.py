@@ -76,8 +76,9 @@ class Implementation:
                      the benchmark skips what cannot fit
     masked_row_grads how its gradients treat a fully masked row: "stop" (a constant row: no gradient
                      reaches its scores, as a select where(keep, scores, fill) gives) | "flow" (the row
-                     is differentiated as a softmax, as when a large finite value is ADDED to masked
-                     scores: HF's finfo.min). The gradient oracle follows the declaration.
+                     is differentiated as a softmax, as when the mask is ADDED to the scores: with
+                     "uniform", HF's finfo.min; with "nan", -inf, whose NaN then reaches the query and
+                     key gradients, as torch.nn.MultiheadAttention's). The gradient oracle follows it.
     dtypes           the dtypes it supports (e.g. ("float32", "bfloat16")); None: all. Units in
                      other dtypes are skip rows naming the declaration (see `unsupported`)
     runs_on          where the peers check runs it: fnmatch patterns over a unit's kind
@@ -292,8 +293,10 @@ BUILTIN = (
     _ours("jax-jit", "jax", f"{_J}:ours_weights", "jit", True, "mha_jax.MultiHeadAttention under jax.jit"),
     _ours("jax-fused", "jax", f"{_J}:ours_fused", "jit", False, "mha_jax, need_weights=False, under jax.jit"),
     Implementation("torch-mha", "torch", f"{_T}:torch_mha_weights", returns_weights=True, masked_rows="nan", mask="drop",
-                   role="peer", runs_on=_FRAMEWORK_PEER_CASES, doc="torch.nn.MultiheadAttention(batch_first=True), average_attn_weights=False; "
-                   "bool attn_mask True = masked out; softmax of all -inf gives NaN rows"),
+                   role="peer", runs_on=_FRAMEWORK_PEER_CASES, masked_row_grads="flow",
+                   doc="torch.nn.MultiheadAttention(batch_first=True), average_attn_weights=False; "
+                   "bool attn_mask True = masked out (added as -inf); softmax of all -inf gives NaN rows, "
+                   "and their NaN reaches the query and key gradients"),
     Implementation("torch-mha-fused", "torch", f"{_T}:torch_mha_fused", masked_rows="zero", mask="drop", role="peer",
                    family="torch-mha", harness=False, doc="torch.nn.MultiheadAttention, need_weights=False (SDPA fast path)"),
     Implementation("torch-sdpa-core", "torch", f"{_T}:sdpa_core", masked_rows="zero", role="peer", runs_on=_FRAMEWORK_PEER_CASES,
