@@ -298,3 +298,25 @@ def test_causal_mask_under_vmap(sdpa_calls, sd64, rng):
         for got in (shared, batched):
             c = compare(got[i].numpy(), ref, tolerance_for("float64").forward)
             assert c.passed, c
+
+
+def test_causal_recognition_is_exact(rng):
+    """Recognised exactly when every (T, S) copy equals tril(ones(T, S)), over layouts and sizes."""
+    seen = {True: 0, False: 0}
+    for T, S_ in [(1, 1), (1, 3), (3, 1), (5, 7), (7, 5), (8, 7), (8, 8), (16, 16), (9, 24)]:
+        tril = np.tril(np.ones((T, S_), bool))
+        for lead in [(), (1, 1), (3, 1), (3, 2)]:
+            for flip in (False, True):
+                keep = np.broadcast_to(tril, lead + (T, S_)).copy()
+                if flip:  # one entry of one copy
+                    keep[tuple(rng.integers(0, n) for n in keep.shape)] ^= True
+                layouts = {
+                    "contiguous": torch.from_numpy(keep),
+                    "transposed twice": torch.from_numpy(keep).transpose(-1, -2).contiguous().transpose(-1, -2),
+                    "sliced": torch.from_numpy(np.concatenate([keep, keep], axis=-1))[..., :S_],
+                }
+                expected = bool(np.all(keep == tril))
+                for name, t in layouts.items():
+                    assert attention._is_causal(t, T, S_) == expected, (T, S_, lead, flip, name)
+                seen[expected] += 1
+    assert min(seen.values()) > 10
