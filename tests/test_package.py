@@ -16,8 +16,6 @@ import site
 import subprocess
 import sys
 
-import pytest
-
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGES = ("mha_spec", "mha_torch", "mha_jax", "parity")
 EXAMPLE = "parity.examples.jax_port:port"
@@ -48,7 +46,6 @@ def _run(cmd, **kw):
     return out
 
 
-@pytest.mark.slow
 def test_installed_wheel_runs_a_shipped_example_outside_the_checkout(tmp_path):
     src = tmp_path / "src"
     for name in PACKAGES:
