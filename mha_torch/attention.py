@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mha_spec import Stages, check_config, check_mask_values, check_qkv_shapes, mask_shape_4d
+from mha_spec import AttentionConfig, Stages, check_mask_values, check_positions, check_qkv_shapes, mask_shape_4d
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -257,6 +257,41 @@ def fused_attention_core(q, k, v, keep, *, masked_rows: str = "nan"):
     return context
 
 
+def _positions(pos, batch: int, length: int, name: str, device) -> torch.Tensor:
+    """Integer positions (L,) | (B, L), default arange(L) -> int64 (B|1, 1, L, 1)."""
+    if pos is None:
+        return torch.arange(length, device=device).reshape(1, 1, length, 1)
+    if not isinstance(pos, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(pos).__name__}")
+    if pos.dtype.is_floating_point or pos.dtype.is_complex or pos.dtype == torch.bool:
+        raise TypeError(f"{name} must be integers, got dtype {pos.dtype}")
+    check_positions(pos.shape, batch, length, name)
+    return pos.to(device=device, dtype=torch.int64).reshape(-1, 1, length, 1)
+
+
+def rotate(x, pos, theta: float, convention: str):
+    """RoPE: rotate each feature pair of x (B, n, L, H) by position * theta ** (-2i / H).
+
+    "half" pairs feature i with i + H/2, "interleaved" 2i with 2i + 1. cos/sin and the
+    rotation run in the accumulation dtype (float32 for 16-bit and float32 inputs, float64
+    stays float64); the result is in x's dtype.
+    """
+    H = x.shape[-1]
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    # The frequencies in float64 whatever acc is: theta ** (-2i/H) rounded once.
+    inv_freq = theta ** (-torch.arange(0, H, 2, dtype=torch.float64, device=x.device) / H)
+    angles = pos.to(torch.float64) * inv_freq  # (B|1, 1, L, H/2)
+    cos, sin = torch.cos(angles).to(acc), torch.sin(angles).to(acc)
+    xa = x.to(acc)
+    if convention == "half":
+        x1, x2 = xa[..., : H // 2], xa[..., H // 2:]
+        out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    else:
+        x1, x2 = xa[..., 0::2], xa[..., 1::2]
+        out = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).reshape(x.shape)
+    return out.to(x.dtype)
+
+
 class MultiHeadAttention(nn.Module):
     """Classic multi-head attention: separate q/k/v/out projections with bias.
 
@@ -276,22 +311,37 @@ class MultiHeadAttention(nn.Module):
     outputs, S=0 is a ValueError.
     """
 
-    def __init__(self, embed_dim: int, num_heads: int, *, masked_rows: str = "nan", dtype=None, device=None):
+    def __init__(self, embed_dim: int, num_heads: int, *, num_kv_heads: int | None = None,
+                 qkv_bias: bool = True, out_bias: bool = True, rope: str | None = None,
+                 rope_theta: float = 10000.0, masked_rows: str = "nan", dtype=None, device=None):
         super().__init__()
-        self.head_dim = check_config(embed_dim, num_heads, masked_rows)
+        self.config = AttentionConfig(embed_dim, num_heads, num_kv_heads=num_kv_heads, qkv_bias=qkv_bias,
+                                      out_bias=out_bias, rope=rope, rope_theta=rope_theta,
+                                      masked_rows=masked_rows)
+        self.head_dim = self.config.head_size
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise TypeError(f"dtype must be a floating torch.dtype (or None), got {dtype!r}")
         self.embed_dim = embed_dim
         self.num_heads = num_heads
         self.masked_rows = masked_rows
         factory = {"dtype": dtype, "device": device}
-        self.q_proj = nn.Linear(embed_dim, embed_dim, **factory)
-        self.k_proj = nn.Linear(embed_dim, embed_dim, **factory)
-        self.v_proj = nn.Linear(embed_dim, embed_dim, **factory)
-        self.out_proj = nn.Linear(embed_dim, embed_dim, **factory)
+        self.num_kv_heads = self.config.kv_heads
+        kv_width = self.num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(embed_dim, embed_dim, bias=qkv_bias, **factory)
+        self.k_proj = nn.Linear(embed_dim, kv_width, bias=qkv_bias, **factory)
+        self.v_proj = nn.Linear(embed_dim, kv_width, bias=qkv_bias, **factory)
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=out_bias, **factory)
 
     def extra_repr(self) -> str:
-        return f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, masked_rows={self.masked_rows!r}"
+        c = self.config
+        extra = "" if c.num_kv_heads is None else f", num_kv_heads={c.num_kv_heads}"
+        if not c.qkv_bias:
+            extra += ", qkv_bias=False"
+        if not c.out_bias:
+            extra += ", out_bias=False"
+        if c.rope is not None:
+            extra += f", rope={c.rope!r}, rope_theta={c.rope_theta}"
+        return f"embed_dim={self.embed_dim}, num_heads={self.num_heads}{extra}, masked_rows={self.masked_rows!r}"
 
     def _split_heads(self, x):
         # The head count comes from x's width, not num_heads: under a tensor-parallel plan
@@ -313,13 +363,26 @@ class MultiHeadAttention(nn.Module):
                 )
         return shapes
 
-    def forward(self, query, key, value, mask=None, need_weights: bool = True, *, return_intermediates: bool = False):
+    def forward(self, query, key, value, mask=None, need_weights: bool = True, *, positions=None,
+                key_positions=None, return_intermediates: bool = False):
         B, T, S = self._check_inputs(query, key, value)
+        rope = self.config.rope
+        if rope is None and (positions is not None or key_positions is not None):
+            raise ValueError("positions/key_positions are given but rope=None: they would be ignored")
         keep = None if mask is None else _keep_mask(mask, B, self.num_heads, T, S)
 
-        q = self._split_heads(self.q_proj(query))  # (B, N, T, H)
-        k = self._split_heads(self.k_proj(key))  # (B, N, S, H)
-        v = self._split_heads(self.v_proj(value))  # (B, N, S, H)
+        q_in = self._split_heads(self.q_proj(query))  # (B, N, T, H)
+        k_in = self._split_heads(self.k_proj(key))  # (B, K, S, H)
+        v_in = self._split_heads(self.v_proj(value))  # (B, K, S, H)
+        q, k, v = q_in, k_in, v_in
+        if rope is not None:
+            theta = self.config.rope_theta
+            q = rotate(q, _positions(positions, B, T, "positions", q.device), theta, rope)
+            k = rotate(k, _positions(key_positions, B, S, "key_positions", k.device), theta, rope)
+        group = q.shape[1] // k.shape[1]
+        if group > 1:
+            # Query head h uses key/value head h // group: repeat each head, never tile.
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         scores = None
         if need_weights and return_intermediates:
             context, weights, scores = attention_core(q, k, v, keep, masked_rows=self.masked_rows, return_scores=True)
@@ -331,5 +394,5 @@ class MultiHeadAttention(nn.Module):
         context = context.transpose(1, 2).reshape(B, T, context.shape[1] * self.head_dim)
         output = self.out_proj(context)
         if return_intermediates:
-            return output, weights, Stages(q, k, v, scores, weights, context, output)
+            return output, weights, Stages(q_in, k_in, v_in, scores, weights, context, output)
         return output, weights
