@@ -1,0 +1,177 @@
+"""The torch module with grouped key/value heads, RoPE and bias-free projections, against the float64 oracle.
+
+Float64 throughout: module and oracle compute the same maths in a different order, so they
+agree to a few ulps of float64 (tolerance 1e-10 on values of order 1); a wrong head order,
+RoPE pairing or position would miss by order 1.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from mha_torch import MultiHeadAttention
+from mha_torch.attention import rotate
+from parity import reference
+
+B, T, S, N, H = 3, 5, 7, 6, 4
+E = N * H  # 24
+THETA = 500.0  # a small base so every pair turns visibly over positions < 40
+TOL = dict(rtol=1e-10, atol=1e-10)
+
+# (num_kv_heads, rope, qkv_bias, out_bias)
+VARIANTS = [
+    pytest.param(2, None, True, True, id="gqa"),
+    pytest.param(1, None, True, True, id="mqa"),
+    pytest.param(None, "half", True, True, id="rope-half"),
+    pytest.param(2, "interleaved", True, True, id="gqa-rope-interleaved"),
+    pytest.param(1, "half", False, False, id="mqa-rope-half-no-bias"),
+    pytest.param(None, None, False, True, id="no-qkv-bias"),
+    pytest.param(2, None, True, False, id="gqa-no-out-bias"),
+]
+
+
+def _module(rng, n_kv, rope, qkv_bias, out_bias, policy):
+    mod = MultiHeadAttention(E, N, num_kv_heads=n_kv, qkv_bias=qkv_bias, out_bias=out_bias, rope=rope,
+                             rope_theta=THETA, masked_rows=policy, dtype=torch.float64)
+    with torch.no_grad():
+        for p in mod.parameters():
+            p.copy_(torch.from_numpy(rng.standard_normal(tuple(p.shape)) / math.sqrt(p.shape[-1])))
+    sd = {k: v.detach().numpy().copy() for k, v in mod.state_dict().items()}
+    return mod, sd
+
+
+def _inputs(rng, rope):
+    q, k, v = (rng.standard_normal((B, L, E)) for L in (T, S, S))
+    keep = rng.random((B, T, S)) < 0.7
+    keep[:, :, 0] = True
+    keep[1, 2] = False  # a fully masked row
+    pos = rng.integers(0, 40, size=(B, T)) if rope else None
+    kpos = rng.integers(0, 40, size=(S,)) if rope else None
+    return q, k, v, keep, pos, kpos
+
+
+def _t(x):
+    return None if x is None else torch.from_numpy(np.asarray(x))
+
+
+def _kw(n_kv, rope, policy):
+    return dict(num_heads=N, num_kv_heads=n_kv, rope=rope, rope_theta=THETA, masked_rows=policy)
+
+
+@pytest.mark.parametrize("policy", ["nan", "zero", "uniform"])
+@pytest.mark.parametrize("need_weights", [True, False], ids=["weights", "fused"])
+@pytest.mark.parametrize("n_kv, rope, qkv_bias, out_bias", VARIANTS)
+def test_forward_matches_the_oracle(n_kv, rope, qkv_bias, out_bias, need_weights, policy):
+    rng = np.random.default_rng(0)
+    mod, sd = _module(rng, n_kv, rope, qkv_bias, out_bias, policy)
+    q, k, v, keep, pos, kpos = _inputs(rng, rope)
+    ref = reference.forward(sd, q, k, v, keep, positions=pos, key_positions=kpos, **_kw(n_kv, rope, policy))
+    with torch.no_grad():
+        out, weights, st = mod(_t(q), _t(k), _t(v), _t(keep), need_weights=need_weights,
+                               positions=_t(pos), key_positions=_t(kpos), return_intermediates=True)
+    np.testing.assert_allclose(out.numpy(), ref.output, **TOL)
+    np.testing.assert_allclose(st.context.numpy(), ref.context, **TOL)
+    # q, k, v before RoPE; k and v keep their K heads (the oracle's layouts)
+    for name in ("q", "k", "v"):
+        np.testing.assert_allclose(getattr(st, name).numpy(), getattr(ref, name), **TOL)
+    if need_weights:
+        np.testing.assert_allclose(weights.numpy(), ref.weights, **TOL)
+        np.testing.assert_allclose(st.scores.numpy(), ref.scores, **TOL)
+    else:
+        assert weights is None
+    nan_rows = np.isnan(ref.output).any(axis=-1)
+    assert nan_rows[1, 2] == (policy == "nan") and nan_rows.sum() == (policy == "nan")
+
+
+@pytest.mark.parametrize("rope", ["half", "interleaved"])
+def test_rotation_matches_the_oracle_rotation(rope):
+    """The module's RoPE (the oracle's q_rot/k_rot) is the oracle's rotation, pairs and frequencies."""
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((B, 2, T, H))
+    pos = rng.integers(0, 40, size=(B, T))
+    ang = reference.rope_angles(pos.astype(np.float64).reshape(B, 1, T, 1), H, THETA)
+    want = reference.rotate(x, np.cos(ang), np.sin(ang), rope)
+    got = rotate(torch.from_numpy(x), torch.from_numpy(pos).reshape(B, 1, T, 1), THETA, rope)
+    np.testing.assert_allclose(got.numpy(), want, **TOL)
+    assert np.abs(want - x).max() > 0.1  # positions turn the features visibly
+
+
+@pytest.mark.parametrize("policy", ["zero", "uniform"])
+@pytest.mark.parametrize("need_weights", [True, False], ids=["weights", "fused"])
+@pytest.mark.parametrize("n_kv, rope, qkv_bias, out_bias", VARIANTS)
+def test_autograd_matches_the_oracle_backward(n_kv, rope, qkv_bias, out_bias, need_weights, policy):
+    rng = np.random.default_rng(2)
+    mod, sd = _module(rng, n_kv, rope, qkv_bias, out_bias, policy)
+    q, k, v, keep, pos, kpos = _inputs(rng, rope)
+    g = rng.standard_normal((B, T, E))
+    xs = [_t(x).requires_grad_() for x in (q, k, v)]
+    out, _ = mod(*xs, _t(keep), need_weights=need_weights, positions=_t(pos), key_positions=_t(kpos))
+    out.backward(_t(g))
+    ref = reference.backward(sd, q, k, v, keep, g, positions=pos, key_positions=kpos, **_kw(n_kv, rope, policy))
+    got = {"query": xs[0].grad, "key": xs[1].grad, "value": xs[2].grad}
+    got.update({name: p.grad for name, p in mod.named_parameters()})
+    assert sorted(got) == sorted(ref)
+    for name in ref:
+        np.testing.assert_allclose(got[name].numpy(), ref[name], err_msg=name, **TOL)
+
+
+def test_repeat_not_tile():
+    """Each query head uses key/value head h // (N/K): a module that tiled would give other numbers."""
+    rng = np.random.default_rng(3)
+    mod, sd = _module(rng, 2, None, True, True, "nan")
+    q, k, v, *_ = _inputs(rng, None)
+    with torch.no_grad():
+        _, _, st = mod(_t(q), _t(k), _t(v), return_intermediates=True)
+    ctx = st.context.numpy().reshape(B, T, N, H)
+    for h in range(N):
+        j = h // 3
+        s = np.einsum("BTH,BSH->BTS", st.q[:, h].numpy(), st.k[:, j].numpy()) / math.sqrt(H)
+        w = np.exp(s - s.max(-1, keepdims=True))
+        w /= w.sum(-1, keepdims=True)
+        np.testing.assert_allclose(ctx[:, :, h], w @ st.v[:, j].numpy(), **TOL)
+
+
+def test_shapes_and_config():
+    mod = MultiHeadAttention(E, N, num_kv_heads=2, qkv_bias=False, out_bias=False, rope="half")
+    assert mod.k_proj.weight.shape == (2 * H, E) and mod.v_proj.weight.shape == (2 * H, E)
+    assert mod.q_proj.bias is None and mod.out_proj.bias is None
+    assert mod.config.kv_heads == 2 and mod.config.rope == "half"
+    assert "num_kv_heads=2" in repr(mod) and "rope='half'" in repr(mod)
+    classic = MultiHeadAttention(E, N)
+    assert classic.config.num_kv_heads is None and classic.k_proj.weight.shape == (E, E)
+    assert classic.q_proj.bias is not None
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(num_kv_heads=4), ValueError, "num_kv_heads=4 must divide num_heads=6"),
+    (dict(num_kv_heads=0), ValueError, "num_kv_heads must be positive"),
+    (dict(rope="neox"), ValueError, "rope='neox'"),
+    (dict(rope_theta=1.0), ValueError, "rope_theta"),
+    (dict(qkv_bias=1), TypeError, "qkv_bias must be a bool"),
+])
+def test_bad_config_is_named(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        MultiHeadAttention(E, N, **kwargs)
+
+
+def test_odd_head_dim_with_rope_is_named():
+    with pytest.raises(ValueError, match="even head_dim"):
+        MultiHeadAttention(15, 5, rope="half")
+
+
+@pytest.mark.parametrize("rope, kwargs, error, match", [
+    (None, dict(positions=torch.arange(T)), ValueError, "rope=None"),
+    ("half", dict(positions=torch.arange(T + 1)), ValueError, r"positions must have shape \(5,\) or \(3, 5\)"),
+    ("half", dict(key_positions=torch.zeros(2, S, dtype=torch.int64)), ValueError, "key_positions must have shape"),
+    ("half", dict(positions=torch.arange(T, dtype=torch.float64)), TypeError, "positions must be integers"),
+    ("half", dict(positions=list(range(T))), TypeError, "positions must be a torch.Tensor"),
+])
+def test_bad_positions_are_named(rope, kwargs, error, match):
+    mod = MultiHeadAttention(E, N, num_kv_heads=2, rope=rope)
+    x, y = torch.zeros(B, T, E), torch.zeros(B, S, E)
+    with pytest.raises(error, match=match):
+        mod(x, y, y, **kwargs)
