@@ -164,10 +164,13 @@ def _nan_rows(q, k, keep, causal: bool = False):
     (the mask is added: NaN + -inf = NaN). So NaN is put back here from per-row flags.
     """
     q_nan = _has_nan(q, -1)  # (B, N, T, 1)
-    k_nan = _has_nan(k, -1)  # (B, N, S, 1)
+    k_nan_kv = _has_nan(k, -1)  # (B, K, S, 1)
+    group = q.shape[1] // k.shape[1]
+    # Query head h reads key head h // group: the flags (not K itself) are repeated to N heads.
+    k_nan = k_nan_kv.repeat_interleave(group, dim=1) if group > 1 else k_nan_kv  # (B, N, S, 1)
     if keep is None:
         return k, q_nan | k_nan.any(dim=-2, keepdim=True)
-    k = torch.where(k_nan, 0.0, k)
+    k = torch.where(k_nan_kv, 0.0, k)
     if causal:
         return k, q_nan | _causal_rows_keeping_nan_keys(k_nan.squeeze(-1), q.shape[-2])
     dtype = q.dtype if q.dtype in _LOW_PRECISION else torch.float32
@@ -224,6 +227,9 @@ def _is_causal(keep, T: int, S: int) -> bool:
 def fused_attention_core(q, k, v, keep, *, masked_rows: str = "nan"):
     """The same maths through F.scaled_dot_product_attention; never returns weights.
 
+    k and v may have K heads dividing q's N (query head h reads key/value head h // (N/K));
+    SDPA then runs with enable_gqa=True, and only per-head flags and means are repeated.
+
     SDPA gives zeros on fully masked rows; the policy is applied afterwards on the
     (B, N, T, H) context, so nothing of size (B, N, T, S) is built here. NaN lands where
     the weights path puts it (see `_nan_rows`); a NaN in V reaches every row of its
@@ -235,24 +241,33 @@ def fused_attention_core(q, k, v, keep, *, masked_rows: str = "nan"):
     mask (there the row's masked weights are NaN too, times a zero cotangent).
     """
     scale = 1.0 / math.sqrt(q.shape[-1])
+    group = q.shape[1] // k.shape[1]
+    if q.shape[1] != group * k.shape[1] or k.shape[1] != v.shape[1]:
+        raise ValueError(f"key/value heads must divide the query heads: q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    gqa = {"enable_gqa": True} if group > 1 else {}
+
+    def per_query_head(x):  # (B, K, ...) -> (B, N, ...)
+        return x.repeat_interleave(group, dim=1) if group > 1 else x
+
     causal = _is_causal(keep, q.shape[-2], k.shape[-2])
     k, nan_rows = _nan_rows(q, k, keep, causal)
     if causal:
-        context = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        context = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, **gqa)
     else:
-        context = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scale)  # (B, N, T, H)
+        context = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scale, **gqa)  # (B, N, T, H)
     context = torch.where(nan_rows, float("nan"), context)
     if keep is not None and not causal:
         row_any = keep.any(dim=-1, keepdim=True)  # (B|1, N|1, T|1, 1)
         # SDPA carries a NaN of V into every row itself; the policy's fill must too (0 x NaN).
-        v_nan = torch.where(_has_nan(v, -2), float("nan"), 0.0).to(v.dtype)  # (B, N, 1, H)
+        v_nan = per_query_head(torch.where(_has_nan(v, -2), float("nan"), 0.0).to(v.dtype))  # (B, N, 1, H)
         if masked_rows == "zero":
             context = torch.where(row_any, context, v_nan)
         else:  # only "nan" and "uniform" rows need mean(V)
             acc = torch.float32 if v.dtype in _LOW_PRECISION else v.dtype
             # (1/S)·V summed, as the weights path's uniform row computes it: a plain sum of
             # finite values near the dtype's largest could overflow before the division.
-            mean_v = (v.to(acc) * (1.0 / v.shape[-2])).sum(dim=-2, keepdim=True).to(v.dtype)  # (B, N, 1, H)
+            mean_v = per_query_head((v.to(acc) * (1.0 / v.shape[-2])).sum(dim=-2, keepdim=True).to(v.dtype))  # (B, N, 1, H)
             context = _apply_masked_row_policy(context, row_any, masked_rows, mean_v + v_nan)
     return context
 
@@ -380,8 +395,9 @@ class MultiHeadAttention(nn.Module):
             q = rotate(q, _positions(positions, B, T, "positions", q.device), theta, rope)
             k = rotate(k, _positions(key_positions, B, S, "key_positions", k.device), theta, rope)
         group = q.shape[1] // k.shape[1]
-        if group > 1:
+        if group > 1 and need_weights:
             # Query head h uses key/value head h // group: repeat each head, never tile.
+            # The fused path hands SDPA the K heads (enable_gqa) instead.
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         scores = None
         if need_weights and return_intermediates:

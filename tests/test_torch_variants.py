@@ -175,3 +175,27 @@ def test_bad_positions_are_named(rope, kwargs, error, match):
     x, y = torch.zeros(B, T, E), torch.zeros(B, S, E)
     with pytest.raises(error, match=match):
         mod(x, y, y, **kwargs)
+
+
+@pytest.mark.parametrize("policy", ["nan", "zero", "uniform"])
+@pytest.mark.parametrize("mask", ["random", "causal", "none"])
+def test_fused_core_with_k_heads_places_nan_as_the_weights_path(policy, mask):
+    """SDPA with enable_gqa on K heads: values and NaNs (a NaN key and a NaN value in one key/value
+    head only) are those of the weights path on the repeated heads."""
+    from mha_torch import attention_core, fused_attention_core
+
+    rng = np.random.default_rng(4)
+    q = torch.from_numpy(rng.standard_normal((B, N, T, H)))
+    k, v = (torch.from_numpy(rng.standard_normal((B, 2, S, H))) for _ in range(2))
+    k[0, 1, 3, 2] = float("nan")  # key head 1 -> query heads 3, 4, 5 of batch 0
+    v[2, 0, 5, 1] = float("nan")  # value head 0 -> query heads 0, 1, 2 of batch 2
+    if mask == "random":
+        keep = torch.from_numpy(rng.random((B, 1, T, S)) < 0.6)
+        keep[1, 0, 2] = False
+    else:
+        keep = torch.ones(T, S, dtype=torch.bool).tril() if mask == "causal" else None
+    want, _ = attention_core(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), keep, masked_rows=policy)
+    got = fused_attention_core(q, k, v, keep, masked_rows=policy)
+    np.testing.assert_array_equal(got.isnan().numpy(), want.isnan().numpy())
+    assert want[0, 3:].isnan().any() and not want[0, :3].isnan().any()  # the NaN key stays in its group
+    np.testing.assert_allclose(got.numpy(), want.numpy(), equal_nan=True, **TOL)
