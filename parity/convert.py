@@ -548,3 +548,38 @@ def load(path) -> Checkpoint:
     if E % num_heads:
         raise ValueError(f"{path}: metadata field 'num_heads' = {num_heads} does not divide embed_dim {E}")
     return Checkpoint(sd, num_heads, metadata["masked_rows"])
+
+
+ROPE_TARGETS = ("half", "interleaved")
+
+
+def permute_rope(sd, *, num_heads: int, num_kv_heads: int | None = None, to: str) -> dict[str, np.ndarray]:
+    """Reorder the q/k projection rows between the two RoPE conventions; other entries unchanged.
+
+    to="half" is Hugging Face's convert_llama_weights_to_hf permutation of Meta's rows
+    (`w.view(n, rows // n // 2, 2, cols).transpose(1, 2).reshape(rows, cols)`), so weights
+    run with rope="interleaved" give the same output as the permuted ones with rope="half";
+    to="interleaved" is its exact inverse. q rows use num_heads, k rows num_kv_heads
+    (None: num_heads); q/k biases, when present, are reordered with their rows.
+    """
+    if to not in ROPE_TARGETS:
+        raise ValueError(f"to={to!r} is not one of {ROPE_TARGETS}")
+    kv = num_heads if num_kv_heads is None else num_kv_heads
+    for name, val in (("num_heads", num_heads), ("num_kv_heads", kv)):
+        if isinstance(val, bool) or not isinstance(val, int) or val <= 0:
+            raise ValueError(f"{name} must be a positive int, got {val!r}")
+    out = dict(sd)
+    for proj, heads in (("q_proj", num_heads), ("k_proj", kv)):
+        for suffix in ("weight", "bias"):
+            key = f"{proj}.{suffix}"
+            if key not in sd:
+                continue
+            w = np.asarray(sd[key])
+            rows = w.shape[0]
+            if rows % (2 * heads):
+                raise ValueError(f"{key} has {rows} rows, not {heads} heads of an even head_dim "
+                                 f"(shape {w.shape})")
+            x = w.reshape((heads, rows // heads // 2, 2) + w.shape[1:]) if to == "half" \
+                else w.reshape((heads, 2, rows // heads // 2) + w.shape[1:])
+            out[key] = np.ascontiguousarray(np.swapaxes(x, 1, 2).reshape(w.shape))
+    return out

@@ -1,0 +1,85 @@
+"""Conversion of grouped-query / RoPE layers: the RoPE row permutation between conventions."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from parity import convert, reference
+
+B, T, S, N, K, H = 3, 5, 7, 6, 2, 4
+E = N * H
+THETA = 500.0
+
+
+def _sd(rng, qkv_bias=True):
+    sd = {"q_proj.weight": rng.standard_normal((N * H, E)), "k_proj.weight": rng.standard_normal((K * H, E)),
+          "v_proj.weight": rng.standard_normal((K * H, E)), "out_proj.weight": rng.standard_normal((E, N * H)),
+          "out_proj.bias": rng.standard_normal(E)}
+    if qkv_bias:
+        sd.update({"q_proj.bias": rng.standard_normal(N * H), "k_proj.bias": rng.standard_normal(K * H),
+                   "v_proj.bias": rng.standard_normal(K * H)})
+    return {k: v / math.sqrt(v.shape[-1]) for k, v in sd.items()}
+
+
+def _hf_permute(w, n_heads):
+    """Hugging Face convert_llama_weights_to_hf.permute, written as it is there (torch)."""
+    w = torch.from_numpy(w)
+    dim1, dim2 = w.shape
+    return w.view(n_heads, dim1 // n_heads // 2, 2, dim2).transpose(1, 2).reshape(dim1, dim2).numpy()
+
+
+def test_to_half_is_hf_permutation_and_interleaved_its_inverse():
+    sd = _sd(np.random.default_rng(0), qkv_bias=False)
+    half = convert.permute_rope(sd, num_heads=N, num_kv_heads=K, to="half")
+    np.testing.assert_array_equal(half["q_proj.weight"], _hf_permute(sd["q_proj.weight"], N))
+    np.testing.assert_array_equal(half["k_proj.weight"], _hf_permute(sd["k_proj.weight"], K))
+    for name in ("v_proj.weight", "out_proj.weight", "out_proj.bias"):
+        np.testing.assert_array_equal(half[name], sd[name])
+    assert not np.array_equal(half["q_proj.weight"], sd["q_proj.weight"])
+    back = convert.permute_rope(half, num_heads=N, num_kv_heads=K, to="interleaved")
+    for name in sd:
+        np.testing.assert_array_equal(back[name], sd[name])
+
+
+@pytest.mark.parametrize("qkv_bias", [True, False])
+def test_meta_interleaved_equals_permuted_half(qkv_bias):
+    """Meta-style weights with rope="interleaved" = HF-permuted weights with rope="half"
+    (oracle and torch module), at non-default positions, with a mask."""
+    rng = np.random.default_rng(1)
+    sd = _sd(rng, qkv_bias)
+    q, k, v = (rng.standard_normal((B, L, E)) for L in (T, S, S))
+    keep = rng.random((B, T, S)) < 0.7
+    keep[:, :, 0] = True
+    pos, kpos = rng.integers(0, 40, size=(B, T)), rng.integers(0, 40, size=(B, S))
+    hf = convert.permute_rope(sd, num_heads=N, num_kv_heads=K, to="half")
+    kw = dict(num_heads=N, num_kv_heads=K, rope_theta=THETA, positions=pos, key_positions=kpos)
+    meta_out = reference.forward(sd, q, k, v, keep, rope="interleaved", **kw).output
+    hf_out = reference.forward(hf, q, k, v, keep, rope="half", **kw).output
+    np.testing.assert_allclose(hf_out, meta_out, rtol=1e-12, atol=1e-12)
+    wrong = reference.forward(sd, q, k, v, keep, rope="half", **kw).output  # the convention mix-up
+    assert np.abs(wrong - meta_out).max() > 1e-2
+
+    from mha_torch import MultiHeadAttention
+
+    mod = MultiHeadAttention(E, N, num_kv_heads=K, qkv_bias=qkv_bias, rope="half", rope_theta=THETA,
+                             dtype=torch.float64)
+    mod.load_state_dict({name: torch.from_numpy(a) for name, a in hf.items()}, strict=True)
+    with torch.no_grad():
+        for need_weights in (True, False):
+            out, _ = mod(*(torch.from_numpy(x) for x in (q, k, v)), torch.from_numpy(keep), need_weights,
+                         positions=torch.from_numpy(pos), key_positions=torch.from_numpy(kpos))
+            np.testing.assert_allclose(out.numpy(), meta_out, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(num_heads=N, to="neox"), "to='neox'"),
+    (dict(num_heads=5, num_kv_heads=K, to="half"), "q_proj.weight has 24 rows, not 5 heads"),
+    (dict(num_heads=N, num_kv_heads=0, to="half"), "num_kv_heads must be a positive int"),
+])
+def test_bad_permute_arguments_are_named(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        convert.permute_rope(_sd(np.random.default_rng(2)), **kwargs)
