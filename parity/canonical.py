@@ -82,3 +82,57 @@ def numpy_to_tensor(a: np.ndarray, device=None):
     else:
         t = torch.from_numpy(a.copy())
     return t if device is None else t.to(device)
+
+
+_BIAS_SETS = {  # the bias keys a layer may have -> (qkv_bias, out_bias)
+    frozenset(f"{p}.bias" for p in PROJECTIONS): (True, True),
+    frozenset(f"{p}.bias" for p in PROJECTIONS[:3]): (True, False),
+    frozenset({"out_proj.bias"}): (False, True),
+    frozenset(): (False, False),
+}
+
+
+def bias_flags(keys) -> tuple[bool, bool]:
+    """(qkv_bias, out_bias) from a state dict's keys; a partial set is a ValueError naming it.
+
+    Biases are all present, q/k/v only, out only, or none.
+    """
+    keys = set(keys)
+    biases = frozenset(k for k in keys if k in CANONICAL_KEYS and k.endswith(".bias"))
+    if biases not in _BIAS_SETS:
+        nearest = min((s for s in _BIAS_SETS if s >= biases), key=len)
+        missing = sorted(nearest - biases)
+        unexpected = sorted(keys - set(CANONICAL_KEYS))
+        raise ValueError(f"state dict: missing keys {missing}, unexpected keys {unexpected}; bias keys "
+                         f"{sorted(biases)} are a partial set: a layer has all four biases, q/k/v only, "
+                         f"out_proj only, or none")
+    return _BIAS_SETS[biases]
+
+
+def check_variant_state_dict(sd, num_heads: int, num_kv_heads=None):
+    """Validate a canonical state dict of any supported layer; return (AttentionConfig, dtype).
+
+    The keys say which biases exist (`bias_flags`); k/v weights are (K*H, E).
+    """
+    from mha_spec import AttentionConfig
+
+    if not isinstance(sd, Mapping):
+        raise TypeError(f"state dict must be a mapping of name -> numpy array, got {type(sd).__name__}")
+    qkv_bias, out_bias = bias_flags(sd.keys())
+    w = sd.get("q_proj.weight")
+    if not isinstance(w, np.ndarray) or w.ndim != 2:
+        raise ValueError(f"q_proj.weight must be a 2-D numpy array (N*H, E), got "
+                         f"{getattr(w, 'shape', type(w).__name__)}")
+    cfg = AttentionConfig(w.shape[1], num_heads, num_kv_heads=num_kv_heads, qkv_bias=qkv_bias, out_bias=out_bias)
+    expected = cfg.weight_shapes()
+    check_keys(sd.keys(), expected, "state dict")
+    for name, shape in sorted(expected.items(), key=lambda item: item[0].endswith(".bias")):  # weights first
+        if not isinstance(sd[name], np.ndarray):
+            raise TypeError(f"{name} must be a numpy.ndarray, got {type(sd[name]).__name__}")
+        check_shape(sd[name], shape, name)
+    dtypes = {name: sd[name].dtype for name in expected}
+    if len(set(dtypes.values())) != 1:
+        raise TypeError(f"state dict mixes dtypes: {dtypes}")
+    if w.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"unsupported dtype {w.dtype}; expected one of {[str(d) for d in SUPPORTED_DTYPES]}")
+    return cfg, w.dtype

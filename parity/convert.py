@@ -35,6 +35,7 @@ from parity.canonical import (
     check_mapping,
     check_shape,
     check_state_dict,
+    check_variant_state_dict,
     numpy_to_tensor,
     tensor_to_numpy,
 )
@@ -109,21 +110,27 @@ def from_torch(m) -> dict[str, np.ndarray]:
             hint = "; for torch.nn.MultiheadAttention use sd = convert.from_torch_mha(m), then convert.to_jax(sd, m.num_heads, masked_rows=...)"
         raise TypeError(f"expected mha_torch.MultiHeadAttention, got {type(m).__name__}{hint}")
     state = m.state_dict()
-    check_keys(state.keys(), CANONICAL_KEYS, "mha_torch state_dict")
-    sd = {name: tensor_to_numpy(state[name]) for name in CANONICAL_KEYS}
-    check_state_dict(sd)
+    names = tuple(m.config.weight_shapes())
+    check_keys(state.keys(), names, "mha_torch state_dict")
+    sd = {name: tensor_to_numpy(state[name]) for name in names}
+    check_variant_state_dict(sd, m.num_heads, m.config.num_kv_heads)
     return sd
 
 
-def to_torch(sd, num_heads: int, **module_kwargs):
-    """Canonical state dict -> mha_torch.MultiHeadAttention in the weights' dtype."""
+def to_torch(sd, num_heads: int, *, num_kv_heads: int | None = None, **module_kwargs):
+    """Canonical state dict -> mha_torch.MultiHeadAttention in the weights' dtype.
+
+    The keys say which biases the layer has; k/v weights of K*H rows need num_kv_heads=K.
+    rope, rope_theta and masked_rows pass through to the module.
+    """
     from mha_torch import MultiHeadAttention
 
-    E, dtype = check_state_dict(sd)
+    cfg, dtype = check_variant_state_dict(sd, num_heads, num_kv_heads)
     _pop_dtype(module_kwargs, "dtype", dtype, _numpy_dtype_of_torch)
-    m = MultiHeadAttention(E, num_heads, dtype=_torch_dtype(dtype), **module_kwargs)
+    m = MultiHeadAttention(cfg.embed_dim, num_heads, num_kv_heads=num_kv_heads, qkv_bias=cfg.qkv_bias,
+                           out_bias=cfg.out_bias, dtype=_torch_dtype(dtype), **module_kwargs)
     device = m.q_proj.weight.device
-    m.load_state_dict({name: numpy_to_tensor(sd[name], device) for name in CANONICAL_KEYS}, strict=True)
+    m.load_state_dict({name: numpy_to_tensor(sd[name], device) for name in cfg.weight_shapes()}, strict=True)
     return m
 
 

@@ -83,3 +83,44 @@ def test_meta_interleaved_equals_permuted_half(qkv_bias):
 def test_bad_permute_arguments_are_named(kwargs, match):
     with pytest.raises(ValueError, match=match):
         convert.permute_rope(_sd(np.random.default_rng(2)), **kwargs)
+
+
+@pytest.mark.parametrize("qkv_bias, out_bias", [(True, True), (True, False), (False, True), (False, False)])
+@pytest.mark.parametrize("n_kv", [None, 2, 1])
+def test_to_torch_from_torch_round_trip(n_kv, qkv_bias, out_bias):
+    """The keys say which biases exist; k/v weights keep their K*H rows; the module matches the oracle."""
+    from mha_spec import AttentionConfig
+
+    rng = np.random.default_rng(3)
+    shapes = AttentionConfig(E, N, num_kv_heads=n_kv, qkv_bias=qkv_bias, out_bias=out_bias).weight_shapes()
+    sd = {name: rng.standard_normal(shape) / 3 for name, shape in shapes.items()}
+    m = convert.to_torch(sd, N, num_kv_heads=n_kv, rope="interleaved", rope_theta=THETA)
+    assert m.config.kv_heads == (n_kv or N) and m.config.rope == "interleaved"
+    assert (m.q_proj.bias is not None, m.out_proj.bias is not None) == (qkv_bias, out_bias)
+    back = convert.from_torch(m)
+    assert sorted(back) == sorted(sd)
+    for name in sd:
+        np.testing.assert_array_equal(back[name], sd[name])
+    q, k, v = (rng.standard_normal((B, L, E)) for L in (T, S, S))
+    with torch.no_grad():
+        out, _ = m(*(torch.from_numpy(x) for x in (q, k, v)))
+    want = reference.forward(sd, q, k, v, None, num_heads=N, num_kv_heads=n_kv, rope="interleaved",
+                             rope_theta=THETA).output
+    np.testing.assert_allclose(out.numpy(), want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("drop, match", [
+    (["k_proj.bias"], r"missing keys \['k_proj.bias'\].*partial set"),
+    (["q_proj.bias", "k_proj.bias", "out_proj.bias"], r"missing keys \['k_proj.bias', 'q_proj.bias'\].*partial set"),
+])
+def test_partial_bias_set_is_named(drop, match):
+    sd = _sd(np.random.default_rng(4))
+    for name in drop:
+        del sd[name]
+    with pytest.raises(ValueError, match=match):
+        convert.to_torch(sd, N, num_kv_heads=K)
+
+
+def test_kv_rows_without_num_kv_heads_are_named():
+    with pytest.raises(ValueError, match=r"k_proj.weight has shape \(8, 24\), expected \(24, 24\)"):
+        convert.to_torch(_sd(np.random.default_rng(5)), N)
