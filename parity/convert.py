@@ -216,6 +216,14 @@ def to_jax(sd, num_heads: int, **module_kwargs):
 
     from mha_jax import MultiHeadAttention
 
+    variant = [k for k in ("num_kv_heads", "rope", "rope_theta", "qkv_bias", "out_bias") if k in module_kwargs]
+    if variant:
+        raise NotImplementedError(f"the JAX module does not support {variant} yet; only the classic layer "
+                                  f"converts to JAX")
+    if isinstance(sd, Mapping) and set(sd) != set(CANONICAL_KEYS):
+        check_variant_state_dict(sd, num_heads, None)  # a malformed dict: the named key/shape error
+        raise NotImplementedError(f"the JAX module does not support bias-free projections yet: the state "
+                                  f"dict's keys are {sorted(sd)}")
     E, dtype = check_state_dict(sd)
     _check_jax_dtype(dtype)
     _pop_dtype(module_kwargs, "param_dtype", dtype, np.dtype)

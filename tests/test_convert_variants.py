@@ -124,3 +124,13 @@ def test_partial_bias_set_is_named(drop, match):
 def test_kv_rows_without_num_kv_heads_are_named():
     with pytest.raises(ValueError, match=r"k_proj.weight has shape \(8, 24\), expected \(24, 24\)"):
         convert.to_torch(_sd(np.random.default_rng(5)), N)
+
+
+def test_to_jax_refuses_variants_by_name():
+    with pytest.raises(NotImplementedError, match=r"does not support \['num_kv_heads'\]"):
+        convert.to_jax(_sd(np.random.default_rng(6)), N, num_kv_heads=K)
+    sd = _sd(np.random.default_rng(6))
+    sd["k_proj.weight"] = sd["v_proj.weight"] = np.zeros((E, E))
+    del sd["q_proj.bias"], sd["k_proj.bias"], sd["v_proj.bias"]
+    with pytest.raises(NotImplementedError, match="bias-free"):
+        convert.to_jax(sd, N)
