@@ -495,6 +495,12 @@ def save(obj, path, *, num_heads: int | None = None, masked_rows: str | None = N
     """
     from safetensors.numpy import save_file
 
+    cfg = getattr(obj, "config", None)
+    if cfg is not None and (cfg.num_kv_heads is not None or cfg.rope is not None or not cfg.qkv_bias
+                            or not cfg.out_bias):
+        # The file format records num_heads and masked_rows only: the rest would be lost.
+        raise NotImplementedError(f"save: the file format does not record num_kv_heads, rope, rope_theta or "
+                                  f"missing biases yet; this module's config is {cfg}")
     config = _module_config(obj)
     if config is not None:
         sd, own_heads, own_policy = config

@@ -134,3 +134,12 @@ def test_to_jax_refuses_variants_by_name():
     del sd["q_proj.bias"], sd["k_proj.bias"], sd["v_proj.bias"]
     with pytest.raises(NotImplementedError, match="bias-free"):
         convert.to_jax(sd, N)
+
+
+@pytest.mark.parametrize("kwargs", [dict(rope="half"), dict(num_kv_heads=2), dict(qkv_bias=False)])
+def test_save_refuses_what_the_file_cannot_record(kwargs, tmp_path):
+    from mha_torch import MultiHeadAttention
+
+    with pytest.raises(NotImplementedError, match="does not record"):
+        convert.save(MultiHeadAttention(E, N, **kwargs), tmp_path / "w.safetensors")
+    assert not (tmp_path / "w.safetensors").exists()
