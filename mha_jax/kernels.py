@@ -116,9 +116,12 @@ BUILTIN: dict[str, tuple[Measured, ...]] = {
         Measured(BN=32, T=2048, S=2048, fastest="chunked", blocks=(256, 256)),  # 1.03; 256x512 1.13, 512x1024 1.31, 256x2048 1.63
         Measured(BN=8, T=8192, S=8192, fastest="chunked", blocks=(512, 512)),  # 1.00; 256x512 1.19, 512x1024 1.29
     ),
+    # One run (load average 4 to 0.3); times in docs/results/kernel-table-xeon-avx512.json.
     XEON.key: (
-        # kernels alone, one round-robin run: 512x512 429 ms fwd / 1485 ms fwd+bwd, 256x256 675 / 1847 ms
-        Measured(BN=32, T=2048, S=2048, fastest="chunked", blocks=(512, 512)),
+        Measured(BN=32, T=256, S=256, fastest="chunked", blocks=(256, 256)),  # 1.05; einsum 1.27, dpa-xla 1.35
+        Measured(BN=32, T=512, S=512, fastest="chunked", blocks=(256, 256)),  # 1.02; 128x256 1.11, einsum 1.33
+        Measured(BN=32, T=1024, S=1024, fastest="chunked", blocks=(256, 256)),  # 1.00; 256x512 1.07, einsum 1.27
+        Measured(BN=32, T=2048, S=2048, fastest="chunked", blocks=(512, 512)),  # 1.02; 1024x1024 1.07, 256x256 1.49
     ),
 }
 
