@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: parity test bench docs clean
+.PHONY: parity test bench docs compat clean
 
 $(STAMP): requirements.lock pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,10 @@ bench: $(STAMP)
 
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -d site
+
+# The fast tests against the oldest and newest framework versions of pyproject's ranges (downloads).
+compat: $(STAMP)
+	$(BIN)/nox -s oldest newest
 
 clean:
 	rm -rf $(VENV) build *.egg-info

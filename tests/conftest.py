@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from dataclasses import dataclass
+
+# The tuned kernel table and JAX's compilation cache live in the user's cache directory:
+# tests (and the subprocesses they start) use a scratch one, so a user's tuned table never
+# changes what a test sees and a test run never writes into ~/.cache.
+_CACHE = os.environ["MHA_PARITY_CACHE_DIR"] = tempfile.mkdtemp(prefix="mha-parity-test-cache-")
 
 import jax
 import numpy as np
@@ -23,6 +31,12 @@ class Sizes:
 
 
 SIZES = Sizes()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _scratch_cache_dir():
+    yield _CACHE
+    shutil.rmtree(_CACHE, ignore_errors=True)
 
 
 def make_state_dict(rng: np.random.Generator, E: int, scale: float = 0.5) -> dict[str, np.ndarray]:

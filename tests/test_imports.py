@@ -15,12 +15,6 @@ import pathlib
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGES = ("mha_spec", "mha_torch", "mha_jax", "parity")
 
-# Cycles known and being removed, each as the set of modules it runs through.
-ALLOWED_CYCLES: tuple[frozenset[str], ...] = (
-    frozenset({"mha_jax.attention", "mha_jax.kernels"}),  # mha_jax.attention <-> mha_jax.kernels: being removed
-)
-
-
 def _modules() -> dict[str, pathlib.Path]:
     """Dotted module name -> file, for every .py file of our packages (a package is its __init__)."""
     found = {}
@@ -118,7 +112,7 @@ def _a_cycle(graph, component) -> list[str]:
 
 def test_no_import_cycles_among_our_modules():
     graph = import_graph()
-    unexpected = [c for c in cycles(graph) if c not in ALLOWED_CYCLES]
+    unexpected = list(cycles(graph))
     assert not unexpected, "import cycles: " + "; ".join(" -> ".join(_a_cycle(graph, c)) for c in unexpected)
 
 
