@@ -5,6 +5,7 @@ Internal layout BTNH (legend in `mha_spec`); einsum strings use the legend verba
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -14,10 +15,10 @@ from flax import nnx
 
 from mha_jax.chunked import accumulation_dtype, chunked_attention, fill_masked_rows, fold_scale
 from mha_jax import kernels
-from mha_spec import STAGE_NAMES, Stages, check_config, check_mask_values, check_qkv_shapes, mask_shape_4d
+from mha_spec import Stages, check_config, check_mask_values, check_qkv_shapes, mask_shape_4d
 
 # Stages (framework-free, in mha_spec) as a pytree, so return_intermediates works under jit.
-jax.tree_util.register_dataclass(Stages, data_fields=list(STAGE_NAMES), meta_fields=[])
+jax.tree_util.register_dataclass(Stages, data_fields=[f.name for f in dataclasses.fields(Stages)], meta_fields=[])
 
 
 def _torch_linear_init(fan_in: int):

@@ -138,6 +138,16 @@ def _positive_int(name: str, val) -> int:
     return val
 
 
+VARIANT_FEATURES = ("grouped", "rope-half", "rope-interleaved", "no-qkv-bias", "no-out-bias")
+"""What a layer may use beyond the classic module (`AttentionConfig.features`).
+
+grouped           fewer key/value heads than query heads (K < N; K = 1 is multi-query)
+rope-half         rotary embedding, rotate-half pairing; rope-interleaved likewise
+no-qkv-bias       q/k/v projections without bias; no-out-bias likewise for out_proj
+An implementation declares the features it runs (`parity.impls.Implementation.variants`).
+"""
+
+
 @dataclass(frozen=True)
 class AttentionConfig:
     """One attention layer: what the weights and the maths are, independent of the sizes.
@@ -206,6 +216,18 @@ class AttentionConfig:
         """Query heads per key/value head, N // K."""
         return self.num_heads // self.kv_heads
 
+    @property
+    def features(self) -> frozenset[str]:
+        """The `VARIANT_FEATURES` this layer uses; empty for the classic module."""
+        found = {"grouped"} if self.kv_heads != self.num_heads else set()
+        if self.rope is not None:
+            found.add(f"rope-{self.rope}")
+        if not self.qkv_bias:
+            found.add("no-qkv-bias")
+        if not self.out_bias:
+            found.add("no-out-bias")
+        return frozenset(found)
+
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every canonical state-dict entry this layer has, and its shape (torch layout)."""
         E, H, N, K = self.embed_dim, self.head_size, self.num_heads, self.kv_heads
@@ -255,7 +277,9 @@ class Stages:
     q (B, N, T, H); k, v (B, N, S, H); scores (B, N, T, S), scaled, -inf where masked, in
     float32 for 16-bit inputs; weights (B, N, T, S) after the masked-row policy; context
     (B, T, E), heads concatenated, before out_proj; output (B, T, E). The fused paths never
-    build scores or weights: those are None there. Arrays of the module's framework.
+    build scores or weights: those are None there. q_rot (B, N, T, H) and k_rot (B, K, S, H)
+    are q and k after the rotary embedding (None without RoPE); with grouped heads k and v
+    have K heads, (B, K, S, H). Arrays of the module's framework.
     """
 
     q: Any
@@ -265,3 +289,5 @@ class Stages:
     weights: Any
     context: Any
     output: Any
+    q_rot: Any = None
+    k_rot: Any = None

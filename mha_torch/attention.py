@@ -394,6 +394,7 @@ class MultiHeadAttention(nn.Module):
             theta = self.config.rope_theta
             q = rotate(q, _positions(positions, B, T, "positions", q.device), theta, rope)
             k = rotate(k, _positions(key_positions, B, S, "key_positions", k.device), theta, rope)
+        q_rot, k_rot = (q, k) if rope is not None else (None, None)  # (B, N, T, H), (B, K, S, H)
         group = q.shape[1] // k.shape[1]
         if group > 1 and need_weights:
             # Query head h uses key/value head h // group: repeat each head, never tile.
@@ -410,5 +411,5 @@ class MultiHeadAttention(nn.Module):
         context = context.transpose(1, 2).reshape(B, T, context.shape[1] * self.head_dim)
         output = self.out_proj(context)
         if return_intermediates:
-            return output, weights, Stages(q_in, k_in, v_in, scores, weights, context, output)
+            return output, weights, Stages(q_in, k_in, v_in, scores, weights, context, output, q_rot, k_rot)
         return output, weights
