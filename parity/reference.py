@@ -109,6 +109,15 @@ def rotate(x, cos, sin, convention: str) -> np.ndarray:
     return np.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).reshape(x.shape)
 
 
+def _rope_cos_sin(positions, key_positions, B: int, T: int, S: int, H: int, theta: float, acc):
+    """((cos, sin) of the queries, (cos, sin) of the keys), each (B|1, 1, L, H/2), stored in `acc`."""
+    out = []
+    for pos, L, name in ((positions, T, "positions"), (key_positions, S, "key_positions")):
+        angles = rope_angles(_positions(pos, B, L, name), H, theta)
+        out.append((_round(np.cos(angles), acc), _round(np.sin(angles), acc)))
+    return tuple(out)
+
+
 def _linear(x, sd, name, dtype):
     y = x @ _round(sd[f"{name}.weight"], dtype).T
     if f"{name}.bias" in sd:
@@ -143,10 +152,8 @@ def forward(sd, query, key, value, mask=None, *, num_heads: int, masked_rows: st
     v = heads(_linear(xv, sd, "v_proj", dtype), K)  # (B, K, S, H)
     q_rot = k_rot = None
     if rope is not None:
-        aq = rope_angles(_positions(positions, B, T, "positions"), H, rope_theta)
-        ak = rope_angles(_positions(key_positions, B, S, "key_positions"), H, rope_theta)
-        q_rot = _round(rotate(q, _round(np.cos(aq), acc), _round(np.sin(aq), acc), rope), dtype)
-        k_rot = _round(rotate(k, _round(np.cos(ak), acc), _round(np.sin(ak), acc), rope), dtype)
+        (cq, sq), (ck, sk) = _rope_cos_sin(positions, key_positions, B, T, S, H, rope_theta, acc)
+        q_rot, k_rot = _round(rotate(q, cq, sq, rope), dtype), _round(rotate(k, ck, sk, rope), dtype)
     qs = q if q_rot is None else q_rot
     ks = k if k_rot is None else k_rot
     qg = qs.reshape(B, K, G, T, H)  # query head h = j * G + g uses key/value head j = h // G
@@ -198,8 +205,8 @@ def backward(sd, query, key, value, mask, cotangent, *, num_heads: int, masked_r
     kw = dict(num_heads=num_heads, masked_rows=masked_rows, num_kv_heads=num_kv_heads, rope=rope,
               rope_theta=rope_theta, positions=positions, key_positions=key_positions)
     f = forward(sd, query, key, value, mask, dtype=dtype, **kw)
-    cfg = config_of(sd, num_heads, masked_rows=masked_rows, num_kv_heads=num_kv_heads, rope=rope, rope_theta=rope_theta)
-    N, K, H, G = cfg.num_heads, cfg.kv_heads, cfg.head_size, cfg.group
+    N, K, G = f.q.shape[1], f.k.shape[1], f.q.shape[1] // f.k.shape[1]
+    H = f.q.shape[-1]
     W = {k: r(as_float64(v)) for k, v in sd.items()}
     xq, xk, xv = (r(as_float64(x)) for x in (query, key, value))
     g = r(as_float64(cotangent))  # (B, T, E)
@@ -223,17 +230,20 @@ def backward(sd, query, key, value, mask, cotangent, *, num_heads: int, masked_r
     d_q = r(np.einsum("BKGTS,BKSH->BKGTH", d_scores, ks)).reshape(B, N, T, H)
     d_k = r(np.einsum("BKGTS,BKGTH->BKSH", d_scores, qs.reshape(B, K, G, T, H)))
     if rope is not None:  # the transpose of a rotation is the rotation by minus the angle
-        aq = rope_angles(_positions(positions, B, T, "positions"), H, rope_theta)
-        ak = rope_angles(_positions(key_positions, B, S, "key_positions"), H, rope_theta)
-        d_q = r(rotate(d_q, _round(np.cos(aq), acc), -_round(np.sin(aq), acc), rope))
-        d_k = r(rotate(d_k, _round(np.cos(ak), acc), -_round(np.sin(ak), acc), rope))
-
+        (cq, sq), (ck, sk) = _rope_cos_sin(positions, key_positions, B, T, S, H, rope_theta, acc)
+        d_q, d_k = r(rotate(d_q, cq, -sq, rope)), r(rotate(d_k, ck, -sk, rope))
     for name, d_heads, x, grad_key in (("q_proj", d_q, xq, "query"), ("k_proj", d_k, xk, "key"), ("v_proj", d_v, xv, "value")):
-        d_proj = d_heads.transpose(0, 2, 1, 3).reshape(x.shape[0], x.shape[1], -1)  # (B, L, n*H)
-        grads[f"{name}.weight"] = r(np.einsum("BLF,BLE->FE", d_proj, x))
-        if f"{name}.bias" in sd:
-            grads[f"{name}.bias"] = r(d_proj.sum(axis=(0, 1)))
-        grads[grad_key] = r(d_proj @ W[f"{name}.weight"])
+        grads.update(_projection_grads(name, grad_key, d_heads, x, W, r))
+    return grads
+
+
+def _projection_grads(name: str, grad_key: str, d_heads, x, W, r) -> dict[str, np.ndarray]:
+    """The gradients of one input projection from its heads' gradient d_heads (B, n, L, H)."""
+    d_proj = d_heads.transpose(0, 2, 1, 3).reshape(x.shape[0], x.shape[1], -1)  # (B, L, n*H)
+    grads = {f"{name}.weight": r(np.einsum("BLF,BLE->FE", d_proj, x))}
+    if f"{name}.bias" in W:
+        grads[f"{name}.bias"] = r(d_proj.sum(axis=(0, 1)))
+    grads[grad_key] = r(d_proj @ W[f"{name}.weight"])
     return grads
 
 
