@@ -45,10 +45,11 @@ def _lower_bound(req: Requirement) -> str:
     return f"{req.name}=={lows[0]}"
 
 
-def _locked_rest(session: nox.Session) -> pathlib.Path:
-    """requirements.lock without the frameworks: the pins every session shares."""
+def _locked_rest(session: nox.Session, moving: set[str]) -> pathlib.Path:
+    """requirements.lock without the frameworks and the `moving` packages: the pins every session shares."""
     kept = [line for line in (ROOT / "requirements.lock").read_text().splitlines()
-            if line.strip() and not line.startswith("#") and Requirement(line).name not in FRAMEWORKS]
+            if line.strip() and not line.startswith("#")
+            and Requirement(line).name not in set(FRAMEWORKS) | moving]
     path = pathlib.Path(session.create_tmp()) / "locked-rest.txt"
     path.write_text("\n".join(kept) + "\n")
     return path
@@ -56,7 +57,8 @@ def _locked_rest(session: nox.Session) -> pathlib.Path:
 
 def _install_and_test(session: nox.Session, frameworks: list[str]) -> None:
     # One resolve: the framework requirements together with every other pin of the lock.
-    session.install(*frameworks, "-r", str(_locked_rest(session)))
+    moving = {Requirement(f).name for f in frameworks if not f.startswith("-")}
+    session.install(*frameworks, "-r", str(_locked_rest(session, moving)))
     session.install("--no-deps", "-e", ".")
     session.run("python", "-c", "import importlib.metadata as m; "
                 f"print('tested:', ', '.join(f'{{d}} {{m.version(d)}}' for d in {FRAMEWORKS!r}))")
@@ -73,3 +75,18 @@ def oldest(session: nox.Session) -> None:
 def newest(session: nox.Session) -> None:
     """The newest framework versions pip resolves within pyproject.toml's ranges."""
     _install_and_test(session, ["--upgrade", *(str(r) for r in _ranges().values())])
+
+
+IMAGE = ("torch==2.11.0", "jax==0.11.2", "jaxlib==0.11.2", "transformers==5.17.*", "huggingface_hub<2")
+"""The accelerator image's framework versions (Python 3.12; `scripts/accelerator-run.sh --system`);
+transformers 5.17 needs huggingface_hub < 2, older than the lock's."""
+
+
+@nox.session(python="3.12")
+def image(session: nox.Session) -> None:
+    """The accelerator image's versions on this CPU: Python 3.12, torch 2.11, jax 0.11.2, transformers 5.17.
+
+    Not in the default sessions: it needs a python3.12 on PATH (pyenv's, here).
+    """
+    ranges = _ranges()  # flax and optax: whatever the ranges resolve beside the image's jax
+    _install_and_test(session, [*IMAGE, str(ranges["flax"]), str(ranges["optax"])])
