@@ -51,7 +51,7 @@ def _probe(name: str) -> DevicePlan:
     cuda = torch.cuda.is_available()
     if name == "gpu":
         if not _jax_has("gpu"):
-            why = "jax has no gpu backend (install jax[cuda13])"
+            why = "jax has no gpu backend (pip install 'mha-parity[cuda]')"
             return DevicePlan("", "gpu", "cuda" if cuda else None, None, skip_reason=f"device gpu: {why}")
         note = "" if cuda else "torch has no CUDA here, so torch runs on cpu as the reference"
         return DevicePlan("", "gpu", "cuda" if cuda else "cpu", "gpu", note=note)
