@@ -1,6 +1,8 @@
 """Multi-head attention in Flax NNX, with the semantics of `mha_torch`.
 
-Internal layout BTNH (legend in `mha_spec`); einsum strings use the legend verbatim.
+Internal layout BTNH (legend in `mha_spec`); einsum strings use the legend verbatim, with
+K key/value heads and G = N // K query heads per key/value head: query head h = j·G + g
+reads key/value head j = h // G.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from flax import nnx
 
 from mha_jax.chunked import accumulation_dtype, chunked_attention, fill_masked_rows, fold_scale
 from mha_jax import kernels
-from mha_spec import Stages, check_config, check_mask_values, check_qkv_shapes, mask_shape_4d
+from mha_spec import AttentionConfig, Stages, check_mask_values, check_positions, check_qkv_shapes, mask_shape_4d
 
 # Stages (framework-free, in mha_spec) as a pytree, so return_intermediates works under jit.
 jax.tree_util.register_dataclass(Stages, data_fields=[f.name for f in dataclasses.fields(Stages)], meta_fields=[])
@@ -76,19 +78,36 @@ def _row_attends(keep):
     return keep.any(axis=-1, keepdims=True)  # (B|1, N|1, T|1, 1)
 
 
+def _groups(q, k, v) -> int:
+    """G = N // K: query heads per key/value head; a ValueError naming the shapes unless K divides N."""
+    N, K = q.shape[2], k.shape[2]
+    if K == 0 or N % K or tuple(k.shape) != tuple(v.shape):
+        raise ValueError(f"key/value heads must divide the query heads and key and value must have one shape: "
+                         f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} (B, L, heads, H)")
+    return N // K
+
+
 def attention_core(q, k, v, keep=None, *, masked_rows="nan", precision=None, return_scores=False):
     """softmax(Q Kᵀ / √H) V with materialised weights.
 
-    q (B, T, N, H), k and v (B, S, N, H), keep bool broadcastable to (B, N, T, S) or None.
+    q (B, T, N, H), k and v (B, S, K, H) with K dividing N (query head h reads key/value
+    head h // (N/K); the grouped einsums below never repeat K or V), keep bool
+    broadcastable to (B, N, T, S) or None.
     Returns context (B, T, N, H) and weights (B, N, T, S), both in q's dtype, and with
     return_scores also the scaled scores (B, N, T, S), -inf where masked.
     Scores and softmax run in float32 for 16-bit inputs (float64 stays float64).
     """
     dtype = q.dtype
-    S = k.shape[1]
+    B, T, N, H = q.shape
+    S, K = k.shape[1], k.shape[2]
+    G = _groups(q, k, v)
     acc = accumulation_dtype(dtype)
     q, scores_scale = fold_scale(q)
-    scores = jnp.einsum("BTNH,BSNH->BNTS", q, k, preferred_element_type=acc, precision=precision)
+    if G == 1:
+        scores = jnp.einsum("BTNH,BSNH->BNTS", q, k, preferred_element_type=acc, precision=precision)
+    else:
+        scores = jnp.einsum("BTKGH,BSKH->BKGTS", q.reshape(B, T, K, G, H), k, preferred_element_type=acc,
+                            precision=precision).reshape(B, N, T, S)
     if scores_scale != 1.0:
         scores = scores * scores_scale
     if keep is not None:
@@ -103,55 +122,131 @@ def attention_core(q, k, v, keep=None, *, masked_rows="nan", precision=None, ret
     if keep is not None:
         weights = fill_masked_rows(weights, row_any, masked_rows, 1.0 / S)
     weights = weights.astype(dtype)
-    context = jnp.einsum("BNTS,BSNH->BTNH", weights, v, precision=precision, preferred_element_type=acc).astype(dtype)
+    if G == 1:
+        context = jnp.einsum("BNTS,BSNH->BTNH", weights, v, precision=precision, preferred_element_type=acc)
+    else:
+        context = jnp.einsum("BKGTS,BSKH->BTKGH", weights.reshape(B, K, G, T, S), v, precision=precision,
+                             preferred_element_type=acc).reshape(B, T, N, H)
+    context = context.astype(dtype)
     if return_scores:
         return context, weights, returned_scores
     return context, weights
 
 
+def mean_over_keys(v):
+    """mean(V) over the keys, (B, S, K, H) -> (B, 1, K, H) in the accumulation dtype.
+
+    Summed as V·(1/S), as the weights path's uniform row computes it: a plain sum of finite
+    values near the dtype's largest could overflow to inf before the division.
+    """
+    return (v.astype(accumulation_dtype(v.dtype)) * (1.0 / v.shape[1])).sum(axis=1, keepdims=True)
+
+
 def fused_attention_core(q, k, v, keep=None, *, masked_rows="nan", precision=None):
     """The same context as `attention_core`, without returning (or, when large, building) weights.
 
-    The kernel and its chunk sizes come from `mha_jax.kernels.fused_choice` (measured per
-    processor; it also says why, for a benchmark row): our einsum core,
-    the chunked kernel (flash backward, O(T + S) memory) or jax.nn.dot_product_attention
-    (XLA, or cuDNN on a CUDA GPU for 16-bit). Whichever runs, fully masked rows follow
-    `masked_rows` and which rows those are comes from the keep-mask alone, so NaN inputs
-    give NaN outputs. S = 0 is a ValueError; T = 0 gives an empty context.
+    q (B, T, N, H), k and v (B, S, K, H) with K dividing N. The kernel and its chunk sizes
+    come from `mha_jax.kernels.fused_choice` (measured per processor; it also says why, for
+    a benchmark row): our einsum core, the chunked kernel (flash backward, O(T + S) memory)
+    or jax.nn.dot_product_attention (XLA, or cuDNN on a CUDA GPU for 16-bit). None of them
+    repeats K or V to N heads: the einsum core and dot_product_attention contract per group,
+    the chunked kernel stacks a group's query heads along its query axis. Whichever runs,
+    fully masked rows follow `masked_rows` (mean V of the row's own key/value head) and
+    which rows those are comes from the keep-mask alone, so NaN inputs give NaN outputs.
+    S = 0 is a ValueError; T = 0 gives an empty context.
     """
     B, T, N, H = q.shape
     S = k.shape[1]
     if S == 0:
         raise ValueError(f"fused_attention_core needs at least one key: got key shape {k.shape} (S=0)")
+    G = _groups(q, k, v)
     choice = kernels.fused_choice(B, N, T, S, H, q.dtype, has_mask=keep is not None)
     if choice.kernel == "einsum":
         return attention_core(q, k, v, keep, masked_rows=masked_rows, precision=precision)[0]
     if choice.kernel == "chunked":
         return chunked_attention(q, k, v, keep, masked_rows=masked_rows, q_chunk=choice.q_chunk, k_chunk=choice.k_chunk, precision=precision)
-    # jax.nn.dot_product_attention takes no precision argument (the global default applies).
+    # jax.nn.dot_product_attention takes no precision argument (the global default applies);
+    # it takes K key/value heads dividing N itself.
     implementation = "cudnn" if choice.kernel == "dpa-cudnn" else "xla"
     context = jax.nn.dot_product_attention(q, k, v, mask=keep, scale=1.0 / math.sqrt(H), implementation=implementation)  # (B, T, N, H)
     if keep is not None:
         # jax gives fully masked rows uniform weights; apply our policy on (B, T, N, H).
         row_any = jnp.transpose(_row_attends(keep), (0, 2, 1, 3))  # (B|1, T|1, N|1, 1)
-        mean_v = jnp.mean(v.astype(accumulation_dtype(v.dtype)), axis=1, keepdims=True)  # (B, 1, N, H)
+        mean_v = jnp.repeat(mean_over_keys(v), G, axis=2) if G > 1 else mean_over_keys(v)  # (B, 1, N, H)
         context = fill_masked_rows(context, row_any, masked_rows, mean_v)
     return context
 
 
-class MultiHeadAttention(nnx.Module):
-    """Classic multi-head attention in Flax NNX: separate q/k/v/out projections with bias.
+def _check_positions(pos, batch: int, length: int, name: str):
+    """Integer positions (L,) | (B, L) as given (None stays None); TypeError/ValueError naming them."""
+    if pos is None:
+        return None
+    if not isinstance(pos, (jax.Array, np.ndarray)):
+        raise TypeError(f"{name} must be a jax or numpy array of integers, got {type(pos).__name__}")
+    if np.dtype(pos.dtype).kind not in "iu":
+        raise TypeError(f"{name} must be integers, got dtype {pos.dtype}")
+    check_positions(pos.shape, batch, length, name)
+    return pos
 
-    __call__(query [B, T, E], key [B, S, E], value [B, S, E], mask=None, need_weights=True)
+
+def rope_cos_sin(pos, length: int, head_dim: int, theta: float, acc):
+    """cos and sin of position · theta ** (-2i / H), (B|1, L, 1, H/2) in the accumulation dtype.
+
+    The frequencies are float64 on the host, rounded once. The angles and their cos/sin are
+    float64 too where that exists: on the device with x64, on the host when the positions
+    are known (None means arange(L)); only traced positions without x64 take float32 angles
+    (an angle error up to |angle|·2⁻²⁴).
+    """
+    inv_freq = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)  # (H/2,)
+    if jax.config.jax_enable_x64:
+        p = jnp.arange(length) if pos is None else jnp.asarray(pos)
+        angles = p.astype(jnp.float64).reshape(-1, length, 1, 1) * jnp.asarray(inv_freq)
+        return jnp.cos(angles).astype(acc), jnp.sin(angles).astype(acc)
+    if pos is None or not isinstance(pos, jax.core.Tracer):
+        p = np.arange(length) if pos is None else np.asarray(pos)
+        angles = p.astype(np.float64).reshape(-1, length, 1, 1) * inv_freq
+        return jnp.asarray(np.cos(angles), acc), jnp.asarray(np.sin(angles), acc)
+    angles = pos.astype(jnp.float32).reshape(-1, length, 1, 1) * jnp.asarray(inv_freq, jnp.float32)
+    return jnp.cos(angles).astype(acc), jnp.sin(angles).astype(acc)
+
+
+def rotate(x, cos, sin, convention: str):
+    """RoPE: rotate each feature pair of x (B, L, n, H) by the angles whose cos/sin are given.
+
+    "half" pairs feature i with i + H/2, "interleaved" 2i with 2i + 1. The rotation runs in
+    cos's dtype (the accumulation dtype); the result is in x's dtype.
+    """
+    H = x.shape[-1]
+    xa = x.astype(cos.dtype)
+    if convention == "half":
+        x1, x2 = xa[..., : H // 2], xa[..., H // 2:]
+        out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    else:
+        x1, x2 = xa[..., 0::2], xa[..., 1::2]
+        out = jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).reshape(x.shape)
+    return out.astype(x.dtype)
+
+
+class MultiHeadAttention(nnx.Module):
+    """Multi-head attention in Flax NNX: q/k/v/out projections, optionally grouped, rotary, bias-free.
+
+    __call__(query [B, T, E], key [B, S, E], value [B, S, E], mask=None, need_weights=True,
+             *, positions=None, key_positions=None, return_intermediates=False)
       -> (output [B, T, E], weights [B, N, T, S] or None)
     With return_intermediates=True: (output, weights, mha_spec.Stages).
 
     Same semantics as `mha_torch.MultiHeadAttention`: keep-mask (0 = masked) of
     dtype bool, int or float and shape [T, S], [B, T, S] or [B|1, N|1, T, S];
-    masked_rows "nan" | "zero" | "uniform". Parameters are stored in `param_dtype`,
-    kernels (in, out) as in nnx.Linear. `dtype` is the computation dtype; None means the
-    parameters' dtype. Inputs must have the computation dtype (a mismatch is a TypeError,
-    as in torch), and outputs have it. T=0 or B=0 give empty outputs, S=0 is a ValueError.
+    masked_rows "nan" | "zero" | "uniform". The layer is an `mha_spec.AttentionConfig`
+    (`self.config`): num_kv_heads K dividing N (None: N; 1: multi-query), the k/v
+    projections E -> K·H and query head h reading key/value head h // (N/K); qkv_bias and
+    out_bias; rope None | "half" | "interleaved" with rope_theta, rotating q and k after the
+    head split at integer `positions` (T,) | (B, T) and `key_positions` (S,) | (B, S)
+    (default arange; positions without rope are a ValueError). Parameters are stored in
+    `param_dtype`, kernels (in, out) as in nnx.Linear. `dtype` is the computation dtype; None
+    means the parameters' dtype. Inputs must have the computation dtype (a mismatch is a
+    TypeError, as in torch), and outputs have it. T=0 or B=0 give empty outputs, S=0 is a
+    ValueError.
     """
 
     def __init__(
@@ -160,42 +255,54 @@ class MultiHeadAttention(nnx.Module):
         num_heads: int,
         *,
         rngs: nnx.Rngs,
+        num_kv_heads: int | None = None,
+        qkv_bias: bool = True,
+        out_bias: bool = True,
+        rope: str | None = None,
+        rope_theta: float = 10000.0,
         masked_rows: str = "nan",
         dtype=None,
         param_dtype=jnp.float32,
         precision=None,
     ):
-        self.head_dim = check_config(embed_dim, num_heads, masked_rows)
+        self.config = AttentionConfig(embed_dim, num_heads, num_kv_heads=num_kv_heads, qkv_bias=qkv_bias,
+                                      out_bias=out_bias, rope=rope, rope_theta=rope_theta, masked_rows=masked_rows)
+        self.head_dim = self.config.head_size
         _check_dtype("dtype", dtype)
         _check_dtype("param_dtype", param_dtype)
         self.embed_dim = embed_dim
         self.num_heads = num_heads
+        self.num_kv_heads = self.config.kv_heads
         self.masked_rows = masked_rows
         self.dtype = dtype
         self.precision = precision
-        init = _torch_linear_init(embed_dim)
 
-        def linear():
+        def linear(n_out, fan_in, use_bias):
             return nnx.Linear(
-                embed_dim, embed_dim, dtype=dtype, param_dtype=param_dtype, precision=precision,
-                kernel_init=init, bias_init=init, rngs=rngs,
+                fan_in, n_out, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, precision=precision,
+                kernel_init=_torch_linear_init(fan_in), bias_init=_torch_linear_init(fan_in), rngs=rngs,
             )
 
-        self.q_proj, self.k_proj, self.v_proj, self.out_proj = linear(), linear(), linear(), linear()
+        width, kv_width = num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.q_proj = linear(width, embed_dim, qkv_bias)
+        self.k_proj = linear(kv_width, embed_dim, qkv_bias)
+        self.v_proj = linear(kv_width, embed_dim, qkv_bias)
+        self.out_proj = linear(embed_dim, width, out_bias)
 
     def _project(self, layer: nnx.Linear, x, dtype):
         kernel = layer.kernel[...].astype(dtype)  # (E_in, E_out)
-        bias = layer.bias[...].astype(dtype)
         # Accumulate in >= float32 (XLA's CPU dot would otherwise accumulate float16 in float16).
         y = jnp.einsum("BTE,EF->BTF", x, kernel, precision=self.precision, preferred_element_type=accumulation_dtype(dtype))
-        return (y + bias).astype(dtype)
+        if layer.bias is not None:
+            y = y + layer.bias[...].astype(dtype)
+        return y.astype(dtype)
 
     def _heads(self, layer: nnx.Linear, x, dtype):
         # The head count comes from the projected width, not num_heads: under a sharded
         # (tensor-parallel) layout a device may hold only its share of the heads.
-        y = self._project(layer, x, dtype)  # (B, L, N·H)
+        y = self._project(layer, x, dtype)  # (B, L, n·H)
         B, L, width = y.shape
-        return y.reshape(B, L, width // self.head_dim, self.head_dim)  # (B, L, N, H)
+        return y.reshape(B, L, width // self.head_dim, self.head_dim)  # (B, L, n, H)
 
     def _check_inputs(self, query, key, value):
         """(B, T, S, computation dtype); inputs must have that dtype: no silent cast."""
@@ -214,14 +321,27 @@ class MultiHeadAttention(nnx.Module):
             raise TypeError("float64 needs jax_enable_x64: jax.config.update('jax_enable_x64', True)")
         return shapes + (dtype,)
 
-    def __call__(self, query, key, value, mask=None, need_weights: bool = True, *, return_intermediates: bool = False):
+    def __call__(self, query, key, value, mask=None, need_weights: bool = True, *, positions=None,
+                 key_positions=None, return_intermediates: bool = False):
         B, T, S, dtype = self._check_inputs(query, key, value)
+        rope = self.config.rope
+        if rope is None and (positions is not None or key_positions is not None):
+            raise ValueError("positions/key_positions are given but rope=None: they would be ignored")
+        positions = _check_positions(positions, B, T, "positions")
+        key_positions = _check_positions(key_positions, B, S, "key_positions")
         keep = None if mask is None else _keep_mask(mask, B, self.num_heads, T, S)
         query, key, value = (jnp.asarray(x) for x in (query, key, value))
 
-        q = self._heads(self.q_proj, query, dtype)  # (B, T, N, H)
-        k = self._heads(self.k_proj, key, dtype)  # (B, S, N, H)
-        v = self._heads(self.v_proj, value, dtype)  # (B, S, N, H)
+        q_in = self._heads(self.q_proj, query, dtype)  # (B, T, N, H)
+        k_in = self._heads(self.k_proj, key, dtype)  # (B, S, K, H)
+        v = self._heads(self.v_proj, value, dtype)  # (B, S, K, H)
+        q, k = q_in, k_in
+        if rope is not None:
+            acc, theta = accumulation_dtype(dtype), self.config.rope_theta
+            q = rotate(q, *rope_cos_sin(positions, T, self.head_dim, theta, acc), rope)
+            k = rotate(k, *rope_cos_sin(key_positions, S, self.head_dim, theta, acc), rope)
+        # K key/value heads all the way down: query head h reads key/value head h // (N/K)
+        # in every core (grouped contractions; never a tile, never a copy per query head).
         kw = {"masked_rows": self.masked_rows, "precision": self.precision}
         scores = weights = None
         if need_weights and return_intermediates:
@@ -232,9 +352,13 @@ class MultiHeadAttention(nnx.Module):
             context = jnp.zeros(q.shape, dtype)
         else:
             context = fused_attention_core(q, k, v, keep, **kw)
-        context = context.reshape(B, T, q.shape[2] * self.head_dim)  # (B, T, E), or this device's share
+        context = context.reshape(B, T, q.shape[2] * self.head_dim)  # (B, T, N·H), or this device's share
         output = self._project(self.out_proj, context, dtype)  # (B, T, E)
         if return_intermediates:
-            heads_first = (jnp.transpose(x, (0, 2, 1, 3)) for x in (q, k, v))  # (B, N, L, H), the oracle's layout
-            return output, weights, Stages(*heads_first, scores, weights, context, output)
+            def heads_first(x):  # (B, L, n, H) -> (B, n, L, H), the oracle's layout
+                return None if x is None else jnp.transpose(x, (0, 2, 1, 3))
+
+            rotated = (q, k) if rope is not None else (None, None)
+            return output, weights, Stages(heads_first(q_in), heads_first(k_in), heads_first(v), scores, weights,
+                                           context, output, *(heads_first(x) for x in rotated))
         return output, weights

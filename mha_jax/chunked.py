@@ -38,7 +38,9 @@ applied. Forward-over-reverse works (jax.hessian = jacfwd(jacrev)): the backward
 is plain JAX. Use the materialised `attention_core` for pure forward mode.
 
 Internal layout BNTH (heads next to batch, so every block matmul is a plain
-batched matmul); the public layout is BTNH. Legend in `mha_spec`.
+batched matmul); the public layout is BTNH. Legend in `mha_spec`. With K key/value
+heads the kernel runs on K heads and G·T query rows (G = N/K: a group's query heads
+stacked along the query axis), so K and V are never repeated per query head.
 """
 
 from __future__ import annotations
@@ -265,40 +267,69 @@ def _pad_keep(keep, S: int, Tp: int, Sp: int):
     return jnp.pad(keep, ((0, 0), (0, 0), (0, Tp - kt if kt > 1 else 0), (0, Sp - S)))
 
 
+def _stack_group_rows(keep, K: int, G: int, T: int):
+    """The keep-mask (B|1, N|1, T|1, S|1) for queries stacked as (B, K, G·T): row g·T + t of
+    key/value head j is query head j·G + g at position t.
+
+    A mask that varies neither over heads nor rows stays as it is; one that varies over rows
+    only is repeated G times, one over heads only T times (bool copies, never of K or V).
+    """
+    kb, kn, kt, ks = keep.shape
+    if G == 1 or (kn == 1 and kt == 1):
+        return keep
+    grouped = keep.reshape(kb, K, G, kt, ks) if kn != 1 else keep[:, :, None]  # (B|1, K|1, G|1, T|1, S|1)
+    grouped = jnp.broadcast_to(grouped, (kb, grouped.shape[1], G, T, ks))
+    return grouped.reshape(kb, grouped.shape[1], G * T, ks)
+
+
 def chunked_attention(q, k, v, keep=None, *, masked_rows="nan", q_chunk=512, k_chunk=1024, precision=None):
     """softmax(Q Kᵀ / √H) V without materialising (B, N, T, S), forward or backward.
 
-    q (B, T, N, H), k and v (B, S, N, H); keep: bool keep-mask broadcastable to
-    (B, N, T, S), as (B|1, N|1, T|1, S|1), or None. Returns the context (B, T, N, H)
-    in q's dtype. Accumulates in float32 for 16-bit inputs, float64 for float64.
-    T = 0 or B = 0 gives an empty context; S = 0 is a ValueError (no key to attend to).
+    q (B, T, N, H), k and v (B, S, K, H) with K dividing N: query head h reads key/value
+    head h // (N/K). The G = N/K query heads of one key/value head run as one query axis of
+    G·T rows against that head's keys, so K, V and their gradients stay at K heads (and a
+    keep-mask that varies over query rows but not heads is repeated G times, as bools).
+    keep: bool keep-mask broadcastable to (B, N, T, S), as (B|1, N|1, T|1, S|1), or None.
+    Returns the context (B, T, N, H) in q's dtype. Accumulates in float32 for 16-bit inputs,
+    float64 for float64. T = 0 or B = 0 gives an empty context; S = 0 is a ValueError (no
+    key to attend to).
     """
     B, T, N, H = q.shape
-    S = k.shape[1]
+    S, K = k.shape[1], k.shape[2]
     if S == 0:
         raise ValueError(f"chunked_attention needs at least one key: got key shape {k.shape} (S=0)")
+    if K == 0 or N % K or tuple(k.shape) != tuple(v.shape):
+        raise ValueError(f"key/value heads must divide the query heads and key and value must have one shape: "
+                         f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} (B, L, heads, H)")
     if q_chunk < 1 or k_chunk < 1:
         raise ValueError(f"q_chunk and k_chunk must be positive, got {q_chunk} and {k_chunk}")
     dtype = q.dtype
     if B == 0 or T == 0:
         return jnp.zeros((B, T, N, H), dtype)
+    G = N // K
     q, scale = fold_scale(q)
-    cq, ck = min(q_chunk, T), min(k_chunk, S)
-    Tp, Sp = -(-T // cq) * cq, -(-S // ck) * ck
+    R = G * T  # query rows per key/value head
+    cq, ck = min(q_chunk, R), min(k_chunk, S)
+    Rp, Sp = -(-R // cq) * cq, -(-S // ck) * ck
 
-    def blocked(x, L, Lp):  # (B, L, N, H) -> (B, N, Lp, H), zero padded
-        return jnp.pad(jnp.transpose(x, (0, 2, 1, 3)), ((0, 0), (0, 0), (0, Lp - L), (0, 0)))
+    def padded(x, L, Lp):  # (B, n, L, H) -> (B, n, Lp, H), zero padded
+        return jnp.pad(x, ((0, 0), (0, 0), (0, Lp - L), (0, 0)))
 
+    q_rows = jnp.transpose(q.reshape(B, T, K, G, H), (0, 2, 3, 1, 4)).reshape(B, K, R, H)  # row g·T + t
     if keep is not None:
         # A mask known at compile time (a constant under jit) would have every reduction over it
         # constant-folded by XLA's evaluator: measured 8-27 s per reduction for a 2048 x 2048
         # causal mask. The barrier makes them run as compiled code instead.
         keep = lax.optimization_barrier(jnp.asarray(keep))
-    keep_p = None if keep is None else _pad_keep(keep, S, Tp, Sp)
-    plan = _Plan(S=S, cq=cq, ck=ck, scale=scale, precision=precision, single=(Tp, Sp) == (cq, ck))
-    ctx = _flash(plan, blocked(q, T, Tp), blocked(k, S, Sp), blocked(v, S, Sp), keep_p)[:, :, :T]  # (B, N, T, H)
+    keep_p = None if keep is None else _pad_keep(_stack_group_rows(keep, K, G, T), S, Rp, Sp)
+    plan = _Plan(S=S, cq=cq, ck=ck, scale=scale, precision=precision, single=(Rp, Sp) == (cq, ck))
+    k_heads, v_heads = (padded(jnp.transpose(x, (0, 2, 1, 3)), S, Sp) for x in (k, v))  # (B, K, Sp, H)
+    ctx = _flash(plan, padded(q_rows, R, Rp), k_heads, v_heads, keep_p)[:, :, :R]  # (B, K, G·T, H)
+    ctx = ctx.reshape(B, N, T, H)  # head j·G + g: the rows g·T .. g·T + T - 1 of key/value head j
     if keep is not None:
         row_any = keep.any(axis=-1, keepdims=True)  # (B|1, N|1, T|1, 1): from the mask alone
-        mean_v = jnp.mean(v.astype(ctx.dtype), axis=1)[:, :, None, :]  # (B, N, 1, H)
+        # mean(V) as V·(1/S) summed: a plain sum of finite values near the dtype's largest could overflow.
+        mean_v = jnp.sum(v.astype(ctx.dtype) * (1.0 / S), axis=1)  # (B, K, H)
+        mean_v = (jnp.repeat(mean_v, G, axis=1) if G > 1 else mean_v)[:, :, None, :]  # (B, N, 1, H)
         ctx = fill_masked_rows(ctx, row_any, masked_rows, mean_v)
     return jnp.transpose(ctx, (0, 2, 1, 3)).astype(dtype)  # (B, T, N, H)

@@ -204,46 +204,51 @@ def from_jax(m) -> dict[str, np.ndarray]:
     for p in PROJECTIONS:
         layer = getattr(m, p)
         sd[f"{p}.weight"] = np.ascontiguousarray(np.asarray(layer.kernel[...]).T)
-        sd[f"{p}.bias"] = np.array(layer.bias[...])
-    check_state_dict(sd)
+        if layer.bias is not None:  # a bias-free projection has no key (the keys say which biases)
+            sd[f"{p}.bias"] = np.array(layer.bias[...])
+    check_variant_state_dict(sd, m.num_heads, m.config.num_kv_heads)
     return sd
 
 
-def to_jax(sd, num_heads: int, **module_kwargs):
-    """Canonical state dict -> mha_jax.MultiHeadAttention with param_dtype = the weights' dtype."""
+def to_jax(sd, num_heads: int, *, num_kv_heads: int | None = None, **module_kwargs):
+    """Canonical state dict -> mha_jax.MultiHeadAttention with param_dtype = the weights' dtype.
+
+    The keys say which biases the layer has; k/v weights of K*H rows need num_kv_heads=K.
+    rope, rope_theta and masked_rows pass through to the module.
+    """
     import jax.numpy as jnp
     from flax import nnx
 
     from mha_jax import MultiHeadAttention
 
-    variant = [k for k in ("num_kv_heads", "rope", "rope_theta", "qkv_bias", "out_bias") if k in module_kwargs]
-    if variant:
-        raise NotImplementedError(f"the JAX module does not support {variant} yet; only the classic layer "
-                                  f"converts to JAX")
-    if isinstance(sd, Mapping) and set(sd) != set(CANONICAL_KEYS):
-        check_variant_state_dict(sd, num_heads, None)  # a malformed dict: the named key/shape error
-        raise NotImplementedError(f"the JAX module does not support bias-free projections yet: the state "
-                                  f"dict's keys are {sorted(sd)}")
-    E, dtype = check_state_dict(sd)
+    cfg, dtype = check_variant_state_dict(sd, num_heads, num_kv_heads)
     _check_jax_dtype(dtype)
     _pop_dtype(module_kwargs, "param_dtype", dtype, np.dtype)
     rngs = module_kwargs.pop("rngs", None) or nnx.Rngs(0)
-    m = MultiHeadAttention(E, num_heads, rngs=rngs, param_dtype=dtype, **module_kwargs)
+    m = MultiHeadAttention(cfg.embed_dim, num_heads, rngs=rngs, num_kv_heads=num_kv_heads, qkv_bias=cfg.qkv_bias,
+                           out_bias=cfg.out_bias, param_dtype=dtype, **module_kwargs)
     for p in PROJECTIONS:
         layer = getattr(m, p)
         layer.kernel[...] = jnp.asarray(sd[f"{p}.weight"].T)  # (E_in, E_out)
-        layer.bias[...] = jnp.asarray(sd[f"{p}.bias"])
+        if layer.bias is not None:
+            layer.bias[...] = jnp.asarray(sd[f"{p}.bias"])
     return m
 
 
+def _layer_kwargs(m) -> dict:
+    """What a module's weights do not say about its layer: masked_rows, num_kv_heads, rope, rope_theta."""
+    c = m.config
+    return dict(masked_rows=c.masked_rows, num_kv_heads=c.num_kv_heads, rope=c.rope, rope_theta=c.rope_theta)
+
+
 def torch_to_jax(m):
-    """mha_torch -> mha_jax, keeping num_heads and masked_rows."""
-    return to_jax(from_torch(m), m.num_heads, masked_rows=m.masked_rows)
+    """mha_torch -> mha_jax, keeping num_heads, masked_rows, num_kv_heads and RoPE."""
+    return to_jax(from_torch(m), m.num_heads, **_layer_kwargs(m))
 
 
 def jax_to_torch(m):
-    """mha_jax -> mha_torch, keeping num_heads and masked_rows."""
-    return to_torch(from_jax(m), m.num_heads, masked_rows=m.masked_rows)
+    """mha_jax -> mha_torch, keeping num_heads, masked_rows, num_kv_heads and RoPE."""
+    return to_torch(from_jax(m), m.num_heads, **_layer_kwargs(m))
 
 
 def _to_flax_layout(sd, num_heads: int) -> dict[str, dict[str, np.ndarray]]:

@@ -126,16 +126,6 @@ def test_kv_rows_without_num_kv_heads_are_named():
         convert.to_torch(_sd(np.random.default_rng(5)), N)
 
 
-def test_to_jax_refuses_variants_by_name():
-    with pytest.raises(NotImplementedError, match=r"does not support \['num_kv_heads'\]"):
-        convert.to_jax(_sd(np.random.default_rng(6)), N, num_kv_heads=K)
-    sd = _sd(np.random.default_rng(6))
-    sd["k_proj.weight"] = sd["v_proj.weight"] = np.zeros((E, E))
-    del sd["q_proj.bias"], sd["k_proj.bias"], sd["v_proj.bias"]
-    with pytest.raises(NotImplementedError, match="bias-free"):
-        convert.to_jax(sd, N)
-
-
 @pytest.mark.parametrize("kwargs", [dict(rope="half"), dict(num_kv_heads=2), dict(qkv_bias=False)])
 def test_save_refuses_what_the_file_cannot_record(kwargs, tmp_path):
     from mha_torch import MultiHeadAttention
