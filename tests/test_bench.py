@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import io
 import json
+from dataclasses import asdict
 
 import numpy as np
 import pytest
 
 from parity.bench import measure, report, sweep
+from parity.devices import resolve_device
 from parity.bench.spec import (
     IMPLS, PRESETS, ROW_FIELDS, BenchCase, Timing, empty_row, forward_flops, pass_flops, select_impls,
 )
@@ -33,14 +35,19 @@ def _impl(key):
     return next(im for im in IMPLS if im.bench_key == key)
 
 
-CASE = BenchCase(2, 16, 24, 32, 4, "float32")
+CASE = BenchCase.of(2, 16, 24, 32, 4, "float32")
 
 
 # ---------------------------------------------------------------- FLOPs
 
 
-@pytest.mark.parametrize("need_weights", [True, False])
-def test_flop_formula_matches_torch_flop_counter(need_weights):
+# (need_weights, K, rope, bias): the classic layer on both paths; grouped and multi-query heads with
+# RoPE and without biases (RoPE's and the biases' element-wise work is not counted, by either side).
+FLOP_LAYERS = [(True, 4, None, "all"), (False, 4, None, "all"), (False, 2, "half", "none"), (True, 1, "interleaved", "qkv")]
+
+
+@pytest.mark.parametrize("need_weights, kv_heads, rope, bias", FLOP_LAYERS)
+def test_flop_formula_matches_torch_flop_counter(need_weights, kv_heads, rope, bias):
     torch = pytest.importorskip("torch")
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
@@ -48,11 +55,12 @@ def test_flop_formula_matches_torch_flop_counter(need_weights):
     from mha_torch import MultiHeadAttention
 
     B, T, S, E, N = 2, 24, 40, 32, 4
-    m = MultiHeadAttention(E, N)
+    case = BenchCase.of(B, T, S, E, N, "float32", kv_heads=kv_heads, rope=rope, bias=bias)
+    c = case.config
+    m = MultiHeadAttention(E, N, num_kv_heads=c.num_kv_heads, qkv_bias=c.qkv_bias, out_bias=c.out_bias, rope=rope)
     q = torch.randn(B, T, E, requires_grad=True)
     k = torch.randn(B, S, E, requires_grad=True)
     v = torch.randn(B, S, E, requires_grad=True)
-    case = BenchCase(B, T, S, E, N, "float32")
     # The math backend decomposes SDPA into counted bmms; the counter has no formula
     # for the CPU flash kernel, which would count the attention as zero.
     with sdpa_kernel(SDPBackend.MATH):
@@ -61,14 +69,21 @@ def test_flop_formula_matches_torch_flop_counter(need_weights):
         with FlopCounterMode(display=False) as both:
             out, _ = m(q, k, v, need_weights=need_weights)
             out.sum().backward()
-    assert fwd.get_total_flops() == forward_flops(B, T, S, E) == pass_flops(case, "fwd")
+    assert fwd.get_total_flops() == forward_flops(case.problem) == pass_flops(case, "fwd")
     assert both.get_total_flops() == pass_flops(case, "fwd+bwd") == 3 * pass_flops(case, "fwd")
 
 
 def test_flop_formula_terms():
-    # projections 2·B·E²·(2Nq + 2Nk) + attention 4·B·Nq·Nk·E
-    assert forward_flops(1, 1, 1, 1) == 2 * 4 + 4
-    assert forward_flops(4, 2048, 2048, 512) == 2 * 4 * 512**2 * 4 * 2048 + 4 * 4 * 2048 * 2048 * 512
+    # The classic layer: projections 2·B·E²·(2T + 2S) + attention 4·B·T·S·E.
+    assert forward_flops(BenchCase.of(1, 1, 1, 1, 1, "float32").problem) == 2 * 4 + 4
+    assert forward_flops(BenchCase.of(4, 2048, 2048, 512, 8, "float32").problem) == (
+        2 * 4 * 512**2 * 4 * 2048 + 4 * 4 * 2048 * 2048 * 512)
+    # B=1 T=3 S=5 E=8 N=4 K=2 (H=2), by hand: q and out projections 2·3·8·8 = 384 each, k and v
+    # 2·5·8·(2·2) = 320 each, Q·Kᵀ and P·V over the 4 query heads 2·4·3·5·2 = 240 each.
+    grouped = BenchCase.of(1, 3, 5, 8, 4, "float32", kv_heads=2)
+    assert forward_flops(grouped.problem) == 384 + 384 + 320 + 320 + 240 + 240
+    # RoPE and biases add element-wise work only: not counted.
+    assert forward_flops(BenchCase.of(1, 3, 5, 8, 4, "float32", kv_heads=2, rope="half", bias="none").problem) == 1888
     with pytest.raises(ValueError, match="pass"):
         pass_flops(CASE, "bwd")
 
@@ -276,7 +291,7 @@ def test_failing_item_in_worker_becomes_error_row(monkeypatch):
 
 
 def test_items_that_cannot_fit_are_skip_rows_with_the_reason():
-    big = BenchCase(1, 32768, 32768, 512, 8, "float32")
+    big = BenchCase.of(1, 32768, 32768, 512, 8, "float32")
     cfg = sweep.RunConfig(preset=PRESETS["long"], impls=select_impls("ours-torch:eager"),
                            cases=(big,), passes=("fwd",), available_bytes=24 * 2**30)
     items = sweep.plan(cfg)
@@ -286,7 +301,7 @@ def test_items_that_cannot_fit_are_skip_rows_with_the_reason():
 
 
 def _worker_spec(**kw):
-    return {"device": "cpu", "precision": "highest", "seed": 0, "interleave": True, "verdict": None, **kw}
+    return {"device": asdict(resolve_device("cpu", probe=False)), "precision": "highest", "seed": 0, "interleave": True, "verdict": None, **kw}
 
 
 class FakeMod:
@@ -431,7 +446,7 @@ def test_compare_flags_a_planted_regression(tmp_path):
 def test_plot_writes_a_png(tmp_path):
     rows = []
     for seq in (64, 128):
-        case = BenchCase(1, seq, seq, 32, 4, "float32")
+        case = BenchCase.of(1, seq, seq, 32, 4, "float32")
         for pass_ in ("fwd", "fwd+bwd"):
             row = empty_row(_impl("ours-torch:eager:fused"), case, pass_, status="ok", median_s=seq * 1e-5)
             rows.append(measure.apply_peak(row, pass_flops(case, pass_), None))
@@ -502,7 +517,7 @@ def test_torch_and_jax_implementations_of_a_case_are_timed_in_one_rotation(monke
 
 def test_one_worker_per_case_holds_both_frameworks():
     cfg = sweep.RunConfig(preset=PRESETS["quick"], impls=select_impls("ours-torch:eager:fused,ours-jax:jit:fused"),
-                           cases=(CASE, BenchCase(1, 8, 8, 12, 3, "float32")), passes=("fwd", "fwd+bwd"),
+                           cases=(CASE, BenchCase.of(1, 8, 8, 12, 3, "float32")), passes=("fwd", "fwd+bwd"),
                            available_bytes=2**40)
     items = sweep.plan(cfg)
     per_case = sweep._groups(items, "case")
@@ -653,7 +668,7 @@ def test_the_console_table_fits_100_columns_without_cutting_a_word(width):
     rows = []
     for im in select_impls("ours-torch:eager,torch-sdpa-core,ours-jax:jit,jax-dpa-core"):
         for pass_ in ("fwd", "fwd+bwd"):
-            row = empty_row(im, BenchCase(16, 32768, 32768, 4096, 32, "bfloat16"), pass_, status="noisy",
+            row = empty_row(im, BenchCase.of(16, 32768, 32768, 4096, 32, "bfloat16"), pass_, status="noisy",
                             median_s=123.456, iqr_s=98.7, ratio=12.345, gflops=12345.6, peak_fraction=0.99,
                             compile_s=12.3, message="noisy: IQR/median = 80% > 10%")
             rows.append(row)
@@ -740,7 +755,7 @@ def _all_series_rows():
         for dtype in ("float32", "bfloat16", "float16"):
             for b, e in ((1, 32), (2, 64), (4, 64)):
                 for seq in (64, 128):
-                    case = BenchCase(b, seq, seq, e, 4, dtype)
+                    case = BenchCase.of(b, seq, seq, e, 4, dtype)
                     row = empty_row(im, case, "fwd", status="ok", median_s=seq * 1e-5, iqr_s=0.0)
                     rows.append(measure.apply_peak(row, pass_flops(case, "fwd"), None))
     return rows
@@ -877,7 +892,7 @@ def test_one_sequence_length_plots_bars_with_the_iqr_and_several_plot_lines_with
         out = []
         for key, median in (("ours-torch:eager:fused", 2.0), ("ours-jax:jit:fused", 1.0)):
             for seq in seqs:
-                case = BenchCase(1, seq, seq, 32, 4, "float32")
+                case = BenchCase.of(1, seq, seq, 32, 4, "float32")
                 out.append(empty_row(_impl(key), case, "fwd", status="ok", median_s=median, iqr_s=0.4 * median))
         return out
 

@@ -66,8 +66,7 @@ def test_tiny_real_sweep_writes_json_markdown_and_plot(tmp_path):
 
 
 def test_absent_gpu_is_a_clean_skip(tmp_path):
-    device, absent = sweep.device_absent("gpu")
-    if absent is None:
+    if not sweep.device_plan("gpu").skip_reason:
         pytest.skip("a GPU is present: nothing to skip")
     out = tmp_path / "gpu.json"
     console = _console()
@@ -90,13 +89,13 @@ def test_torch_without_cuda_reports_why():
 
 
 def test_auto_device_falls_back_to_cpu_without_accelerators():
-    device, absent = sweep.device_absent("auto")
-    assert absent is None
+    plan = sweep.device_plan("auto")
+    assert plan.requested == "auto" and not plan.skip_reason
     from parity.devices import device_nodes
 
     found = device_nodes()
     if found["gpu"] and found["tpu"]:
-        assert device == "cpu"
+        assert (plan.name, plan.torch_device, plan.jax_platform) == ("cpu", "cpu", "cpu")
 
 
 def test_list_plans_without_running():
@@ -127,7 +126,7 @@ def fake_spawn(calls, fail=(), noisy=(), verdicts=()):
         for item in spec["items"]:
             ok = item["impl"] not in fail
             status = "error" if not ok else ("noisy" if item["impl"] in noisy else "ok")
-            row = empty_row(impls[item["impl"]], BenchCase(**item["case"]), item["pass"], device=spec["device"],
+            row = empty_row(impls[item["impl"]], BenchCase.of(**item["case"]), item["pass"], device=spec["device"]["name"],
                             status=status, median_s=1e-3 if ok else None,
                             iqr_s=(5e-4 if status == "noisy" else 1e-5) if ok else None,
                             message=None if status == "ok" else "RuntimeError: boom" if not ok else "noisy: IQR")
@@ -238,7 +237,7 @@ def test_a_calibration_loop_that_changed_speed_is_interference():
 
 
 def _verdict(conclusive=True, **kw):
-    case = BenchCase(1, 16, 16, 32, 2, "float32")
+    case = BenchCase.of(1, 16, 16, 32, 2, "float32")
     return {"case": case.label, "pass": "fwd", "faster": "torch-sdpa-core:eager:fused",
             "slower": "ours-torch:eager:fused", "ratio": 1.5, "ci": [1.4, 1.6], "conclusive": conclusive,
             "repeats": 20, **kw}
@@ -292,7 +291,7 @@ def _saved(tmp_path, name, rows):
 
 def _row(impl="torch-sdpa-core", median_s=1e-3, iqr_s=1e-5):
     im = next(i for i in IMPLS if (i.family or i.name) == impl and not i.returns_weights)
-    return empty_row(im, BenchCase(1, 16, 16, 32, 2, "float32"), "fwd", status="ok", median_s=median_s, iqr_s=iqr_s)
+    return empty_row(im, BenchCase.of(1, 16, 16, 32, 2, "float32"), "fwd", status="ok", median_s=median_s, iqr_s=iqr_s)
 
 
 @pytest.mark.parametrize("content", ["", "{not json", '{"schema": "mha-bench/1", "rows": 5}',

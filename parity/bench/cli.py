@@ -2,11 +2,13 @@
 
     mha-bench [--preset quick|default|long] [--device cpu|gpu|tpu|auto] [--impls PATTERNS]
               [--passes fwd,fwd+bwd] [--dtypes ...] [--seq ...] [--batch ..] [--embed ..] [--heads ..]
+              [--kv-heads K,..] [--rope none,half,interleaved] [--bias all|qkv|out|none]
               [--threads K] [--precision highest|default] [--verdict A,B]
               [--json P] [--markdown P] [--plot P.png]
     mha-bench compare BASE.json NEW.json [--threshold 0.10]
     mha-bench report RUN.json [--markdown P] [--plot P.png]
     mha-bench sharded [--devices 1,2,4] [--layouts sp,tp] [--seq 4096] [--json P] [--markdown P]
+    mha-bench tune [--sizes BxNxTxH,..] [--blocks QxK,..] [--out P] [--show]   (the JAX kernel table)
 
 Exit codes (a run is a pass only if it measured something and nothing failed):
 
@@ -41,7 +43,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from parity.atomic import writable_problem
 from parity.bench import report, sweep
-from parity.bench.spec import DTYPES, IMPLS, MEASURED, PASSES, PRESETS, BenchCase, select_impls
+from parity.bench.spec import BIASES, DTYPES, IMPLS, MEASURED, PASSES, PRESETS, BenchCase, select_impls
+from mha_spec import ROPE_CONVENTIONS
 from parity.impls import load_user_impl
 from parity.cli_args import comma_separated, nonnegative_int, positive_float, positive_int
 from parity.cli_args import positive_ints as _ints
@@ -54,14 +57,15 @@ def run_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="mha-bench",
         description="Jit benchmark of multi-head attention across torch and JAX "
-        "(also: `mha-bench compare BASE.json NEW.json`, `mha-bench report RUN.json`).",
+        "(also: `mha-bench compare BASE.json NEW.json`, `mha-bench report RUN.json`, `mha-bench tune`, "
+        "`mha-bench sharded`).",
         epilog="implementations: " + ", ".join(im.bench_key for im in IMPLS)
         + ". Exit: 0 pass, 1 an item failed or nothing was measured, 2 usage error, 3 a report could not be written, "
         "130 interrupted (partial report written).",
     )
     p.add_argument("--preset", choices=sorted(PRESETS), default="quick", help="grid and timing preset (default quick)")
     p.add_argument("--device", choices=("cpu", "gpu", "tpu", "auto"), default="cpu",
-                   help="auto = best present; torch runs on cpu when the device is a TPU")
+                   help="the device kind; auto = best present (gpu, tpu, cpu); torch runs on cpu beside a TPU")
     p.add_argument("--impls", help="comma-separated name[:mode[:weights|fused]] patterns, e.g. ours-torch:eager,jax-dpa-core")
     p.add_argument("--impl", action="append", default=[], metavar="MODULE:ATTR",
                    help="also time your own implementation (a parity.impls.Implementation), e.g. parity.examples.jax_port:port")
@@ -71,7 +75,13 @@ def run_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-seq", type=positive_int, help="drop preset lengths above this")
     p.add_argument("--batch", type=_ints)
     p.add_argument("--embed", type=_ints)
-    p.add_argument("--heads", type=_ints)
+    p.add_argument("--heads", type=_ints, help="query heads N")
+    p.add_argument("--kv-heads", type=_ints, metavar="K,..",
+                   help="key/value heads (each must divide every N; 1 = multi-query; default N): grouped-query cases")
+    p.add_argument("--rope", type=comma_separated(("none", *ROPE_CONVENTIONS), nonempty=True), metavar="none,half,..",
+                   help="rotary embedding of q and k (positions arange): none, half (rotate-half) or interleaved")
+    p.add_argument("--bias", choices=tuple(BIASES), default="all",
+                   help="projections with a bias: all (default), qkv (q/k/v only), out (out_proj only), none")
     p.add_argument("--threads", type=positive_int, help="CPU threads per worker (affinity + framework thread pools)")
     p.add_argument("--precision", choices=("highest", "default"), default="highest",
                    help="highest: pin float32 matmuls to full precision in both frameworks (default)")
@@ -103,7 +113,8 @@ def _cpus_available() -> int:
 def build_config(args) -> sweep.RunConfig:
     """The run's configuration; ValueError for a combination that argparse cannot see is wrong."""
     preset = PRESETS[args.preset]
-    device, absent = sweep.device_absent(args.device)
+    plan = sweep.device_plan(args.device)
+    device = plan.name
     seqs = args.seq or preset.seqs
     if args.max_seq:
         seqs = tuple(s for s in seqs if s <= args.max_seq)
@@ -112,11 +123,12 @@ def build_config(args) -> sweep.RunConfig:
     dtypes = args.dtypes or preset.dtypes
     if not args.dtypes and device == "gpu" and "bfloat16" in dtypes:
         dtypes = (*dtypes, "float16")  # native half matmuls on GPUs; CPU runs skip float16
-    cases = tuple(
-        BenchCase(b, s, s, e, h, d)
+    ropes = tuple(None if r == "none" else r for r in (args.rope or ("none",)))
+    cases = tuple(dict.fromkeys(
+        BenchCase.of(b, s, s, e, h, d, kv_heads=kv or h, rope=rope, bias=args.bias)
         for d in dtypes for b in (args.batch or preset.batch) for e in (args.embed or preset.embed)
-        for h in (args.heads or preset.heads) for s in seqs
-    )
+        for h in (args.heads or preset.heads) for kv in (args.kv_heads or (None,)) for rope in ropes for s in seqs
+    ))
     timing = preset.timing
     if args.budget is not None:
         timing = replace(timing, budget_s=args.budget)
@@ -131,7 +143,7 @@ def build_config(args) -> sweep.RunConfig:
         preset = replace(preset, peak_sizes=args.peak_sizes)
     pair = _verdict_pair(args.verdict, impls) if args.verdict is not None else None
     return sweep.RunConfig(
-        preset=preset, device=device, device_absent=absent, impls=impls, cases=cases, user_impls=tuple(args.impl),
+        preset=preset, plan=plan, impls=impls, cases=cases, user_impls=tuple(args.impl),
         passes=args.passes or preset.passes, threads=args.threads, precision=args.precision, seed=args.seed,
         isolation=args.isolation or preset.isolation, interleave=not args.sequential, item_timeout_s=args.item_timeout, timing=timing,
         verdict=pair,
@@ -275,8 +287,8 @@ def run(argv, console: Console, spawn=None) -> int:
             line = f"{it.case.label}  {it.pass_:8s} {it.impl.bench_key}" + (f"  (skip: {it.skip})" if it.skip else "")
             console.print(line, markup=False)
         return EXIT_OK
-    if cfg.device_absent:
-        _warn(console, f"mha-bench: device {cfg.device} not present ({cfg.device_absent}): every item is a skip row")
+    if cfg.plan.skip_reason:
+        _warn(console, f"mha-bench: {cfg.plan.skip_reason}: every item is a skip row")
     load_start, calib_start = _loadavg(), calibrate()
     start_text = load_warning("start", load_start, os.cpu_count())
     if start_text:
@@ -389,6 +401,10 @@ def main(argv=None, console: Console | None = None, spawn=None) -> int:
             return sharded_cli.main(argv[1:], console)
         if argv[:1] == ["report"]:
             return report_main(argv[1:], console)
+        if argv[:1] == ["tune"]:
+            from parity.bench import tune
+
+            return tune.main(argv[1:], console)
         return run(argv, console, spawn)
     except KeyboardInterrupt:  # outside the sweep (which reports what it measured): nothing to save
         _error(console, "mha-bench: interrupted")

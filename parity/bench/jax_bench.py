@@ -67,7 +67,7 @@ def build(impl: Implementation, case: BenchCase, pass_: str, device: str, seed: 
         raise ValueError(f"the benchmark runs JAX under jit, not {impl.mode!r}")
     dev = jax.devices(device)[0]
     runner = JaxRunner(dev)
-    built = runner.build(impl, canonical_weights(case.embed, case.dtype, seed), case.heads, masked_rows="nan")
+    built = runner.build(impl, canonical_weights(case.config, case.dtype, seed), case.heads, masked_rows="nan")
     params = built.params
     args = (params, *jax.device_put(make_inputs(case, seed), dev))
     program = _program(runner, built, pass_)
@@ -114,7 +114,7 @@ def kernel_of(impl: Implementation, case: BenchCase, device) -> str:
     """What runs inside: for our fused path the kernel `mha_jax.kernels` chooses, with its blocks and
     where the choice came from (user table, built-in, other cpu, rule, no rows), e.g. "chunked 512x512 (built-in)"."""
     if impl.family == "ours-jax" and not impl.returns_weights:
-        c = kernels.fused_choice(case.batch, case.heads, case.seq_q, case.seq_k, case.embed // case.heads,
+        c = kernels.fused_choice(case.batch, case.heads, case.seq_q, case.seq_k, case.config.head_size,
                                  jnp.dtype(case.dtype), has_mask=False, device=device)
         return c.kernel + (f" {c.q_chunk}x{c.k_chunk}" if c.kernel == "chunked" else "") + f" ({c.source})"
     return {"ours-jax": "einsum (weights)", "jax-dpa-core": "dpa-xla"}.get(impl.family or impl.name, impl.family or impl.name)

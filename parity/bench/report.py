@@ -21,24 +21,25 @@ from rich.text import Text
 
 from parity.atomic import atomic_path, write_atomic
 from parity.bench import verdict as verdicts
-from parity.bench.spec import MEASURED, NOISY_IQR, ROW_FIELDS, STATUSES, row_key
+from mha_spec import ROPE_CONVENTIONS
+from parity.bench.spec import BIASES, MEASURED, NOISY_IQR, ROW_FIELDS, STATUSES, case_label, row_key, variant_fields
 
-SCHEMA = "mha-bench/2"  # /2: the `noisy` status and `verdicts`
+# /2: the `noisy` status and `verdicts`. The variant fields (kv_heads, rope, bias) were added
+# without a new schema: a row without them is the classic layer, which is what it measured.
+SCHEMA = "mha-bench/2"
 READABLE_SCHEMAS = ("mha-bench/1", SCHEMA)
 CONSOLE_WIDTH = 100
+# What a row must have; two rows of a file (or of two files compared) are the same item when these
+# and the variant fields (`spec.variant_fields`) agree.
 MATCH_KEY = ("impl", "mode", "pass", "batch", "seq_q", "seq_k", "embed", "heads", "dtype", "need_weights")
+KEY_FIELDS = (*MATCH_KEY, "kv_heads", "rope", "bias")  # `_key`'s order
 
 
 def _variant(row) -> str:
     return f"{row['impl']} {row['mode']} {'weights' if row['need_weights'] else 'fused'}"
 
 
-def case_label(row) -> str:
-    """The case as rows and verdicts name it (`BenchCase.label`)."""
-    return f"B={row['batch']} T={row['seq_q']} S={row['seq_k']} E={row['embed']} N={row['heads']} {row['dtype']}"
-
-
-_case = case_label
+_case = case_label  # the case as rows and verdicts name it (`BenchCase.label`)
 
 
 def _fmt_s(x) -> str:
@@ -188,7 +189,8 @@ _MARKERS = {"float32": "o", "bfloat16": "s", "float16": "^"}
 
 
 def _series_key(row) -> tuple:
-    return (row["impl"], row["mode"], row["need_weights"], row["dtype"], row["batch"], row["embed"], row["heads"])
+    return (row["impl"], row["mode"], row["need_weights"], row["dtype"], row["batch"], row["embed"], row["heads"],
+            *variant_fields(row))
 
 
 def series_styles(rows) -> dict[tuple, dict]:
@@ -299,7 +301,10 @@ def _iqr_bars(members) -> list[float]:
 
 
 def _series_label(r) -> str:
-    return f"{_variant(r)} {r['dtype']} B={r['batch']} E={r['embed']} N={r['heads']}"
+    label = f"{_variant(r)} {r['dtype']} B={r['batch']} E={r['embed']} N={r['heads']}"
+    kv_heads, rope, bias = variant_fields(r)
+    return label + (f" K={kv_heads}" if kv_heads != r["heads"] else "") + (f" rope={rope}" if rope else "") + (
+        f" bias={bias}" if bias != "all" else "")
 
 
 def _plot_series(ax_time, ax_rate, members, style) -> None:
@@ -440,6 +445,12 @@ def _row_problem(row) -> str | None:
     bad = [k for k in _STR_FIELDS if not isinstance(row[k], str)]
     bad += [k for k in _INT_FIELDS if not (isinstance(row[k], int) and not isinstance(row[k], bool) and 0 < row[k] < 2**63)]
     bad += [] if isinstance(row["need_weights"], bool) else ["need_weights"]
+    kv = row.get("kv_heads")
+    if kv is not None and not (isinstance(kv, int) and not isinstance(kv, bool) and kv > 0
+                               and isinstance(row["heads"], int) and row["heads"] % kv == 0):
+        bad.append("kv_heads")
+    bad += [] if row.get("rope") in (None, *ROPE_CONVENTIONS) else ["rope"]
+    bad += [] if row.get("bias") in (None, *BIASES) else ["bias"]
     if bad:
         return f"bad value(s) for {', '.join(f'{k}={row[k]!r}' for k in bad)}"
     for name, lowest in (("median_s", "positive"), ("iqr_s", "non-negative")):
@@ -453,7 +464,7 @@ def _row_problem(row) -> str | None:
 
 
 def _key(row) -> tuple:
-    return tuple(row.get(k) for k in MATCH_KEY)
+    return (*(row.get(k) for k in MATCH_KEY), *variant_fields(row))
 
 
 # ---------------------------------------------------------------- compare
@@ -507,14 +518,14 @@ def compare(base: dict, new: dict, threshold: float = 0.10) -> Comparison:
     base_rows = {_key(r): r for r in base["rows"]}
     new_rows = {_key(r): r for r in new["rows"]}
     out = Comparison(
-        only_base=[dict(zip(MATCH_KEY, k)) for k in base_rows if k not in new_rows],
-        only_new=[dict(zip(MATCH_KEY, k)) for k in new_rows if k not in base_rows],
+        only_base=[dict(zip(KEY_FIELDS, k)) for k in base_rows if k not in new_rows],
+        only_new=[dict(zip(KEY_FIELDS, k)) for k in new_rows if k not in base_rows],
     )
     for k, r in new_rows.items():
         b = base_rows.get(k)
         if b is None:
             continue
-        entry = {"key": dict(zip(MATCH_KEY, k)), "base_s": b.get("median_s"), "new_s": r.get("median_s"),
+        entry = {"key": dict(zip(KEY_FIELDS, k)), "base_s": b.get("median_s"), "new_s": r.get("median_s"),
                  "change": None, "noise": None, "regression": False, "note": ""}
         if b["status"] not in MEASURED:
             entry.update(verdict="not compared", note=f"base {b['status']}")

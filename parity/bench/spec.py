@@ -11,7 +11,8 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from parity import draw
+from mha_spec import ROPE_CONVENTIONS, AttentionConfig, Problem
+from parity.devices import DevicePlan
 from parity.dtypes import numpy_dtype
 from parity.impls import BUILTIN, Implementation
 
@@ -21,7 +22,7 @@ DTYPES = {name: numpy_dtype(name) for name in ("float32", "bfloat16", "float16")
 
 # One result row, in this order in the JSON and the Markdown.
 ROW_FIELDS = (
-    "impl", "framework", "mode", "pass", "batch", "seq_q", "seq_k", "embed", "heads", "dtype",
+    "impl", "framework", "mode", "pass", "batch", "seq_q", "seq_k", "embed", "heads", "kv_heads", "rope", "bias", "dtype",
     "need_weights", "kernel", "device", "compile_s", "recompile_s", "median_s", "iqr_s", "min_s", "repeats",
     "ratio", "gflops", "peak_gflops", "peak_fraction", "peak_mem_bytes", "mem_source", "out_max_diff",
     "status", "message",
@@ -33,11 +34,10 @@ MEASURED = ("ok", "noisy")
 NOISY_IQR = 0.10  # a row whose IQR / median exceeds this is `noisy`, here and in `compare`
 
 
-def framework_device(framework: str, device: str) -> str:
-    """What each framework runs on: torch uses cuda for gpu and stays on cpu with a TPU."""
-    if framework == "torch":
-        return "cuda" if device == "gpu" else "cpu"
-    return device
+def framework_device(framework: str, plan: DevicePlan) -> str:
+    """What a framework runs on in a resolved plan (`parity.devices`): torch uses cuda for a GPU and
+    stays on the CPU beside a TPU. An absent device has no framework device: its kind names it."""
+    return (plan.torch_device if framework == "torch" else plan.jax_platform) or plan.name
 
 
 def row_key(row: dict) -> str:
@@ -45,40 +45,105 @@ def row_key(row: dict) -> str:
     return f"{row['impl']}:{row['mode']}:{'weights' if row['need_weights'] else 'fused'}"
 
 
+# The projections that carry a bias (`--bias`): all four, q/k/v only (Qwen2), out only, none (Llama).
+BIASES = {"all": (True, True), "qkv": (True, False), "out": (False, True), "none": (False, False)}
+# What a row without the variant fields (a file written before they existed) describes: the classic layer.
+CLASSIC_FIELDS = {"rope": None, "bias": "all"}
+
+
+def bias_name(qkv_bias: bool, out_bias: bool) -> str:
+    return next(name for name, flags in BIASES.items() if flags == (qkv_bias, out_bias))
+
+
 @dataclass(frozen=True)
 class BenchCase:
-    """One problem size; every implementation gets the same weights and inputs for it."""
+    """One problem (`mha_spec.Problem`: the layer and B, T, S) in one dtype; every implementation
+    gets the same weights and inputs for it. The masked-row policy is the config's ("nan")."""
 
-    batch: int
-    seq_q: int
-    seq_k: int
-    embed: int
-    heads: int
+    problem: Problem
     dtype: str
 
     def __post_init__(self):
-        for name in ("batch", "seq_q", "seq_k", "embed", "heads"):
-            val = getattr(self, name)
+        if not isinstance(self.problem, Problem) or not isinstance(self.problem.config, AttentionConfig):
+            raise TypeError(f"BenchCase.problem must be an mha_spec.Problem, got {type(self.problem).__name__}")
+        for name in ("B", "T", "S"):
+            val = getattr(self.problem, name)
             if isinstance(val, bool) or not isinstance(val, int) or val <= 0:
-                raise ValueError(f"Case.{name} must be a positive int, got {val!r}")
-        if self.embed % self.heads:
-            raise ValueError(f"embed={self.embed} is not divisible by heads={self.heads}")
+                raise ValueError(f"Problem.{name} must be a positive int, got {val!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {tuple(DTYPES)}")
 
+    @classmethod
+    def of(cls, batch: int, seq_q: int, seq_k: int, embed: int, heads: int, dtype: str, *,
+           kv_heads: int | None = None, rope: str | None = None, bias: str = "all") -> BenchCase:
+        """A case from the row fields; ValueError/TypeError (from `AttentionConfig`) for a layer that cannot be."""
+        if bias not in BIASES:
+            raise ValueError(f"bias {bias!r} is not one of {tuple(BIASES)}")
+        if rope is not None and rope not in ROPE_CONVENTIONS:
+            raise ValueError(f"rope {rope!r} is not None or one of {ROPE_CONVENTIONS}")
+        qkv_bias, out_bias = BIASES[bias]
+        config = AttentionConfig(embed, heads, num_kv_heads=None if kv_heads == heads else kv_heads,
+                                 qkv_bias=qkv_bias, out_bias=out_bias, rope=rope)
+        return cls(Problem(config, batch, seq_q, seq_k), dtype)
+
+    @classmethod
+    def from_fields(cls, fields: dict) -> BenchCase:
+        """The case a row (or `fields()`) describes; rows without the variant fields are the classic layer."""
+        return cls.of(*(fields[k] for k in ("batch", "seq_q", "seq_k", "embed", "heads", "dtype")),
+                      kv_heads=fields.get("kv_heads"), rope=fields.get("rope"), bias=fields.get("bias") or "all")
+
+    @property
+    def config(self) -> AttentionConfig:
+        return self.problem.config
+
+    batch = property(lambda self: self.problem.B)
+    seq_q = property(lambda self: self.problem.T)
+    seq_k = property(lambda self: self.problem.S)
+    embed = property(lambda self: self.problem.config.embed_dim)
+    heads = property(lambda self: self.problem.config.num_heads)
+    kv_heads = property(lambda self: self.problem.config.kv_heads)
+
+    @property
+    def bias(self) -> str:
+        return bias_name(self.config.qkv_bias, self.config.out_bias)
+
     @property
     def label(self) -> str:
-        return f"B={self.batch} T={self.seq_q} S={self.seq_k} E={self.embed} N={self.heads} {self.dtype}"
+        """B, T, S, E, N and the dtype; then only what differs from the classic layer (K, RoPE, biases)."""
+        return case_label(self.fields())
 
     def fields(self) -> dict:
         return {
-            "batch": self.batch, "seq_q": self.seq_q, "seq_k": self.seq_k,
-            "embed": self.embed, "heads": self.heads, "dtype": self.dtype,
+            "batch": self.batch, "seq_q": self.seq_q, "seq_k": self.seq_k, "embed": self.embed, "heads": self.heads,
+            "kv_heads": self.kv_heads, "rope": self.config.rope, "bias": self.bias, "dtype": self.dtype,
         }
 
     def shrunk(self) -> BenchCase:
         """The shape-change case used to measure recompilation: both lengths halved."""
-        return replace(self, seq_q=max(1, self.seq_q // 2), seq_k=max(1, self.seq_k // 2))
+        p = self.problem
+        return replace(self, problem=replace(p, T=max(1, p.T // 2), S=max(1, p.S // 2)))
+
+
+def case_label(row: dict) -> str:
+    """How rows and verdicts name a case (`BenchCase.label`); a classic layer's label names no variant."""
+    label = f"B={row['batch']} T={row['seq_q']} S={row['seq_k']} E={row['embed']} N={row['heads']}"
+    if row.get("kv_heads") not in (None, row["heads"]):
+        label += f" K={row['kv_heads']}"
+    if row.get("rope"):
+        label += f" rope={row['rope']}"
+    if (row.get("bias") or "all") != "all":
+        label += f" bias={row['bias']}"
+    return f"{label} {row['dtype']}"
+
+
+def variant_fields(row: dict) -> tuple:
+    """(kv_heads, rope, bias) of a row, the classic layer's where the row predates them."""
+    return (row.get("kv_heads") or row["heads"], row.get("rope"), row.get("bias") or "all")
+
+
+def unsupported(impl: Implementation, case: BenchCase) -> str | None:
+    """Why `impl` does not run `case`, by its own declarations (dtypes, attention variants); None: it runs."""
+    return impl.unsupported(case.dtype)
 
 
 # The implementations come from the one registry (parity.impls), which the harness uses too;
@@ -109,21 +174,29 @@ def select_impls(spec: str | None, impls=IMPLS) -> tuple[Implementation, ...]:
 # ---------------------------------------------------------------- FLOPs
 
 
-def forward_flops(batch: int, seq_q: int, seq_k: int, embed: int) -> int:
-    """The one analytic count used for both frameworks (multiply-add = 2 FLOPs).
+def forward_flops(problem: Problem) -> int:
+    """The one analytic count used for every implementation (multiply-add = 2 FLOPs).
 
-    Projections: q and out over seq_q rows, k and v over seq_k rows, each E×E:
-    2·B·E²·(2·Nq + 2·Nk). Attention: Q·Kᵀ and P·V, each 2·B·Nq·Nk·E summed over
-    heads: 4·B·Nq·Nk·E. Softmax, bias and scaling are not counted (lower order).
+    With N query heads, K key/value heads of size H, E the model width:
+    projections: q over T rows (E -> N·H) and out over T rows (N·H -> E), 2·B·T·E·N·H each;
+    k and v over S rows (E -> K·H), 2·B·S·E·K·H each. Attention: Q·Kᵀ and P·V for every
+    query head (a key/value head serves N/K of them), 2·B·N·T·S·H each. Not counted (lower
+    order): softmax, scaling, biases, and RoPE's rotation (~3 FLOPs per element of q and k).
+    For the classic layer (K = N, N·H = E): 2·B·E²·(2·T + 2·S) + 4·B·T·S·E.
     """
-    return 2 * batch * embed * embed * (2 * seq_q + 2 * seq_k) + 4 * batch * seq_q * seq_k * embed
+    c = problem.config
+    B, T, S, E, N, K, H = problem.B, problem.T, problem.S, c.embed_dim, c.num_heads, c.kv_heads, c.head_size
+    return 2 * B * E * H * (2 * N * T + 2 * K * S) + 4 * B * N * T * S * H
+
+
+FLOPS_FORMULA = "fwd = 2·B·E·H·(2·N·T + 2·K·S) + 4·B·N·T·S·H (softmax, biases, RoPE not counted); fwd+bwd = 3 × fwd"
 
 
 def pass_flops(case: BenchCase, pass_: str) -> int:
     """fwd: the forward count; fwd+bwd: 3× (backward = 2× forward: input and weight grads)."""
     if pass_ not in PASSES:
         raise ValueError(f"pass {pass_!r} is not one of {PASSES}")
-    f = forward_flops(case.batch, case.seq_q, case.seq_k, case.embed)
+    f = forward_flops(case.problem)
     return f if pass_ == "fwd" else 3 * f
 
 
@@ -133,13 +206,17 @@ def pass_flops(case: BenchCase, pass_: str) -> int:
 def estimate_bytes(impl: Implementation, case: BenchCase, pass_: str) -> int:
     """A deliberately generous upper estimate of an item's peak memory, to skip what cannot fit.
 
-    Activations: inputs, projections, context and output, ~8 arrays of (B, L, E).
-    A materialising implementation also holds ~3 float32 (B, N, T, S) arrays in the
-    forward (scores, softmax, weights) and ~6 with the backward (saved + gradients).
+    Activations: on the query side ~8 arrays of (B, T, E) (input, q, its rotation, context,
+    output, slack); on the key side the two inputs (B, S, E) and k, v and k's rotation with
+    K heads, ~4 arrays each of (B, S, E) and (B, S, K·H). A materialising implementation
+    also holds ~3 float32 (B, N, T, S) arrays in the forward (scores, softmax, weights) and
+    ~6 with the backward (saved + gradients).
     """
-    item = DTYPES[case.dtype].itemsize
-    acts = 8 * case.batch * (case.seq_q + case.seq_k) * case.embed * max(item, 4)
-    weights = 4 * (case.embed * case.embed + case.embed) * 4 * 3  # params, grads, optimiser-free slack
+    c = case.config
+    item = max(DTYPES[case.dtype].itemsize, 4)
+    acts = (8 * case.seq_q * case.embed + 4 * case.seq_k * (case.embed + c.kv_heads * c.head_size)) * case.batch * item
+    params = sum(int(np.prod(shape)) for shape in c.weight_shapes().values())
+    weights = params * 4 * 3  # params, grads, optimiser-free slack
     scores = 0
     if impl.materializes_scores:
         per = case.batch * case.heads * case.seq_q * case.seq_k * 4
@@ -190,7 +267,7 @@ class Preset:
 
     def cases(self) -> list[BenchCase]:
         return [
-            BenchCase(b, s, s, e, h, d)
+            BenchCase.of(b, s, s, e, h, d)
             for d, b, e, h, s in itertools.product(self.dtypes, self.batch, self.embed, self.heads, self.seqs)
         ]
 
@@ -228,18 +305,22 @@ PRESETS = {
 # ---------------------------------------------------------------- weights and inputs
 
 
-def canonical_weights(embed: int, dtype: str, seed: int) -> dict[str, np.ndarray]:
+def canonical_weights(config: AttentionConfig, dtype: str, seed: int) -> dict[str, np.ndarray]:
     """One canonical state dict (parity.convert layout) shared by every implementation.
 
+    Every entry of `config.weight_shapes()` (k/v with K heads, absent biases absent) with
     torch.nn.Linear's default init, U(-1/√E, 1/√E), drawn in float32 and rounded once
     to the case dtype, so every framework starts from the very same bits.
     """
-    sd = draw.state_dict(np.random.default_rng(seed), embed)
-    return {k: v.astype(np.float32).astype(DTYPES[dtype]) for k, v in sd.items()}
+    rng = np.random.default_rng(seed)
+    bound = 1.0 / np.sqrt(config.embed_dim)
+    return {name: rng.uniform(-bound, bound, shape).astype(np.float32).astype(DTYPES[dtype])
+            for name, shape in config.weight_shapes().items()}
 
 
 def make_inputs(case: BenchCase, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """query (B, T, E), key and value (B, S, E), standard normal, in the case dtype."""
+    """query (B, T, E), key and value (B, S, E), standard normal, in the case dtype.
+    No positions: RoPE cases run at the default positions, arange(T) and arange(S)."""
     rng = np.random.default_rng(seed + 1)
     dt = DTYPES[case.dtype]
     q = rng.standard_normal((case.batch, case.seq_q, case.embed), np.float32).astype(dt)  # (B, T, E)

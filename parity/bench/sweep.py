@@ -35,10 +35,11 @@ import psutil
 from parity.bench import verdict as verdicts
 from parity.bench.measure import apply_peak
 from parity.bench.spec import (
-    NOISY_IQR, BenchCase, Preset, Timing, empty_row, estimate_bytes, framework_device, pass_flops, row_key,
+    FLOPS_FORMULA, NOISY_IQR, BenchCase, Preset, Timing, empty_row, estimate_bytes, framework_device, pass_flops,
+    row_key, unsupported,
 )
 from parity.bench.worker import TAG
-from parity.devices import resolve_device
+from parity.devices import DevicePlan, resolve_device
 from parity.env import PACKAGES, environment
 from parity.impls import Implementation
 
@@ -59,18 +60,17 @@ def thread_env() -> dict:
     return env | {k: os.environ[k] for k in ("GOMP_SPINCOUNT", "KMP_BLOCKTIME") if k in os.environ}
 
 
-def device_absent(requested: str) -> tuple[str, str | None]:
-    """(device, reason it is absent or None), from `parity.devices` (auto: gpu, then tpu, then cpu);
-    read from device nodes only, so the parent process imports no framework."""
-    plan = resolve_device(requested, probe=False)
-    return plan.name, plan.skip_reason.removeprefix(f"device {plan.name} not present: ") or None
+def device_plan(requested: str) -> DevicePlan:
+    """The run's device plan (`parity.devices`; auto: gpu, then tpu, then cpu), read from device
+    nodes only, so the parent process imports no framework. The workers receive this plan as is
+    and check that their framework can run on it (an absent backend makes skip rows)."""
+    return resolve_device(requested, probe=False)
 
 
 @dataclass(frozen=True)
 class RunConfig:
     preset: Preset
-    device: str = "cpu"  # resolved: cpu | gpu | tpu
-    device_absent: str | None = None
+    plan: DevicePlan = field(default_factory=lambda: DevicePlan("cpu", "cpu", "cpu", "cpu"))
     impls: tuple[Implementation, ...] = ()
     cases: tuple[BenchCase, ...] = ()
     user_impls: tuple[str, ...] = ()  # module:attribute specs the workers load (--impl)
@@ -84,6 +84,11 @@ class RunConfig:
     timing: Timing = field(default_factory=Timing)
     available_bytes: int | None = None
     verdict: tuple[str, str] | None = None  # the pair every verdict compares (--verdict); None: see worker
+
+    @property
+    def device(self) -> str:
+        """The device kind that runs: cpu | gpu | tpu."""
+        return self.plan.name
 
     def __post_init__(self):
         if self.precision not in ("highest", "default"):
@@ -111,10 +116,10 @@ def plan(cfg: RunConfig) -> list[Item]:
     for case in cfg.cases:
         for impl in cfg.impls:
             for pass_ in cfg.passes:
-                skip = None
-                if cfg.device_absent:
-                    skip = f"device {cfg.device} not present: {cfg.device_absent}"
-                elif case.dtype == "float16" and framework_device(impl.framework, cfg.device) == "cpu":
+                skip = cfg.plan.skip_reason or unsupported(impl, case)
+                if skip:
+                    pass  # the device is absent, or the implementation declares it does not run this case
+                elif case.dtype == "float16" and framework_device(impl.framework, cfg.plan) == "cpu":
                     skip = "float16 not benchmarked on CPU (no native half-precision matmul; emulated)"
                 else:
                     need = estimate_bytes(impl, case, pass_)
@@ -287,7 +292,7 @@ def run_group(
     by_id = {it.id: it for it in items}
     while pending:
         spec = {
-            "device": cfg.device, "threads": cfg.threads,
+            "device": asdict(cfg.plan), "threads": cfg.threads,
             "precision": cfg.precision, "seed": cfg.seed, "timing": asdict(cfg.timing),
             "peaks": peaks, "items": [it.spec() for it in pending], "interleave": cfg.interleave,
             "user_impls": list(cfg.user_impls), "verdict": list(cfg.verdict) if cfg.verdict else None,
@@ -300,7 +305,7 @@ def run_group(
             break
         victims = [by_id[end.current]] if end.current is not None else pending  # died outside an item: all fail
         for it in victims:
-            out.rows[it.id] = empty_row(it.impl, it.case, it.pass_, device=framework_device(it.impl.framework, cfg.device),
+            out.rows[it.id] = empty_row(it.impl, it.case, it.pass_, device=framework_device(it.impl.framework, cfg.plan),
                                         status="error", message=_death_message(end, cfg))
             on_event("row", out.rows[it.id])
         pending = [it for it in pending if it.id not in out.rows]
@@ -312,7 +317,7 @@ def execute(cfg: RunConfig, items: list[Item], on_event=lambda kind, data: None,
     out = Collected()
     for it in items:
         if it.skip:
-            out.rows[it.id] = empty_row(it.impl, it.case, it.pass_, device=framework_device(it.impl.framework, cfg.device),
+            out.rows[it.id] = empty_row(it.impl, it.case, it.pass_, device=framework_device(it.impl.framework, cfg.plan),
                                         status="skip", message=it.skip)
             on_event("row", out.rows[it.id])
     try:
@@ -327,7 +332,7 @@ def execute(cfg: RunConfig, items: list[Item], on_event=lambda kind, data: None,
         out.interrupted = True
         for it in items:
             if it.id not in out.rows:
-                out.rows[it.id] = empty_row(it.impl, it.case, it.pass_, device=framework_device(it.impl.framework, cfg.device),
+                out.rows[it.id] = empty_row(it.impl, it.case, it.pass_, device=framework_device(it.impl.framework, cfg.plan),
                                             status="skip", message=INTERRUPTED)
     return out
 
@@ -363,26 +368,6 @@ def device_peak(peaks: list, dtype: str) -> float | None:
     return max(rates) if rates else None
 
 
-def _check_fingerprints(items, rows, precision) -> None:
-    """Every implementation of a case must compute the same output: compare mean |out|."""
-    by_case: dict = {}
-    for it, row in zip(items, rows):
-        if row["status"] == "ok" and row.get("out_fingerprint") is not None:
-            by_case.setdefault(it.case, []).append((it, row))
-    for case, members in by_case.items():
-        ref = next((m for key in REFERENCE_ORDER for m in members if m[0].impl.bench_key == key), members[0])
-        ref_fp = ref[1]["out_fingerprint"]
-        rtol = FINGERPRINT_RTOL[case.dtype] * (10 if precision == "default" else 1)
-        for it, row in members:
-            fp = row["out_fingerprint"]
-            if abs(fp - ref_fp) > rtol * abs(ref_fp):
-                row["status"] = "error"
-                row["message"] = (
-                    f"output mean|out| {fp:.6g} differs from {ref[0].impl.bench_key}'s {ref_fp:.6g} "
-                    f"by more than {rtol:g} relative: not the same computation"
-                )
-
-
 def _ratios(items, rows) -> None:
     """ratio = median / the fastest ok row of the same (case, pass); the fastest noisy row when none is ok.
 
@@ -412,7 +397,8 @@ def bench_environment(cfg: RunConfig, out: Collected) -> dict:
         "cpu_count": base["cpu_count"],
         "memory_total_bytes": psutil.virtual_memory().total,
         "device": cfg.device,
-        "device_absent": cfg.device_absent,
+        "device_absent": cfg.plan.skip_reason or None,
+        "device_plan": asdict(cfg.plan),
         "device_names": {fw: {k: v for k, v in e.items() if k.endswith("_device")} for fw, e in out.envs.items()},
         "threads_requested": cfg.threads,
         "threads": {fw: len(e.get("cpus", [])) for fw, e in out.envs.items()},
@@ -440,6 +426,6 @@ def bench_environment(cfg: RunConfig, out: Collected) -> dict:
             {"dtype": dt, "gflops": device_peak(out.peaks, dt)} for dt in sorted({p["dtype"] for p in out.peaks})
         ],
         "peak_measurements": out.peaks,
-        "flops_formula": "fwd = 2·B·E²·(2·Nq + 2·Nk) + 4·B·Nq·Nk·E; fwd+bwd = 3 × fwd",
+        "flops_formula": FLOPS_FORMULA,
         "unavailable": {fw: e.get("unavailable") for fw, e in out.envs.items() if e.get("unavailable")},
     }

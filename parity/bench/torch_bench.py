@@ -108,7 +108,7 @@ def build(impl: Implementation, case: BenchCase, pass_: str, device: str, seed: 
     if case.dtype not in DTYPES:
         raise ValueError(f"the benchmark has no dtype {case.dtype}")
     runner = TorchRunner(device)
-    built = runner.build(impl, canonical_weights(case.embed, case.dtype, seed), case.heads, masked_rows="nan")
+    built = runner.build(impl, canonical_weights(case.config, case.dtype, seed), case.heads, masked_rows="nan")
     sync = _sync(device)
     recompile = None
     if impl.mode == "compile":

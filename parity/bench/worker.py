@@ -2,7 +2,8 @@
 
     python -m parity.bench.worker < SPEC.json
 
-SPEC (read from stdin, so no file is left behind) holds the device, threads,
+SPEC (read from stdin, so no file is left behind) holds the device plan the parent
+resolved (`parity.devices.DevicePlan`, as a dict: each framework's device is read off it), threads,
 precision, seed, timing, the matmul peaks to measure and the items. Results go to
 stdout as tagged JSON lines, one per event, flushed at once, so that the parent keeps
 every finished row even if this process is killed (out of memory) half-way:
@@ -35,6 +36,7 @@ from parity.bench.measure import pin_threads, prepare, same_output, sample, summ
 from parity.bench.spec import (
     IMPLS, PEAK_TIMING, BenchCase, Timing, empty_row, framework_device, pass_flops,
 )
+from parity.devices import DevicePlan
 from parity.impls import load_user_impl
 
 TAG = "@@"
@@ -123,8 +125,9 @@ def run_group(mods: dict, group, spec: dict, timing: Timing, clock):
     keys = {item_id: impl.bench_key for item_id, impl, _, _ in group}
     fws = {item_id: impl.framework for item_id, impl, _, _ in group}
     check = OutputCheck(keys, group[0][2].dtype, precision)
+    plan = DevicePlan(**spec["device"])
     for item_id, impl, case, pass_ in group:
-        device = framework_device(impl.framework, spec["device"])
+        device = framework_device(impl.framework, plan)
         rows[item_id] = empty_row(impl, case, pass_, device=device)
         emit("START", item_id)
         try:
@@ -227,7 +230,7 @@ class PeakBar:
         for item_id, row in rows:
             if row.get("status") not in ("ok", "noisy") or not row.get("median_s"):
                 continue
-            case = BenchCase(**{k: row[k] for k in ("batch", "seq_q", "seq_k", "embed", "heads", "dtype")})
+            case = BenchCase.from_fields(row)
             flops = pass_flops(case, row["pass"])
             rate = flops / row["median_s"] / 1e9
             bar = self.best.get(case.dtype)
@@ -253,9 +256,8 @@ def groups(items) -> list[list]:
     return list(out.values())
 
 
-def setup(framework: str, spec: dict, cpus: list[int]):
-    """Import one framework's implementation module and configure it: (module, env report)."""
-    device = framework_device(framework, spec["device"])
+def setup(framework: str, device: str, spec: dict, cpus: list[int]):
+    """Import one framework's implementation module and configure it for `device`: (module, env report)."""
     if framework == "torch":
         from parity.bench import torch_bench as mod
 
@@ -282,11 +284,12 @@ def main(argv=None) -> int:
     cpus = pin_threads(spec.get("threads"))  # before any framework sizes its pools
     user = [i for s in spec.get("user_impls", []) for i in load_user_impl(s)]
     impls = {im.bench_key: im for im in (*IMPLS, *user)}
-    items = [(item["id"], impls[item["impl"]], BenchCase(**item["case"]), item["pass"]) for item in spec["items"]]
+    items = [(item["id"], impls[item["impl"]], BenchCase.from_fields(item["case"]), item["pass"]) for item in spec["items"]]
+    plan = DevicePlan(**spec["device"])
     mods, devices = {}, {}
     for fw in sorted({impl.framework for _, impl, _, _ in items}, key=("torch", "jax").index):
-        mod, env = setup(fw, spec, cpus)
-        devices[fw] = framework_device(fw, spec["device"])
+        devices[fw] = framework_device(fw, plan)
+        mod, env = setup(fw, devices[fw], spec, cpus)
         emit("ENV", {"framework": fw, **env})
         if env["unavailable"]:
             for item_id, impl, case, pass_ in items:
