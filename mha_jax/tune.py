@@ -157,8 +157,8 @@ def _sizes(text: str, n: int, what: str) -> list[tuple[int, ...]]:
     return out
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m mha_jax.tune", description=__doc__.splitlines()[0],
+def parser(prog: str = "python -m mha_jax.tune") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default=DEFAULT_SIZES, type=lambda s: _sizes(s, 4, "BxNxTxH"), help="comma-separated BxNxTxH (S = T)")
     p.add_argument("--blocks", default=DEFAULT_BLOCKS, type=lambda s: _sizes(s, 2, "QxK"), help="comma-separated q_chunk x k_chunk")
@@ -170,15 +170,19 @@ def main(argv=None) -> int:
     p.add_argument("--json", type=Path, default=None, help="also save every time here")
     p.add_argument("--show", action="store_true", help="print the rows this processor uses and where they come from")
     p.add_argument("--combine", nargs="+", type=Path, metavar="RUN.json", help="summarise saved --json runs (no timing, nothing written)")
-    args = p.parse_args(argv)
+    return p
+
+
+def run(args, p: argparse.ArgumentParser) -> dict | None:
+    """What `main` does for parsed `args`; for a measuring run, {"path", "processor", "rows", "table", "meta"}."""
     out = args.out or kernel_table_path()
     if args.show:
         show(out)
-        return 0
+        return None
     if args.combine:
         runs = [json.loads(path.read_text())["rows"] for path in args.combine]
         print(json.dumps(summarise(runs), indent=1))
-        return 0
+        return None
     if args.reps < 1:
         p.error("--reps must be >= 1")
     passes = args.passes.split(",")
@@ -203,6 +207,12 @@ def main(argv=None) -> int:
         print(f"wrote every time to {args.json}")
     for t in table:
         print(f"  B·N={t['BN']} T={t['T']}: {t['fastest']}, blocks {t['blocks']}  {t['scores']}")
+    return dict(path=out, processor=proc, rows=rows, table=table, meta=meta)
+
+
+def main(argv=None) -> int:
+    p = parser()
+    run(p.parse_args(argv), p)
     return 0
 
 
