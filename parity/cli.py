@@ -23,7 +23,7 @@ EXIT_FAIL, EXIT_USAGE, EXIT_NOTHING, EXIT_INTERRUPTED = 1, 2, 3, 130
 
 def build_parser() -> argparse.ArgumentParser:
     from parity.impls import select
-    from parity.sharded.launch import DEFAULT_JOB_TIMEOUT_S
+    from parity.harness.sharded.launch import DEFAULT_JOB_TIMEOUT_S
 
     ours = [i.name for i in select("ours")]
     p = argparse.ArgumentParser(
@@ -95,7 +95,7 @@ def _usage_problems(args) -> str | None:
     if args.job_timeout is not None and args.devices is None:
         return "--job-timeout limits the sharded workers: give --devices N too"
     if args.layouts:
-        from parity.sharded import LAYOUTS
+        from parity.harness.sharded import LAYOUTS
 
         unknown = sorted(set(args.layouts) - set(LAYOUTS) - {"tp-gspmd"})
         if unknown:

@@ -3,7 +3,7 @@
 Four process groups start together once per module (they share the two cores): JAX with 4
 simulated devices in one process, JAX as 2 processes joined by jax.distributed, torch as 4
 and as 2 gloo processes. Each runs a batch of jobs and planted bugs and returns report rows;
-the tests below read them. Sizes: parity.sharded.SHAPE (B=4, T=16, S=12, E=24, N=8).
+the tests below read them. Sizes: parity.harness.sharded.SHAPE (B=4, T=16, S=12, E=24, N=8).
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from parity.sharded import MASK_POLICIES, PLANTS, Job
-from parity.sharded.cases import HEAD_MASK
-from parity.sharded.launch import finish, run_sharded, start
+from parity.harness.sharded import MASK_POLICIES, PLANTS, Job
+from parity.harness.sharded.cases import HEAD_MASK
+from parity.harness.sharded.launch import finish, run_sharded, start
 
 _FULL = MASK_POLICIES  # every mask kind, every policy
 _F32 = (("causal", "nan"), ("random", "zero"), ("padding", "zero"), ("random", "uniform"))

@@ -20,9 +20,9 @@ from rich.console import Console
 
 from parity import cli
 from parity.bench import sharded_cli
-from parity.sharded import MASK_POLICIES
-from parity.sharded.cases import jobs
-from parity.sharded.launch import run_sharded
+from parity.harness.sharded import MASK_POLICIES
+from parity.harness.sharded.cases import jobs
+from parity.harness.sharded.launch import run_sharded
 
 ROOT = Path(__file__).resolve().parents[1]
 ROWS_PER_JOB = 6  # (output, d_inputs, d_params) x (oracle, one-device)
@@ -132,11 +132,11 @@ def _bench(*argv):
     (("--layouts", ""), ""),
     (("--job-timeout", "-1"), ""),
     (("--json", "same.out", "--markdown", "same.out"), "different files"),
-    (("--seq", "64", "--devices", "3", "--layouts", "sp", "--frameworks", "torch"), "T=64 is not divisible by 3"),
-    (("--heads", "4", "--embed", "32", "--devices", "3", "--layouts", "tp"), "N=4 is not divisible by 3"),
+    (("--seq", "64", "--shards", "3", "--layouts", "sp", "--frameworks", "torch"), "T=64 is not divisible by 3"),
+    (("--heads", "4", "--embed", "32", "--shards", "3", "--layouts", "tp"), "N=4 is not divisible by 3"),
 ])
 def test_mha_bench_sharded_usage_errors_start_nothing(argv, says, monkeypatch, tmp_path, capsys):
-    from parity.sharded import bench
+    from parity.bench import sharded as bench
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(bench, "_run", lambda *a: pytest.fail("a measurement started"))
@@ -158,22 +158,22 @@ def _fake_run(calls, interrupt_at=None):
 
 
 def test_mha_bench_sharded_measures_a_repeated_selection_once(monkeypatch, tmp_path):
-    from parity.sharded import bench
+    from parity.bench import sharded as bench
 
     calls = []
     monkeypatch.setattr(bench, "_run", _fake_run(calls))
-    code, _ = _bench("--devices", "1,2,2", "--layouts", "sp,sp", "--frameworks", "jax,jax", "--json", str(tmp_path / "r.json"))
+    code, _ = _bench("--shards", "1,2,2", "--layouts", "sp,sp", "--frameworks", "jax,jax", "--json", str(tmp_path / "r.json"))
     assert code == 0
     assert calls == [("jax", "sp", 1), ("jax", "sp", 2)]
 
 
 def test_mha_bench_sharded_ctrl_c_writes_what_finished_and_exits_130(monkeypatch, tmp_path):
-    from parity.sharded import bench
+    from parity.bench import sharded as bench
 
     calls = []
     monkeypatch.setattr(bench, "_run", _fake_run(calls, interrupt_at=2))
     out = tmp_path / "r.json"
-    code, text = _bench("--devices", "1,2", "--layouts", "sp", "--frameworks", "jax", "--json", str(out))
+    code, text = _bench("--shards", "1,2", "--layouts", "sp", "--frameworks", "jax", "--json", str(out))
     assert code == 130, text
     data = json.loads(out.read_text())
     assert data["interrupted"] is True

@@ -1,12 +1,14 @@
 """`mha-bench sharded`: per-device peak memory and forward time of the sharded layouts.
 
-    mha-bench sharded [--devices 1,2,4] [--layouts sp,tp] [--frameworks jax,torch]
+    mha-bench sharded [--shards 1,2,4] [--layouts sp,tp] [--frameworks jax,torch]
                       [--seq 4096] [--embed 256] [--heads 4] [--batch 1] [--repeats 3]
                       [--job-timeout 900] [--json P] [--markdown P]
 
-The rows come from `parity.sharded.bench.iter_bench_sharded` (each (framework, layout, devices) in
-fresh processes; JAX's memory is its compiled program's per-device `memory_analysis()`, torch's
-each rank's peak RSS growth). On simulated CPU devices every device shares the same cores: the
+`--shards` lists the device counts each layout is split over (simulated CPU devices for JAX,
+gloo processes for torch; `--device` elsewhere in `mha-bench` is the device kind). The rows come
+from `parity.bench.sharded.iter_bench_sharded` (each (framework, layout, shard count) in fresh
+processes; JAX's memory is its compiled program's per-device `memory_analysis()`, torch's each
+rank's peak RSS growth). On simulated CPU devices every device shares the same cores: the
 times are overhead measurements, and per-device memory is the headline.
 
 Every argument is checked before anything starts (exit 2): positive sizes, E divisible by N,
@@ -26,14 +28,15 @@ from rich.table import Table
 
 from parity.atomic import check_writable, write_atomic
 from parity.cli_args import comma_separated, positive_float, positive_int, positive_ints as _ints
-from parity.sharded.bench import TIMEOUT_S
+from parity.bench.sharded import TIMEOUT_S
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mha-bench sharded", description=__doc__.split("\n\n")[0])
-    p.add_argument("--devices", type=_ints, default=(1, 2, 4), help="device counts (default 1,2,4)")
+    p.add_argument("--shards", type=_ints, default=(1, 2, 4), metavar="N,..",
+                   help="device counts to split each layout over (default 1,2,4)")
     p.add_argument("--layouts", type=comma_separated(("sp", "tp"), nonempty=True), default=("sp", "tp"))
     p.add_argument("--frameworks", type=comma_separated(("jax", "torch"), nonempty=True), default=("jax", "torch"))
     p.add_argument("--seq", type=positive_int, default=4096, help="T = S (default 4096)")
@@ -60,7 +63,7 @@ def markdown(rows, title: str, note: str) -> str:
 
 
 def main(argv, console: Console) -> int:
-    from parity.sharded.bench import TIME_NOTE, check_sizes, iter_bench_sharded, with_ratios
+    from parity.bench.sharded import TIME_NOTE, check_sizes, iter_bench_sharded, with_ratios
 
     args = parser().parse_args(argv)
     sizes = {"B": args.batch, "T": args.seq, "E": args.embed, "N": args.heads, "repeats": args.repeats}
@@ -70,13 +73,13 @@ def main(argv, console: Console) -> int:
             raise ValueError("--json and --markdown must be different files")
         for path in paths:
             check_writable(path)
-        check_sizes(devices=args.devices, layouts=args.layouts, frameworks=args.frameworks, **sizes)
+        check_sizes(devices=args.shards, layouts=args.layouts, frameworks=args.frameworks, **sizes)
     except ValueError as e:
         console.print(f"[red]mha-bench sharded: error: {e}[/red]", soft_wrap=True)
         return EXIT_USAGE
     rows, interrupted = [], False
     try:
-        for row in iter_bench_sharded(devices=args.devices, layouts=args.layouts, frameworks=args.frameworks,
+        for row in iter_bench_sharded(devices=args.shards, layouts=args.layouts, frameworks=args.frameworks,
                                       timeout_s=args.job_timeout, **sizes):
             rows.append(row)
     except KeyboardInterrupt:  # the running measurement's processes and files are already gone

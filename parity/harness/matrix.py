@@ -1,21 +1,23 @@
 """The case matrix and the seeded inputs every implementation is fed.
 
-A case is a shape, a mask kind and a masked-row policy; dtypes are a separate
-axis of the run. Inputs are drawn once per case, in float64, from a NumPy
-generator seeded by (seed, case name), so filtering cases never changes another
-case's numbers; each dtype then rounds the same draw.
+A case is a problem (`mha_spec.AttentionConfig` and the sizes B, T, S, with self- or
+cross-attention), a mask kind and a masked-row policy; dtypes are a separate axis of
+the run. Inputs are drawn once per case, in float64, from a NumPy generator seeded by
+(seed, case name), so filtering cases never changes another case's numbers; each dtype
+then rounds the same draw. A RoPE case also draws its positions (not the default arange).
 
-Legend (see mha_spec): B T S N H E.
+Legend (see mha_spec): B T S N H E, K key/value heads.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from mha_spec import MASKED_ROWS_POLICIES, check_config
+from mha_spec import MASKED_ROWS_POLICIES, AttentionConfig, Problem
 from parity import draw
 from parity.dtypes import DTYPES
 
@@ -25,22 +27,66 @@ CHECKS = ("forward", "gradient", "training", "peers", "sharded")  # sharded: wit
 
 @dataclass(frozen=True)
 class Shape:
+    """A named problem without its masked-row policy (that is the case's axis).
+
+    B, T, S, E, N the sizes; cross: False is self-attention (key = value = query, T == S).
+    The layer beyond the classic one, as `mha_spec.AttentionConfig` names it: num_kv_heads,
+    qkv_bias, out_bias, rope, rope_theta. `config`/`problem` are the mha_spec objects,
+    validated there (a bad combination is the ValueError AttentionConfig raises).
+    """
+
     name: str
     B: int
     T: int
     S: int
     E: int
     N: int
-    cross: bool  # False: key = value = query (self-attention), needs T == S
+    cross: bool
+    num_kv_heads: int | None = None
+    qkv_bias: bool = True
+    out_bias: bool = True
+    rope: str | None = None
+    rope_theta: float = 10000.0
 
     def __post_init__(self):
-        check_config(self.E, self.N, "nan")
+        self.problem  # validates the layer and the sizes (mha_spec raises)
         if not self.cross and self.T != self.S:
             raise ValueError(f"shape {self.name}: self-attention needs T == S, got T={self.T}, S={self.S}")
+
+    @classmethod
+    def of(cls, name: str, problem: Problem, cross: bool) -> Shape:
+        """The shape of an mha_spec.Problem (its config's masked_rows is the case's business)."""
+        if not isinstance(problem, Problem):
+            raise TypeError(f"Shape.of takes an mha_spec.Problem, got {type(problem).__name__}")
+        c = problem.config
+        if c.head_dim is not None and c.head_dim * c.num_heads != c.embed_dim:
+            raise ValueError(f"shape {name}: the harness's layers have E = N*H, got E={c.embed_dim}, "
+                             f"N={c.num_heads}, head_dim={c.head_dim}")
+        return cls(name, problem.B, problem.T, problem.S, c.embed_dim, c.num_heads, cross, c.num_kv_heads,
+                   c.qkv_bias, c.out_bias, c.rope, c.rope_theta)
+
+    @property
+    def config(self) -> AttentionConfig:
+        """The layer (masked_rows "nan"; a `Case` has its own policy)."""
+        return AttentionConfig(self.E, self.N, num_kv_heads=self.num_kv_heads, qkv_bias=self.qkv_bias,
+                               out_bias=self.out_bias, rope=self.rope, rope_theta=self.rope_theta)
+
+    @property
+    def problem(self) -> Problem:
+        return Problem(self.config, self.B, self.T, self.S)
 
     @property
     def H(self) -> int:
         return self.E // self.N
+
+    @property
+    def K(self) -> int:
+        return self.N if self.num_kv_heads is None else self.num_kv_heads
+
+    @property
+    def features(self) -> frozenset[str]:
+        """The mha_spec.VARIANT_FEATURES this layer uses (empty: the classic layer)."""
+        return self.config.features
 
 
 @dataclass(frozen=True)
@@ -61,6 +107,15 @@ class Case:
             raise ValueError(f"masked_rows {self.masked_rows!r} is not one of {MASKED_ROWS_POLICIES}")
         if not self.name:
             object.__setattr__(self, "name", f"{self.shape.name}/{self.mask}/{self.masked_rows}")
+
+    @property
+    def config(self) -> AttentionConfig:
+        """The layer, with the case's masked-row policy."""
+        return dataclasses.replace(self.shape.config, masked_rows=self.masked_rows)
+
+    @property
+    def problem(self) -> Problem:
+        return Problem(self.config, self.shape.B, self.shape.T, self.shape.S)
 
 
 # Shapes: self and cross, B=1 and B>1, one head and several, odd head dims, T != S

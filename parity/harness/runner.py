@@ -125,10 +125,10 @@ def run(
     ours and/or `parity.impls.Implementation` objects (your own; see `select_impls`).
     on_start(total_units) and on_progress(description) drive a progress bar;
     should_stop() is asked between units (a graceful Ctrl-C). devices >= 2 adds the sharded
-    check (`parity.sharded`: tensor-, sequence- and data-parallel layouts over that many
+    check (`parity.harness.sharded`: tensor-, sequence- and data-parallel layouts over that many
     simulated CPU devices / gloo processes; `layouts` filters them; job_timeout_s: how long a
     sharded worker group may go without finishing a job, default
-    parity.sharded.launch.DEFAULT_JOB_TIMEOUT_S; should_stop() is polled while the workers run,
+    parity.harness.sharded.launch.DEFAULT_JOB_TIMEOUT_S; should_stop() is polled while the workers run,
     and they stop between jobs). A unit that raises
     becomes error rows; KeyboardInterrupt stops the loop, and the report of what
     finished is still written (report.interrupted is True).
@@ -206,7 +206,7 @@ def _sharded(devices, layouts, dtypes, checks, seed, should_stop, job_timeout_s=
     """The sharded layouts across `devices` processes/devices, when asked (float64 and float32 only)."""
     if "sharded" not in checks or not devices or (should_stop is not None and should_stop()):
         return []
-    from parity.sharded import LAYOUTS, run_sharded
+    from parity.harness.sharded import LAYOUTS, run_sharded
 
     wide = tuple(d for d in dtypes if d in ("float64", "float32"))
     if devices < 2 or not wide:

@@ -1,6 +1,6 @@
 """Per-device peak memory and time of sharded attention for 1, 2, 4 devices at a long sequence.
 
-    from parity.sharded.bench import bench_sharded
+    from parity.bench.sharded import bench_sharded
     rows = bench_sharded()          # list of plain dicts, one per (framework, layout, devices)
 
 Memory is the headline. JAX: the compiled program's `memory_analysis()`, which is per
@@ -24,8 +24,7 @@ import statistics
 import sys
 import time
 
-from parity.sharded.control import follow_parent
-from parity.sharded.launch import Group, _env, free_port, wait
+from parity.workers import Group, follow_parent, free_port, wait, worker_env
 
 DEFAULTS = {"B": 1, "T": 4096, "E": 256, "N": 4, "repeats": 3}
 TIMEOUT_S = 900.0
@@ -150,11 +149,11 @@ def _run(framework: str, cfg: dict, timeout_s: float) -> list[dict]:
     n = cfg["devices"]
 
     def commands(spec_path, out_path):
-        argv = [sys.executable, "-m", "parity.sharded.bench", framework, spec_path, out_path]
+        argv = [sys.executable, "-m", "parity.bench.sharded", framework, spec_path, out_path]
         if framework == "jax":
-            return [(argv, _env(XLA_FLAGS=f"--xla_force_host_platform_device_count={n}", JAX_PLATFORMS="cpu"))]
+            return [(argv, worker_env(XLA_FLAGS=f"--xla_force_host_platform_device_count={n}", JAX_PLATFORMS="cpu"))]
         port = free_port()
-        return [(argv, _env(RANK=r, WORLD_SIZE=n, MASTER_ADDR="127.0.0.1", MASTER_PORT=port)) for r in range(n)]
+        return [(argv, worker_env(RANK=r, WORLD_SIZE=n, MASTER_ADDR="127.0.0.1", MASTER_PORT=port)) for r in range(n)]
 
     group = Group("sharded-bench-", cfg, commands, "rows.json")
     try:

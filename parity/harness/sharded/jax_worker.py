@@ -1,11 +1,11 @@
 """The JAX side of the sharded checks, run in its own process (devices are fixed when JAX starts).
 
-    python -m parity.sharded.jax_worker SPEC.json OUT.jsonl [--coordinator HOST:PORT --num-processes P --process-id I]
+    python -m parity.harness.sharded.jax_worker SPEC.json OUT.jsonl [--coordinator HOST:PORT --num-processes P --process-id I]
 
 Simulated devices: the launcher sets XLA_FLAGS=--xla_force_host_platform_device_count=N.
 Several processes: each calls jax.distributed.initialize (gloo collectives on CPU) and the
 mesh spans every process's devices. Process 0 computes the one-device run, judges and
-appends each job's rows to OUT (one JSON line per job, `parity.sharded.control`). Started
+appends each job's rows to OUT (one JSON line per job, `parity.workers`). Started
 by the launcher, the processes agree between jobs whether it asked them to stop.
 """
 
@@ -21,7 +21,7 @@ from functools import partial
 
 import jax
 
-from parity.sharded import control
+from parity import workers
 
 def _start(args) -> None:
     if args.coordinator:
@@ -69,7 +69,7 @@ def _sharded_program(job, mesh):
     from jax.sharding import PartitionSpec as P
 
     from mha_jax.parallel import sharded_attention
-    from parity.sharded.cases import SHAPE
+    from parity.harness.sharded.cases import SHAPE
 
     def fwd_bwd(params, q, k, v, keep, cot):
         def fwd(p, q, k, v):
@@ -86,7 +86,7 @@ def _run_sharded(job, prob, mesh, plant) -> dict:
     from jax.sharding import PartitionSpec as P
 
     rep = NamedSharding(mesh, P())
-    from parity.sharded.cases import PLANTS
+    from parity.harness.sharded.cases import PLANTS
 
     # A plant patches a function only its own layout traces; the others reuse their programs.
     key = ("sharded", job.layout, job.devices, job.masked_rows, job.dtype, prob.keep is None, plant if PLANTS.get(plant) == job.layout else None)
@@ -117,7 +117,7 @@ def _run_gspmd(job, prob, mesh) -> dict:
 
     from mha_jax.parallel import shard_heads
     from parity import convert
-    from parity.sharded.cases import SHAPE
+    from parity.harness.sharded.cases import SHAPE
 
     rep = NamedSharding(mesh, P())
     module = shard_heads(convert.to_jax(prob.state_dict, SHAPE.N, masked_rows=job.masked_rows), mesh)
@@ -133,7 +133,7 @@ def _run_one_device(job, prob) -> dict:
     from flax import nnx
 
     from parity import convert
-    from parity.sharded.cases import SHAPE
+    from parity.harness.sharded.cases import SHAPE
 
     graphdef, state = nnx.split(convert.to_jax(prob.state_dict, SHAPE.N, masked_rows=job.masked_rows))
     program = _compiled(("one-device", job.masked_rows, job.dtype, prob.keep is None), lambda: _one_device_program(graphdef))
@@ -144,7 +144,7 @@ def _run_one_device(job, prob) -> dict:
 
 @contextlib.contextmanager
 def planted(plant: str | None):
-    """Patch mha_jax.parallel with one of parity.sharded.cases.PLANTS for the duration."""
+    """Patch mha_jax.parallel with one of parity.harness.sharded.cases.PLANTS for the duration."""
     import mha_jax.parallel as par
     from jax import lax
 
@@ -177,7 +177,7 @@ def planted(plant: str | None):
 def run_jobs(jobs, plant=None):
     """Yield each job's rows in order (process 0 judges; the others yield [])."""
     from mha_jax.parallel import make_mesh
-    from parity.sharded.cases import error_rows, judge_job, problem
+    from parity.harness.sharded.cases import error_rows, judge_job, problem
 
     platform = jax.devices()[0].platform
     with planted(plant):
@@ -195,9 +195,9 @@ def run_jobs(jobs, plant=None):
 
 def _stop_agreed() -> bool:
     """Whether the launcher asked the group to stop, as every process agrees (a collective: all call it)."""
-    if not control.stoppable():
+    if not workers.stoppable():
         return False
-    flag = control.stop_requested()
+    flag = workers.stop_requested()
     if jax.process_count() > 1:
         import numpy as np
         from jax.experimental import multihost_utils
@@ -214,9 +214,9 @@ def main(argv=None) -> int:
     ap.add_argument("--num-processes", type=int, default=1)
     ap.add_argument("--process-id", type=int, default=0)
     args = ap.parse_args(argv)
-    control.follow_parent()
+    workers.follow_parent()
     _start(args)
-    from parity.sharded.cases import Job
+    from parity.harness.sharded.cases import Job
 
     with open(args.spec) as f:
         spec = json.load(f)
@@ -225,7 +225,7 @@ def main(argv=None) -> int:
         with contextlib.closing(run_jobs([Job(**j) for j in run["jobs"]], run.get("plant"))) as results:
             for j, rows in enumerate(results):
                 if jax.process_index() == 0:
-                    control.append_rows(args.out, i, j, [asdict(r) for r in rows])
+                    workers.append_rows(args.out, i, j, [asdict(r) for r in rows])
                 stopped = _stop_agreed()
                 if stopped:
                     break

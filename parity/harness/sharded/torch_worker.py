@@ -1,10 +1,10 @@
 """The torch side of the sharded checks: one process per rank (gloo on CPU).
 
-    RANK=r WORLD_SIZE=n MASTER_ADDR=127.0.0.1 MASTER_PORT=p python -m parity.sharded.torch_worker SPEC.json OUT.jsonl
+    RANK=r WORLD_SIZE=n MASTER_ADDR=127.0.0.1 MASTER_PORT=p python -m parity.harness.sharded.torch_worker SPEC.json OUT.jsonl
 
 (torchrun sets those variables too.) Every job runs over the whole group; rank 0
 computes the one-device module's answers, judges and appends each job's rows to OUT
-(one JSON line per job, `parity.sharded.control`). Started by the launcher, the ranks
+(one JSON line per job, `parity.workers`). Started by the launcher, the ranks
 agree between jobs whether it asked them to stop.
 """
 
@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from parity.sharded import control
+from parity import workers
 
 
 def _tensors(prob):
@@ -29,7 +29,7 @@ def _tensors(prob):
 
 def _module(prob, masked_rows: str):
     from parity import convert
-    from parity.sharded.cases import SHAPE
+    from parity.harness.sharded.cases import SHAPE
 
     return convert.to_torch(prob.state_dict, SHAPE.N, masked_rows=masked_rows)
 
@@ -90,7 +90,7 @@ def _run_one_device(job, prob) -> dict:
 
 @contextlib.contextmanager
 def planted(plant: str | None, n: int):
-    """Patch mha_torch.parallel with one of parity.sharded.cases.PLANTS for the duration."""
+    """Patch mha_torch.parallel with one of parity.harness.sharded.cases.PLANTS for the duration."""
     from mha_torch import parallel
 
     if plant is None:
@@ -126,7 +126,7 @@ def run_jobs(jobs, plant=None):
     """Yield each job's rows in order (rank 0 judges; the other ranks yield [])."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from parity.sharded.cases import error_rows, judge_job, problem
+    from parity.harness.sharded.cases import error_rows, judge_job, problem
 
     n = dist.get_world_size()
     mesh = init_device_mesh("cpu", (n,))
@@ -146,20 +146,20 @@ def run_jobs(jobs, plant=None):
 
 def _stop_agreed() -> bool:
     """Whether the launcher asked the group to stop, as every rank agrees (a collective: all call it)."""
-    if not control.stoppable():
+    if not workers.stoppable():
         return False
-    flag = torch.tensor([int(control.stop_requested())])
+    flag = torch.tensor([int(workers.stop_requested())])
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())
 
 
 def main(argv=None) -> int:
-    control.follow_parent()
+    workers.follow_parent()
     argv = sys.argv[1:] if argv is None else argv
     spec_path, out_path = argv
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    from parity.sharded.cases import Job
+    from parity.harness.sharded.cases import Job
 
     with open(spec_path) as f:
         spec = json.load(f)
@@ -168,7 +168,7 @@ def main(argv=None) -> int:
         with contextlib.closing(run_jobs([Job(**j) for j in run["jobs"]], run.get("plant"))) as results:
             for j, rows in enumerate(results):
                 if dist.get_rank() == 0:
-                    control.append_rows(out_path, i, j, [asdict(r) for r in rows])
+                    workers.append_rows(out_path, i, j, [asdict(r) for r in rows])
                 stopped = _stop_agreed()
                 if stopped:
                     break
