@@ -288,8 +288,8 @@ def test_wrong_shapes_and_unknown_layouts_are_named(sd64):
     tensors["self.key.weight"] = tensors["self.key.weight"][:, :8]
     with pytest.raises(ValueError, match=r"layout 'hf-bert': self.key.weight has shape \(12, 8\), expected \(12, 12\) = \(E, E\) \(E=12\)"):
         convert.from_layout(tensors, "hf-bert")
-    with pytest.raises(ValueError, match=r"unknown layout 'hf-llama'; expected one of \['hf-bert', 'hf-vit', 'hf-gpt2'\]"):
-        convert.from_layout(tensors, "hf-llama")
+    with pytest.raises(ValueError, match=r"unknown layout 'hf-t5'; expected one of \['hf-bert', 'hf-vit', 'hf-gpt2', 'hf-llama'\]"):
+        convert.from_layout(tensors, "hf-t5")
     with pytest.raises(TypeError, match="self.query.weight is a list"):
         convert.from_layout(dict(convert.to_layout(sd64, "hf-bert"), **{"self.query.weight": [[0.0]]}), "hf-bert")
 
