@@ -19,6 +19,7 @@ Legend (see mha_spec): B T S N H E.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import numpy as np
@@ -106,3 +107,132 @@ def equinox_mha(sd, num_heads, *, dtype, device):
     from parity import ecosystem
 
     return _jax_peer(ecosystem.equinox_mha_forward, "equinox", sd, num_heads, dtype=dtype, device=device)
+
+
+# ---------------------------------------------------------------- grouped-query/RoPE peers
+
+# What transformers' LlamaAttention and Keras's GroupQueryAttention do (measured; tests/test_modern_peers.py):
+#
+#   HF Llama (eager)  cos/sin from LlamaRotaryEmbedding in float32, cast to the model dtype; softmax in
+#                     float32 (softmax(dtype=float32)), cast back. So a float64 run computes in float32:
+#                     judged at the float32 entry. Its eager mask is additive 0 / finfo(dtype).min: a fully
+#                     masked row is uniform in float32 and 16-bit, but NaN in float64 (finfo(float64).min
+#                     becomes -inf in the float32 softmax), so in float64 it runs only where no row is
+#                     fully masked (unmasked and causal self-attention).
+
+_LLAMA_HEADROOM = 4096  # max_position_embeddings: the rotary cache is rebuilt past it, never truncated; any size works
+
+
+def _llama_parts(sd, config, dtype):
+    """(LlamaAttention holding sd, LlamaRotaryEmbedding, the canonical names sd has).
+
+    An absent bias is a zero bias of LlamaAttention(attention_bias=True) (exactly no bias; its
+    gradient is not reported); no bias at all is attention_bias=False. rope="interleaved"
+    weights are Meta-style: HF runs them after its own conversion's q/k row permutation
+    (`convert.permute_rope(to="half")`).
+    """
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
+
+    from parity import convert, ecosystem
+
+    dt = ecosystem._np_dtype(dtype)
+    sd = {k: np.asarray(v).astype(dt) for k, v in sd.items()}
+    names = tuple(sorted(sd))
+    N, K, H, E = config.num_heads, config.kv_heads, config.head_size, config.embed_dim
+    if config.rope == "interleaved":
+        sd = convert.permute_rope(sd, num_heads=N, num_kv_heads=K, to="half")
+    any_bias = any(k.endswith(".bias") for k in sd)
+    if any_bias:
+        every = dataclasses.replace(config, qkv_bias=True, out_bias=True).weight_shapes()
+        sd = {**{k: np.zeros(s, dt) for k, s in every.items() if k.endswith(".bias")}, **sd}
+    hf = LlamaConfig(hidden_size=E, num_attention_heads=N, num_key_value_heads=K, head_dim=H, attention_bias=any_bias,
+                     rope_theta=float(config.rope_theta), num_hidden_layers=1, intermediate_size=2 * E,
+                     vocab_size=ecosystem.SMALL_VOCAB, max_position_embeddings=_LLAMA_HEADROOM, attention_dropout=0.0,
+                     attn_implementation="eager")
+    att = LlamaAttention(hf, layer_idx=0).to(convert._torch_dtype(dt)).eval()
+    tensors = {k: convert.numpy_to_tensor(v) for k, v in convert.to_layout(sd, "hf-llama").items()}
+    att.load_state_dict(tensors, strict=True)
+    return att, LlamaRotaryEmbedding(hf), names
+
+
+def _llama_position_ids(positions, key_positions, B: int, T: int):
+    """HF's one position list (B, T) int64: LlamaAttention rotates queries and keys by the same position_ids."""
+    import torch
+
+    from parity import convert
+
+    def as_np(p):
+        return None if p is None else np.asarray(convert.tensor_to_numpy(p) if hasattr(p, "detach") else p)
+
+    pos, kpos = as_np(positions), as_np(key_positions)
+    full = [np.broadcast_to(np.arange(T) if p is None else p.reshape(-1, T), (B, T)) for p in (pos, kpos)]
+    if not np.array_equal(full[0], full[1]):
+        raise ValueError("HF LlamaAttention rotates queries and keys with one position list (position_ids): "
+                         f"key_positions must equal positions, got {full[1].tolist()} and {full[0].tolist()}")
+    return torch.from_numpy(np.ascontiguousarray(full[0]).astype(np.int64))
+
+
+def _llama_call(att, rotary, config, keep, position_ids, dtype):
+    """call(x) -> LlamaAttention(x) with HF's rotary cos/sin (identity when config.rope is None) and
+    our keep-mask as its eager additive mask (0 kept / finfo(dtype).min)."""
+    import torch
+
+    from parity import convert, ecosystem
+
+    dt = ecosystem._np_dtype(dtype)
+    mask = None if keep is None else convert.numpy_to_tensor(ecosystem.additive_mask(np.asarray(keep, bool), dt))
+
+    def call(x):
+        if config.rope is None:  # no rotary embedding: the identity rotation, cos 1, sin 0
+            cos = torch.ones(*x.shape[:2], config.head_size, dtype=x.dtype)
+            emb = (cos, torch.zeros_like(cos))
+        else:
+            emb = rotary(x, position_ids)
+        out, _ = att(x, position_embeddings=emb, attention_mask=mask)
+        return out
+
+    return call
+
+
+def hf_llama(sd, num_heads, *, dtype, device, problem):
+    """transformers LlamaAttention (eager) with LlamaRotaryEmbedding; self-attention with one position list."""
+    _require("transformers")
+    from parity import convert, ecosystem
+
+    config = problem.config
+    if config.num_heads != num_heads:
+        raise ValueError(f"hf-llama: num_heads={num_heads} but the problem's config has {config.num_heads}")
+
+    def fn(query, key, value, keep, *, positions=None, key_positions=None):
+        import torch
+
+        q, k, v = (convert.tensor_to_numpy(x) for x in (query, key, value))
+        _self_attention(q, k, v, "HF Llama")
+        keep = None if keep is None else convert.tensor_to_numpy(keep)
+        ids = _llama_position_ids(positions, key_positions, *q.shape[:2])
+        att, rotary, _ = _llama_parts(sd, config, dtype)
+        call = _llama_call(att, rotary, config, keep, ids, dtype)
+        with torch.no_grad():
+            out = call(ecosystem._torch_inputs(q, ecosystem._np_dtype(dtype)))
+        return convert.numpy_to_tensor(convert.tensor_to_numpy(out), device)
+
+    def vjp(query, keep, cotangent, *, positions=None, key_positions=None):
+        """NumPy in and out: {"input": d x, canonical weight name: gradient} of sum(output * cotangent)."""
+        import torch
+
+        dt = ecosystem._np_dtype(dtype)
+        query = np.asarray(query)
+        att, rotary, names = _llama_parts(sd, config, dtype)
+        ids = _llama_position_ids(positions, key_positions, *query.shape[:2])
+        call = _llama_call(att, rotary, config, None if keep is None else np.asarray(keep), ids, dtype)
+        x = ecosystem._torch_inputs(query, dt).requires_grad_(True)
+        with torch.enable_grad():
+            (call(x) * ecosystem._torch_inputs(cotangent, dt)).sum().backward()
+        grads = convert.from_layout({n: convert.tensor_to_numpy(p.grad) for n, p in att.named_parameters()}, "hf-llama")
+        if config.rope == "interleaved":  # a row permutation: the gradient's rows go back the same way
+            grads = convert.permute_rope(grads, num_heads=config.num_heads, num_kv_heads=config.kv_heads, to="interleaved")
+        return {"input": convert.tensor_to_numpy(x.grad), **{n: grads[n] for n in names}}
+
+    fn.vjp = vjp
+    return fn
