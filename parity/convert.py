@@ -25,12 +25,13 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
-from mha_spec import MASKED_ROWS_POLICIES, check_config
+from mha_spec import MASKED_ROWS_POLICIES, AttentionConfig, check_config
 from parity.atomic import atomic_path
 from parity.canonical import (
     CANONICAL_KEYS,
     PROJECTIONS,
     SUPPORTED_DTYPES,
+    bias_flags,
     check_keys,
     check_mapping,
     check_shape,
@@ -59,7 +60,7 @@ __all__ = [
 FLAX_NAMES = {"q_proj": "query", "k_proj": "key", "v_proj": "value", "out_proj": "out"}
 
 FILE_FORMAT = "mha-parity"
-FILE_FORMAT_VERSION = "1"
+FILE_FORMAT_VERSION = "2"  # load reads 1 (the classic layer) and 2
 
 
 # ---------------------------------------------------------------- checks
@@ -469,50 +470,75 @@ def to_equinox(sd, num_heads: int):
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """A loaded weight file: the weights plus what is needed to rebuild the module."""
+    """A loaded weight file: the weights plus what is needed to rebuild the module.
+
+    The state dict's keys say which biases the layer has; the rest of the layer
+    (heads, key/value heads, RoPE, masked-row policy) is here. The defaults are the
+    classic layer, which is what a format_version 1 file holds.
+    """
 
     state_dict: dict
     num_heads: int
     masked_rows: str
+    num_kv_heads: int | None = None
+    rope: str | None = None
+    rope_theta: float = 10000.0
+
+    @property
+    def config(self) -> AttentionConfig:
+        """The layer as an mha_spec.AttentionConfig (biases read off the state dict's keys)."""
+        qkv_bias, out_bias = bias_flags(self.state_dict.keys())
+        return AttentionConfig(self.state_dict["q_proj.weight"].shape[1], self.num_heads, num_kv_heads=self.num_kv_heads,
+                               qkv_bias=qkv_bias, out_bias=out_bias, rope=self.rope, rope_theta=self.rope_theta,
+                               masked_rows=self.masked_rows)
+
+    def layer_kwargs(self) -> dict:
+        """The module keywords the weights do not say: masked_rows, num_kv_heads, rope, rope_theta."""
+        return dict(masked_rows=self.masked_rows, num_kv_heads=self.num_kv_heads, rope=self.rope, rope_theta=self.rope_theta)
 
     def to_torch(self, **module_kwargs):
-        return to_torch(self.state_dict, self.num_heads, masked_rows=self.masked_rows, **module_kwargs)
+        return to_torch(self.state_dict, self.num_heads, **self.layer_kwargs(), **module_kwargs)
 
     def to_jax(self, **module_kwargs):
-        return to_jax(self.state_dict, self.num_heads, masked_rows=self.masked_rows, **module_kwargs)
+        return to_jax(self.state_dict, self.num_heads, **self.layer_kwargs(), **module_kwargs)
 
 
 def _module_config(obj):
-    """(state dict, num_heads, masked_rows) of our torch or JAX module, or None for anything else."""
+    """(state dict, AttentionConfig) of our torch or JAX module, or None for anything else."""
     for package, from_module in (("mha_torch", from_torch), ("mha_jax", from_jax)):
         mod = sys.modules.get(package)
         if mod is not None and isinstance(obj, mod.MultiHeadAttention):
-            return from_module(obj), obj.num_heads, obj.masked_rows
+            return from_module(obj), obj.config
     return None
 
 
-def save(obj, path, *, num_heads: int | None = None, masked_rows: str | None = None) -> None:
-    """Write weights to a safetensors file, with num_heads and masked_rows in its metadata.
+_NO_ROPE = "none"  # the metadata spelling of rope=None
 
-    `obj` is our torch or JAX module (num_heads and masked_rows come from it) or a
-    canonical state dict, which carries neither: then both keywords are required --
-    the masked-row policy is part of what the weights compute, so it is never defaulted.
+
+def save(obj, path, *, num_heads: int | None = None, masked_rows: str | None = None, num_kv_heads: int | None = None,
+         rope: str | None = None, rope_theta: float | None = None) -> None:
+    """Write weights to a safetensors file; the layer's description goes in its metadata.
+
+    `obj` is our torch or JAX module (everything comes from it; a keyword that
+    contradicts it is a ValueError) or a canonical state dict, which carries only the
+    biases (its keys) and the shapes: then num_heads= and masked_rows= are required --
+    the masked-row policy is part of what the weights compute, so it is never defaulted
+    -- and num_kv_heads (None: num_heads), rope (None: no RoPE) and rope_theta (None:
+    10000) describe the rest. Metadata (format_version 2): embed_dim, num_heads,
+    num_kv_heads (K, always written), rope ("none", "half", "interleaved"), rope_theta
+    (Python's repr of the float, exact), masked_rows.
     """
     from safetensors.numpy import save_file
 
-    cfg = getattr(obj, "config", None)
-    if cfg is not None and (cfg.num_kv_heads is not None or cfg.rope is not None or not cfg.qkv_bias
-                            or not cfg.out_bias):
-        # The file format records num_heads and masked_rows only: the rest would be lost.
-        raise NotImplementedError(f"save: the file format does not record num_kv_heads, rope, rope_theta or "
-                                  f"missing biases yet; this module's config is {cfg}")
-    config = _module_config(obj)
-    if config is not None:
-        sd, own_heads, own_policy = config
-        for field, given, own in (("num_heads", num_heads, own_heads), ("masked_rows", masked_rows, own_policy)):
-            if given is not None and given != own:
-                raise ValueError(f"save: {field}={given!r} contradicts the module's {field}={own!r}")
-        num_heads, masked_rows = own_heads, own_policy
+    given = dict(num_heads=num_heads, masked_rows=masked_rows, num_kv_heads=num_kv_heads, rope=rope, rope_theta=rope_theta)
+    module = _module_config(obj)
+    if module is not None:
+        sd, cfg = module
+        own = dict(num_heads=cfg.num_heads, masked_rows=cfg.masked_rows, num_kv_heads=cfg.kv_heads, rope=cfg.rope,
+                   rope_theta=cfg.rope_theta)
+        for field, value in given.items():
+            if value is not None and value != own[field]:
+                raise ValueError(f"save: {field}={value!r} contradicts the module's {field}={own[field]!r}")
     else:
         sd = obj
         if not isinstance(sd, Mapping):
@@ -522,17 +548,30 @@ def save(obj, path, *, num_heads: int | None = None, masked_rows: str | None = N
                 "save(state_dict, path) needs num_heads= and masked_rows= (one of "
                 f"{list(MASKED_ROWS_POLICIES)}: the policy the weights were used with); or pass the module itself"
             )
-    E, _ = check_state_dict(sd)
-    check_config(E, num_heads, masked_rows)
+        shapes, _ = check_variant_state_dict(sd, num_heads, num_kv_heads)
+        cfg = AttentionConfig(shapes.embed_dim, num_heads, num_kv_heads=num_kv_heads, qkv_bias=shapes.qkv_bias,
+                              out_bias=shapes.out_bias, rope=rope,
+                              rope_theta=10000.0 if rope_theta is None else rope_theta, masked_rows=masked_rows)
+    check_variant_state_dict(sd, cfg.num_heads, cfg.num_kv_heads)
     metadata = {
         "format": FILE_FORMAT,
         "format_version": FILE_FORMAT_VERSION,
-        "embed_dim": str(E),
-        "num_heads": str(num_heads),
-        "masked_rows": masked_rows,
+        "embed_dim": str(cfg.embed_dim),
+        "num_heads": str(cfg.num_heads),
+        "num_kv_heads": str(cfg.kv_heads),
+        "rope": _NO_ROPE if cfg.rope is None else cfg.rope,
+        "rope_theta": repr(float(cfg.rope_theta)),
+        "masked_rows": cfg.masked_rows,
     }
     with atomic_path(path) as tmp:  # a reader never sees half a file
-        save_file({k: np.ascontiguousarray(sd[k]) for k in CANONICAL_KEYS}, tmp, metadata=metadata)
+        save_file({k: np.ascontiguousarray(sd[k]) for k in cfg.weight_shapes()}, tmp, metadata=metadata)
+
+
+# Each version's metadata fields; version 1 (the classic layer only) is still read.
+_METADATA_FIELDS = {
+    "1": ("format_version", "embed_dim", "num_heads", "masked_rows"),
+    "2": ("format_version", "embed_dim", "num_heads", "num_kv_heads", "rope", "rope_theta", "masked_rows"),
+}
 
 
 def _metadata_int(metadata: dict, field: str, path: str) -> int:
@@ -542,38 +581,70 @@ def _metadata_int(metadata: dict, field: str, path: str) -> int:
     return int(value)
 
 
+def _metadata_rope(metadata: dict, path: str) -> tuple[str | None, float]:
+    """(rope, rope_theta) of a version 2 file; a ValueError naming the file and the field otherwise."""
+    from mha_spec import ROPE_CONVENTIONS
+
+    rope = metadata["rope"]
+    if rope != _NO_ROPE and rope not in ROPE_CONVENTIONS:
+        raise ValueError(f"{path}: metadata field 'rope' = {rope!r} is not one of {(_NO_ROPE, *ROPE_CONVENTIONS)}")
+    try:
+        theta = float(metadata["rope_theta"])
+    except ValueError:
+        theta = float("nan")
+    if not (1.0 < theta < float("inf")):
+        raise ValueError(f"{path}: metadata field 'rope_theta' = {metadata['rope_theta']!r} is not a finite number > 1")
+    return (None if rope == _NO_ROPE else rope), theta
+
+
 def load(path) -> Checkpoint:
     """Read a file written by `save`; everything needed to rebuild the module comes from the file.
 
     `path` is a str, bytes or os.PathLike. Every error names the file: a directory, a
     missing, truncated, pickle or foreign file, a tensor of another dtype, bad metadata.
+    A format_version 1 file (no num_kv_heads, rope or rope_theta) is the classic layer.
     """
     with open_weight_file(path) as f:
         path, metadata = f.path, f.metadata
         if metadata.get("format") != FILE_FORMAT:
             raise ValueError(f"{path} has no {FILE_FORMAT!r} metadata (found {sorted(metadata)}); was it written by parity.convert.save?")
-        for field in ("format_version", "embed_dim", "num_heads", "masked_rows"):
+        if "format_version" not in metadata:
+            raise ValueError(f"{path}: metadata lacks 'format_version'")
+        version = metadata["format_version"]
+        if version not in _METADATA_FIELDS:
+            raise ValueError(f"{path}: metadata field 'format_version' = {version!r}; this version reads {sorted(_METADATA_FIELDS)}")
+        for field in _METADATA_FIELDS[version]:
             if field not in metadata:
                 raise ValueError(f"{path}: metadata lacks {field!r}")
-        if metadata["format_version"] != FILE_FORMAT_VERSION:
-            raise ValueError(f"{path}: metadata field 'format_version' = {metadata['format_version']!r}; this version reads {FILE_FORMAT_VERSION!r}")
+        later = sorted(set(_METADATA_FIELDS["2"]) - set(_METADATA_FIELDS[version]) & set(metadata))
+        if later:
+            raise ValueError(f"{path}: metadata fields {later} are not part of format_version {version!r}")
         embed_dim, num_heads = _metadata_int(metadata, "embed_dim", path), _metadata_int(metadata, "num_heads", path)
         if metadata["masked_rows"] not in MASKED_ROWS_POLICIES:
             raise ValueError(f"{path}: metadata field 'masked_rows' = {metadata['masked_rows']!r} is not one of {MASKED_ROWS_POLICIES}")
+        kv_heads, rope, rope_theta = num_heads, None, 10000.0
+        if version != "1":
+            kv_heads = _metadata_int(metadata, "num_kv_heads", path)
+            rope, rope_theta = _metadata_rope(metadata, path)
+        keys = CANONICAL_KEYS if version == "1" else tuple(k for k in CANONICAL_KEYS if k in f.keys)
         try:
-            check_keys(f.keys, CANONICAL_KEYS, "state dict")
+            check_keys(f.keys, keys, "state dict")
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from e
-        sd = {k: f.get(k) for k in CANONICAL_KEYS}
+        sd = {k: f.get(k) for k in keys}
     try:
-        E, _ = check_state_dict(sd)
+        E = sd["q_proj.weight"].shape[-1] if "q_proj.weight" in sd else None
+        if E is not None and E != embed_dim:
+            raise ValueError(f"metadata field 'embed_dim' = {embed_dim} but the weights are ({sd['q_proj.weight'].shape[0]}, {E})")
+        if E is not None and E % num_heads:
+            raise ValueError(f"metadata field 'num_heads' = {num_heads} does not divide embed_dim {E}")
+        if num_heads % kv_heads:
+            raise ValueError(f"metadata field 'num_kv_heads' = {kv_heads} does not divide num_heads {num_heads}")
+        num_kv_heads = None if kv_heads == num_heads else kv_heads
+        check_variant_state_dict(sd, num_heads, num_kv_heads)
     except (TypeError, ValueError) as e:
         raise type(e)(f"{path}: {e}") from e
-    if E != embed_dim:
-        raise ValueError(f"{path}: metadata field 'embed_dim' = {embed_dim} but the weights are ({E}, {E})")
-    if E % num_heads:
-        raise ValueError(f"{path}: metadata field 'num_heads' = {num_heads} does not divide embed_dim {E}")
-    return Checkpoint(sd, num_heads, metadata["masked_rows"])
+    return Checkpoint(sd, num_heads, metadata["masked_rows"], num_kv_heads, rope, rope_theta)
 
 
 ROPE_TARGETS = ("half", "interleaved")

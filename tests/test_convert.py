@@ -280,7 +280,7 @@ def _write_with_metadata(path, sd, **changes):
 @pytest.mark.parametrize(
     "changes, message",
     [
-        ({"format_version": "2"}, r"'format_version' = '2'; this version reads '1'"),
+        ({"format_version": "3"}, r"'format_version' = '3'; this version reads \['1', '2'\]"),
         ({"embed_dim": "16"}, r"'embed_dim' = 16 but the weights are \(12, 12\)"),
         ({"embed_dim": "twelve"}, r"'embed_dim' = 'twelve' is not a positive integer"),
         ({"num_heads": "-3"}, r"'num_heads' = '-3' is not a positive integer"),
