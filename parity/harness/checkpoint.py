@@ -1,0 +1,189 @@
+"""`mha-parity --checkpoint`: the forward, gradient and peers checks on a layer someone holds.
+
+    mha-parity --checkpoint DIR_OR_FILE --layout hf-llama --prefix model.layers.3.self_attn. [--shape B,T,S]
+
+A transformers checkpoint directory gives the weights and, from its config.json, the layer
+(heads, key/value heads, rope_theta, biases: `parity.layouts.read_checkpoint`). A single
+.safetensors file says none of that: it needs --num-heads and --rope-theta (a hf-llama
+layer always rotates, rotate-half as Hugging Face does); --num-kv-heads is read off the
+k_proj rows when not given, and checked when it is; the biases are the keys present.
+
+The layer runs as a decoder's self-attention at B, T, S (default 2, 5, 5): query, key and
+value are one sequence when T == S; with T < S the T queries are the newest of S tokens
+(a decoder with a cache: key/value inputs drawn apart, the causal mask bottom-right
+aligned). Two cases, the masks a decoder sees:
+
+    checkpoint/causal/nan        causal (no row is fully masked, so the policy never shows)
+    checkpoint/padding/uniform   padded keys, one sequence all padding: its rows are fully
+                                 masked, and "uniform" is what Hugging Face's finfo.min mask gives
+
+Every case draws its inputs and RoPE positions as the matrix does (seeded by the case name);
+only the weights are the checkpoint's. The report's environment names the file, the layout
+and the prefix. A bad path, layout or prefix, or a missing flag, is a `LoadError` (exit 2)
+naming it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+from mha_spec import AttentionConfig, Problem
+from parity.harness.matrix import Case, Shape
+from parity.impls.registry import LoadError
+
+DEFAULT_SHAPE = (2, 5, 5)
+CHECKS = ("forward", "gradient", "peers")  # training and sharded check our modules on drawn layers
+DTYPES_DEFAULT = ("float64", "float32")  # --dtypes picks others (bfloat16, float16)
+MASKS = (("causal", "nan"), ("padding", "uniform"))  # (mask kind, masked-row policy): see the module docstring
+_FILE_FLAGS = ("num_heads", "num_kv_heads", "rope_theta")
+
+
+@dataclass(frozen=True)
+class CheckpointLayer:
+    """One attention block read from a checkpoint: where it came from, its weights and its layer."""
+
+    path: str
+    layout: str
+    prefix: str
+    state_dict: dict
+    config: AttentionConfig
+
+    @property
+    def environment(self) -> dict:
+        """What the report records about the layer checked."""
+        c = self.config
+        return {"checkpoint": self.path, "checkpoint_layout": self.layout, "checkpoint_prefix": self.prefix,
+                "checkpoint_layer": (f"E={c.embed_dim} N={c.num_heads} K={c.kv_heads} H={c.head_size} "
+                                     f"qkv_bias={c.qkv_bias} out_bias={c.out_bias} rope={c.rope} "
+                                     f"rope_theta={c.rope_theta:g}"),
+                "checkpoint_dtype": str(next(iter(self.state_dict.values())).dtype)}
+
+
+def _fail(path, layout, prefix, e: BaseException) -> LoadError:
+    text = " ".join(str(e).split()) or type(e).__name__
+    return LoadError(f"--checkpoint {path} --layout {layout} --prefix {prefix!r}: {type(e).__name__}: {text}")
+
+
+def load_layer(path, layout: str = "hf-llama", prefix: str = "", *, num_heads: int | None = None,
+               num_kv_heads: int | None = None, rope_theta: float | None = None) -> CheckpointLayer:
+    """Read one attention block; any failure is a `LoadError` naming the path, layout and prefix."""
+    from parity import layouts
+
+    if layout not in layouts.LAYOUTS:
+        raise LoadError(f"--layout {layout!r} is not a known layout; known: {', '.join(layouts.LAYOUTS)}")
+    if not os.path.exists(path):
+        raise LoadError(f"--checkpoint {path}: no such file or directory")
+    given = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "rope_theta": rope_theta}
+    try:
+        if os.path.isdir(path):
+            extra = [f"--{k.replace('_', '-')}" for k, v in given.items() if v is not None]
+            if extra:
+                raise LoadError(f"--checkpoint {path} is a directory: its config.json gives the layer, so "
+                                f"{', '.join(extra)} {'is' if len(extra) == 1 else 'are'} not taken (a single .safetensors file needs them)")
+            sd, config = layouts.read_checkpoint(path, layout, prefix=prefix)
+        else:
+            sd, config = _read_file(path, layout, prefix, num_heads, num_kv_heads, rope_theta)
+    except LoadError:
+        raise
+    except (OSError, ValueError, TypeError, KeyError, NotImplementedError) as e:
+        raise _fail(path, layout, prefix, e) from e
+    return CheckpointLayer(str(path), layout, prefix, sd, config)
+
+
+def _read_file(path, layout, prefix, num_heads, num_kv_heads, rope_theta):
+    from parity import layouts
+    from parity.canonical import check_variant_state_dict
+
+    rope = "half" if layout == "hf-llama" else None  # Hugging Face's convention; the classic layouts have none
+    missing = ["--num-heads"] if num_heads is None else []
+    if rope is not None and rope_theta is None:
+        missing.append("--rope-theta")
+    if missing:
+        raise LoadError(f"--checkpoint {path} is a single weight file, which does not say the layer's heads or RoPE: "
+                        f"give {' and '.join(missing)} (or the checkpoint directory holding config.json)")
+    if rope is None and rope_theta is not None:
+        raise LoadError(f"--rope-theta: layout {layout!r} has no rotary embedding")
+    sd = layouts.read_layout(path, layout, prefix=prefix, num_heads=num_heads)
+    E, kv_rows = sd["q_proj.weight"].shape[1], sd["k_proj.weight"].shape[0]
+    if num_kv_heads is None:
+        num_kv_heads = kv_rows // (E // num_heads)  # read_layout checked: a whole number of heads dividing N
+    read, _ = check_variant_state_dict(sd, num_heads, num_kv_heads)
+    config = AttentionConfig(E, num_heads, num_kv_heads=num_kv_heads, qkv_bias=read.qkv_bias, out_bias=read.out_bias,
+                             rope=rope, rope_theta=10000.0 if rope_theta is None else float(rope_theta))
+    return sd, config
+
+
+def cases(config: AttentionConfig, B: int, T: int, S: int) -> tuple[Case, ...]:
+    """The checkpoint's cases at B, T, S (see the module docstring)."""
+    if T > S:
+        raise ValueError(f"--shape {B},{T},{S}: a decoder's queries are the newest of its tokens, so T <= S; got T > S")
+    shape = Shape.of("checkpoint", Problem(config, B, T, S), cross=T != S)
+    return tuple(Case(shape, mask, policy, peers=True, jax_eager=False) for mask, policy in MASKS)
+
+
+def parse_shape(text: str) -> tuple[int, int, int]:
+    """An argparse `type`: 'B,T,S' -> (B, T, S), positive integers."""
+    try:
+        vals = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected B,T,S (three positive integers), got {text!r}") from None
+    if len(vals) != 3 or any(v <= 0 for v in vals):
+        raise argparse.ArgumentTypeError(f"expected B,T,S (three positive integers), got {text!r}")
+    return vals
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The --checkpoint flags of `mha-parity`."""
+    from parity.cli_args import positive_float, positive_int
+    from parity.layouts import LAYOUTS
+
+    g = p.add_argument_group("a checkpoint's layer (--checkpoint)")
+    g.add_argument("--checkpoint", metavar="DIR_OR_FILE", default=None,
+                   help="check one attention block of a checkpoint: a transformers directory (config.json + "
+                   "model.safetensors or its sharded index) or one .safetensors file; runs forward, gradient and peers "
+                   "on a causal and a padded case (default dtypes float64,float32)")
+    g.add_argument("--layout", default="hf-llama", metavar="NAME",
+                   help=f"how the checkpoint names the block's tensors ({', '.join(LAYOUTS)}; default %(default)s)")
+    g.add_argument("--prefix", default="", metavar="PREFIX", help="the block's key prefix, e.g. model.layers.3.self_attn.")
+    g.add_argument("--shape", type=parse_shape, default=None, metavar="B,T,S",
+                   help=f"batch, query and key lengths (T <= S; default {','.join(map(str, DEFAULT_SHAPE))})")
+    g.add_argument("--num-heads", type=positive_int, default=None, metavar="N", help="single file: query heads")
+    g.add_argument("--num-kv-heads", type=positive_int, default=None, metavar="K",
+                   help="single file: key/value heads (default: read off k_proj's rows)")
+    g.add_argument("--rope-theta", type=positive_float, default=None, metavar="THETA",
+                   help="single file, hf-llama: the rotary base (config.json's rope_theta)")
+
+
+def usage_problem(args) -> str | None:
+    """A flag that needs --checkpoint, or one --checkpoint cannot take (None: fine)."""
+    own = ("layout", "prefix", "shape", *_FILE_FLAGS)
+    if args.checkpoint is None:
+        given = [f"--{a.replace('_', '-')}" for a in own
+                 if getattr(args, a) not in (None, "", "hf-llama")]
+        return f"{', '.join(given)} describe a checkpoint's layer: give --checkpoint too" if given else None
+    if args.quick:
+        return "--quick picks the drawn matrix; --checkpoint runs the checkpoint's own cases"
+    if args.devices is not None:
+        return "--devices checks the sharded layouts of drawn layers; it does not take --checkpoint"
+    return None
+
+
+def run_kwargs(args) -> dict:
+    """`parity.harness.run` arguments for --checkpoint: the cases, the fixed weights, the report's environment,
+    and the checks/dtypes defaults (the ones given on the command line win)."""
+    layer = load_layer(args.checkpoint, args.layout, args.prefix, num_heads=args.num_heads,
+                       num_kv_heads=args.num_kv_heads, rope_theta=args.rope_theta)
+    B, T, S = args.shape or DEFAULT_SHAPE
+    try:
+        chosen = cases(layer.config, B, T, S)
+    except ValueError as e:
+        raise LoadError(str(e)) from e
+    return {"cases": chosen, "state_dict": layer.state_dict, "environment": layer.environment,
+            "checks": args.checks if args.checks is not None else CHECKS,
+            "dtypes": args.dtypes if args.dtypes is not None else DTYPES_DEFAULT}
+
+
+__all__ = ["CheckpointLayer", "load_layer", "cases", "run_kwargs", "add_arguments", "usage_problem", "CHECKS", "MASKS",
+           "DEFAULT_SHAPE", "DTYPES_DEFAULT"]
