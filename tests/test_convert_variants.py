@@ -125,11 +125,3 @@ def test_kv_rows_without_num_kv_heads_are_named():
     with pytest.raises(ValueError, match=r"k_proj.weight has shape \(8, 24\), expected \(24, 24\)"):
         convert.to_torch(_sd(np.random.default_rng(5)), N)
 
-
-@pytest.mark.parametrize("kwargs", [dict(rope="half"), dict(num_kv_heads=2), dict(qkv_bias=False)])
-def test_save_refuses_what_the_file_cannot_record(kwargs, tmp_path):
-    from mha_torch import MultiHeadAttention
-
-    with pytest.raises(NotImplementedError, match="does not record"):
-        convert.save(MultiHeadAttention(E, N, **kwargs), tmp_path / "w.safetensors")
-    assert not (tmp_path / "w.safetensors").exists()
