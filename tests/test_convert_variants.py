@@ -124,4 +124,3 @@ def test_partial_bias_set_is_named(drop, match):
 def test_kv_rows_without_num_kv_heads_are_named():
     with pytest.raises(ValueError, match=r"k_proj.weight has shape \(8, 24\), expected \(24, 24\)"):
         convert.to_torch(_sd(np.random.default_rng(5)), N)
-
