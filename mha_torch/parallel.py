@@ -2,17 +2,26 @@
 
 - Tensor parallel (heads): `tensor_parallel_plan()` is a DTensor plan for
   `parallelize_module` (ColwiseParallel for q/k/v, RowwiseParallel for out);
-  `parallelize_heads(module, mesh)` applies it after checking the head count; the
-  module then runs as it is (its head split infers the local head count).
-  `tp_forward` is the same maths for a keep-mask with a head axis (N > 1), which it
-  cuts to this rank's heads (the module's own mask check wants all N).
+  `parallelize_heads(module, mesh)` applies it after checking that the query heads N and
+  the key/value heads K both split over the mesh; the module then runs as it is (its head
+  split infers the local head count from the projection's width). Rank r holds query
+  heads r·N/n ... and key/value heads r·K/n ..., exactly the key/value heads its query
+  heads read (query head h reads h // (N/K)). `tp_forward` is the same maths for a
+  keep-mask with a head axis (N > 1), which it cuts to this rank's heads (the module's own
+  mask check wants all N).
 - Sequence parallel (ring attention): `sequence_parallel_forward` takes this rank's
-  query block and key/value blocks; the k/v blocks travel around the ring with
-  point-to-point send/recv (an autograd Function whose backward sends the
-  gradients the other way round) and are merged with the online-softmax recurrence.
+  query block and key/value blocks; RoPE rotates each block with its global positions
+  (rank r's query rows are r·T/n ..., its keys r·S/n ...) before the key blocks travel; the
+  k/v blocks (K heads) travel around the ring with point-to-point send/recv (an autograd
+  Function whose backward sends the gradients the other way round) and are merged with the
+  online-softmax recurrence, each key/value head serving its group of query heads.
 - Data parallel: `data_parallel_forward` runs this rank's batch rows; `all_reduce_grads`
   sums the parameters' gradients over the group (a sum, not DDP's mean, so that the
   gradients are those of the whole batch's loss).
+
+Grouped key/value heads, RoPE and bias-free projections are the module's own
+(`num_kv_heads`, `rope`, `qkv_bias`, `out_bias`); positions and masks are always given for
+the whole problem, as to the one-device module.
 
 Gradients are torch autograd through these collectives. Sizes that do not split evenly
 are a ValueError (nothing is padded); a process group that is not initialised is a
@@ -30,7 +39,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from mha_torch.attention import _LOW_PRECISION, _apply_masked_row_policy, _keep_mask, attention_core, fused_attention_core
+from mha_torch.attention import (
+    _LOW_PRECISION, _apply_masked_row_policy, _keep_mask, _positions, attention_core, fused_attention_core, rotate,
+)
 from mha_spec import check_qkv_shapes
 
 
@@ -59,37 +70,51 @@ def tensor_parallel_plan() -> dict:
 
 
 def parallelize_heads(module, mesh):
-    """parallelize_module(module, mesh, tensor_parallel_plan()) after checking N % mesh size."""
+    """parallelize_module(module, mesh, tensor_parallel_plan()) after checking that N and K split over the mesh."""
     _require_group()
     if mesh.ndim != 1:
         raise ValueError(f"tensor parallel wants a 1-D device mesh, got mesh shape {tuple(mesh.shape)}")
-    _check_divisible("tp", mesh.size(), **{"num_heads N": module.num_heads})
+    _check_divisible("tp", mesh.size(), **{"num_heads N": module.num_heads, "num_kv_heads K": module.num_kv_heads})
     return parallelize_module(module, mesh, tensor_parallel_plan())
 
 
-def tp_forward(module, query, key, value, mask=None, need_weights: bool = False):
+def _check_positions_used(module, positions, key_positions) -> None:
+    if module.config.rope is None and (positions is not None or key_positions is not None):
+        raise ValueError("positions/key_positions are given but rope=None: they would be ignored")
+
+
+def _rotated(module, x, pos, batch: int, length: int, start: int, name: str):
+    """x (B, n, L_block, H) rotated with the positions of rows start ... of the whole problem's `length`
+    (pos: (length,) | (B, length) | None = arange); x itself without RoPE."""
+    if module.config.rope is None:
+        return x
+    block = _positions(pos, batch, length, name, x.device).narrow(2, start, x.shape[-2])  # (B|1, 1, L_block, 1)
+    return rotate(x, block, module.config.rope_theta, module.config.rope)
+
+
+def tp_forward(module, query, key, value, mask=None, need_weights: bool = False, *, positions=None, key_positions=None):
     """The module's forward with the head count inferred from the local projection width.
 
     The same maths as `MultiHeadAttention.forward`, for a module run under
-    `parallelize_heads` (its q/k/v projections return this rank's heads only).
-    Returns (output [B, T, E], this rank's weights [B, N/tp, T, S] or None).
+    `parallelize_heads` (its q/k/v projections return this rank's N/tp query heads and K/tp
+    key/value heads). Returns (output [B, T, E], this rank's weights [B, N/tp, T, S] or None).
     """
     B, T, S = check_qkv_shapes(query.shape, key.shape, value.shape, module.embed_dim)
-    H = module.head_dim
+    _check_positions_used(module, positions, key_positions)
     keep = None if mask is None else _keep_mask(mask, B, module.num_heads, T, S)
-
-    def heads(x):  # (B, L, E/tp) -> (B, N/tp, L, H)
-        return x.view(x.shape[0], x.shape[1], -1, H).transpose(1, 2)
-
-    q, k, v = heads(module.q_proj(query)), heads(module.k_proj(key)), heads(module.v_proj(value))
+    q = _rotated(module, module._split_heads(module.q_proj(query)), positions, B, T, 0, "positions")  # (B, N/tp, T, H)
+    k = _rotated(module, module._split_heads(module.k_proj(key)), key_positions, B, S, 0, "key_positions")  # (B, K/tp, S, H)
+    v = module._split_heads(module.v_proj(value))  # (B, K/tp, S, H)
     if keep is not None and keep.shape[1] > 1:
         n_local = q.shape[1]  # a per-head mask: this rank's heads
         keep = keep.narrow(1, _tp_rank(module) * n_local, n_local)
     if need_weights:
+        group = q.shape[1] // k.shape[1]  # query head h reads key/value head h // group: repeat, never tile
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         context, weights = attention_core(q, k, v, keep, masked_rows=module.masked_rows)
     else:
         context, weights = fused_attention_core(q, k, v, keep, masked_rows=module.masked_rows), None
-    context = context.transpose(1, 2).reshape(B, T, -1)  # (B, T, E/tp)
+    context = context.transpose(1, 2).reshape(B, T, -1)  # (B, T, N·H/tp)
     return module.out_proj(context), weights
 
 
@@ -157,37 +182,46 @@ def key_block_start(src: int, n: int, block: int) -> int:
 
 
 def _online_step(carry, s, vj, dtype):
-    """One key block of flash attention's recurrence; scores s (B, N, T, S) in the accumulation dtype."""
+    """One key block of flash attention's recurrence; scores s (B, N, T, S) in the accumulation dtype,
+    vj (B, K, S, H) with K dividing N (query head h reads key/value head h // (N/K))."""
     ctx, run_max, run_sum = carry  # (B, N, T, H), (B, N, T, 1), (B, N, T, 1)
+    B, N, T, S = s.shape
+    K, H = vj.shape[1], vj.shape[-1]
     # The max only stabilises exp(); the result does not depend on it.
     new_max = torch.maximum(run_max, s.amax(dim=-1, keepdim=True)).detach()
     # A row that has seen only masked keys keeps max -inf; use 0 so exp() gives 0, not NaN.
     safe_max = torch.where(torch.isfinite(new_max), new_max, 0.0)
     p = torch.exp(s - safe_max)
     rescale = torch.exp(run_max - safe_max)
-    pv = torch.matmul(p.to(dtype), vj).to(ctx.dtype)
+    # A group's query heads stacked along the rows: (B, K, G·T, S) @ (B, K, S, H), K and V never repeated.
+    pv = torch.matmul(p.to(dtype).reshape(B, K, -1, S), vj).reshape(B, N, T, H).to(ctx.dtype)
     return rescale * ctx + pv, new_max, rescale * run_sum + p.sum(dim=-1, keepdim=True)
 
 
 def ring_attention(q, k, v, keep=None, *, group=None, masked_rows: str = "nan", S_total: int):
     """This rank's query block against every key block of the ring.
 
-    q (B, N, T/n, H), k and v (B, N, S/n, H): this rank's blocks; keep bool
-    (B|1, N|1, T/n, S): this rank's query rows, every key column. Returns the context
-    (B, N, T/n, H). Whether a row is empty comes from its whole keep-mask row, never from
-    one block (a row may be empty within a block and not overall).
+    q (B, N, T/n, H), k and v (B, K, S/n, H) with K dividing N: this rank's blocks (already
+    rotated, for RoPE); keep bool (B|1, N|1, T/n, S): this rank's query rows, every key
+    column. Returns the context (B, N, T/n, H). Whether a row is empty comes from its whole
+    keep-mask row, never from one block (a row may be empty within a block and not overall).
     """
     me, n = _require_group(group)
     dtype = q.dtype
     acc = torch.float32 if dtype in _LOW_PRECISION else dtype
     B, N, Tb, H = q.shape
-    Sb = k.shape[-2]
+    K, Sb = k.shape[1], k.shape[-2]
+    if N % K or tuple(k.shape) != tuple(v.shape):
+        raise ValueError(f"key/value heads must divide the query heads and key and value must have one shape: "
+                         f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} (B, heads, L, H)")
+    G = N // K
     scale = 1.0 / math.sqrt(H)
+    q_grouped = q.to(acc).reshape(B, K, G * Tb, H)  # query head j·G + g reads key/value head j
     carry = (q.new_zeros((B, N, Tb, H), dtype=acc), q.new_full((B, N, Tb, 1), -math.inf, dtype=acc), q.new_zeros((B, N, Tb, 1), dtype=acc))
-    kv = torch.stack((k, v))  # (2, B, N, S/n, H): one message per step
+    kv = torch.stack((k, v))  # (2, B, K, S/n, H): one message per step
     for i in range(n):
         src = (me - i) % n  # the block this rank holds at step i
-        s = torch.matmul(q.to(acc), kv[0].to(acc).transpose(-1, -2)) * scale  # (B, N, T/n, S/n)
+        s = (torch.matmul(q_grouped, kv[0].to(acc).transpose(-1, -2)) * scale).reshape(B, N, Tb, Sb)  # (B, N, T/n, S/n)
         if keep is not None:
             s = s.masked_fill(~keep.narrow(-1, key_block_start(src, n, Sb), Sb), -math.inf)
         carry = _online_step(carry, s, kv[1], dtype)
@@ -199,8 +233,10 @@ def ring_attention(q, k, v, keep=None, *, group=None, masked_rows: str = "nan", 
         row_any = keep.any(dim=-1, keepdim=True)  # (B|1, N|1, T/n, 1): the whole row
         mean_v = None
         if masked_rows != "zero":
-            total = _AllReduceSum.apply(v.to(acc).sum(dim=-2, keepdim=True), group)
-            mean_v = total / S_total  # (B, N, 1, H)
+            # mean(V) over the whole sequence as the sum of V·(1/S): a plain sum of finite values
+            # near the dtype's largest could overflow before the division.
+            total = _AllReduceSum.apply((v.to(acc) * (1.0 / S_total)).sum(dim=-2, keepdim=True), group)  # (B, K, 1, H)
+            mean_v = total.repeat_interleave(G, dim=1) if G > 1 else total  # (B, N, 1, H)
         ctx = _apply_masked_row_policy(ctx, row_any, masked_rows, mean_v)
     return ctx.to(dtype)
 
@@ -216,37 +252,46 @@ def _local_rows(mask, B: int, N: int, T: int, S: int, start: int, length: int, b
     return keep.narrow(2, start, length)
 
 
-def sequence_parallel_forward(module, query, key, value, mask=None, *, group=None):
+def sequence_parallel_forward(module, query, key, value, mask=None, *, positions=None, key_positions=None, group=None):
     """Ring attention: this rank's output block (B, T/n, E).
 
     query (B, T/n, E), key and value (B, S/n, E): this rank's blocks (rank r holds
-    rows r·T/n ... (r+1)·T/n - 1). mask: the keep-mask of the whole problem, as for
-    `MultiHeadAttention` ([T, S], [B, T, S] or [B|1, N|1, T, S]); each rank uses its rows.
-    The module's parameters are replicated; call `all_reduce_grads` after backward.
+    rows r·T/n ... (r+1)·T/n - 1). mask, positions ((T,) | (B, T)) and key_positions
+    ((S,) | (B, S)): those of the whole problem, as for `MultiHeadAttention` (positions
+    default to arange); each rank uses its rows, so every block rotates with its global
+    positions. The module's parameters are replicated; call `all_reduce_grads` after backward.
     """
     me, n = _require_group(group)
     B, Tb, Sb = check_qkv_shapes(query.shape, key.shape, value.shape, module.embed_dim)
+    _check_positions_used(module, positions, key_positions)
     T, S = Tb * n, Sb * n
     keep = _local_rows(mask, B, module.num_heads, T, S, me * Tb, Tb, batch=False)
-    N, H = module.num_heads, module.head_dim
-
-    def heads(x):  # (B, L, E) -> (B, N, L, H)
-        return x.view(x.shape[0], x.shape[1], N, H).transpose(1, 2)
-
-    q, k, v = heads(module.q_proj(query)), heads(module.k_proj(key)), heads(module.v_proj(value))
+    q = _rotated(module, module._split_heads(module.q_proj(query)), positions, B, T, me * Tb, "positions")  # (B, N, T/n, H)
+    k = _rotated(module, module._split_heads(module.k_proj(key)), key_positions, B, S, me * Sb, "key_positions")  # (B, K, S/n, H)
+    v = module._split_heads(module.v_proj(value))  # (B, K, S/n, H)
     context = ring_attention(q, k, v, keep, group=group, masked_rows=module.masked_rows, S_total=S)
-    return module.out_proj(context.transpose(1, 2).reshape(B, Tb, module.embed_dim))  # (B, T/n, E)
+    return module.out_proj(context.transpose(1, 2).reshape(B, Tb, -1))  # (B, T/n, E)
 
 
 # ---------------------------------------------------------------- data parallel
 
 
-def data_parallel_forward(module, query, key, value, mask=None, *, group=None):
-    """This rank's batch rows (B/n, T, E) through the module; mask given for the whole batch."""
+def _batch_rows(pos, B: int, length: int, start: int, rows: int, name: str):
+    """Positions given for the whole batch ((L,) | (B, L) | None) cut to this rank's batch rows."""
+    if pos is None or not isinstance(pos, torch.Tensor) or pos.ndim != 2:
+        return pos  # shared by the batch (the module checks the rest)
+    _positions(pos, B, length, name, pos.device)  # the whole batch's shape, checked
+    return pos.narrow(0, start, rows)
+
+
+def data_parallel_forward(module, query, key, value, mask=None, *, positions=None, key_positions=None, group=None):
+    """This rank's batch rows (B/n, T, E) through the module; mask and positions given for the whole batch."""
     me, n = _require_group(group)
     Bb, T, S = check_qkv_shapes(query.shape, key.shape, value.shape, module.embed_dim)
     keep = _local_rows(mask, Bb * n, module.num_heads, T, S, me * Bb, Bb, batch=True)
-    output, _ = module(query, key, value, keep, need_weights=False)
+    pos = {"positions": _batch_rows(positions, Bb * n, T, me * Bb, Bb, "positions"),
+           "key_positions": _batch_rows(key_positions, Bb * n, S, me * Bb, Bb, "key_positions")}
+    output, _ = module(query, key, value, keep, need_weights=False, **pos)
     return output
 
 

@@ -10,7 +10,7 @@ groups themselves (start, watch, stop, row stream) are `parity.workers`; the per
 memory benchmark is `parity.bench.sharded` (`mha-bench sharded`).
 """
 
-from parity.harness.sharded.cases import FRAMEWORKS, LAYOUTS, MASK_POLICIES, PLANTS, SHAPE, Job
+from parity.harness.sharded.cases import FRAMEWORKS, LAYOUTS, MASK_KINDS, MASK_POLICIES, PLANTS, PROBLEMS, Job
 from parity.harness.sharded.launch import run_sharded
 
-__all__ = ["run_sharded", "Job", "LAYOUTS", "FRAMEWORKS", "MASK_POLICIES", "PLANTS", "SHAPE"]
+__all__ = ["run_sharded", "Job", "LAYOUTS", "FRAMEWORKS", "MASK_KINDS", "MASK_POLICIES", "PLANTS", "PROBLEMS"]

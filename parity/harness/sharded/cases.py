@@ -1,53 +1,61 @@
 """What a sharded check runs and how it is judged; imports neither framework.
 
-A `Job` is one (framework, layout, device count, case, dtype). Its inputs come from the
-harness's seeded draw (`parity.harness.matrix.draw_inputs`), so a sharded row and a
-one-device row of the same case see the same numbers. A worker computes the sharded
-output and gradients and the one-device module's, and `judge_job` turns them into
-report rows: each quantity against the float64 oracle and against the one-device run,
-with the tolerance table (an all-reduce sums partial products in another order, so
-nothing here is bitwise).
+A `Job` is one (framework, layout, device count, layer, mask kind, policy, dtype). The
+layer and its sizes are an `mha_spec.Problem` (`PROBLEMS`): the classic layer and a
+grouped-query layer with RoPE and bias-free projections. A job's inputs are a seeded draw
+(`inputs`), and a worker computes the sharded output and gradients and the one-device
+module's, and `judge_job` turns them into report rows: each quantity against the float64
+oracle and against the one-device run, with the tolerance table (an all-reduce sums
+partial products in another order, so nothing here is bitwise).
 
-Legend (see mha_spec): B T S N H E.
+Legend (see mha_spec): B T S N K H E.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import zlib
 from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from parity import reference
+from mha_spec import AttentionConfig, Problem
+from parity import draw, reference
 from parity.dtypes import numpy_dtype
 from parity.harness.judge import judge_grads, status
-from parity.harness.matrix import Case, Shape, draw_inputs
 from parity.harness.report import Row
 from parity.tolerances import tolerance_for
 
 LAYOUTS = ("tp", "sp", "dp")
 JAX_ONLY_LAYOUTS = ("tp-gspmd",)  # the unchanged module, parameters head-sharded, GSPMD under jit
 FRAMEWORKS = ("torch", "jax")
-HEAD_MASK = "random-heads"
-"""A random keep-mask with a head axis (B, N, T, S): tp cuts it with the heads."""
-MASK_POLICIES = (("none", "nan"), ("padding", "zero"), ("causal", "nan"), ("random", "nan"), ("random", "zero"),
-                 ("random", "uniform"), (HEAD_MASK, "zero"))
-"""Every mask kind and every policy, each policy meeting fully masked rows (as the harness's default)."""
 
-# Pairwise distinct and divisible by 2 and 4 where a layout splits them:
-# dp splits B=4, tp splits N=8 (H=3), sp splits T=16 and S=12 (cross-attention).
-SHAPE = Shape("sharded", B=4, T=16, S=12, E=24, N=8, cross=True)
+# Within a layer, sizes pairwise distinct and divisible by 2 and 4 where a layout splits them:
+# dp splits B, tp the query heads N and the key/value heads K, sp T and S (cross-attention).
+PROBLEMS = {
+    "classic": Problem(AttentionConfig(24, 8), B=4, T=16, S=12),  # H=3
+    # Llama-style: 2 query heads per key/value head, rotate-half RoPE (H even), no biases.
+    "grouped-rope": Problem(AttentionConfig(96, 16, num_kv_heads=8, qkv_bias=False, out_bias=False, rope="half"),
+                            B=4, T=20, S=12),  # H=6
+}
+"""The layers and sizes the sharded check runs (masked_rows is the job's)."""
+
+MASK_KINDS = ("none", "random", "random-heads")
+"""none; random: a keep-mask per batch row (B, 1, T, S) with a fully masked row, a full row and a row
+empty in every ring block but the last; random-heads: one per head (B, N, T, S), tp cuts it with the heads."""
+
+MASK_POLICIES = (("none", "nan"), ("random", "nan"), ("random", "zero"), ("random", "uniform"), ("random-heads", "zero"))
+"""Every mask kind and every policy, each policy meeting fully masked rows. The policies matter for
+sharding where a fill needs the whole sequence (mean V over the ring's blocks); the masks where a
+layout cuts them (query rows, heads, batch rows) and where the ring slices them per key block."""
 
 PLANTS = {
     "bias_per_shard": "tp",  # the out bias added on every shard before the all-reduce
     "bias_grad_div": "tp",  # the out bias gradient divided by the shard count
     "ring_mask_offset": "sp",  # the key-block mask sliced one block off
+    "ring_local_positions": "sp",  # each ring block rotated with positions counted from its own start
 }
 """Planted bugs for the tests, and the layout each one breaks."""
-
-GRAD_GROUPS = {
-    "d_inputs": ("query", "key", "value"),
-    "d_params": tuple(f"{p}.{w}" for p in ("q_proj", "k_proj", "v_proj", "out_proj") for w in ("weight", "bias")),
-}
 
 
 @dataclass(frozen=True)
@@ -59,11 +67,23 @@ class Job:
     masked_rows: str
     dtype: str
     seed: int = 0
+    layer: str = "classic"
+
+    def __post_init__(self):
+        if self.layer not in PROBLEMS:
+            raise ValueError(f"unknown layer {self.layer!r}; known: {tuple(PROBLEMS)}")
+        if self.mask not in MASK_KINDS:
+            raise ValueError(f"unknown mask kind {self.mask!r}; known: {MASK_KINDS}")
 
     @property
-    def case(self) -> Case:
-        return Case(SHAPE, "random" if self.mask == HEAD_MASK else self.mask, self.masked_rows,
-                    name=f"{SHAPE.name}/{self.mask}/{self.masked_rows}")
+    def problem(self) -> Problem:
+        """The layer with this job's masked-row policy, and its sizes."""
+        p = PROBLEMS[self.layer]
+        return dataclasses.replace(p, config=dataclasses.replace(p.config, masked_rows=self.masked_rows))
+
+    @property
+    def case(self) -> str:
+        return f"{self.layer}/{self.mask}/{self.masked_rows}"
 
     @property
     def impl(self) -> str:
@@ -74,83 +94,117 @@ class Job:
 
 
 def jobs(*, devices: int, layouts=LAYOUTS, frameworks=FRAMEWORKS, dtypes=("float64", "float32"),
-         mask_policies=MASK_POLICIES, seed: int = 0) -> list[Job]:
-    """Every (framework, dtype, layout, mask and policy) job, in that order; each selection is a set
-    (a repeated name runs once, first-seen order), and an unknown layout or framework is a ValueError."""
-    layouts, frameworks, dtypes, mask_policies = (tuple(dict.fromkeys(x)) for x in (layouts, frameworks, dtypes, mask_policies))
-    for name, allowed, given in (("layout", LAYOUTS + JAX_ONLY_LAYOUTS, layouts), ("framework", FRAMEWORKS, frameworks)):
+         mask_policies=MASK_POLICIES, layers=tuple(PROBLEMS), seed: int = 0) -> list[Job]:
+    """Every (framework, dtype, layer, layout, mask and policy) job, in that order; each selection is a
+    set (a repeated name runs once, first-seen order), and an unknown layout, framework or layer is a
+    ValueError."""
+    layouts, frameworks, dtypes, mask_policies, layers = (tuple(dict.fromkeys(x)) for x in (layouts, frameworks, dtypes, mask_policies, layers))
+    for name, allowed, given in (("layout", LAYOUTS + JAX_ONLY_LAYOUTS, layouts), ("framework", FRAMEWORKS, frameworks),
+                                 ("layer", tuple(PROBLEMS), layers)):
         bad = [x for x in given if x not in allowed]
         if bad:
             raise ValueError(f"unknown {name}(s) {bad}; known: {allowed}")
     return [
-        Job(fw, layout, devices, mask, policy, dtype, seed)
-        for fw in frameworks for dtype in dtypes for layout in layouts for mask, policy in mask_policies
+        Job(fw, layout, devices, mask, policy, dtype, seed, layer)
+        for fw in frameworks for dtype in dtypes for layer in layers for layout in layouts for mask, policy in mask_policies
         if fw == "jax" or layout not in JAX_ONLY_LAYOUTS
     ]
 
 
-@dataclass(frozen=True)
-class Problem:
-    """A job's inputs in its dtype (NumPy), the keep-mask, and the float64 oracle's answers."""
+def unsplittable(job: Job) -> str:
+    """Why `job.devices` cannot split what the job's layout splits ("" if it can)."""
+    p = job.problem
+    sizes = {"tp": {"N": p.config.num_heads, "K": p.config.kv_heads}, "sp": {"T": p.T, "S": p.S}, "dp": {"B": p.B}}
+    bad = [f"{k}={v}" for k, v in sizes["tp" if job.layout == "tp-gspmd" else job.layout].items() if v % job.devices]
+    return f"{', '.join(bad)} not divisible by {job.devices} devices" if bad else ""
 
-    query: np.ndarray
-    key: np.ndarray
-    value: np.ndarray
-    keep: np.ndarray | None  # bool (B, 1, T, S)
-    state_dict: dict
-    cotangent: np.ndarray
+
+@dataclass(frozen=True)
+class JobInputs:
+    """A job's inputs in its dtype (NumPy), the keep-mask and positions, and the float64 oracle's answers."""
+
+    query: np.ndarray  # (B, T, E)
+    key: np.ndarray  # (B, S, E)
+    value: np.ndarray  # (B, S, E)
+    keep: np.ndarray | None  # bool (B, 1|N, T, S)
+    positions: np.ndarray | None  # int64 (B, T), RoPE only
+    key_positions: np.ndarray | None  # int64 (B, S), RoPE only
+    state_dict: dict  # canonical names, torch layout; only the biases the layer has
+    cotangent: np.ndarray  # (B, T, E)
     oracle_output: np.ndarray
     oracle_grads: dict
 
+    @property
+    def param_names(self) -> tuple[str, ...]:
+        return tuple(sorted(self.state_dict))
 
-def _row_empty_within_blocks(keep: np.ndarray) -> np.ndarray:
-    """Make query row 2 of batch 0 keep only the last key: empty in every key block but the last,
-    so a ring that took a block's emptiness for the row's would zero or NaN it."""
-    keep = keep.copy()
+
+def _keep_mask(kind: str, p: Problem, rng: np.random.Generator) -> np.ndarray | None:
+    B, N, T, S = p.B, p.config.num_heads, p.T, p.S
+    if kind == "none":
+        return None
+    keep = rng.random((B, N if kind == "random-heads" else 1, T, S)) < 0.7
+    keep[-1, -1, 0, :] = False  # a fully masked row (in one head only, for a mask per head)
+    keep[0, 0, -1, :] = True  # a full row
+    # Row 2 of batch 0 keeps only the last key: empty in every key block but the last, so a
+    # ring that took a block's emptiness for the row's would zero or NaN it.
     keep[0, :, 2, :] = False
     keep[0, :, 2, -1] = True
     return keep
 
 
-def problem(job: Job) -> Problem:
-    dtype = numpy_dtype(job.dtype)
-    inp = draw_inputs(job.case, job.seed)
-    keep = inp.keep
-    if job.mask == HEAD_MASK:  # one random mask per head, from the case's own draw
-        rng = np.random.default_rng([job.seed, SHAPE.N])
-        keep = rng.random((SHAPE.B, SHAPE.N, SHAPE.T, SHAPE.S)) < 0.7
-        keep[-1, 1, 0, :] = False  # a fully masked row in one head only
-    keep = None if keep is None else _row_empty_within_blocks(keep)
-    low = inp.in_dtype(dtype)
-    as64 = [reference.as_float64(x) for x in (low.query, low.key, low.value, low.cotangent)]
-    sd64 = {k: reference.as_float64(v) for k, v in low.state_dict.items()}
-    kw = {"num_heads": SHAPE.N, "masked_rows": job.masked_rows}
+def _positions(rng: np.random.Generator, B: int, L: int) -> np.ndarray:
+    """Per batch row, increasing positions from a random offset with a gap: not arange(L), so a
+    block rotated with positions counted from its own start (or from 0) is wrong."""
+    steps = np.ones((B, L), dtype=np.int64)
+    steps[:, L // 2] = 3
+    return rng.integers(0, 50, size=(B, 1)) + np.cumsum(steps, axis=1) - 1
+
+
+def inputs(job: Job) -> JobInputs:
+    """A job's draw: a pure function of (seed, layer, mask kind), rounded to the job's dtype.
+    Jobs that differ only in their layout, policy or dtype see the same numbers."""
+    p, dtype = job.problem, numpy_dtype(job.dtype)
+    cfg = p.config
+    rng = np.random.default_rng([job.seed, zlib.crc32(f"{job.layer}/{job.mask}".encode())])
+    bound = 1.0 / np.sqrt(cfg.embed_dim)  # torch.nn.Linear's default init
+    sd = {name: rng.uniform(-bound, bound, shape) for name, shape in cfg.weight_shapes().items()}
+    query, key, value = (draw.activations(rng, p.B, L, cfg.embed_dim) for L in (p.T, p.S, p.S))
+    keep = _keep_mask(job.mask, p, rng)
+    cotangent = rng.standard_normal((p.B, p.T, cfg.embed_dim)) / np.sqrt(p.B * p.T)
+    pos = (_positions(rng, p.B, p.T), _positions(rng, p.B, p.S)) if cfg.rope else (None, None)
+    low = [np.asarray(x, dtype=dtype) for x in (query, key, value, cotangent)]
+    sd_low = {k: np.asarray(v, dtype=dtype) for k, v in sd.items()}
+    as64 = [reference.as_float64(x) for x in low]
+    sd64 = {k: reference.as_float64(v) for k, v in sd_low.items()}
+    kw = {"num_heads": cfg.num_heads, "num_kv_heads": cfg.num_kv_heads, "masked_rows": cfg.masked_rows, "rope": cfg.rope,
+          "rope_theta": cfg.rope_theta, "positions": pos[0], "key_positions": pos[1]}
     out = reference.forward(sd64, *as64[:3], keep, **kw).output
     grads = reference.backward(sd64, *as64[:3], keep, as64[3], **kw)
-    return Problem(low.query, low.key, low.value, keep, low.state_dict, low.cotangent, out, grads)
+    return JobInputs(*low[:3], keep, *pos, sd_low, low[3], out, grads)
 
 
-def judge_job(job: Job, prob: Problem, sharded: dict, one_device: dict, device: str) -> list[Row]:
+def judge_job(job: Job, inp: JobInputs, sharded: dict, one_device: dict, device: str) -> list[Row]:
     """Rows for output, d_inputs and d_params, against the oracle and the one-device run.
 
     sharded / one_device: {"output": (B, T, E), "query": ..., "q_proj.weight": ..., ...} as
-    NumPy arrays in torch's layout (weight (out, in)).
+    NumPy arrays in torch's layout (weight (out, in)), one entry per parameter the layer has.
     """
     tol = tolerance_for(numpy_dtype(job.dtype))
     rows = []
-    for ref_name, expected in (("oracle", {"output": prob.oracle_output, **prob.oracle_grads}), ("one-device", one_device)):
-        for quantity, names, t in (("output", ("output",), tol.forward), ("d_inputs", GRAD_GROUPS["d_inputs"], tol.gradient),
-                                   ("d_params", GRAD_GROUPS["d_params"], tol.gradient)):
+    groups = (("output", ("output",), tol.forward), ("d_inputs", ("query", "key", "value"), tol.gradient),
+              ("d_params", inp.param_names, tol.gradient))
+    for ref_name, expected in (("oracle", {"output": inp.oracle_output, **inp.oracle_grads}), ("one-device", one_device)):
+        for quantity, names, t in groups:
             c, note = judge_grads(sharded, expected, t, names)
-            passed = c.passed
             rows.append(Row(
-                job.case.name, "sharded", job.impl, ref_name, job.dtype, device, status(c), quantity,
+                job.case, "sharded", job.impl, ref_name, job.dtype, device, status(c), quantity,
                 c.max_abs_err, c.max_rel_err, c.atol, c.rtol,
-                stage="" if passed else f"{job.layout}:{'forward' if quantity == 'output' else 'backward'}",
+                stage="" if c.passed else f"{job.layout}:{'forward' if quantity == 'output' else 'backward'}",
                 message=f"{job.layout} over {job.devices} devices; {note}",
             ))
     return rows
 
 
 def error_rows(job: Job, device: str, message: str) -> list[Row]:
-    return [Row(job.case.name, "sharded", job.impl, "oracle", job.dtype, device, "error", "", message=message)]
+    return [Row(job.case, "sharded", job.impl, "oracle", job.dtype, device, "error", "", message=message)]

@@ -43,19 +43,33 @@ def _torch_layout(grads_params, d_query, d_key, d_value, output) -> dict:
     out = {"output": np.asarray(output), "query": np.asarray(d_query), "key": np.asarray(d_key), "value": np.asarray(d_value)}
     for p, leaves in grads_params.items():
         out[f"{p}.weight"] = np.asarray(leaves["kernel"]).T
-        out[f"{p}.bias"] = np.asarray(leaves["bias"])
+        if leaves.get("bias") is not None:
+            out[f"{p}.bias"] = np.asarray(leaves["bias"])
     return out
 
 
 def _params(sd) -> dict:
     from mha_jax.parallel import PROJECTIONS
 
-    return {p: {"kernel": sd[f"{p}.weight"].T.copy(), "bias": sd[f"{p}.bias"]} for p in PROJECTIONS}
+    return {p: {"kernel": sd[f"{p}.weight"].T.copy()} | ({"bias": sd[f"{p}.bias"]} if f"{p}.bias" in sd else {})
+            for p in PROJECTIONS}
+
+
+def _layer_kwargs(job) -> dict:
+    """The layer beyond num_heads, as the module and sharded_attention take it."""
+    cfg = job.problem.config
+    return {"num_kv_heads": cfg.num_kv_heads, "rope": cfg.rope, "rope_theta": cfg.rope_theta, "masked_rows": cfg.masked_rows}
+
+
+def _module(job, inp):
+    from parity import convert
+
+    return convert.to_jax(inp.state_dict, job.problem.config.num_heads, **_layer_kwargs(job))
 
 
 _COMPILED: dict = {}
-"""Jitted programs by (kind, layout, devices, policy, dtype, mask?, plant): jobs that differ only
-in their numbers (mask kinds, seeds) reuse one compilation."""
+"""Jitted programs by (kind, layer, layout, devices, policy, dtype, mask?, plant): jobs that differ
+only in their numbers (mask kinds, seeds) reuse one compilation."""
 
 
 def _compiled(key, make):
@@ -69,11 +83,11 @@ def _sharded_program(job, mesh):
     from jax.sharding import PartitionSpec as P
 
     from mha_jax.parallel import sharded_attention
-    from parity.harness.sharded.cases import SHAPE
 
-    def fwd_bwd(params, q, k, v, keep, cot):
+    def fwd_bwd(params, q, k, v, keep, pos, cot):
         def fwd(p, q, k, v):
-            return sharded_attention(p, q, k, v, keep, mesh=mesh, layout=job.layout, num_heads=SHAPE.N, masked_rows=job.masked_rows)
+            return sharded_attention(p, q, k, v, keep, mesh=mesh, layout=job.layout, num_heads=job.problem.config.num_heads,
+                                     **pos, **_layer_kwargs(job))
 
         out, vjp = jax.vjp(fwd, params, q, k, v)
         return out, vjp(cot)
@@ -81,7 +95,13 @@ def _sharded_program(job, mesh):
     return jax.jit(fwd_bwd, out_shardings=NamedSharding(mesh, P()))
 
 
-def _run_sharded(job, prob, mesh, plant) -> dict:
+def _positions(inp) -> dict:
+    """The whole problem's positions (nothing without RoPE)."""
+    pos = {"positions": inp.positions, "key_positions": inp.key_positions}
+    return {k: v for k, v in pos.items() if v is not None}
+
+
+def _run_sharded(job, inp, mesh, plant) -> dict:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -89,9 +109,10 @@ def _run_sharded(job, prob, mesh, plant) -> dict:
     from parity.harness.sharded.cases import PLANTS
 
     # A plant patches a function only its own layout traces; the others reuse their programs.
-    key = ("sharded", job.layout, job.devices, job.masked_rows, job.dtype, prob.keep is None, plant if PLANTS.get(plant) == job.layout else None)
+    key = ("sharded", job.layer, job.layout, job.devices, job.masked_rows, job.dtype, inp.keep is None,
+           plant if PLANTS.get(plant) == job.layout else None)
     program = _compiled(key, lambda: _sharded_program(job, mesh))
-    args = (_params(prob.state_dict), prob.query, prob.key, prob.value, prob.keep, prob.cotangent)
+    args = (_params(inp.state_dict), inp.query, inp.key, inp.value, inp.keep, _positions(inp), inp.cotangent)
     out, (gp, gq, gk, gv) = program(*jax.tree.map(lambda x: _global(x, rep), args))
     return _torch_layout(gp, gq, gk, gv, out)
 
@@ -99,9 +120,9 @@ def _run_sharded(job, prob, mesh, plant) -> dict:
 def _one_device_program(graphdef, out_shardings=None):
     from flax import nnx
 
-    def fwd_bwd(state, q, k, v, keep, cot):
+    def fwd_bwd(state, q, k, v, keep, pos, cot):
         def fwd(state, q, k, v):
-            return nnx.merge(graphdef, state)(q, k, v, keep, need_weights=False)[0]
+            return nnx.merge(graphdef, state)(q, k, v, keep, need_weights=False, **pos)[0]
 
         out, vjp = jax.vjp(fwd, state, q, k, v)
         return out, vjp(cot)
@@ -109,36 +130,31 @@ def _one_device_program(graphdef, out_shardings=None):
     return jax.jit(fwd_bwd, out_shardings=out_shardings)
 
 
-def _run_gspmd(job, prob, mesh) -> dict:
+def _run_gspmd(job, inp, mesh) -> dict:
     """The unchanged module with head-sharded parameters (mha_jax.parallel.shard_heads) under jit."""
     from flax import nnx
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     from mha_jax.parallel import shard_heads
-    from parity import convert
-    from parity.harness.sharded.cases import SHAPE
 
     rep = NamedSharding(mesh, P())
-    module = shard_heads(convert.to_jax(prob.state_dict, SHAPE.N, masked_rows=job.masked_rows), mesh)
+    module = shard_heads(_module(job, inp), mesh)
     graphdef, state = nnx.split(module)
-    key = ("gspmd", job.devices, job.masked_rows, job.dtype, prob.keep is None)
+    key = ("gspmd", job.layer, job.devices, job.masked_rows, job.dtype, inp.keep is None)
     program = _compiled(key, lambda: _one_device_program(graphdef, out_shardings=rep))
-    args = jax.tree.map(lambda x: _global(x, rep), (prob.query, prob.key, prob.value, prob.keep, prob.cotangent))
+    args = jax.tree.map(lambda x: _global(x, rep), (inp.query, inp.key, inp.value, inp.keep, _positions(inp), inp.cotangent))
     out, (gs, gq, gk, gv) = program(state, *args)
     return _torch_layout(nnx.to_pure_dict(gs), gq, gk, gv, out)
 
 
-def _run_one_device(job, prob) -> dict:
+def _run_one_device(job, inp) -> dict:
     from flax import nnx
 
-    from parity import convert
-    from parity.harness.sharded.cases import SHAPE
-
-    graphdef, state = nnx.split(convert.to_jax(prob.state_dict, SHAPE.N, masked_rows=job.masked_rows))
-    program = _compiled(("one-device", job.masked_rows, job.dtype, prob.keep is None), lambda: _one_device_program(graphdef))
+    graphdef, state = nnx.split(_module(job, inp))
+    program = _compiled(("one-device", job.layer, job.masked_rows, job.dtype, inp.keep is None), lambda: _one_device_program(graphdef))
     with jax.default_device(jax.local_devices()[0]):
-        out, (gs, gq, gk, gv) = program(state, prob.query, prob.key, prob.value, prob.keep, prob.cotangent)
+        out, (gs, gq, gk, gv) = program(state, inp.query, inp.key, inp.value, inp.keep, _positions(inp), inp.cotangent)
     return _torch_layout(nnx.to_pure_dict(gs), gq, gk, gv, out)
 
 
@@ -155,6 +171,7 @@ def planted(plant: str | None):
         "bias_per_shard": ("reduce_then_add_bias", par.reduce_then_add_bias),
         "bias_grad_div": ("reduce_then_add_bias", par.reduce_then_add_bias),
         "ring_mask_offset": ("key_block_start", par.key_block_start),
+        "ring_local_positions": ("_sp_body", par._sp_body),
     }[plant]
 
     def bias_per_shard(partial_out, bias, axis):
@@ -167,7 +184,13 @@ def planted(plant: str | None):
     def ring_mask_offset(src, n, block):
         return ((src + 1) % n) * block
 
-    setattr(par, name, {"bias_per_shard": bias_per_shard, "bias_grad_div": bias_grad_div, "ring_mask_offset": ring_mask_offset}[plant])
+    def ring_local_positions(params, query, key, value, keep, positions, key_positions, **kw):
+        # Each block rotated with positions counted from its own start (arange of the block).
+        return original(params, query, key, value, keep, None, None, **kw)
+
+    plants = {"bias_per_shard": bias_per_shard, "bias_grad_div": bias_grad_div, "ring_mask_offset": ring_mask_offset,
+              "ring_local_positions": ring_local_positions}
+    setattr(par, name, plants[plant])
     try:
         yield
     finally:
@@ -177,17 +200,17 @@ def planted(plant: str | None):
 def run_jobs(jobs, plant=None):
     """Yield each job's rows in order (process 0 judges; the others yield [])."""
     from mha_jax.parallel import make_mesh
-    from parity.harness.sharded.cases import error_rows, judge_job, problem
+    from parity.harness.sharded.cases import error_rows, inputs, judge_job
 
     platform = jax.devices()[0].platform
     with planted(plant):
         for job in jobs:
             device = f"{job.devices}x{platform}" + (f" ({jax.process_count()} processes)" if jax.process_count() > 1 else "")
             try:
-                prob = problem(job)
+                inp = inputs(job)
                 run = _run_gspmd if job.layout == "tp-gspmd" else partial(_run_sharded, plant=plant)
-                sharded = run(job, prob, make_mesh(job.devices))
-                rows = judge_job(job, prob, sharded, _run_one_device(job, prob), device) if jax.process_index() == 0 else []
+                sharded = run(job, inp, make_mesh(job.devices))
+                rows = judge_job(job, inp, sharded, _run_one_device(job, inp), device) if jax.process_index() == 0 else []
             except Exception as exc:  # one job's failure is an error row; the rest still runs
                 rows = error_rows(job, device, f"{type(exc).__name__}: {exc} | {traceback.format_exc(limit=-2)!r}")
             yield rows

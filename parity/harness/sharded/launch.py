@@ -14,7 +14,7 @@ import os
 import sys
 
 from parity.harness.report import Row
-from parity.harness.sharded.cases import FRAMEWORKS, LAYOUTS, MASK_POLICIES, SHAPE, Job, error_rows, jobs
+from parity.harness.sharded.cases import FRAMEWORKS, LAYOUTS, MASK_POLICIES, PROBLEMS, Job, error_rows, jobs, unsplittable
 from parity.workers import Group, free_port, read_rows, wait, worker_env
 
 DEFAULT_JOB_TIMEOUT_S = 600.0
@@ -97,23 +97,19 @@ def finish(groups, *, timeout_s: float = DEFAULT_JOB_TIMEOUT_S, should_stop=None
             g.close()
 
 
-def _unsplittable(job: Job) -> str:
-    sizes = {"tp": {"N": SHAPE.N}, "tp-gspmd": {"N": SHAPE.N}, "sp": {"T": SHAPE.T, "S": SHAPE.S}, "dp": {"B": SHAPE.B}}[job.layout]
-    bad = [f"{k}={v}" for k, v in sizes.items() if v % job.devices]
-    return f"{', '.join(bad)} not divisible by {job.devices} devices" if bad else ""
-
-
 def run_sharded(*, devices: int, layouts=LAYOUTS, frameworks=FRAMEWORKS, dtypes=("float64", "float32"), seed: int = 0,
-                mask_policies=MASK_POLICIES, jax_processes: int = 1, job_timeout_s: float = DEFAULT_JOB_TIMEOUT_S,
-                should_stop=None) -> list[Row]:
-    """Every (framework, layout, mask kind and policy, dtype) over `devices` CPU devices, judged.
+                mask_policies=MASK_POLICIES, layers=tuple(PROBLEMS), jax_processes: int = 1,
+                job_timeout_s: float = DEFAULT_JOB_TIMEOUT_S, should_stop=None) -> list[Row]:
+    """Every (framework, layer, layout, mask kind and policy, dtype) over `devices` CPU devices, judged.
 
     Rows (check="sharded", impl "<framework>-<layout>") compare output, d_inputs and d_params
     with the float64 oracle and with the framework's one-device module. JAX runs in one
     subprocess with `devices` simulated devices (or `jax_processes` processes joined by
     jax.distributed); torch runs `devices` gloo processes. The frameworks' groups run at
-    the same time. A layout whose sizes do not split over `devices` gives skip rows. A repeated
-    layout, framework or dtype runs once.
+    the same time. A layout whose sizes do not split over `devices` (tp: the query heads N and the
+    key/value heads K; sp: T and S; dp: B) gives skip rows naming them. A repeated layout,
+    framework, dtype or layer runs once. layers: names of `PROBLEMS` (the classic layer, a
+    grouped-query layer with RoPE and no biases).
 
     should_stop() is polled while the workers run: once true, they stop after their current
     job and the rows of the finished jobs are returned (the caller knows it asked). A group
@@ -128,10 +124,11 @@ def run_sharded(*, devices: int, layouts=LAYOUTS, frameworks=FRAMEWORKS, dtypes=
     try:
         for fw in dict.fromkeys(frameworks):
             runnable = []
-            for job in jobs(devices=devices, layouts=layouts, frameworks=(fw,), dtypes=dtypes, mask_policies=mask_policies, seed=seed):
-                why = _unsplittable(job)
+            for job in jobs(devices=devices, layouts=layouts, frameworks=(fw,), dtypes=dtypes, mask_policies=mask_policies,
+                            layers=layers, seed=seed):
+                why = unsplittable(job)
                 if why:
-                    rows.append(Row(job.case.name, "sharded", job.impl, "oracle", job.dtype, f"{devices}xcpu", "skip", message=why))
+                    rows.append(Row(job.case, "sharded", job.impl, "oracle", job.dtype, f"{devices}xcpu", "skip", message=why))
                 else:
                     runnable.append(job)
             if runnable:

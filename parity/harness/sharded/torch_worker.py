@@ -23,15 +23,22 @@ import torch.distributed as dist
 from parity import workers
 
 
-def _tensors(prob):
-    return [torch.from_numpy(np.ascontiguousarray(x)) for x in (prob.query, prob.key, prob.value, prob.cotangent)]
+def _tensors(inp):
+    return [torch.from_numpy(np.ascontiguousarray(x)) for x in (inp.query, inp.key, inp.value, inp.cotangent)]
 
 
-def _module(prob, masked_rows: str):
+def _positions(inp) -> dict:
+    """The whole problem's positions as the module takes them (nothing without RoPE)."""
+    pos = {"positions": inp.positions, "key_positions": inp.key_positions}
+    return {k: torch.from_numpy(v) for k, v in pos.items() if v is not None}
+
+
+def _module(job, inp):
     from parity import convert
-    from parity.harness.sharded.cases import SHAPE
 
-    return convert.to_torch(prob.state_dict, SHAPE.N, masked_rows=masked_rows)
+    cfg = job.problem.config
+    return convert.to_torch(inp.state_dict, cfg.num_heads, num_kv_heads=cfg.num_kv_heads, rope=cfg.rope,
+                            rope_theta=cfg.rope_theta, masked_rows=cfg.masked_rows)
 
 
 def _gather(x, dim: int):
@@ -48,25 +55,26 @@ def _summed(x):
     return x
 
 
-def _run_sharded(job, prob, mesh) -> dict:
+def _run_sharded(job, inp, mesh) -> dict:
     from mha_torch import parallel
 
     r, n = dist.get_rank(), dist.get_world_size()
-    module = _module(prob, job.masked_rows)
-    q, k, v, cot = (x.clone().requires_grad_(i < 3) for i, x in enumerate(_tensors(prob)))
+    module = _module(job, inp)
+    q, k, v, cot = (x.clone().requires_grad_(i < 3) for i, x in enumerate(_tensors(inp)))
     B, T, S = q.shape[0], q.shape[1], k.shape[1]
-    keep = None if prob.keep is None else torch.from_numpy(prob.keep)
+    keep = None if inp.keep is None else torch.from_numpy(inp.keep)
+    pos = _positions(inp)  # the whole problem's: each layout cuts what it splits
     if job.layout == "tp":
         parallel.parallelize_heads(module, mesh)
         if keep is not None and keep.shape[1] > 1:  # a per-head mask: tp_forward cuts it to this rank's heads
-            output, _ = parallel.tp_forward(module, q, k, v, keep)
+            output, _ = parallel.tp_forward(module, q, k, v, keep, **pos)
         else:
-            output, _ = module(q, k, v, keep, need_weights=False)  # the module itself, under the DTensor plan
+            output, _ = module(q, k, v, keep, need_weights=False, **pos)  # the module itself, under the DTensor plan
         (output * cot).sum().backward()
     else:
         cut = {"sp": lambda x, L: x[:, r * (L // n):(r + 1) * (L // n)], "dp": lambda x, L: x[r * (B // n):(r + 1) * (B // n)]}[job.layout]
         forward = parallel.sequence_parallel_forward if job.layout == "sp" else parallel.data_parallel_forward
-        block = forward(module, cut(q, T), cut(k, S), cut(v, S), keep)
+        block = forward(module, cut(q, T), cut(k, S), cut(v, S), keep, **pos)
         (block * cut(cot, T)).sum().backward()
         parallel.all_reduce_grads(module)
         output = _gather(block.detach(), 1 if job.layout == "sp" else 0)
@@ -77,11 +85,11 @@ def _run_sharded(job, prob, mesh) -> dict:
     return {name: x.detach().numpy() for name, x in out.items()}
 
 
-def _run_one_device(job, prob) -> dict:
-    module = _module(prob, job.masked_rows)
-    q, k, v, cot = (x.clone().requires_grad_(i < 3) for i, x in enumerate(_tensors(prob)))
-    keep = None if prob.keep is None else torch.from_numpy(prob.keep)
-    output, _ = module(q, k, v, keep, need_weights=False)
+def _run_one_device(job, inp) -> dict:
+    module = _module(job, inp)
+    q, k, v, cot = (x.clone().requires_grad_(i < 3) for i, x in enumerate(_tensors(inp)))
+    keep = None if inp.keep is None else torch.from_numpy(inp.keep)
+    output, _ = module(q, k, v, keep, need_weights=False, **_positions(inp))
     (output * cot).sum().backward()
     out = {"output": output, "query": q.grad, "key": k.grad, "value": v.grad}
     out.update({name: p.grad for name, p in module.named_parameters()})
@@ -96,13 +104,22 @@ def planted(plant: str | None, n: int):
     if plant is None:
         yield
         return
-    if plant == "ring_mask_offset":
-        original = parallel.key_block_start
-        parallel.key_block_start = lambda src, n, block: ((src + 1) % n) * block
+    if plant in ("ring_mask_offset", "ring_local_positions"):
+        name = {"ring_mask_offset": "key_block_start", "ring_local_positions": "_rotated"}[plant]
+        original = getattr(parallel, name)
+
+        def rotated_from_block_start(module, x, pos, batch, length, start, what):
+            if x.shape[-2] == length:  # the whole sequence (tp): not a ring block
+                return original(module, x, pos, batch, length, start, what)
+            # A ring block rotated with positions counted from its own start (arange of the block).
+            return original(module, x, None, batch, x.shape[-2], 0, what)
+
+        setattr(parallel, name, {"ring_mask_offset": lambda src, n, block: ((src + 1) % n) * block,
+                                 "ring_local_positions": rotated_from_block_start}[plant])
         try:
             yield
         finally:
-            parallel.key_block_start = original
+            setattr(parallel, name, original)
         return
     original = parallel.parallelize_heads
 
@@ -126,7 +143,7 @@ def run_jobs(jobs, plant=None):
     """Yield each job's rows in order (rank 0 judges; the other ranks yield [])."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from parity.harness.sharded.cases import error_rows, judge_job, problem
+    from parity.harness.sharded.cases import error_rows, inputs, judge_job
 
     n = dist.get_world_size()
     mesh = init_device_mesh("cpu", (n,))
@@ -136,9 +153,9 @@ def run_jobs(jobs, plant=None):
             try:
                 if job.devices != n:
                     raise ValueError(f"job wants {job.devices} devices, the group has {n} ranks")
-                prob = problem(job)
-                sharded = _run_sharded(job, prob, mesh)
-                rows = judge_job(job, prob, sharded, _run_one_device(job, prob), device) if dist.get_rank() == 0 else []
+                inp = inputs(job)
+                sharded = _run_sharded(job, inp, mesh)
+                rows = judge_job(job, inp, sharded, _run_one_device(job, inp), device) if dist.get_rank() == 0 else []
             except Exception as exc:  # one job's failure is an error row; the rest still runs
                 rows = error_rows(job, device, f"{type(exc).__name__}: {exc} | {traceback.format_exc(limit=-2)!r}")
             yield rows
