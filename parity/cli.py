@@ -33,7 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--device", choices=DEVICES, default="auto", help="where to run (auto = best present; default %(default)s)")
     p.add_argument("--quick", action="store_true", help="a small matrix that takes a few seconds")
-    p.add_argument("--cases", type=comma_separated(), default=(), metavar="A,B", help="case name prefixes or globs (e.g. 'self/*,cross')")
+    p.add_argument("--cases", type=comma_separated(), default=(), metavar="A,B",
+                   help="case sets or case name prefixes/globs (e.g. 'self/*,cross'); sets: 'modern' (grouped and "
+                   "multi-query heads, RoPE half/interleaved, projections without bias, a Llama layer), 'default', 'quick'")
     p.add_argument("--dtypes", type=comma_separated(DTYPES), default=None, metavar=",".join(DTYPES),
                    help="default: every dtype each case runs in")
     p.add_argument("--checks", type=comma_separated(CHECKS), default=None, metavar=",".join(CHECKS),

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from mha_spec import Problem
 from parity import reference
 from parity.harness.judge import judge, judge_grads, nan_note, status
 from parity.harness.matrix import Case, Inputs
@@ -43,6 +44,11 @@ GRAD_GROUPS = {
     "d_inputs": ("query", "key", "value"),
     "d_params": tuple(f"{p}.{w}" for p in ("q_proj", "k_proj", "v_proj", "out_proj") for w in ("weight", "bias")),
 }
+
+
+def _group(group: str, expected: dict) -> tuple[str, ...]:
+    """A gradient group's names in this layer (the oracle's keys: a projection without bias has none)."""
+    return tuple(n for n in GRAD_GROUPS[group] if n in expected)
 # Our eager JAX implementation is jax-jit's program run op by op: it is checked where it is
 # cheap. A user's eager JAX implementation is checked everywhere, gradients included.
 EAGER_JAX_SKIP = "eager JAX compiles each op per shape (~1 s); ours runs on the base cases only, jax-jit runs the same program"
@@ -71,11 +77,17 @@ class Unit:
         sd = {k: reference.as_float64(v) for k, v in x.state_dict.items()}
         return sd, *(reference.as_float64(a) for a in (x.query, x.key, x.value))
 
+    def _layer_kw(self) -> dict:
+        """The oracle's keywords for the case's layer beyond the state dict (which says the biases)."""
+        s = self.case.shape
+        return {"num_heads": s.N, "num_kv_heads": s.num_kv_heads, "rope": s.rope, "rope_theta": s.rope_theta,
+                **self.x.position_kw}
+
     def oracle(self, policy: str):
         """(float64 intermediates, same maths in the run dtype or None), on the rounded inputs."""
         if policy not in self._oracle:
             sd, q, k, v = self._args64()
-            kw = {"num_heads": self.case.shape.N, "masked_rows": policy}
+            kw = {**self._layer_kw(), "masked_rows": policy}
             exact = reference.forward(sd, q, k, v, self.x.keep, **kw)
             low = None
             if self.tol.three_way_k is not None:
@@ -91,7 +103,7 @@ class Unit:
         if key not in self._grads:
             sd, q, k, v = self._args64()
             cot = reference.as_float64(self.x.cotangent)
-            kw = {"num_heads": self.case.shape.N, "masked_rows": policy, "masked_row_grads": masked_row_grads}
+            kw = {**self._layer_kw(), "masked_rows": policy, "masked_row_grads": masked_row_grads}
             exact = reference.backward(sd, q, k, v, self.x.keep, cot, **kw)
             yard = None
             if self.tol.three_way_k is not None:
@@ -103,11 +115,21 @@ class Unit:
     def runner(self, impl: Implementation):
         return self.runners[impl.framework]
 
+    def problem(self, policy: str) -> Problem:
+        """The case's problem under the masked-row policy an implementation runs with."""
+        return dataclasses.replace(self.case.problem, config=dataclasses.replace(self.case.config, masked_rows=policy))
+
+    def unsupported(self, impl: Implementation) -> str | None:
+        """Why impl does not run this unit, by its declarations (dtypes, variants)."""
+        return impl.unsupported(self.dtype, self.case.config)
+
     def built(self, impl: Implementation, policy: str):
         key = (impl.name, policy)
         if key not in self._built:
             sd = {k: v.copy() for k, v in self.x.state_dict.items()}  # a factory that edits its copy spoils nothing
-            self._built[key] = self.runner(impl).build(impl, sd, self.case.shape.N, policy)
+            positions = self.x.position_kw if impl.takes_problem else {}
+            self._built[key] = self.runner(impl).build(impl, sd, self.case.shape.N, policy, self.problem(policy),
+                                                       positions)
         return self._built[key]
 
     def inputs(self):
@@ -181,7 +203,7 @@ def divergence(unit: Unit, impl: Implementation, policy: str) -> dict:
 
 def _skip_reason(unit: Unit, impl: Implementation, check: str) -> str | None:
     """Why `impl` does not run `check` in this unit: its own declaration, or our eager JAX's cost."""
-    why = impl.unsupported(unit.dtype)
+    why = unit.unsupported(impl)
     if why:
         return why
     if impl.role == "ours" and impl.framework == "jax" and impl.mode == "eager":
@@ -344,7 +366,8 @@ def _grad_rows(unit: Unit, impl: Implementation, ref: str, got: dict, expected: 
                extra=None, explain=None) -> list[Row]:
     rows = []
     tol, k = unit.tol.gradient, unit.tol.three_way_k
-    for group, names in GRAD_GROUPS.items():
+    for group in GRAD_GROUPS:
+        names = _group(group, expected)
         if group == "d_params" and not impl.uses_params:
             rows.append(unit.row("gradient", impl, ref, "skip", group,
                                  message=f"{impl.name} declares uses_params=False: its parameters are its own"))
@@ -428,6 +451,9 @@ def check_training(unit: Unit) -> list[Row]:
     if unit.dtype not in TRAIN_DTYPES:
         return [unit.row("training", jax_impl, "torch", "skip",
                          message=f"training is compared in {'/'.join(TRAIN_DTYPES)} only")]
+    why = unit.unsupported(torch_impl) or unit.unsupported(jax_impl)
+    if why:
+        return [unit.row("training", jax_impl, "torch", "skip", message=why)]
     rows = []
     policy = unit.case.masked_rows
     x = unit.x
@@ -464,6 +490,10 @@ def _unit_kind(unit: Unit) -> str:
 def check_peers(unit: Unit, peers) -> list[Row]:
     rows = []
     for peer in peers:
+        why = unit.unsupported(peer)
+        if why:
+            rows.append(unit.row("peers", peer, "oracle", "skip", message=why))
+            continue
         if not peer.runs(_unit_kind(unit)):
             rows.append(unit.row("peers", peer, "oracle", "skip", message=(
                 f"{peer.name} runs only where its runs_on matches the <self|cross>/<mask>/<dtype> of the unit: "
@@ -511,14 +541,15 @@ def _peer_grad_rows(unit: Unit, peer: Implementation, policy: str, vjp, table, n
     so its input gradient is judged against the sum of the oracle's three."""
     expected, yard = unit.oracle_grads(policy, peer.masked_row_grads)
     x = unit.x
-    got = vjp(x.query, mask_for(peer, x.keep, unit.case.shape.N, x.query.dtype), x.cotangent)
+    got = vjp(x.query, mask_for(peer, x.keep, unit.case.shape.N, x.query.dtype), x.cotangent,
+              **(x.position_kw if peer.takes_problem else {}))
     expected = dict(expected, input=sum(reference.as_float64(expected[n]) for n in GRAD_GROUPS["d_inputs"]))
     if yard is not None:  # the sum's error is at most the sum of the three errors
         yard = dict(yard, input=sum(yard[n] for n in GRAD_GROUPS["d_inputs"]))
     floors = gradient_floors(expected, unit.dtype)
     note = f"{note}; masked_row_grads={peer.masked_row_grads}"
     rows = []
-    for quantity, names in (("d_input", ("input",)), ("d_params", GRAD_GROUPS["d_params"])):
+    for quantity, names in (("d_input", ("input",)), ("d_params", _group("d_params", expected))):
         c, worst = judge_grads(got, expected, table.gradient, names, table.three_way_k, yard, floors)
         rows.append(unit.row("peers", peer, "oracle", status(c), quantity, c, message=f"{worst}; {note}"))
     return rows

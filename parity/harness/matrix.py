@@ -131,17 +131,38 @@ SHAPES = {
     )
 }
 
+# The layers researchers port today (`mha_spec.VARIANT_FEATURES`): grouped and multi-query heads,
+# rotary embeddings in both conventions with a non-default base, projections without bias, and
+# all of it at once as in Llama. Sizes small and pairwise distinct, head dims odd where RoPE
+# allows; every RoPE case draws its positions (`draw.positions`).
+VARIANT_SHAPES = {
+    s.name: s
+    for s in (
+        Shape("gqa", B=2, T=5, S=7, E=24, N=8, cross=True, num_kv_heads=2),  # N=8 query heads, K=2, H=3
+        Shape("mqa", B=3, T=4, S=6, E=20, N=4, cross=True, num_kv_heads=1),  # multi-query, H=5
+        Shape("rope-half", B=2, T=6, S=6, E=24, N=4, cross=False, rope="half"),
+        Shape("rope-interleaved", B=3, T=5, S=7, E=16, N=2, cross=True, rope="interleaved", rope_theta=500.0),
+        Shape("no-qkv-bias", B=2, T=5, S=5, E=18, N=3, cross=False, qkv_bias=False),
+        Shape("no-out-bias", B=3, T=4, S=6, E=14, N=7, cross=True, out_bias=False),
+        Shape("llama", B=2, T=6, S=6, E=32, N=8, cross=False, num_kv_heads=2, qkv_bias=False, out_bias=False,
+              rope="half"),
+    )
+}
+
 _WIDE = ("float64", "float32")
 
 
 def default_matrix() -> tuple[Case, ...]:
-    """Every mask kind and every policy, in every dtype, on the base shape; each other shape once.
+    """Every mask kind and every policy, in every dtype, on the base shape; each other shape once;
+    the cheaper half of the variant cases (`modern_matrix` has all of them).
 
     Not the full product: XLA compiles (~0.5 s per shape, dtype and policy on a CPU)
     set the run time, and the default must finish in a minute on two cores. Every
     axis value appears; every policy meets fully masked rows; 16-bit runs on the
     base and the large shape (where 16-bit error grows), and eager JAX (the same
-    program as jit, op by op) on the base shape.
+    program as jit, op by op) on the base shape. Of the variants: the Llama layer
+    (grouped heads, RoPE, no biases: every stage a port can get wrong) and multi-query
+    heads, in float32.
     """
     base = SHAPES["self"]
     return (
@@ -155,12 +176,52 @@ def default_matrix() -> tuple[Case, ...]:
         Case(SHAPES["cross"], "random", "uniform", jax_eager=False, dtypes=_WIDE),
         Case(SHAPES["t>s"], "causal", "zero", jax_eager=False, dtypes=_WIDE),  # the first rows see no key
         Case(SHAPES["large"], "random", "uniform", jax_eager=False),
+        *_DEFAULT_VARIANT_CASES,
+    )
+
+
+_V = VARIANT_SHAPES
+_DEFAULT_VARIANT_CASES = (
+    Case(_V["llama"], "causal", "nan", jax_eager=False, dtypes=("float32",)),
+    Case(_V["mqa"], "random", "uniform", jax_eager=False, dtypes=("float32",)),
+)
+
+
+def modern_matrix() -> tuple[Case, ...]:
+    """Every variant case (`mha-parity --cases modern`): each feature alone, every mask kind and
+    policy among them, float64 and float32, and the Llama layer also in bfloat16, with peers and
+    the training check; includes the default matrix's variant cases."""
+    return (
+        *_DEFAULT_VARIANT_CASES,
+        Case(_V["gqa"], "random", "zero", peers=True, jax_eager=False, dtypes=_WIDE),
+        Case(_V["mqa"], "padding", "nan", jax_eager=False, dtypes=("float64",)),
+        Case(_V["rope-half"], "causal", "zero", jax_eager=False, dtypes=_WIDE),
+        Case(_V["rope-interleaved"], "padding", "uniform", jax_eager=False, dtypes=_WIDE),
+        Case(_V["no-qkv-bias"], "none", "nan", jax_eager=False, dtypes=_WIDE),
+        Case(_V["no-out-bias"], "random", "nan", jax_eager=False, dtypes=_WIDE),
+        Case(_V["llama"], "padding", "uniform", train=True, peers=True, jax_eager=False,
+             dtypes=("float64", "float32", "bfloat16")),
     )
 
 
 def quick_matrix() -> tuple[Case, ...]:
     """A few seconds: one cross-attention case with a fully masked row, float32, with peers."""
     return (Case(SHAPES["cross"], "random", "uniform", peers=True, dtypes=("float32",)),)
+
+
+CASE_SETS = {"default": default_matrix, "quick": quick_matrix, "modern": modern_matrix}
+"""Named case sets: `run(cases="modern")`, `mha-parity --cases modern` (a name in --cases selects its set)."""
+
+
+def all_cases() -> tuple[Case, ...]:
+    """Every named case once (by name, the first set that has it): what --cases patterns match."""
+    seen, out = set(), []
+    for make in (default_matrix, modern_matrix, quick_matrix):
+        for c in make():
+            if c.name not in seen:
+                seen.add(c.name)
+                out.append(c)
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -171,9 +232,11 @@ class Inputs:
     key: np.ndarray  # (B, S, E)
     value: np.ndarray  # (B, S, E)
     keep: np.ndarray | None  # bool (B, 1, T, S), True = attend
-    state_dict: dict  # canonical names, torch layout
+    state_dict: dict  # canonical names, torch layout (the layer's keys only: absent biases absent)
     cotangent: np.ndarray  # (B, T, E), for the gradient check
     target: np.ndarray  # (B, T, E), for the training check
+    positions: np.ndarray | None = None  # int64 (B, T), RoPE cases only
+    key_positions: np.ndarray | None = None  # int64 (B, S); equal to positions in self-attention
 
     def in_dtype(self, dtype: np.dtype) -> Inputs:
         def r(x):
@@ -182,7 +245,15 @@ class Inputs:
         return Inputs(
             r(self.query), r(self.key), r(self.value), self.keep,
             {k: r(v) for k, v in self.state_dict.items()}, r(self.cotangent), r(self.target),
+            self.positions, self.key_positions,
         )
+
+    @property
+    def position_kw(self) -> dict:
+        """{"positions": (B, T), "key_positions": (B, S)} on a RoPE case; {} otherwise."""
+        if self.positions is None:
+            return {}
+        return {"positions": self.positions, "key_positions": self.key_positions}
 
 
 def _keep_mask(kind: str, shape: Shape, rng: np.random.Generator) -> np.ndarray | None:
@@ -210,8 +281,33 @@ def _case_rng(seed: int, name: str) -> np.random.Generator:
     return np.random.default_rng([seed, zlib.crc32(name.encode())])
 
 
-def draw_inputs(case: Case, seed: int) -> Inputs:
-    """The case's inputs, a pure function of (seed, case.name)."""
+def _fixed_weights(case: Case, state_dict: dict) -> dict[str, np.ndarray]:
+    """Given weights as float64, checked against the case's layer (ValueError naming keys and shapes)."""
+    from parity.reference import as_float64
+
+    expected = case.config.weight_shapes()
+    missing, unexpected = sorted(set(expected) - set(state_dict)), sorted(set(state_dict) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"case {case.name}: the given weights do not describe its layer: missing {missing}, "
+                         f"unexpected {unexpected}")
+    out = {}
+    for name, shape in expected.items():
+        a = np.asarray(state_dict[name])
+        if not np.issubdtype(a.dtype, np.floating) and a.dtype.name != "bfloat16":
+            raise TypeError(f"case {case.name}: {name} has dtype {a.dtype}, expected a float dtype")
+        if a.shape != shape:
+            raise ValueError(f"case {case.name}: {name} has shape {a.shape}, expected {shape} "
+                             f"(E={case.shape.E}, N={case.shape.N}, K={case.shape.K})")
+        out[name] = as_float64(a).copy()
+    return out
+
+
+def draw_inputs(case: Case, seed: int, state_dict: dict | None = None) -> Inputs:
+    """The case's inputs, a pure function of (seed, case.name).
+
+    state_dict: fixed weights (canonical names, any float dtype; e.g. a checkpoint's layer)
+    instead of the drawn ones; everything else is the same draw.
+    """
     s = case.shape
     rng = _case_rng(seed, case.name)
     query = draw.activations(rng, s.B, s.T, s.E)
@@ -219,9 +315,15 @@ def draw_inputs(case: Case, seed: int) -> Inputs:
         key, value = draw.activations(rng, s.B, s.S, s.E), draw.activations(rng, s.B, s.S, s.E)
     else:
         key, value = query.copy(), query.copy()
-    sd = draw.state_dict(rng, s.E)
+    sd = draw.state_dict(rng, case.config)
+    if state_dict is not None:
+        sd = _fixed_weights(case, state_dict)
     keep = _keep_mask(case.mask, s, rng)
     # Scaled so gradient magnitudes stay O(1) whatever B and T are.
     cotangent = rng.standard_normal((s.B, s.T, s.E)) / np.sqrt(s.B * s.T)
     target = rng.standard_normal((s.B, s.T, s.E))
-    return Inputs(query, key, value, keep, sd, cotangent, target)
+    positions = key_positions = None
+    if s.rope is not None:  # drawn last: a classic case's numbers are what they always were
+        positions = draw.positions(rng, s.B, s.T)
+        key_positions = draw.positions(rng, s.B, s.S) if s.cross else positions.copy()
+    return Inputs(query, key, value, keep, sd, cotangent, target, positions, key_positions)

@@ -16,7 +16,7 @@ from parity.devices import DevicePlan, resolve_device
 from parity.dtypes import DTYPES, numpy_dtype
 from parity.env import environment, pinned
 from parity.harness import checks as _checks
-from parity.harness.matrix import CHECKS, Case, default_matrix, draw_inputs, quick_matrix
+from parity.harness.matrix import CASE_SETS, CHECKS, Case, all_cases, default_matrix, draw_inputs, quick_matrix
 from parity.harness.report import Report, Row, to_json, to_markdown
 from parity.impls import Implementation, select
 
@@ -58,13 +58,22 @@ def select_impls(impls=None, compile: bool = False) -> tuple[Implementation, ...
     return (*chosen, *user)
 
 
-def _select_cases(cases, patterns) -> tuple[Case, ...]:
+def _select_cases(cases, patterns, pool=None) -> tuple[Case, ...]:
+    """The cases to run: `cases` without patterns; else each pattern's, in order, each case once.
+
+    A pattern that names a case set (`CASE_SETS`: default, quick, modern) selects the set; any other
+    is a name prefix or glob matched against `pool` (default: `cases`)."""
     if not patterns:
         return tuple(cases)
-    chosen = tuple(c for c in cases if any(fnmatch.fnmatchcase(c.name, p) or c.name.startswith(p) for p in patterns))
+    pool = tuple(cases) if pool is None else tuple(pool)
+    chosen = {}
+    for p in patterns:
+        found = CASE_SETS[p]() if p in CASE_SETS else [c for c in pool if fnmatch.fnmatchcase(c.name, p) or c.name.startswith(p)]
+        chosen.update((c.name, c) for c in found if c.name not in chosen)
     if not chosen:
-        raise ValueError(f"no case matches {list(patterns)}; cases: {[c.name for c in cases]}")
-    return chosen
+        raise ValueError(f"no case matches {list(patterns)}; case sets: {', '.join(CASE_SETS)}; "
+                         f"cases: {[c.name for c in pool]}")
+    return tuple(chosen.values())
 
 
 def _validate(dtypes, checks, paths) -> tuple[tuple, tuple]:
@@ -99,6 +108,8 @@ def run(
     *,
     cases=None,
     case_filter=(),
+    state_dict=None,
+    environment=None,
     dtypes=None,
     checks=None,
     impls=None,
@@ -119,8 +130,12 @@ def run(
 ) -> Report:
     """Run the parity matrix; return the report (and write it, if paths are given).
 
-    cases: a sequence of `Case` (default: the default matrix, or the quick one);
-    case_filter: name prefixes or globs; dtypes, checks: names to keep (None: whatever the
+    cases: a sequence of `Case`, or a case set's name ("default", "quick", "modern": the layers with
+    grouped heads, RoPE, no biases) (default: the default matrix, or the quick one); case_filter:
+    case set names, or name prefixes or globs (matched against the given cases, else every named
+    case); state_dict: fixed weights (canonical names, any float dtype, e.g. a checkpoint's layer)
+    for every case instead of the drawn ones (each case's layer must be theirs); environment: extra
+    entries for the report's environment (e.g. the file checked); dtypes, checks: names to keep (None: whatever the
     cases run, all checks; named ones that nothing runs get a skip row saying why); impls: names of
     ours and/or `parity.impls.Implementation` objects (your own; see `select_impls`).
     on_start(total_units) and on_progress(description) drive a progress bar;
@@ -135,7 +150,10 @@ def run(
     """
     started = time.perf_counter()
     p = _plan(cases, case_filter, dtypes, checks, impls, device, quick, compile, (json_path, markdown_path, plot_path))
-    extra = {"dtypes": ",".join(p.dtypes), "checks": ",".join(p.checks), "cases": len(p.cases),
+    if state_dict is not None:
+        for c in p.cases:  # every case's layer checked against the weights before anything runs
+            draw_inputs(c, seed, state_dict)
+    extra = {**(environment or {}), "dtypes": ",".join(p.dtypes), "checks": ",".join(p.checks), "cases": len(p.cases),
              "implementations": ",".join(i.name for i in p.impls), "x64_enabled_for_run": p.x64}
     with pinned(framework_defaults, p.x64):
         report = Report(_environment(p.device, seed, framework_defaults, extra))
@@ -146,7 +164,7 @@ def run(
                 report.rows += [Row(c.name, ch, "*", "*", d, p.device.name, "skip", message=p.device.skip_reason)
                                 for c, d in p.units for ch in p.checks]
             else:
-                _loop(report, p, seed, _runners(p.device), on_progress, should_stop)
+                _loop(report, p, seed, _runners(p.device), on_progress, should_stop, state_dict)
                 report.rows += _sharded(devices, layouts, p.dtypes, p.checks, seed, should_stop, job_timeout_s)
                 if should_stop is not None and should_stop():  # the sharded workers stopped between jobs
                     report.interrupted = True
@@ -181,7 +199,13 @@ class RunPlan:
 def _plan(cases, case_filter, dtypes, checks, impls, device, quick, compile, paths) -> RunPlan:
     named = (dtypes if dtypes is not None else (), checks if checks is not None else ())
     dtypes, checks = _validate(dtypes, checks, paths)
-    cases = _select_cases(tuple(cases) if cases is not None else (quick_matrix() if quick else default_matrix()), case_filter)
+    if isinstance(cases, str):
+        if cases not in CASE_SETS:
+            raise ValueError(f"unknown case set {cases!r}; case sets: {', '.join(CASE_SETS)}")
+        cases = CASE_SETS[cases]()
+    given = cases is not None
+    cases = tuple(cases) if given else (quick_matrix() if quick else default_matrix())
+    cases = _select_cases(cases, case_filter, pool=cases if given or quick else all_cases())
     units = tuple((c, d) for c in cases for d in dtypes if d in c.dtypes)
     peers = tuple(p for p in select("peer") if p.harness)
     chosen = select_impls(impls, compile)
@@ -192,14 +216,14 @@ def _plan(cases, case_filter, dtypes, checks, impls, device, quick, compile, pat
     return RunPlan(cases, dtypes, checks, chosen, peers, units, resolve_device(device), named)
 
 
-def _loop(report, p: RunPlan, seed, runners, on_progress, should_stop) -> None:
+def _loop(report, p: RunPlan, seed, runners, on_progress, should_stop, state_dict=None) -> None:
     for case, dtype in p.units:
         if should_stop is not None and should_stop():
             report.interrupted = True
             return
         if on_progress is not None:
             on_progress(f"{case.name} {dtype}")
-        report.rows += _run_unit(case, dtype, seed, p.checks, p.impls, p.peers, runners)
+        report.rows += _run_unit(case, dtype, seed, p.checks, p.impls, p.peers, runners, state_dict)
 
 
 def _sharded(devices, layouts, dtypes, checks, seed, should_stop, job_timeout_s=None) -> list[Row]:
@@ -216,9 +240,9 @@ def _sharded(devices, layouts, dtypes, checks, seed, should_stop, job_timeout_s=
     return run_sharded(devices=devices, layouts=tuple(layouts or LAYOUTS), dtypes=wide, seed=seed, should_stop=should_stop, **timeout)
 
 
-def _run_unit(case, dtype, seed, checks, impls, peers, runners) -> list[Row]:
+def _run_unit(case, dtype, seed, checks, impls, peers, runners, state_dict=None) -> list[Row]:
     try:
-        x = draw_inputs(case, seed).in_dtype(numpy_dtype(dtype))
+        x = draw_inputs(case, seed, state_dict).in_dtype(numpy_dtype(dtype))
         return _checks.run_unit(_checks.Unit(case, dtype, x, runners, checks), impls, peers)
     except KeyboardInterrupt:
         raise

@@ -1,10 +1,10 @@
 """The JAX implementations, and how JAX runs any registered implementation.
 
 Imports jax (and flax, optax), never torch. Every factory follows the contract in
-`parity.impls.registry`: `factory(state_dict, num_heads, *, dtype, device[, masked_rows])
+`parity.impls.registry`: `factory(state_dict, num_heads, *, dtype, device[, masked_rows][, problem])
 -> fn(params, q, k, v, mask)`, a pure function of the canonical parameters, so that
 `jax.grad` and `jax.jit` apply to any of them alike.
-Legend (see mha_spec): B T S N H E.
+Legend (see mha_spec): B T S N H E, K key/value heads.
 """
 
 from __future__ import annotations
@@ -19,18 +19,22 @@ import numpy as np
 from flax import nnx
 
 from parity import convert
-from parity.impls.registry import Implementation, mask_for
+from parity.impls.registry import Implementation, layer_kwargs, mask_for
 from parity.impls.validate import check_result, stages_dict
 
 # ---------------------------------------------------------------- factories
 
 
 def _linear_leaves(params, p: str, kernel_shape=None) -> dict:
-    """Canonical (out, in) weight and bias as a flax layer's (in, out) kernel and bias, reshaped if asked."""
+    """Canonical (out, in) weight and bias as a flax layer's (in, out) kernel and bias, reshaped if asked.
+    A projection without bias (no key) has only a kernel."""
     kernel = params[f"{p}.weight"].T  # (E_in, E_out)
-    bias = params[f"{p}.bias"]
     if kernel_shape is not None:
         kernel = kernel.reshape(kernel_shape)
+    if f"{p}.bias" not in params:
+        return {"kernel": kernel}
+    bias = params[f"{p}.bias"]
+    if kernel_shape is not None:
         bias = bias if p == "out_proj" else bias.reshape(kernel_shape[1:])
     return {"kernel": kernel, "bias": bias}
 
@@ -48,18 +52,22 @@ def _merged(graphdef, state, layers: dict):
     return nnx.merge(graphdef, fresh)
 
 
-def _ours(sd, num_heads, *, dtype, device, masked_rows, need_weights):
+def _ours(sd, num_heads, *, dtype, device, masked_rows, need_weights, problem=None):
+    # problem: the layer's grouped heads and RoPE (the biases are the state dict's keys); None, as a
+    # direct call may pass, is the layer the state dict describes without RoPE.
+    layer = layer_kwargs(sd, num_heads, problem)
     with jax.default_device(device):
-        graphdef, state = nnx.split(convert.to_jax(sd, num_heads, masked_rows=masked_rows))
+        graphdef, state = nnx.split(convert.to_jax(sd, num_heads, masked_rows=masked_rows, **layer))
 
     def module(params):
         return _merged(graphdef, state, {p: _linear_leaves(params, p) for p in convert.PROJECTIONS})
 
-    def fn(params, query, key, value, mask):
-        return module(params)(query, key, value, mask, need_weights=need_weights)
+    def fn(params, query, key, value, mask, **positions):
+        return module(params)(query, key, value, mask, need_weights=need_weights, **positions)
 
-    def intermediates(params, query, key, value, mask):
-        *_, stages = module(params)(query, key, value, mask, need_weights=need_weights, return_intermediates=True)
+    def intermediates(params, query, key, value, mask, **positions):
+        *_, stages = module(params)(query, key, value, mask, need_weights=need_weights, return_intermediates=True,
+                                    **positions)
         return stages
 
     fn.intermediates = intermediates
@@ -141,6 +149,7 @@ class Built:
     dtype: np.dtype
     cache: dict = field(default_factory=dict)  # (kind, inputs id) -> results of one compiled program
     changed: list = field(default_factory=list)  # always empty: JAX arrays cannot be changed in place
+    positions: dict = field(default_factory=dict)  # {"positions", "key_positions"} int32 arrays on a RoPE unit
 
 
 class JaxRunner:
@@ -158,13 +167,18 @@ class JaxRunner:
     def a(self, x):
         return None if x is None else jax.device_put(np.asarray(x), self.device)
 
-    def build(self, impl: Implementation, sd: dict, num_heads: int, masked_rows: str) -> Built:
+    def build(self, impl: Implementation, sd: dict, num_heads: int, masked_rows: str, problem=None,
+              positions: dict | None = None) -> Built:
+        """problem: the unit's mha_spec.Problem (required when impl declares variants); positions:
+        {"positions": (B, T), "key_positions": (B, S)} integer NumPy arrays on a RoPE unit, given to every call
+        (int32: JAX's integer without x64; positions are small)."""
         dtype = next(iter(sd.values())).dtype
-        fn = impl.make(sd, num_heads, masked_rows, self.device)
-        return Built(impl, fn, {k: self.a(v) for k, v in sd.items()}, num_heads, dtype)
+        fn = impl.make(sd, num_heads, masked_rows, self.device, problem)
+        pos = {k: self.a(np.asarray(v, np.int32)) for k, v in (positions or {}).items()}
+        return Built(impl, fn, {k: self.a(v) for k, v in sd.items()}, num_heads, dtype, positions=pos)
 
     def _call(self, b: Built, fn, params, xs, mask):
-        return fn(params, *xs, mask) if b.impl.uses_params else fn(*xs, mask)
+        return fn(params, *xs, mask, **b.positions) if b.impl.uses_params else fn(*xs, mask, **b.positions)
 
     def _checked(self, b: Built, result, q_shape, S):
         return check_result(b.impl, result, jax.Array, q_shape, S, b.num_heads, b.dtype)

@@ -5,8 +5,8 @@ table without importing torch or jax; the factories it names are imported lazily
 
 The adapter contract (the same for ours, the peers and a user's own layer):
 
-    factory(state_dict, num_heads, *, dtype, device[, masked_rows]) -> fn
-    fn(params, query, key, value, mask) -> output | (output, weights)
+    factory(state_dict, num_heads, *, dtype, device[, masked_rows][, problem]) -> fn
+    fn(params, query, key, value, mask[, *, positions, key_positions]) -> output | (output, weights)
 
 `state_dict` is the canonical dict of NumPy arrays (`parity.convert` names, torch
 layout, already in `dtype`); `dtype` is its name ("float32", ...); `device` is the
@@ -19,21 +19,41 @@ respect to it, so `fn` must compute with it (a module can be called through
 query (B, T, E), key and value (B, S, E); `mask` follows the declared convention
 (`mask`, `mask_shape`) or is None; output (B, T, E) in the inputs' dtype;
 weights (B, N, T, S) when `returns_weights`.
+
+Attention variants (`mha_spec.VARIANT_FEATURES`: "grouped", "rope-half",
+"rope-interleaved", "no-qkv-bias", "no-out-bias") are declared in `variants`, the
+features the implementation runs. A case whose layer uses a feature not declared is a
+skip row naming it, for every check (`Implementation.unsupported`). The default, no
+declaration (`variants=()`), is the classic layer and the classic call above: a layer
+written before variants existed runs unchanged and skips the variant cases. An
+implementation that declares at least one feature also receives the problem:
+`problem` (keyword) is an `mha_spec.Problem` — `problem.config` the layer (num_heads,
+num_kv_heads, biases, rope, rope_theta, and its masked_rows policy) and problem.B/T/S
+the sizes of the case. Weights follow `problem.config.weight_shapes()`: k/v (K·H, E),
+absent biases absent from `state_dict` and `params`. On a RoPE case `fn` (and
+`fn.intermediates`) also get `positions=` (B, T) and `key_positions=` (B, S), integer
+framework arrays (torch int64, JAX int32), the positions the oracle rotates by (not the
+default arange); elsewhere neither keyword is passed. A peer's `fn.vjp(input, mask,
+cotangent)` gets them as NumPy arrays, as keywords, likewise.
+
 Optionally `fn.intermediates(params, query, key, value, mask) -> dict` with any of
-q, k, v (B, N, L, H), scores, weights (B, N, T, S), context (B, T, E), output:
-then a failing check names the first stage where it leaves the oracle. Stages are
+q (B, N, T, H), k, v (B, K, S, H), q_rot (B, N, T, H) and k_rot (B, K, S, H) (after RoPE),
+scores, weights (B, N, T, S), context (B, T, N·H), output (a dict, or a dataclass such
+as `mha_spec.Stages`): then a failing check names the first stage where it leaves the
+oracle, in the order q, k, v, q_rot, k_rot, scores, weights, context, output (so a
+projection bug, a RoPE bug and a key/value-head bug are told apart). Stages are
 judged as reported: scores are compared where the oracle's key is kept on a row that
 attends to something (so -inf, finfo.min or unmasked values at masked places all pass);
-weights, context and output everywhere.
+weights, context and output everywhere. A stage of another shape than the oracle's (a
+k with N heads, repeated before it is reported) is named with both shapes.
 
 `fn` must not change its arguments: the harness checks after every call that the inputs
 and parameters it passed are bit for bit what they were (a change is a fail row).
 
 What an implementation supports is declared, never guessed: `dtypes` (None: every dtype)
-makes the other dtypes skip rows that say so. `Implementation.unsupported(dtype)` is the one
-place that reads these declarations; a later declaration (e.g. the attention variants an
-implementation runs: grouped heads, rotary embeddings, bias-free projections) is a field
-next to `dtypes` and a clause in `unsupported`, and every check skips by it alike.
+and `variants` make the other units skip rows that say so. `Implementation.unsupported(dtype,
+config)` is the one place that reads these declarations, and every check (and the
+benchmark) skips by it alike.
 """
 
 from __future__ import annotations
@@ -46,7 +66,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mha_spec import MASKED_ROWS_POLICIES
+from mha_spec import MASKED_ROWS_POLICIES, VARIANT_FEATURES, AttentionConfig, Problem
 
 FRAMEWORKS = ("torch", "jax")
 MODES = ("eager", "jit", "compile")
@@ -81,6 +101,10 @@ class Implementation:
                      key gradients, as torch.nn.MultiheadAttention's). The gradient oracle follows it.
     dtypes           the dtypes it supports (e.g. ("float32", "bfloat16")); None: all. Units in
                      other dtypes are skip rows naming the declaration (see `unsupported`)
+    variants         the `mha_spec.VARIANT_FEATURES` it runs (e.g. ("grouped", "rope-half",
+                     "no-qkv-bias", "no-out-bias") for a Llama port); () the classic layer only.
+                     Declaring any feature makes the factory take `problem=` and `fn` take the
+                     positions on RoPE cases (see the module docstring)
     runs_on          where the peers check runs it: fnmatch patterns over a unit's kind
                      "<self|cross>/<mask kind>/<dtype>" (mask kinds: none, padding, causal, random);
                      None: everywhere. What it can express (HF BERT is self-attention: "self/*/*";
@@ -105,6 +129,7 @@ class Implementation:
     runs_on: tuple[str, ...] | None = None
     dtypes: tuple[str, ...] | None = None
     masked_row_grads: str = "stop"
+    variants: tuple[str, ...] = ()
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name or any(c.isspace() for c in self.name):
@@ -133,12 +158,31 @@ class Implementation:
             if not isinstance(self.dtypes, tuple) or not self.dtypes or any(d not in DTYPES for d in self.dtypes):
                 raise ValueError(f"implementation {self.name!r}: dtypes must be a non-empty tuple of {DTYPES} "
                                  f"(or None for all), got {self.dtypes!r}")
+        if not isinstance(self.variants, tuple) or any(v not in VARIANT_FEATURES for v in self.variants):
+            raise ValueError(f"implementation {self.name!r}: variants must be a tuple of {VARIANT_FEATURES} "
+                             f"(() for the classic layer only), got {self.variants!r}")
 
-    def unsupported(self, dtype: str) -> str | None:
-        """Why it does not run in a unit of this dtype, by its own declaration (None: it runs)."""
+    def unsupported(self, dtype: str, config: AttentionConfig | None = None) -> str | None:
+        """Why it does not run a unit of this dtype and layer, by its own declarations (None: it runs).
+
+        config: the unit's layer (None: the classic one); its `features` must all be declared in `variants`.
+        """
         if self.dtypes is not None and dtype not in self.dtypes:
             return f"{self.name} declares dtypes={','.join(self.dtypes)}: {dtype} is not among them"
+        if config is not None:
+            if not isinstance(config, AttentionConfig):
+                raise TypeError(f"unsupported: config must be an mha_spec.AttentionConfig, got {type(config).__name__}")
+            missing = [f for f in VARIANT_FEATURES if f in config.features and f not in self.variants]
+            if missing:
+                declared = f"variants={','.join(self.variants)}" if self.variants else "no variants (the classic layer only)"
+                return (f"{self.name} declares {declared}: this layer uses {', '.join(missing)}, "
+                        f"which it does not run")
         return None
+
+    @property
+    def takes_problem(self) -> bool:
+        """Whether the factory takes `problem=` and fn the positions: it declares a variant."""
+        return bool(self.variants)
 
     def runs(self, kind: str) -> bool:
         """Whether the peers check runs it on a unit of this kind ("self/causal/float32", ...)."""
@@ -159,11 +203,31 @@ class Implementation:
         """The masked-row policy it runs with in a case: its own, or the case's when configurable."""
         return case_policy if self.masked_rows is None else self.masked_rows
 
-    def make(self, state_dict: dict, num_heads: int, masked_rows: str, device) -> Callable:
-        """Call the factory as the contract says (masked_rows only when configurable); check it gave a callable."""
+    def make(self, state_dict: dict, num_heads: int, masked_rows: str, device, problem: Problem | None = None) -> Callable:
+        """Call the factory as the contract says (masked_rows only when configurable, problem only when
+        it declares variants); check it gave a callable.
+
+        problem: the unit's `mha_spec.Problem`; required for an implementation that declares variants,
+        and its layer must be the one the state dict describes.
+        """
         kw = {"dtype": next(iter(state_dict.values())).dtype.name, "device": device}
         if self.masked_rows is None:
             kw["masked_rows"] = masked_rows
+        if problem is not None and not isinstance(problem, Problem):
+            raise TypeError(f"{self.name}: problem must be an mha_spec.Problem, got {type(problem).__name__}")
+        if problem is not None:
+            why = self.unsupported(kw["dtype"], problem.config)
+            if why:
+                raise ValueError(why)
+            expected = problem.config.weight_shapes()
+            got = {k: tuple(np.shape(v)) for k, v in state_dict.items()}
+            if got != expected:
+                raise ValueError(f"{self.name}: the state dict {got} is not the problem's layer {expected}")
+        if self.takes_problem:
+            if problem is None:
+                raise TypeError(f"{self.name} declares variants={','.join(self.variants)}: build it with "
+                                "problem= (an mha_spec.Problem: the layer and its sizes)")
+            kw["problem"] = problem
         fn = self.resolve_factory()(state_dict, num_heads, **kw)
         if not callable(fn):
             raise TypeError(f"{self.name}: the factory returned {type(fn).__name__}, not a callable")
@@ -267,6 +331,17 @@ def mask_for(impl: Implementation, keep: np.ndarray | None, num_heads: int, dtyp
     return keep
 
 
+def layer_kwargs(state_dict: dict, num_heads: int, problem: Problem | None) -> dict:
+    """num_kv_heads, rope, rope_theta for our modules' converters (`parity.convert.to_torch/to_jax`):
+    the problem's; without one, the state dict's key/value heads (k_proj rows / H) and no RoPE."""
+    if problem is not None:
+        c = problem.config
+        return {"num_kv_heads": c.num_kv_heads, "rope": c.rope, "rope_theta": c.rope_theta}
+    q_rows, kv_rows = np.shape(state_dict["q_proj.weight"])[0], np.shape(state_dict["k_proj.weight"])[0]
+    K = kv_rows * num_heads // q_rows if q_rows else num_heads
+    return {"num_kv_heads": None if K == num_heads else K}
+
+
 # ---------------------------------------------------------------- built-ins
 
 # The default matrix's causal self-attention case has peers=True for GPT-2 (causal only); the
@@ -278,9 +353,13 @@ _J = "parity.impls.jax_impls"
 _E = "parity.impls.ecosystem_impls"
 
 
-def _ours(name, framework, factory, mode, weights, doc):
+# What our modules run (mha_spec.VARIANT_FEATURES): both run every variant.
+_OURS_VARIANTS = {"torch": VARIANT_FEATURES, "jax": VARIANT_FEATURES}
+
+
+def _ours(name, framework, factory, mode, weights, doc, **kw):
     return Implementation(name, framework, factory, mode, weights, masked_rows=None, role="ours",
-                          family=f"ours-{framework}", doc=doc)
+                          family=f"ours-{framework}", doc=doc, variants=_OURS_VARIANTS[framework], **kw)
 
 
 BUILTIN = (
@@ -288,8 +367,7 @@ BUILTIN = (
     _ours("torch-fused", "torch", f"{_T}:ours_fused", "eager", False, "mha_torch, need_weights=False (SDPA)"),
     _ours("torch-compile", "torch", f"{_T}:ours_weights", "compile", True, "torch.compile(mha_torch.MultiHeadAttention)"),
     _ours("torch-compile-fused", "torch", f"{_T}:ours_fused", "compile", False, "torch.compile(mha_torch), need_weights=False"),
-    Implementation("jax", "jax", f"{_J}:ours_weights", "eager", True, masked_rows=None, role="ours", family="ours-jax",
-                   bench=False, doc="mha_jax.MultiHeadAttention, op by op"),
+    _ours("jax", "jax", f"{_J}:ours_weights", "eager", True, "mha_jax.MultiHeadAttention, op by op", bench=False),
     _ours("jax-jit", "jax", f"{_J}:ours_weights", "jit", True, "mha_jax.MultiHeadAttention under jax.jit"),
     _ours("jax-fused", "jax", f"{_J}:ours_fused", "jit", False, "mha_jax, need_weights=False, under jax.jit"),
     Implementation("torch-mha", "torch", f"{_T}:torch_mha_weights", returns_weights=True, masked_rows="nan", mask="drop",

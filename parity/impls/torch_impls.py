@@ -1,8 +1,8 @@
 """The torch implementations, and how torch runs any registered implementation.
 
 Imports torch, never jax. Every factory follows the contract in `parity.impls.registry`:
-`factory(state_dict, num_heads, *, dtype, device[, masked_rows]) -> fn(params, q, k, v, mask)`.
-Legend (see mha_spec): B T S N H E.
+`factory(state_dict, num_heads, *, dtype, device[, masked_rows][, problem]) -> fn(params, q, k, v, mask)`.
+Legend (see mha_spec): B T S N H E, K key/value heads.
 """
 
 from __future__ import annotations
@@ -17,20 +17,23 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 from parity import convert
-from parity.impls.registry import Implementation, mask_for
+from parity.impls.registry import Implementation, layer_kwargs, mask_for
 from parity.impls.validate import check_result, stages_dict
 
 # ---------------------------------------------------------------- factories
 
 
-def _ours(sd, num_heads, *, dtype, device, masked_rows, need_weights):
-    m = convert.to_torch(sd, num_heads, masked_rows=masked_rows).to(device)
+def _ours(sd, num_heads, *, dtype, device, masked_rows, need_weights, problem=None):
+    # problem: the layer's grouped heads and RoPE (the biases are the state dict's keys); None, as a
+    # direct call may pass, is the layer the state dict describes without RoPE.
+    layer = layer_kwargs(sd, num_heads, problem)
+    m = convert.to_torch(sd, num_heads, masked_rows=masked_rows, **layer).to(device)
 
-    def fn(params, query, key, value, mask):
-        return functional_call(m, params, (query, key, value, mask), {"need_weights": need_weights})
+    def fn(params, query, key, value, mask, **positions):
+        return functional_call(m, params, (query, key, value, mask), {"need_weights": need_weights, **positions})
 
-    def intermediates(params, query, key, value, mask):
-        kw = {"need_weights": need_weights, "return_intermediates": True}
+    def intermediates(params, query, key, value, mask, **positions):
+        kw = {"need_weights": need_weights, "return_intermediates": True, **positions}
         *_, stages = functional_call(m, params, (query, key, value, mask), kw)
         return stages
 
@@ -91,6 +94,7 @@ class Built:
     dtype: np.dtype
     state: dict = field(default_factory=dict)  # the canonical NumPy state dict the parameters were made from
     changed: list = field(default_factory=list)  # what a call changed in place (inputs, parameters), until read
+    positions: dict = field(default_factory=dict)  # {"positions", "key_positions"} tensors on a RoPE unit, passed to every call
 
 
 class TorchRunner:
@@ -104,15 +108,19 @@ class TorchRunner:
     def t(self, a):
         return None if a is None else convert.numpy_to_tensor(np.asarray(a), self.device)
 
-    def build(self, impl: Implementation, sd: dict, num_heads: int, masked_rows: str) -> Built:
+    def build(self, impl: Implementation, sd: dict, num_heads: int, masked_rows: str, problem=None,
+              positions: dict | None = None) -> Built:
+        """problem: the unit's mha_spec.Problem (required when impl declares variants); positions:
+        {"positions": (B, T), "key_positions": (B, S)} integer NumPy arrays on a RoPE unit, given to every call."""
         dtype = next(iter(sd.values())).dtype
-        fn = impl.make(sd, num_heads, masked_rows, self.device)
+        fn = impl.make(sd, num_heads, masked_rows, self.device, problem)
         if impl.mode == "compile":
             inner = fn
             fn = torch.compile(fn)
             fn.intermediates = getattr(inner, "intermediates", None)
         params = {k: self.t(a) for k, a in sd.items()}
-        return Built(impl, fn, params, num_heads, dtype, state=dict(sd))
+        pos = {k: self.t(np.asarray(v, np.int64)) for k, v in (positions or {}).items()}
+        return Built(impl, fn, params, num_heads, dtype, state=dict(sd), positions=pos)
 
     def _args(self, b: Built, query, key, value, keep, grad: bool = False):
         xs = [self.t(a).requires_grad_(grad) for a in (query, key, value)]
@@ -121,14 +129,18 @@ class TorchRunner:
 
     def _call(self, b: Built, xs, mask, fn=None, params=None):
         fn = fn or b.fn
-        return fn(params or b.params, *xs, mask) if b.impl.uses_params else fn(*xs, mask)
+        pos = {k: v.clone() for k, v in b.positions.items()}  # a call that changes them spoils no other
+        if b.impl.uses_params:
+            return fn(params or b.params, *xs, mask, **pos)
+        return fn(*xs, mask, **pos)
 
     def _checked(self, b: Built, result, query, key):
         out, w = check_result(b.impl, result, torch.Tensor, query.shape, key.shape[1], b.num_heads, b.dtype)
         return out, w
 
     def call(self, b: Built, query, key, value, mask=None):
-        """One call on tensors already on the device, unconverted and unchecked: what the benchmark times."""
+        """One call on tensors already on the device, unconverted and unchecked: what the benchmark times
+        (with the positions given to `build`, if any)."""
         result = self._call(b, (query, key, value), mask)
         return tuple(result) if isinstance(result, (tuple, list)) else (result, None)
 
