@@ -40,7 +40,7 @@ from parity.canonical import (
     numpy_to_tensor,
     tensor_to_numpy,
 )
-from parity.layouts import LAYOUTS, from_layout, read_layout, to_layout
+from parity.layouts import LAYOUTS, from_layout, read_checkpoint, read_hf_config, read_layout, to_layout
 from parity.weight_file import open_weight_file
 
 __all__ = [
@@ -50,8 +50,8 @@ __all__ = [
     "from_torch", "to_torch", "from_jax", "to_jax", "torch_to_jax", "jax_to_torch",
     "from_torch_mha", "to_torch_mha", "from_flax_linen", "to_flax_linen", "from_flax_nnx", "to_flax_nnx",
     "from_keras", "to_keras", "from_equinox", "to_equinox", "FLAX_NAMES", "EQX_NAMES",
-    # Hugging Face checkpoint layouts (parity.layouts)
-    "LAYOUTS", "from_layout", "to_layout", "read_layout",
+    # Hugging Face checkpoint layouts and directories (parity.layouts)
+    "LAYOUTS", "from_layout", "to_layout", "read_layout", "read_checkpoint", "read_hf_config",
     # weight files
     "Checkpoint", "save", "load", "FILE_FORMAT", "FILE_FORMAT_VERSION",
 ]
