@@ -82,3 +82,45 @@ def wrong_scale(base_name="torch"):
 
     module = importlib.import_module("mha_torch.attention" if base_name.startswith("torch") else "mha_jax.attention")
     return _wrap(base_name, f"{base_name}-wrong-scale", _wrong_scale(module))
+
+
+# ---------------------------------------------------------------- the classic Llama porting bugs
+
+
+def _interleaved_rotation(x, cos, sin):
+    """Meta's pairing (2i, 2i+1) applied with rotate-half's cos/sin: the RoPE conventions mixed up."""
+    import jax.numpy as jnp
+
+    H = x.shape[-1]
+    c, s = cos[..., : H // 2], sin[..., : H // 2]  # rotate-half's tables repeat each angle twice
+    xa = x.astype(cos.dtype)
+    x1, x2 = xa[..., 0::2], xa[..., 1::2]
+    return jnp.stack([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).reshape(x.shape).astype(x.dtype)
+
+
+def _llama_port(name: str, **bug):
+    """parity.examples.llama_jax's port with one classic bug planted (its own declarations)."""
+    from parity.examples import llama_jax
+
+    def factory(sd, num_heads, *, dtype, device, problem):
+        return llama_jax.make_attention(problem.config, **bug)
+
+    return Implementation(name, "jax", factory, "jit", True, masked_rows="nan", role="user",
+                          variants=llama_jax.port.variants)
+
+
+def llama_tile_kv():
+    """K/V heads spread with jnp.tile (head h reads h % K) instead of jnp.repeat (h // (N/K))."""
+    import jax.numpy as jnp
+
+    return _llama_port("llama-tile-kv", repeat_kv=lambda x, g: jnp.tile(x, (1, 1, g, 1)))
+
+
+def llama_rope_swapped():
+    """Rotate-half weights rotated with Meta's interleaved pairs."""
+    return _llama_port("llama-rope-swapped", rotate=_interleaved_rotation)
+
+
+def llama_key_positions_off_by_one():
+    """The keys rotated by position + 1."""
+    return _llama_port("llama-key-pos-off-by-one", key_position_shift=1)
