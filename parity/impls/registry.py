@@ -411,6 +411,25 @@ BUILTIN = (
                    uses_params=False, role="peer", bench=False, runs_on=("*/*/float64", "*/*/float32"),
                    doc="equinox.nn.MultiheadAttention, vmapped; bool mask True = attend; masked scores finfo.min, "
                    "so empty rows are uniform"),
+    # Peers for grouped/multi-query, rotary and bias-free layers (each RoPE its own code, not our modules').
+    # float64/float32: 16-bit adds compiles and transformers calls to the default run and proves no more.
+    Implementation("torch-sdpa-gqa", "torch", "parity.impls.gqa_torch:sdpa_gqa", masked_rows="zero", role="peer",
+                   bench=False, runs_on=("*/*/float64", "*/*/float32"), variants=VARIANT_FEATURES,
+                   doc="our projections around F.scaled_dot_product_attention(enable_gqa=True) on the K key/value "
+                   "heads, RoPE by its own rotate_half/rotate_every_two; bool mask True = attend; empty rows give 0"),
+    Implementation("jax-dpa-gqa", "jax", "parity.impls.gqa_jax:dpa_gqa", "jit", False, masked_rows="uniform",
+                   role="peer", bench=False, materializes=True, runs_on=("*/*/float64", "*/*/float32"),
+                   variants=VARIANT_FEATURES,
+                   doc="our projections around jax.nn.dot_product_attention with K key/value heads, RoPE as complex "
+                   "pairs; mask True = attend; empty rows uniform; softmax in float32 (also for float64 inputs)"),
+    # HF Llama in float64: a fully masked row is NaN there (finfo(float64).min is -inf in its float32
+    # softmax), uniform elsewhere; so float64 runs only the masks without one (none, causal self-attention).
+    Implementation("hf-llama", "torch", f"{_E}:hf_llama", masked_rows="uniform", mask_shape="BTS", uses_params=False,
+                   role="peer", bench=False, masked_row_grads="flow", variants=VARIANT_FEATURES,
+                   runs_on=("self/none/*", "self/causal/*", "self/*/float32", "self/*/bfloat16", "self/*/float16"),
+                   doc="transformers LlamaAttention (eager) with LlamaRotaryEmbedding, position_ids = the positions; "
+                   "additive mask 0 / finfo.min, so empty rows are uniform and their gradient flows; cos/sin and softmax "
+                   "in float32 (also for float64); interleaved RoPE via HF's q/k row permutation, absent biases as zeros"),
 )
 _BY_NAME = {i.name: i for i in BUILTIN}
 
