@@ -16,6 +16,7 @@ import sys
 from parity.cli_args import comma_separated, nonnegative_int, positive_float
 from parity.devices import DEVICES
 from parity.dtypes import DTYPES
+from parity.harness import checkpoint
 from parity.harness.matrix import CHECKS
 
 EXIT_FAIL, EXIT_USAGE, EXIT_NOTHING, EXIT_INTERRUPTED = 1, 2, 3, 130
@@ -63,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no live progress bar")
     p.add_argument("--no-compile-cache", action="store_true",
                    help="do not use JAX's persistent compilation cache (in the user's cache directory, $MHA_PARITY_CACHE_DIR)")
+    checkpoint.add_arguments(p)
     return p
 
 
@@ -90,6 +92,9 @@ class GracefulInterrupt:
 
 
 def _usage_problems(args) -> str | None:
+    problem = checkpoint.usage_problem(args)
+    if problem:
+        return problem
     if args.devices is not None and args.devices < 2:
         return f"--devices must be at least 2, got {args.devices}"
     if args.layouts and args.devices is None:
@@ -129,9 +134,13 @@ def _run(args, console, stop):
         state["started"] = True
         progress.update(state["task"], description=description)
 
+    kw = dict(case_filter=args.cases, dtypes=args.dtypes, checks=args.checks)
+    if args.checkpoint is not None:  # its cases, weights and report entries; a bad path/prefix is a LoadError
+        kw.update(checkpoint.run_kwargs(args))
+        console.print(checkpoint.describe(kw["environment"]), soft_wrap=True, markup=False)
     with progress:
         return run(
-            case_filter=args.cases, dtypes=args.dtypes, checks=args.checks, impls=impls, device=args.device,
+            **kw, impls=impls, device=args.device,
             seed=args.seed, quick=args.quick, compile=args.compile, framework_defaults=args.framework_defaults,
             json_path=args.json, markdown_path=args.markdown, plot_path=args.plot, on_start=on_start,
             on_progress=on_progress, should_stop=lambda: stop.requested, devices=args.devices, layouts=args.layouts,

@@ -62,7 +62,8 @@ class CheckpointLayer:
 
 
 def _fail(path, layout, prefix, e: BaseException) -> LoadError:
-    text = " ".join(str(e).split()) or type(e).__name__
+    said = e.args[0] if isinstance(e, KeyError) and e.args else e  # str(KeyError) adds quotes
+    text = " ".join(str(said).split()) or type(e).__name__
     return LoadError(f"--checkpoint {path} --layout {layout} --prefix {prefix!r}: {type(e).__name__}: {text}")
 
 
@@ -162,12 +163,19 @@ def usage_problem(args) -> str | None:
     if args.checkpoint is None:
         given = [f"--{a.replace('_', '-')}" for a in own
                  if getattr(args, a) not in (None, "", "hf-llama")]
-        return f"{', '.join(given)} describe a checkpoint's layer: give --checkpoint too" if given else None
+        return f"{', '.join(given)}: the flags of a checkpoint's layer; give --checkpoint too" if given else None
     if args.quick:
         return "--quick picks the drawn matrix; --checkpoint runs the checkpoint's own cases"
     if args.devices is not None:
         return "--devices checks the sharded layouts of drawn layers; it does not take --checkpoint"
     return None
+
+
+def describe(environment: dict) -> str:
+    """One line naming the layer checked (printed before the table; the reports carry the same entries)."""
+    e = environment
+    return (f"checkpoint {e['checkpoint']} (layout {e['checkpoint_layout']}, prefix {e['checkpoint_prefix']!r}, "
+            f"{e['checkpoint_dtype']}): {e['checkpoint_layer']}")
 
 
 def run_kwargs(args) -> dict:
@@ -185,5 +193,5 @@ def run_kwargs(args) -> dict:
             "dtypes": args.dtypes if args.dtypes is not None else DTYPES_DEFAULT}
 
 
-__all__ = ["CheckpointLayer", "load_layer", "cases", "run_kwargs", "add_arguments", "usage_problem", "CHECKS", "MASKS",
+__all__ = ["CheckpointLayer", "load_layer", "cases", "run_kwargs", "describe", "add_arguments", "usage_problem", "CHECKS", "MASKS",
            "DEFAULT_SHAPE", "DTYPES_DEFAULT"]
