@@ -259,6 +259,7 @@ def _to_flax_layout(sd, num_heads: int) -> dict[str, dict[str, np.ndarray]]:
       in-projections: weight (N*H, E) -> kernel (E, N, H);  bias (N*H,) -> (N, H)
       out-projection: weight (E, N*H) -> kernel (N, H, E);  bias (E,)   -> (E,)
     """
+    _classic_only(sd, "flax's MultiHeadAttention")
     E, dtype = check_state_dict(sd)
     check_config(E, num_heads, "nan")
     N, H = num_heads, E // num_heads
@@ -273,6 +274,21 @@ def _to_flax_layout(sd, num_heads: int) -> dict[str, dict[str, np.ndarray]]:
         "bias": sd["out_proj.bias"].copy(),
     }
     return tree
+
+
+def _classic_only(sd, target: str) -> None:
+    """A grouped or bias-free state dict for a peer that holds only the classic layer: a ValueError saying so."""
+    if not isinstance(sd, Mapping):
+        return  # check_state_dict names the type
+    q, k = sd.get("q_proj.weight"), sd.get("k_proj.weight")
+    grouped = hasattr(q, "shape") and hasattr(k, "shape") and tuple(k.shape) != tuple(q.shape)
+    missing = [n for n in CANONICAL_KEYS if n.endswith(".bias") and n not in sd]
+    if grouped or missing:
+        what = [f"grouped key/value heads (k_proj.weight {tuple(k.shape)}, q_proj.weight {tuple(q.shape)})"] if grouped else []
+        what += [f"no {', '.join(missing)}"] if missing else []
+        raise ValueError(f"{target} has no grouped key/value heads and always has all four biases; this layer has "
+                         f"{' and '.join(what)}: convert it with to_torch/to_jax, or to_keras(..., num_kv_heads=K) "
+                         f"(keras.layers.GroupQueryAttention)")
 
 
 def _from_flax_layout(tree: Mapping, what: str) -> dict[str, np.ndarray]:
@@ -343,6 +359,7 @@ def to_flax_nnx(sd, num_heads: int, **module_kwargs):
     import jax.numpy as jnp
     from flax import nnx
 
+    _classic_only(sd, "flax's MultiHeadAttention")
     E, dtype = check_state_dict(sd)
     _check_jax_dtype(dtype)
     _pop_dtype(module_kwargs, "param_dtype", dtype, np.dtype)
@@ -376,13 +393,18 @@ def _keras():
 
 
 def from_keras(layer) -> dict[str, np.ndarray]:
-    """keras.layers.MultiHeadAttention (built; bias, no gate, key_dim = value_dim = E / N) -> canonical.
+    """A built keras.layers.MultiHeadAttention or keras.layers.GroupQueryAttention -> canonical.
 
-    Keras stores flax's layout: q/k/v kernel (E, N, H), bias (N, H); output kernel (N, H, E).
+    The class is checked explicitly (isinstance), never read off the shapes.
+    MultiHeadAttention: bias, no gate, key_dim = value_dim = E / N; Keras stores flax's
+    layout: q/k/v kernel (E, N, H), bias (N, H); output kernel (N, H, E).
+    GroupQueryAttention: see `_from_keras_gqa`.
     """
     keras = _keras()
+    if isinstance(layer, keras.layers.GroupQueryAttention):
+        return _from_keras_gqa(layer)
     if not isinstance(layer, keras.layers.MultiHeadAttention):
-        raise TypeError(f"expected keras.layers.MultiHeadAttention, got {type(layer).__name__}")
+        raise TypeError(f"expected keras.layers.MultiHeadAttention or keras.layers.GroupQueryAttention, got {type(layer).__name__}")
     if not layer.built:
         raise ValueError("the keras layer is not built yet: call it once or layer.build(query_shape, value_shape)")
     cfg = layer.get_config()
@@ -396,13 +418,20 @@ def from_keras(layer) -> dict[str, np.ndarray]:
     return _from_flax_layout(tree, "keras.layers.MultiHeadAttention")
 
 
-def to_keras(sd, num_heads: int):
-    """Canonical -> a built keras.layers.MultiHeadAttention(num_heads, key_dim=E/N) in the weights' dtype.
+def to_keras(sd, num_heads: int, *, num_kv_heads: int | None = None):
+    """Canonical -> a built Keras 3 attention layer in the weights' dtype.
 
-    Call it as layer(query, value, key) -- keras's argument order -- with a keep-mask
-    (True = attend) of shape (B, T, S) as attention_mask.
+    num_kv_heads=None: keras.layers.MultiHeadAttention(num_heads, key_dim=E/N), the classic
+    layer (all four biases). num_kv_heads=K: keras.layers.GroupQueryAttention(head_dim=E/N,
+    num_query_heads=N, num_key_value_heads=K), whose one use_bias is all four biases or
+    none (see `_to_keras_gqa`); K = N is allowed. Call either as layer(query, value, key)
+    -- keras's argument order -- with a keep-mask (True = attend) of shape (B, T, S) as
+    attention_mask. Keras has no RoPE: a RoPE layer's weights convert, its rotation does not.
     """
     keras = _keras()
+    if num_kv_heads is not None:
+        return _to_keras_gqa(sd, num_heads, num_kv_heads)
+    _classic_only(sd, "keras.layers.MultiHeadAttention (to_keras without num_kv_heads)")
     E, dtype = check_state_dict(sd)
     _check_jax_dtype(dtype)
     tree = _to_flax_layout(sd, num_heads)
@@ -415,6 +444,66 @@ def to_keras(sd, num_heads: int):
     for name, d in dense.items():
         d.kernel.assign(tree[name]["kernel"])
         d.bias.assign(tree[name]["bias"])
+    return layer
+
+
+# keras.layers.GroupQueryAttention's sublayers (EinsumDense) and their layouts, with N query heads,
+# K key/value heads, H = head_dim; heads split as feature n*H + h, as our view(B, L, N, H) does:
+#   _query_dense  kernel (E, N, H) "bqm,muh->bquh"  bias (N, H)   <- q_proj.weight (N*H, E).T
+#   _key_dense    kernel (E, K, H) "bkm,mvh->bkvh"  bias (K, H)   <- k_proj.weight (K*H, E).T; v likewise
+#   _output_dense kernel (N, H, E) "bquh,uhm->bqm"  bias (E,)     <- out_proj.weight (E, N*H).T
+# Its key/value heads are repeated with ops.repeat(axis=2): query head n uses key/value head n // (N/K), as ours.
+_KERAS_GQA = {"q_proj": "_query_dense", "k_proj": "_key_dense", "v_proj": "_value_dense", "out_proj": "_output_dense"}
+
+
+def _from_keras_gqa(layer) -> dict[str, np.ndarray]:
+    """keras.layers.GroupQueryAttention (built; no gate, no sliding window, N * head_dim = E) -> canonical.
+
+    use_bias=False gives a state dict without bias keys; dropout acts only in training.
+    """
+    if not layer.built:
+        raise ValueError("the keras layer is not built yet: call it once or layer.build(query_shape, value_shape)")
+    N, K, H, E = layer.num_query_heads, layer.num_key_value_heads, layer.head_dim, layer.feature_dim
+    if layer.use_gate or layer.sliding_window is not None or N * H != E:
+        raise ValueError(f"keras GroupQueryAttention must have use_gate=False, sliding_window=None and "
+                         f"num_query_heads * head_dim = the feature dim; got use_gate={layer.use_gate}, "
+                         f"sliding_window={layer.sliding_window}, {N} * {H} vs {E}")
+    sd = {}
+    for p, attr in _KERAS_GQA.items():
+        dense = getattr(layer, attr)
+        kernel = np.array(dense.kernel.value)
+        if p == "out_proj":
+            check_shape(kernel, (N, H, E), "keras GroupQueryAttention output kernel")
+            sd["out_proj.weight"] = np.ascontiguousarray(kernel.reshape(N * H, E).T)
+        else:
+            heads = N if p == "q_proj" else K
+            check_shape(kernel, (E, heads, H), f"keras GroupQueryAttention {attr[1:]} kernel")
+            sd[f"{p}.weight"] = np.ascontiguousarray(kernel.reshape(E, heads * H).T)
+        if layer.use_bias:
+            sd[f"{p}.bias"] = np.array(dense.bias.value).reshape(-1).copy()
+    check_variant_state_dict(sd, N, K)
+    return sd
+
+
+def _to_keras_gqa(sd, num_heads: int, num_kv_heads: int):
+    keras = _keras()
+    cfg, dtype = check_variant_state_dict(sd, num_heads, num_kv_heads)
+    if cfg.qkv_bias != cfg.out_bias:
+        raise ValueError(f"keras GroupQueryAttention has one use_bias for all four projections; this layer has "
+                         f"qkv_bias={cfg.qkv_bias}, out_bias={cfg.out_bias} (keys {sorted(sd)})")
+    _check_jax_dtype(dtype)
+    N, K, H, E = cfg.num_heads, cfg.kv_heads, cfg.head_size, cfg.embed_dim
+    # Zero initialisers: every weight is assigned below (keras's random ones cost a compile).
+    layer = keras.layers.GroupQueryAttention(head_dim=H, num_query_heads=N, num_key_value_heads=K, use_bias=cfg.qkv_bias,
+                                             dtype=dtype.name, kernel_initializer="zeros", bias_initializer="zeros")
+    layer.build(query_shape=(None, None, E), value_shape=(None, None, E))
+    for p, attr in _KERAS_GQA.items():
+        dense = getattr(layer, attr)
+        w = sd[f"{p}.weight"]
+        dense.kernel.assign(w.T.reshape(N, H, E) if p == "out_proj" else w.T.reshape(E, N if p == "q_proj" else K, H))
+        if cfg.qkv_bias:
+            b = sd[f"{p}.bias"]
+            dense.bias.assign(b if p == "out_proj" else b.reshape(-1, H))
     return layer
 
 
