@@ -309,6 +309,8 @@ def _from_getter(get, keys, layout: str, prefix: str, source: str = "", num_head
         arr = fetch(key)
         if tuple(arr.shape) != _dims(s.shape, E, KH):
             hint = " -- a (3E, E) c_attn is nn.Linear's (out, in) orientation: transposed?" if s.in_out and len(s.parts) > 1 else ""
+            if lay.grouped and s.parts in (("q_proj.weight",), ("out_proj.weight",)):
+                hint = " -- our modules need N*H = E: a head_dim other than E/N is not supported"
             kh = "" if KH is None else f", K*H={KH} from {prefix}{next(t.key for t in lay.spellings[spelling] if t.shape and t.shape[0] == 'KH')}"
             raise ValueError(f"{source}layout {layout!r}: {key} has shape {tuple(arr.shape)}, expected {_expected(s, E, KH)} (E={E}{kh}){hint}")
         for name, part in zip(s.parts, np.split(arr, len(s.parts), axis=-1)):

@@ -8,6 +8,7 @@ positions with a causal + padding mask. HF's cos/sin come from its own rotary cl
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -216,3 +217,40 @@ def test_config_json_refusals_are_named(changes, error, message, tmp_path):
         layouts.read_hf_config(tmp_path)
     if "sliding_window" in changes:  # ... read on request, for lengths within the window
         assert layouts.read_hf_config(path, ignore_sliding_window=True).num_kv_heads == K
+
+
+def _grouped_sd(rng, qkv_bias, out_bias, dtype=np.float32):
+    shapes = AttentionConfig(E, N, num_kv_heads=K, qkv_bias=qkv_bias, out_bias=out_bias).weight_shapes()
+    return {name: rng.standard_normal(shape).astype(dtype) for name, shape in shapes.items()}
+
+
+@pytest.mark.parametrize("qkv_bias, out_bias", [(False, False), (True, False), (True, True)])
+def test_the_hf_llama_table_round_trips_each_bias_set(qkv_bias, out_bias):
+    sd = _grouped_sd(np.random.default_rng(1), qkv_bias, out_bias)
+    tensors = layouts.to_layout(sd, "hf-llama", prefix=PREFIX, num_heads=N)
+    names = {"q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj", "out_proj": "o_proj"}
+    assert sorted(tensors) == sorted(PREFIX + names[k.split(".")[0]] + "." + k.split(".")[1] for k in sd)
+    back = convert.from_layout(tensors, "hf-llama", prefix=PREFIX, num_heads=N)
+    assert sorted(back) == sorted(sd) and all(back[k].tobytes() == sd[k].tobytes() for k in sd)
+
+
+def test_the_hf_llama_table_names_what_it_cannot_hold():
+    sd = _grouped_sd(np.random.default_rng(2), False, True)  # out_proj's bias alone: no HF model has it
+    with pytest.raises(ValueError, match=r"layout 'hf-llama': the layout holds no biases or q/k/v biases only or all "
+                                         r"four biases; this state dict has out_proj bias only"):
+        layouts.to_layout(sd, "hf-llama")
+    tensors = layouts.to_layout(_grouped_sd(np.random.default_rng(2), True, False), "hf-llama", prefix=PREFIX)
+    # k/v rows K*H = 8 are two heads of H = 4 for N = 6; for N = 4 (H = 6) they are no whole number of heads.
+    with pytest.raises(ValueError, match=re.escape(f"layout 'hf-llama': {PREFIX}k_proj.weight has shape (8, 24), "
+                                                   "expected (K*H, E) = (K*6, 24) with K dividing num_heads=4")):
+        convert.from_layout(tensors, "hf-llama", prefix=PREFIX, num_heads=4)
+    bad = dict(tensors, **{PREFIX + "v_proj.weight": tensors[PREFIX + "v_proj.weight"][:4]})
+    with pytest.raises(ValueError, match=re.escape(f"layout 'hf-llama': {PREFIX}v_proj.weight has shape (4, 24), "
+                                                   f"expected (8, 24) = (KH, E) (E=24, K*H=8 from {PREFIX}k_proj.weight)")):
+        convert.from_layout(bad, "hf-llama", prefix=PREFIX)
+    del tensors[PREFIX + "v_proj.bias"]
+    with pytest.raises(ValueError, match=r"missing keys \['v_proj.bias'\].*partial set"):
+        convert.from_layout(tensors, "hf-llama", prefix=PREFIX)
+    head_dim_8 = dict(tensors, **{PREFIX + "q_proj.weight": np.zeros((48, E), np.float32)})  # N*H != E (Gemma-like)
+    with pytest.raises(ValueError, match=r"q_proj.weight has shape \(48, 24\), expected \(24, 24\).* head_dim other than E/N"):
+        convert.from_layout(head_dim_8, "hf-llama", prefix=PREFIX)
