@@ -530,11 +530,33 @@ def check_peers(unit: Unit, peers) -> list[Row]:
             c = judge(a, mine, tol, k, yard_err=yard_err)
             rows.append(unit.row("peers", peer, f"{ours_impl.framework}[{policy}]", status(c), q, c, message=note))
         vjp = getattr(unit.built(peer, policy).fn, "vjp", None)
-        if vjp is not None:
+        # Autodiff of the parameters is checked for the peers that declare variants; the classic
+        # framework peers stay forward-only (each gradient is one more XLA compile in the default run).
+        if vjp is not None or (peer.uses_params and peer.variants):
             try:
-                rows += _peer_grad_rows(unit, peer, policy, vjp, TOLERANCES[effective], note)
+                if vjp is not None:
+                    rows += _peer_grad_rows(unit, peer, policy, vjp, TOLERANCES[effective], note)
+                else:
+                    rows += _peer_autodiff_rows(unit, peer, policy, TOLERANCES[effective], note)
             except Exception as e:
                 rows.append(_error_row(unit, "peers", peer, "oracle", e))
+    return rows
+
+
+def _peer_autodiff_rows(unit: Unit, peer: Implementation, policy: str, table, note: str) -> list[Row]:
+    """A peer that computes with the canonical parameters (uses_params): its framework's autodiff gradients
+    w.r.t. query, key, value and every parameter, against the oracle's under the masked-row gradient it declares."""
+    expected, yard = unit.oracle_grads(policy, peer.masked_row_grads)
+    _, _, got = unit.runner(peer).vjp(unit.built(peer, policy), *unit.inputs(), unit.x.cotangent)
+    missing = sorted(n for n in expected if got.get(n) is None)
+    if missing:
+        raise ValueError(f"{peer.name} gave no gradient for {', '.join(missing)}")
+    floors = gradient_floors(expected, unit.dtype)
+    note = f"{note}; masked_row_grads={peer.masked_row_grads}"
+    rows = []
+    for group in GRAD_GROUPS:
+        c, worst = judge_grads(got, expected, table.gradient, _group(group, expected), table.three_way_k, yard, floors)
+        rows.append(unit.row("peers", peer, "oracle", status(c), group, c, message=f"{worst}; {note}"))
     return rows
 
 
