@@ -9,10 +9,14 @@ The canonical format (parity.canonical, re-exported here) is a plain
 Every conversion below is an explicit table: name -> name and layout -> layout,
 every shape checked, missing and unexpected keys named in the error, no layout
 guessed from a suffix or an ndim. Checkpoint layouts of real models (Hugging Face
-BERT, ViT, GPT-2) live in parity/layouts.py and are re-exported here; Keras 3 and
-Equinox modules have pairs below like torch's and flax's. Dtypes pass through unchanged (bfloat16 as
-``ml_dtypes.bfloat16`` NumPy arrays); asking for another dtype is an error, never
-a silent cast. Weight files are safetensors, never pickle (parity/weight_file.py reads them).
+BERT, ViT, GPT-2, Llama/Mistral/Qwen2) and the transformers checkpoint-directory
+readers live in parity/layouts.py and are re-exported here; Keras 3 (MultiHeadAttention,
+GroupQueryAttention) and Equinox modules have pairs below like torch's and flax's.
+Grouped key/value heads (k/v weights (K*H, E)) and absent biases (the keys say which)
+convert wherever the target has them: our modules, Keras's GroupQueryAttention, the
+"hf-llama" layout; flax's and torch's MultiheadAttention refuse them by name. Dtypes
+pass through unchanged (bfloat16 as ``ml_dtypes.bfloat16`` NumPy arrays); asking for
+another dtype is an error, never a silent cast. Weight files are safetensors, never pickle (parity/weight_file.py reads them).
 """
 
 from __future__ import annotations
@@ -166,6 +170,7 @@ def from_torch_mha(m) -> dict[str, np.ndarray]:
 def to_torch_mha(sd, num_heads: int, **module_kwargs):
     """Canonical state dict -> torch.nn.MultiheadAttention (batch_first=True unless asked) in the weights' dtype."""
     torch = _torch()
+    _classic_only(sd, "torch.nn.MultiheadAttention")
     E, dtype = check_state_dict(sd)
     _pop_dtype(module_kwargs, "dtype", dtype, _numpy_dtype_of_torch)
     module_kwargs.setdefault("batch_first", True)  # our layout is [B, L, E]; the weights do not depend on it

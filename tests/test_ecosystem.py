@@ -173,11 +173,12 @@ def test_keras_gqa_and_flax_refusals_are_named(keras_gqa):
         convert.to_keras(qkv_only, GN, num_kv_heads=GK)
     with pytest.raises(ValueError, match=r"keras.layers.MultiHeadAttention \(to_keras without num_kv_heads\) has no grouped .* to_keras\(..., num_kv_heads=K\)"):
         convert.to_keras(sd, GN)
-    for to_flax in (convert.to_flax_linen, convert.to_flax_nnx):
-        with pytest.raises(ValueError, match=r"flax's MultiHeadAttention has no grouped key/value heads .* grouped key/value heads \(k_proj.weight \(8, 24\)"):
-            to_flax(sd, GN)
-        with pytest.raises(ValueError, match=r"flax's MultiHeadAttention .* this layer has no out_proj.bias"):
-            to_flax({k: v for k, v in _classic(sd).items() if k != "out_proj.bias"}, GN)
+    for to_peer, name in ((convert.to_flax_linen, "flax's MultiHeadAttention"), (convert.to_flax_nnx, "flax's MultiHeadAttention"),
+                          (convert.to_torch_mha, "torch.nn.MultiheadAttention")):
+        with pytest.raises(ValueError, match=name + r" has no grouped key/value heads .* grouped key/value heads \(k_proj.weight \(8, 24\)"):
+            to_peer(sd, GN)
+        with pytest.raises(ValueError, match=name + r" .* this layer has no out_proj.bias"):
+            to_peer({k: v for k, v in _classic(sd).items() if k != "out_proj.bias"}, GN)
     convert.to_flax_linen(_classic(sd), GN)  # the same sizes with every head and bias: converts
     windowed = keras.layers.GroupQueryAttention(head_dim=GH, num_query_heads=GN, num_key_value_heads=GK, sliding_window=3,
                                                 kernel_initializer="zeros")
