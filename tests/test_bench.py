@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import io
 import json
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import numpy as np
 import pytest
 
 from parity.bench import measure, report, sweep
-from parity.devices import resolve_device
+from parity.devices import DevicePlan, resolve_device
 from parity.bench.spec import (
     IMPLS, PRESETS, ROW_FIELDS, BenchCase, Timing, empty_row, forward_flops, pass_flops, select_impls,
 )
@@ -298,6 +298,59 @@ def test_items_that_cannot_fit_are_skip_rows_with_the_reason():
     by_key = {it.impl.bench_key: it for it in items}
     assert by_key["ours-torch:eager:fused"].skip is None
     assert "estimated memory" in by_key["ours-torch:eager:weights"].skip
+
+
+def test_declared_dtypes_and_variants_make_skip_rows_naming_the_declaration():
+    only_float32 = replace(_impl("ours-torch:eager:fused"), dtypes=("float32",), variants=("grouped",))
+    classic = _impl("torch-sdpa-core:eager:fused")  # declares no variants
+    plain, half = BenchCase.of(1, 8, 8, 12, 3, "float32"), BenchCase.of(1, 8, 8, 12, 3, "bfloat16")
+    mqa_rope = BenchCase.of(1, 8, 8, 12, 3, "float32", kv_heads=1, rope="half", bias="none")
+    cfg = sweep.RunConfig(preset=PRESETS["quick"], impls=(only_float32, classic), cases=(plain, half, mqa_rope),
+                          passes=("fwd",), available_bytes=2**40)
+    skips = {(it.impl.name, it.case): it.skip for it in sweep.plan(cfg)}
+    assert skips[(only_float32.name, plain)] is None and skips[(classic.name, plain)] is None
+    assert skips[(classic.name, half)] is None
+    assert "declares dtypes=float32: bfloat16 is not among them" in skips[(only_float32.name, half)]
+    # Each names the features it lacks, and only those.
+    assert "rope-half, no-qkv-bias, no-out-bias" in skips[(only_float32.name, mqa_rope)]
+    assert "grouped" not in skips[(only_float32.name, mqa_rope)].split("this layer uses")[1]
+    assert "grouped, rope-half, no-qkv-bias, no-out-bias" in skips[(classic.name, mqa_rope)]
+
+
+def test_the_worker_runs_each_framework_where_the_plan_it_was_given_says():
+    """The parent's resolved plan reaches the worker as is: a GPU whose torch has no CUDA runs torch
+    on the CPU (the plan says so), which the kind "gpu" alone would have made cuda."""
+    plan = DevicePlan("auto", "gpu", "cpu", "gpu", note="torch has no CUDA here")
+    built = {}
+
+    class Recording(FakeMod):
+        def build(self, impl, case, pass_, device, seed):
+            built[impl.framework] = device
+            return super().build(impl, case, pass_, device, seed)
+
+    from parity.bench import worker
+
+    clock, log = FakeClock(), []
+    keys = ["ours-torch:eager:fused", "ours-jax:jit:fused"]
+    mods = {fw: Recording(clock, log, dict.fromkeys(keys, 1.0)) for fw in ("torch", "jax")}
+    group = [(i, _impl(k), CASE, "fwd") for i, k in enumerate(keys)]
+    rows, _ = worker.run_group(mods, group, _worker_spec(device=asdict(plan)), Timing(min_repeats=2, max_repeats=2), clock)
+    assert built == {"torch": "cpu", "jax": "gpu"}
+    assert [row["device"] for _, row in rows] == ["cpu", "gpu"]
+
+
+def test_the_sweep_sends_its_plan_to_every_worker(tmp_path):
+    plan = sweep.device_plan("cpu")
+    cfg = sweep.RunConfig(preset=PRESETS["quick"], plan=plan, impls=select_impls("ours-torch:eager:fused"),
+                          cases=(CASE,), passes=("fwd",), available_bytes=2**40)
+    items, specs = sweep.plan(cfg), []
+
+    def spawn(spec, env):
+        specs.append(spec)
+        return FakeProc([ln for it in items for ln in (f"@@START\t{it.id}", _row_line(it))], rc=0)
+
+    sweep.run_group(cfg, items, [], sweep.Collected(), lambda k, d: None, str(tmp_path), spawn)
+    assert [s["device"] for s in specs] == [asdict(plan)] and DevicePlan(**specs[0]["device"]) == plan
 
 
 def _worker_spec(**kw):

@@ -23,46 +23,129 @@ def _console():
     return Console(file=io.StringIO(), width=200)
 
 
-@pytest.mark.slow
-def test_tiny_real_sweep_writes_json_markdown_and_plot(tmp_path):
-    out = tmp_path / "b.json"
-    console = _console()
-    rc = cli.main(
-        [*TINY, "--impls", "ours-torch:eager:fused,torch-sdpa-core,ours-jax:jit:fused,jax-dpa-core",
-         "--passes", "fwd,fwd+bwd", "--threads", "1", "--isolation", "run",
-         "--json", str(out), "--markdown", str(tmp_path / "b.md"), "--plot", str(tmp_path / "b.png")],
-        console=console,
-    )
-    assert rc == 0, console.file.getvalue()
-    data = json.loads(out.read_text())
+# Old-style user implementations (no variants declared): the first computes what ours does, the
+# other two a planted wrong output the run must reject though it times them.
+PLANTED = '''
+from torch.func import functional_call
+
+from parity import convert
+from parity.impls import Implementation
+
+
+def _wrapped(name, change):
+    def factory(sd, num_heads, *, dtype, device, masked_rows):
+        m = convert.to_torch(sd, num_heads, masked_rows=masked_rows).to(device)  # ours-torch's fused path
+
+        def call(params, q, k, v, mask):
+            out, _ = functional_call(m, params, (q, k, v, mask), {"need_weights": False})
+            return change(out)
+
+        return call
+
+    return Implementation(name, "torch", factory, "eager", False, masked_rows=None, role="user")
+
+
+same = _wrapped("same", lambda out: out)
+negated = _wrapped("negated", lambda out: -out)
+time_reversed = _wrapped("time-reversed", lambda out: out.flip(1))
+'''
+REAL_IMPLS = ("ours-torch:eager:fused", "torch-sdpa-core:eager:fused", "ours-jax:jit:fused")
+PLANTED_IMPLS = ("same", "negated", "time-reversed")
+
+
+@pytest.fixture(scope="module")
+def real_run(tmp_path_factory):
+    """One real sweep in one worker (--isolation run) holding both frameworks: the classic layer
+    (N = K = 2) and a multi-query one (K = 1), ours in both frameworks, a torch peer and the planted
+    implementations through --impl. Shared by the tests below: one start-up of torch and JAX. The
+    forward pass only: fwd+bwd runs the same worker code with another program (test_bench_variants
+    builds and runs it in both frameworks)."""
+    tmp = tmp_path_factory.mktemp("real-run")
+    (tmp / "bench_planted.py").write_text(PLANTED)
+    patch = pytest.MonkeyPatch()
+    patch.syspath_prepend(str(tmp))
+    patch.setenv("PYTHONPATH", str(tmp))  # the worker imports it too
+    out, console = tmp / "b.json", _console()
+    try:
+        rc = cli.main(
+            ["--seq", "16", "--batch", "1", "--embed", "32", "--heads", "2", "--kv-heads", "2,1", "--budget", "0.02",
+             "--peak-sizes", "256", "--no-progress", "--impls", ",".join(REAL_IMPLS),
+             *(f"--impl=bench_planted:{name.replace('-', '_')}" for name in PLANTED_IMPLS),
+             "--passes", "fwd", "--threads", "1", "--isolation", "run",
+             "--json", str(out), "--markdown", str(tmp / "b.md"), "--plot", str(tmp / "b.png")],
+            console=console,
+        )
+    finally:
+        patch.undo()
+    return rc, console.file.getvalue(), json.loads(out.read_text()), tmp
+
+
+def _classic(rows):
+    return [r for r in rows if r["kv_heads"] == r["heads"]]
+
+
+def test_real_sweep_times_both_frameworks_in_one_worker_and_writes_every_report(real_run):
+    rc, text, data, tmp = real_run
     env = data["environment"]
     for key in ("python", "versions", "cpu_model", "threads", "precision_settings", "XLA_FLAGS", "inductor_env", "peaks",
-                "thread_settings", "interference", "calibration_s"):
+                "thread_settings", "interference", "calibration_s", "device_plan"):
         assert key in env
+    assert env["device_plan"] == {"requested": "cpu", "name": "cpu", "torch_device": "cpu", "jax_platform": "cpu",
+                                  "skip_reason": "", "note": ""}
     # One worker held both frameworks (--isolation run), each pinned to the same single CPU.
     assert env["threads"] == {"torch": 1, "jax": 1} and env["thread_settings"]["torch_threads"] == 1
     assert env["thread_settings"]["env"] == sweep.thread_env()
     assert env["precision_settings"]["jax"]["jax_default_matmul_precision"] == "highest"
-    rows = data["rows"]
-    assert len(rows) == 2 * 4 * 2
-    # exit 0 means no error row: these tiny shapes run at a few GFLOP/s, far below the peak, and
-    # every implementation computed the reference's output (out_max_diff within the bound).
-    assert all(r["status"] in ("ok", "noisy") for r in rows), rows
-    assert all(r["out_max_diff"] is not None for r in rows if r["impl"] != "ours-torch")
+    rows = _classic(data["rows"])
+    assert len(rows) == len(REAL_IMPLS) + len(PLANTED_IMPLS)
+    # These tiny shapes run at a few GFLOP/s, far below the peak: every row that computes what ours
+    # does is measured, and its output is within the bound of the reference's.
+    good = [r for r in rows if r["impl"] not in ("negated", "time-reversed")]
+    assert all(r["status"] in ("ok", "noisy") for r in good), good
+    assert all(r["out_max_diff"] is not None for r in good if r["impl"] != "ours-torch")
     # One verdict per (case, pass), torch against JAX by default, over paired repeats.
-    vs = data["verdicts"]
-    assert len(vs) == 2 * 2
+    vs = [v for v in data["verdicts"] if " K=" not in v["case"]]
+    assert len(vs) == 1
     for v in vs:
-        assert {v["faster"].split(":")[0], v["slower"].split(":")[0]} & {"ours-jax", "jax-dpa-core"}
-        assert {v["faster"].split(":")[0], v["slower"].split(":")[0]} & {"ours-torch", "torch-sdpa-core"}
+        sides = {v["faster"].split(":")[0], v["slower"].split(":")[0]}
+        assert "ours-jax" in sides and sides & {"ours-torch", "torch-sdpa-core", "same"}
         assert v["ratio"] >= 1 and v["repeats"] >= 8
-    for r in rows:
+    for r in data["rows"]:
         assert list(r) == list(ROW_FIELDS)
-        assert r["mem_source"] and r["median_s"] > 0
+        if r["status"] != "skip":
+            assert r["mem_source"] and r["median_s"] > 0
         if r["framework"] == "jax":
             assert r["compile_s"] is not None and r["recompile_s"] is not None
-    assert (tmp_path / "b.png").stat().st_size > 0
-    assert "measured matmul peak" in (tmp_path / "b.md").read_text()
+    assert (tmp / "b.png").stat().st_size > 0
+    assert "measured matmul peak" in (tmp / "b.md").read_text()
+
+
+def test_a_planted_wrong_output_through_impl_is_an_error_row_and_exit_1(real_run):
+    rc, text, data, _ = real_run
+    assert rc == 1, text
+    rows = {r["impl"]: r for r in _classic(data["rows"])}
+    assert rows["same"]["status"] in ("ok", "noisy") and rows["same"]["out_max_diff"] == 0.0  # no false red
+    for name in ("negated", "time-reversed"):
+        assert rows[name]["status"] == "error", rows[name]
+        assert rows[name]["message"].startswith("not the same computation as ours-torch:eager:fused")
+        assert rows[name]["median_s"] > 0  # measured, kept, rejected
+    assert "2 item(s) failed" in text
+
+
+def test_a_multi_query_case_runs_where_declared_and_is_a_skip_row_naming_the_feature_elsewhere(real_run):
+    _, text, data, _ = real_run
+    rows = [r for r in data["rows"] if r["kv_heads"] == 1]
+    assert {(r["rope"], r["bias"], r["heads"]) for r in rows} == {(None, "all", 2)}
+    by_impl = {}
+    for r in rows:
+        by_impl.setdefault(r["impl"], []).append(r)
+    for impl in ("ours-torch", "ours-jax"):  # both declare grouped heads: measured, and the same output
+        assert [r["status"] in ("ok", "noisy") for r in by_impl[impl]] == [True], by_impl[impl]
+    assert by_impl["ours-jax"][0]["out_max_diff"] is not None
+    for impl in ("torch-sdpa-core", *PLANTED_IMPLS):  # the classic layer only
+        assert [r["status"] for r in by_impl[impl]] == ["skip"]
+        assert all("grouped" in r["message"] for r in by_impl[impl]), by_impl[impl]
+    assert "B=1 T=16 S=16 E=32 N=2 K=1 float32" in text
 
 
 def test_absent_gpu_is_a_clean_skip(tmp_path):
@@ -344,7 +427,7 @@ def test_sharded_subcommand_reports_per_device_memory(tmp_path):
     """`mha-bench sharded`: sequence parallel over 2 simulated devices holds less per device than 1."""
     out = tmp_path / "sharded.json"
     console = _console()
-    assert cli.main(["sharded", "--devices", "1,2", "--layouts", "sp", "--frameworks", "jax", "--seq", "512",
+    assert cli.main(["sharded", "--shards", "1,2", "--layouts", "sp", "--frameworks", "jax", "--seq", "512",
                      "--json", str(out)], console=console) == 0
     rows = {r["devices"]: r for r in json.loads(out.read_text())["rows"]}
     assert rows[1]["ratio_to_1_device"] == 1.0

@@ -1,10 +1,10 @@
-"""mha-bench with real workers: a planted user implementation through --impl, and Ctrl-C.
+"""mha-bench with a real worker: Ctrl-C (a planted user implementation through --impl runs in
+test_bench_cli's shared real sweep).
 
-Torch-only selections keep each worker's start-up to the torch import."""
+A torch-only selection keeps the worker's start-up to the torch import."""
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import signal
@@ -14,59 +14,9 @@ import tempfile
 import time
 
 import psutil
-import pytest
-from rich.console import Console
-
-from parity.bench import cli
 
 TINY = ["--seq", "16", "--batch", "1", "--embed", "12", "--heads", "3", "--passes", "fwd", "--budget", "0.01",
         "--min-repeats", "2", "--peak-sizes", "64", "--no-progress", "--threads", "1"]
-
-PLANTED = '''
-from parity.impls import Implementation, builtin
-
-_base = builtin("torch-fused")
-
-
-def _wrapped(name, change):
-    def factory(sd, num_heads, **kw):
-        fn = _base.resolve_factory()(sd, num_heads, **kw)
-
-        def call(params, q, k, v, mask):
-            out = fn(params, q, k, v, mask)
-            out = out[0] if isinstance(out, (tuple, list)) else out
-            return change(out)
-
-        return call
-
-    return Implementation(name, "torch", factory, "eager", False, masked_rows=None, role="user")
-
-
-same = _wrapped("same", lambda out: out)
-negated = _wrapped("negated", lambda out: -out)
-time_reversed = _wrapped("time-reversed", lambda out: out.flip(1))
-'''
-
-
-def test_a_planted_wrong_output_through_impl_is_an_error_row_and_exit_1(tmp_path, monkeypatch):
-    (tmp_path / "bench_planted.py").write_text(PLANTED)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # the worker imports it too
-    out = tmp_path / "b.json"
-    console = Console(file=io.StringIO(), width=200)
-    rc = cli.main([*TINY, "--impls", "ours-torch:eager:fused", "--impl", "bench_planted:same",
-                   "--impl", "bench_planted:negated", "--impl", "bench_planted:time_reversed", "--json", str(out)],
-                  console=console)
-    text = console.file.getvalue()
-    assert rc == 1, text
-    rows = {r["impl"]: r for r in json.loads(out.read_text())["rows"]}
-    assert rows["ours-torch"]["status"] in ("ok", "noisy")
-    assert rows["same"]["status"] in ("ok", "noisy") and rows["same"]["out_max_diff"] == 0.0  # no false red
-    for name in ("negated", "time-reversed"):
-        assert rows[name]["status"] == "error", rows[name]
-        assert rows[name]["message"].startswith("not the same computation as ours-torch:eager:fused")
-        assert rows[name]["median_s"] > 0  # measured, kept, rejected
-    assert "2 item(s) failed" in text
 
 
 def _scratch_dirs() -> set[str]:
@@ -74,9 +24,10 @@ def _scratch_dirs() -> set[str]:
     return {n for n in os.listdir(tmp) if n.startswith("mha-bench-")}
 
 
-@pytest.mark.parametrize("group", [False, True], ids=["parent", "process-group"])
-def test_ctrl_c_ends_the_worker_writes_the_partial_report_and_exits_130(tmp_path, group):
-    """SIGINT to the parent alone, or to the whole process group as a terminal's Ctrl-C does."""
+def test_ctrl_c_ends_the_worker_writes_the_partial_report_and_exits_130(tmp_path):
+    """SIGINT to the whole process group, as a terminal's Ctrl-C does. The worker ignores it, so the
+    parent must end the worker itself: what SIGINT to the parent alone needs too (a worker left
+    running fails the assertions below either way)."""
     before = _scratch_dirs()
     out = tmp_path / "partial.json"
     # The item never finishes in the test's time (its repeats and budget are far off): Ctrl-C comes mid-timing.
@@ -92,10 +43,7 @@ def test_ctrl_c_ends_the_worker_writes_the_partial_report_and_exits_130(tmp_path
         time.sleep(0.2)
     assert worker is not None and _timing(worker), "the worker did not start timing"
     time.sleep(1.0)
-    if group:
-        os.killpg(proc.pid, signal.SIGINT)
-    else:
-        proc.send_signal(signal.SIGINT)
+    os.killpg(proc.pid, signal.SIGINT)
     stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 130, stdout + stderr
     assert "Traceback" not in stdout + stderr

@@ -15,7 +15,7 @@ import numpy as np
 from mha_jax import kernels
 
 from parity.bench.measure import Bench, CpuPeakRss
-from parity.bench.spec import BenchCase, canonical_weights, make_inputs
+from parity.bench.spec import BenchCase, canonical_weights, make_inputs, rope_positions
 from parity.env import pin_jax
 from parity.impls import Implementation
 from parity.impls.jax_impls import JaxRunner
@@ -67,7 +67,12 @@ def build(impl: Implementation, case: BenchCase, pass_: str, device: str, seed: 
         raise ValueError(f"the benchmark runs JAX under jit, not {impl.mode!r}")
     dev = jax.devices(device)[0]
     runner = JaxRunner(dev)
-    built = runner.build(impl, canonical_weights(case.config, case.dtype, seed), case.heads, masked_rows="nan")
+    sd = canonical_weights(case.config, case.dtype, seed)
+
+    def built_for(c: BenchCase):
+        return runner.build(impl, sd, c.heads, masked_rows="nan", problem=c.problem, positions=rope_positions(c))
+
+    built = built_for(case)
     params = built.params
     args = (params, *jax.device_put(make_inputs(case, seed), dev))
     program = _program(runner, built, pass_)
@@ -79,11 +84,14 @@ def build(impl: Implementation, case: BenchCase, pass_: str, device: str, seed: 
     def step():
         return holder["compiled"](*args)
 
-    args2 = (params, *jax.device_put(make_inputs(case.shrunk(), seed), dev))
+    shrunk = case.shrunk()
+    args2 = (params, *jax.device_put(make_inputs(shrunk, seed), dev))
+    # RoPE: the positions (constants of the program) have the new lengths, so it is built anew.
+    program2 = _program(runner, built_for(shrunk), pass_) if case.config.rope else program
 
     def recompile(clock):
         t0 = clock()
-        program.lower(*args2).compile()
+        program2.lower(*args2).compile()
         return clock() - t0
 
     forward = None if pass_ == "fwd" else _program(runner, built, "fwd")  # fwd+bwd: its forward, for the check

@@ -143,7 +143,7 @@ def variant_fields(row: dict) -> tuple:
 
 def unsupported(impl: Implementation, case: BenchCase) -> str | None:
     """Why `impl` does not run `case`, by its own declarations (dtypes, attention variants); None: it runs."""
-    return impl.unsupported(case.dtype)
+    return impl.unsupported(case.dtype, case.config)
 
 
 # The implementations come from the one registry (parity.impls), which the harness uses too;
@@ -327,6 +327,15 @@ def make_inputs(case: BenchCase, seed: int) -> tuple[np.ndarray, np.ndarray, np.
     k = rng.standard_normal((case.batch, case.seq_k, case.embed), np.float32).astype(dt)  # (B, S, E)
     v = rng.standard_normal((case.batch, case.seq_k, case.embed), np.float32).astype(dt)  # (B, S, E)
     return q, k, v
+
+
+def rope_positions(case: BenchCase) -> dict[str, np.ndarray]:
+    """What a RoPE case passes every implementation (the registry's contract): the default positions,
+    arange(T) per batch row (B, T) and arange(S) (B, S); {} without RoPE."""
+    if case.config.rope is None:
+        return {}
+    return {"positions": np.broadcast_to(np.arange(case.seq_q), (case.batch, case.seq_q)).copy(),
+            "key_positions": np.broadcast_to(np.arange(case.seq_k), (case.batch, case.seq_k)).copy()}
 
 
 def empty_row(impl: Implementation, case: BenchCase, pass_: str, **kw) -> dict:

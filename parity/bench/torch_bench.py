@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from parity import convert
 from parity.bench.measure import Bench, CpuPeakRss, first_call_overhead
-from parity.bench.spec import DTYPES, BenchCase, canonical_weights, make_inputs
+from parity.bench.spec import DTYPES, BenchCase, canonical_weights, make_inputs, rope_positions
 from parity.dtypes import torch_dtype
 from parity.env import pin_torch
 from parity.impls import Implementation
@@ -19,29 +21,33 @@ def device_info(device: str) -> dict:
     return {"torch_device": "cpu"}
 
 
-def setup(device: str, threads: int | None, precision: str) -> dict:
-    """Pin threads and matmul precision; returns what was set, for the environment block."""
+def setup(device: str, threads: int | None, precision: str, compiles: bool = True) -> dict:
+    """Pin threads and matmul precision; returns what was set, for the environment block.
+
+    compiles: whether a torch.compile implementation runs; only then is inductor imported (about
+    as long again as torch itself) and its settings recorded."""
     if threads:
         torch.set_num_threads(threads)
     pinned = pin_torch(precision == "highest")
-    from torch._inductor import config as inductor
+    inductor_settings = None
+    if compiles:
+        from torch._inductor import config as inductor
 
-    return {
-        "torch_threads": torch.get_num_threads(),
-        **pinned,
-        "torch_inductor": {
+        inductor_settings = {
             "max_autotune": inductor.max_autotune,
             "freezing": inductor.freezing,
             "cpp.simdlen": inductor.cpp.simdlen,
             "fx_graph_cache": inductor.fx_graph_cache,
-        },
-        **device_info(device),
-    }
+        }
+    return {"torch_threads": torch.get_num_threads(), **pinned, "torch_inductor": inductor_settings,
+            **device_info(device)}
 
 
 def reset_compiled() -> None:
-    """Called by the worker between (case, pass) groups: no compiled graph carries over."""
-    torch._dynamo.reset()
+    """Called by the worker between (case, pass) groups: no compiled graph carries over. Without
+    torch.compile in the run dynamo was never imported: nothing to reset, no import to pay."""
+    if "torch._dynamo" in sys.modules:
+        torch._dynamo.reset()
 
 
 def check_device(device: str) -> str | None:
@@ -108,11 +114,17 @@ def build(impl: Implementation, case: BenchCase, pass_: str, device: str, seed: 
     if case.dtype not in DTYPES:
         raise ValueError(f"the benchmark has no dtype {case.dtype}")
     runner = TorchRunner(device)
-    built = runner.build(impl, canonical_weights(case.config, case.dtype, seed), case.heads, masked_rows="nan")
+    sd = canonical_weights(case.config, case.dtype, seed)
+
+    def built_for(c: BenchCase):
+        return runner.build(impl, sd, c.heads, masked_rows="nan", problem=c.problem, positions=rope_positions(c))
+
+    built = built_for(case)
     sync = _sync(device)
     recompile = None
     if impl.mode == "compile":
-        step2 = _step(runner, built, case.shrunk(), pass_, device, seed)
+        shrunk = case.shrunk()  # RoPE: its positions are of the new lengths, so it is built anew
+        step2 = _step(runner, built_for(shrunk) if case.config.rope else built, shrunk, pass_, device, seed)
         recompile = lambda clock: first_call_overhead(step2, sync, clock)  # noqa: E731
     step = _step(runner, built, case, pass_, device, seed)
     q, k, v = _tensors(case, device, seed, requires_grad=False)
