@@ -12,7 +12,7 @@ import pytest
 from parity.bench import measure, report, sweep
 from parity.devices import DevicePlan, resolve_device
 from parity.bench.spec import (
-    IMPLS, PRESETS, ROW_FIELDS, BenchCase, Timing, empty_row, forward_flops, pass_flops, select_impls,
+    IMPLS, PRESETS, ROW_FIELDS, BenchCase, Timing, empty_row, forward_flops, pass_flops, row_key, select_impls,
 )
 
 
@@ -689,6 +689,45 @@ def test_load_names_a_parity_report_and_broken_json(tmp_path):
 def test_saved_results_still_load():
     for name in ("bench-cpu.json", "bench-cpu-long.json"):
         assert report.load(f"tests/data/{name}")["rows"]
+
+
+def test_a_case_round_trips_through_its_row_fields_and_a_row_without_them_is_the_classic_layer():
+    mqa = BenchCase.of(2, 5, 7, 24, 4, "bfloat16", kv_heads=1, rope="half", bias="qkv")
+    assert BenchCase.from_fields(mqa.fields()) == mqa
+    assert mqa.label == "B=2 T=5 S=7 E=24 N=4 K=1 rope=half bias=qkv bfloat16"
+    assert (mqa.config.num_kv_heads, mqa.config.qkv_bias, mqa.config.out_bias) == (1, True, False)
+    classic = BenchCase.of(2, 5, 7, 24, 4, "bfloat16", kv_heads=4)  # K = N is the classic layer
+    assert classic == BenchCase.of(2, 5, 7, 24, 4, "bfloat16") and classic.config.features == frozenset()
+    assert classic.label == "B=2 T=5 S=7 E=24 N=4 bfloat16"  # the label rows had before the variant fields
+    old = {k: v for k, v in classic.fields().items() if k not in ("kv_heads", "rope", "bias")}
+    assert BenchCase.from_fields(old) == classic
+    with pytest.raises(ValueError, match="num_kv_heads=3 must divide num_heads=4"):
+        BenchCase.of(2, 5, 7, 24, 4, "float32", kv_heads=3)
+    with pytest.raises(ValueError, match="bias 'q'"):
+        BenchCase.of(2, 5, 7, 24, 4, "float32", bias="q")
+    with pytest.raises(ValueError, match="Problem.T must be a positive int"):
+        BenchCase.of(2, 0, 7, 24, 4, "float32")
+
+
+def test_a_file_before_the_variant_fields_compares_with_classic_rows_and_variants_are_rows_of_their_own(tmp_path):
+    base = report.load("tests/data/bench-cpu.json")
+    first = next(r for r in base["rows"] if r["status"] == "ok")
+    assert "kv_heads" not in first  # written before the variant fields existed
+    case = BenchCase.from_fields(first)
+    im = next(i for i in IMPLS if row_key(first) == i.bench_key)
+    classic = empty_row(im, case, first["pass"], status="ok", median_s=first["median_s"], iqr_s=first["iqr_s"])
+    grouped = empty_row(im, BenchCase.from_fields({**first, "kv_heads": 1}), first["pass"], status="ok",
+                        median_s=first["median_s"] * 5, iqr_s=first["iqr_s"])
+    path = tmp_path / "new.json"
+    report.write_json(str(path), [classic, grouped], {})
+    new = report.load(str(path))  # two rows of the same sizes: not a repeat, the layers differ
+    result = report.compare(base, new)
+    assert result.compared == 1 and result.regressions == 0  # the classic row met its old self, the grouped none
+    assert [e["kv_heads"] for e in result.only_new] == [1]
+    bad = {**classic, "kv_heads": 3}
+    report.write_json(str(path), [bad], {})
+    with pytest.raises(report.BenchFileError, match="kv_heads=3"):
+        report.load(str(path))
 
 
 # ---------------------------------------------------------------- errored rows stay visible

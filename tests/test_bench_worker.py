@@ -42,7 +42,7 @@ def test_ctrl_c_ends_the_worker_writes_the_partial_report_and_exits_130(tmp_path
         worker = kids[0] if kids else None
         time.sleep(0.2)
     assert worker is not None and _timing(worker), "the worker did not start timing"
-    time.sleep(1.0)
+    time.sleep(0.3)
     os.killpg(proc.pid, signal.SIGINT)
     stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 130, stdout + stderr

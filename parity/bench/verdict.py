@@ -23,7 +23,6 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from scipy import stats
 
 CI_LEVEL = 0.95
 CI_TARGET = 0.05  # stop sampling once (hi - lo) / 2 <= CI_TARGET * ratio
@@ -38,6 +37,10 @@ def log_ratio_interval(times_a, times_b, paired: bool = True) -> tuple[float, fl
     a, b = np.asarray(times_a, np.float64), np.asarray(times_b, np.float64)
     if a.size == 0 or b.size == 0 or np.any(a <= 0) or np.any(b <= 0):
         raise ValueError(f"need positive times for both implementations, got {a.size} and {b.size} samples")
+    # scipy.stats is imported here, not with the module: it takes ~1 s, and every mha-bench process
+    # (parent, workers) imports this module while only those that compare two implementations need it.
+    from scipy import stats
+
     if paired:
         if a.size != b.size:
             raise ValueError(f"paired samples must be as many: {a.size} vs {b.size}")
