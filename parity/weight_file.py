@@ -96,7 +96,9 @@ def _directory_message(path: str) -> str:
         return f"{path} is a directory holding no .safetensors file; pass the path of a .safetensors file"
     shown = names if len(names) <= 4 else [*names[:4], f"... {len(names) - 4} more"]
     index = " (its model.safetensors.index.json says which shard holds each tensor)" if "model.safetensors.index.json" in os.listdir(path) else ""
-    return f"{path} is a directory, not a safetensors file; pass one of the files in it: {shown}{index}"
+    hf = ("; a transformers checkpoint directory (config.json and its weights) is read whole by "
+          "parity.convert.read_checkpoint") if "config.json" in os.listdir(path) else ""
+    return f"{path} is a directory, not a safetensors file; pass one of the files in it: {shown}{index}{hf}"
 
 
 def _not_safetensors_message(path: str, error: Exception) -> str:

@@ -166,6 +166,8 @@ def test_a_save_pretrained_directory_gives_the_config_and_the_weights(saved_llam
         assert sorted(sd) == sorted(expected)
         for name in sd:
             assert sd[name].dtype == np.float64 and sd[name].tobytes() == expected[name].tobytes(), (directory, name)
+    with pytest.raises(IsADirectoryError, match="transformers checkpoint directory .* read whole by parity.convert.read_checkpoint"):
+        convert.read_layout(whole, "hf-llama", prefix=PREFIX)
     # A single file does not say the heads: the caller's config, checked against the weights.
     single = whole / "model.safetensors"
     with pytest.raises(TypeError, match="single weight file.*pass config="):
