@@ -2,7 +2,8 @@
 
 Exit status: 0 when something was checked and nothing failed or errored (skips are
 fine); 1 when a row failed or errored, or a report could not be written; 2 for a usage
-error; 3 when nothing was checked (every requested row skipped); 130 when interrupted
+error; 3 when nothing was checked (every requested row skipped, or every row of a user's
+--impl: e.g. a layer declaring no variants on the variant cases); 130 when interrupted
 (the reports of what finished are still written).
 """
 
@@ -199,7 +200,8 @@ def _finish(report, args, console, compile_summary: str = "") -> int:
         return EXIT_INTERRUPTED
     if report.write_errors:
         return EXIT_FAIL
-    if not report.ok and not report.summary()["fail"] and not report.summary()["error"] and report.checked_nothing:
+    nothing = report.checked_nothing or report.unchecked  # of what was asked: ours, or the user's layer
+    if not report.ok and not report.summary()["fail"] and not report.summary()["error"] and nothing:
         return EXIT_NOTHING
     return 0 if report.ok else EXIT_FAIL
 

@@ -40,6 +40,18 @@ def test_an_empty_selection_is_not_a_pass(argv, code, capsys):
         assert "nothing was checked" in out and "skip:" in out
 
 
+def test_a_user_layer_that_every_unit_skipped_is_not_a_pass(tmp_path, capsys):
+    """The classic JAX port declares no variants: on a variant case alone ours pass and it skips,
+    so the layer the user asked about was never checked: exit 3, saying so."""
+    code = _cli("--cases", "mqa/random/uniform", "--dtypes", "float32", "--checks", "forward", "--impls", "torch",
+                "--impl", "parity.examples.jax_port:port", "--json", str(tmp_path / "r.json"))
+    out = " ".join(capsys.readouterr().out.split())
+    assert code == 3, out
+    assert "nothing was checked for jax-port" in out and "declares no variants" in out and "grouped" in out
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["summary"]["unchecked"] == ["jax-port"] and data["summary"]["pass"] > 0  # ours did pass
+
+
 def test_requested_checks_that_cannot_run_are_skips_and_not_ok():
     report = run(cases=[SMALL], dtypes=("float32",), checks=("peers", "training"), device="cpu")
     assert not report.ok and report.checked_nothing

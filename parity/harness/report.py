@@ -40,12 +40,14 @@ class Report:
     interrupted: bool = False
     elapsed_s: float = 0.0
     write_errors: list = field(default_factory=list)  # report files that could not be written
+    unchecked: list = field(default_factory=list)  # the user's implementations that no unit ran (each skipped)
 
     def summary(self) -> dict:
         counts = {s: 0 for s in STATUSES}
         for r in self.rows:
             counts[r.status] += 1
-        return {"total": len(self.rows), **counts, "interrupted": self.interrupted, "elapsed_s": round(self.elapsed_s, 2)}
+        return {"total": len(self.rows), **counts, "interrupted": self.interrupted, "elapsed_s": round(self.elapsed_s, 2),
+                "unchecked": list(self.unchecked)}
 
     @property
     def checked_nothing(self) -> bool:
@@ -53,9 +55,11 @@ class Report:
 
     @property
     def ok(self) -> bool:
-        """Something was checked and passed, nothing failed or errored (skips are fine), not cut short."""
+        """Something was checked and passed, nothing failed or errored (skips are fine), not cut short,
+        and every implementation of the user's was checked somewhere (a layer that skipped every unit,
+        e.g. one declaring no variants on the variant cases, is not a pass)."""
         s = self.summary()
-        return s["pass"] > 0 and s["fail"] == 0 and s["error"] == 0 and not self.interrupted
+        return s["pass"] > 0 and s["fail"] == 0 and s["error"] == 0 and not self.interrupted and not self.unchecked
 
     def to_dict(self) -> dict:
         return {"environment": self.environment, "summary": self.summary(), "rows": [_jsonable(asdict(r)) for r in self.rows]}
@@ -86,7 +90,8 @@ def to_markdown(report: Report) -> str:
     lines = ["# mha-parity report", "", "## Summary", ""]
     lines += [f"{s['total']} rows: {s['pass']} pass, {s['fail']} fail, {s['error']} error, {s['skip']} skip"
               + (" (interrupted)" if report.interrupted else "") + f"; {s['elapsed_s']} s"
-              + ("; **nothing was checked**" if report.checked_nothing else ""), ""]
+              + ("; **nothing was checked**" if report.checked_nothing else "")
+              + (f"; **nothing was checked for {', '.join(report.unchecked)}**" if report.unchecked else ""), ""]
     lines += ["One line per (check, implementation, reference, dtype, quantity): its worst row. "
               "margin = max error ÷ the bound it was allowed (< 1 passes).", ""]
     cols = GROUP_COLUMNS + WIDE_COLUMNS
@@ -202,6 +207,9 @@ def print_report(report: Report, console, all_rows: bool = False, all_columns: b
     )
     if report.checked_nothing:
         console.print("[bold red]nothing was checked: no row passed (see the skip reasons above)[/]")
+    elif report.unchecked:
+        console.print(f"[bold red]nothing was checked for {escape(', '.join(report.unchecked))}: every unit skipped it "
+                      "(see the skip reasons above)[/]")
 
 
 def _print_failures(report: Report, console, all_rows: bool) -> None:

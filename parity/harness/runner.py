@@ -173,6 +173,7 @@ def run(
         finally:
             if not report.interrupted:  # what an interrupted run did not reach is not a "cannot run"
                 report.rows += coverage(report.rows, p.cases, *p.coverage_of, p.impls, p.device.name)
+                report.unchecked = unchecked(report.rows, p.impls)
             report.elapsed_s = time.perf_counter() - started
             report.write_errors = write_reports(report, json_path, markdown_path, plot_path)
     return report
@@ -279,6 +280,11 @@ def coverage(rows, cases, dtypes, checks, impls, device: str) -> list[Row]:
     return out
 
 
+def unchecked(rows, impls) -> list[str]:
+    """The user's implementations for which no row was anything but a skip: the run did not check them."""
+    return [i.name for i in impls if i.role == "user" and not any(r.impl == i.name and r.status != "skip" for r in rows)]
+
+
 def _environment(plan: DevicePlan, seed: int, framework_defaults: bool, extra: dict) -> dict:
     import jax
     import torch
@@ -320,4 +326,4 @@ def write_reports(report: Report, json_path=None, markdown_path=None, plot_path=
     return failures
 
 
-__all__ = ["run", "select_impls", "coverage", "write_reports"]
+__all__ = ["run", "select_impls", "coverage", "unchecked", "write_reports"]
