@@ -1,4 +1,6 @@
-"""Keras 3 and Equinox module pairs, and the peer adapters of parity.ecosystem, against the real libraries."""
+"""The other libraries' attention against ours on converted weights: torch.nn.MultiheadAttention, SDPA,
+flax (linen, nnx), jax.nn.dot_product_attention, Keras 3 (MultiHeadAttention, GroupQueryAttention),
+Equinox, and the peer adapters of parity.ecosystem -- each library's masked-row policy included."""
 
 from __future__ import annotations
 
@@ -9,9 +11,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch
+import torch.nn.functional as F
+from flax import linen
 
 from conftest import SIZES, make_inputs, random_keep_mask
-from helpers import DTYPES, cast_sd, np_dtype, run
+from helpers import DTYPES, build, cast_sd, np_dtype, run
 from parity import convert, ecosystem, reference
 from parity.tolerances import compare, tolerance_for
 
@@ -31,6 +36,108 @@ def _ours_both(sd, policy, q, k, v, keep):
     for framework in ("torch", "jax"):
         m = (convert.to_torch if framework == "torch" else convert.to_jax)(sd, S.N, masked_rows=policy)
         yield framework, run(framework, m, q, k, v, keep)[0]
+
+
+# ------------------------------------------------------------- torch, flax and jax peers fed converted weights
+
+
+def _ours(sd, policy, q, k, v, keep, framework="torch"):
+    out, w = run(framework, build(framework, sd, S.N, masked_rows=policy), q, k, v, keep)
+    return out, w
+
+
+@pytest.mark.parametrize("need_weights", [True, False])
+def test_torch_mha_peer(need_weights, sd64, rng):
+    """torch.nn.MultiheadAttention masks where True: pass ~keep, per batch*head for a 3-D mask.
+
+    With need_weights=True a fully masked row is NaN (our "nan"); with need_weights=False it
+    takes SDPA's fast path and gives a zero context (our "zero").
+    """
+    q, k, v = make_inputs(rng)
+    keep = random_keep_mask(rng, (S.B, S.T, S.S))
+    peer = convert.to_torch_mha(sd64, S.N)
+    attn_mask = torch.from_numpy(~np.repeat(keep, S.N, axis=0))  # (B*N, T, S), True = masked
+    with torch.no_grad():
+        out, w = peer(*(torch.from_numpy(x) for x in (q, k, v)), attn_mask=attn_mask, need_weights=need_weights, average_attn_weights=False)
+    policy = "nan" if need_weights else "zero"
+    ours_out, ours_w = _ours(sd64, policy, q, k, v, keep)
+    tol = tolerance_for("float64").forward
+    c = compare(out.numpy(), ours_out, tol)
+    assert c.passed, c
+    if need_weights:
+        c = compare(w.numpy(), ours_w, tol)
+        assert c.passed, c
+
+
+def test_from_torch_mha_accepts_batch_first_false(sd64, rng):
+    """The weights do not depend on batch_first: the same sd gives the same attention, sequence-first."""
+    seq_first = convert.to_torch_mha(sd64, S.N, batch_first=False)
+    assert seq_first.batch_first is False
+    assert_bit_identical(convert.from_torch_mha(seq_first), sd64)
+    q, k, v = make_inputs(rng)
+    with torch.no_grad():
+        out, _ = seq_first(*(torch.from_numpy(x.transpose(1, 0, 2)) for x in (q, k, v)))
+    ours = _ours(sd64, "nan", q, k, v, None)[0]
+    c = compare(out.numpy().transpose(1, 0, 2), ours, tolerance_for("float64").forward)
+    assert c.passed, c
+
+
+def test_sdpa_peer_is_the_zero_policy(sd64, rng):
+    q, k, v = make_inputs(rng)
+    keep = random_keep_mask(rng, (S.B, S.T, S.S))
+    H = S.E // S.N
+
+    def proj(x, p):
+        y = x @ sd64[f"{p}.weight"].T + sd64[f"{p}.bias"]
+        return torch.from_numpy(y.reshape(*y.shape[:2], S.N, H).transpose(0, 2, 1, 3))
+
+    ctx = F.scaled_dot_product_attention(proj(q, "q_proj"), proj(k, "k_proj"), proj(v, "v_proj"), attn_mask=torch.from_numpy(keep[:, None]))
+    ctx = ctx.numpy().transpose(0, 2, 1, 3).reshape(S.B, S.T, S.E)
+    out = ctx @ sd64["out_proj.weight"].T + sd64["out_proj.bias"]
+    c = compare(out, _ours(sd64, "zero", q, k, v, keep)[0], tolerance_for("float64").forward)
+    assert c.passed, c
+
+
+@pytest.mark.parametrize("peer_kind", ["linen", "nnx"])
+def test_flax_peers_are_the_uniform_policy(peer_kind, sd64, rng):
+    """flax masks where False (same polarity as ours) and gives fully masked rows uniform weights.
+
+    flax computes its softmax in float32 even for float64 inputs, so it is compared in
+    float32 with the float32 tolerance (its float64 deviation is the harness's to report).
+    """
+    sd = cast_sd(sd64, np.float32)
+    q, k, v = (x.astype(np.float32) for x in make_inputs(rng))
+    keep = random_keep_mask(rng, (S.B, S.T, S.S))
+    if peer_kind == "linen":
+        variables = convert.to_flax_linen(sd, S.N)
+        out = linen.MultiHeadDotProductAttention(num_heads=S.N).apply(variables, q, k, v, mask=keep[:, None])
+    else:
+        out = convert.to_flax_nnx(sd, S.N)(q, k, v, mask=jnp.asarray(keep[:, None]))
+    ours = _ours(sd, "uniform", q, k, v, keep, framework="jax")[0]
+    c = compare(np.asarray(out), ours, tolerance_for("float32").forward)
+    assert c.passed, c
+    exact = reference.forward(sd64, q, k, v, keep, num_heads=S.N, masked_rows="uniform")
+    assert compare(np.asarray(out), exact.output, tolerance_for("float32").forward).passed
+
+
+
+
+def test_jax_dot_product_attention_peer_is_the_uniform_policy(sd64, rng):
+    """jax.nn.dot_product_attention (True = attend, layout BTNH) on our projections, float32."""
+    import jax
+
+    sd = cast_sd(sd64, np.float32)
+    q, k, v = (x.astype(np.float32) for x in make_inputs(rng))
+    keep = random_keep_mask(rng, (S.B, S.T, S.S))
+    H = S.E // S.N
+
+    def proj(x, p):
+        return (x @ sd[f"{p}.weight"].T + sd[f"{p}.bias"]).reshape(x.shape[0], x.shape[1], S.N, H)
+
+    ctx = jax.nn.dot_product_attention(proj(q, "q_proj"), proj(k, "k_proj"), proj(v, "v_proj"), mask=keep[:, None])
+    out = np.asarray(ctx).reshape(S.B, S.T, S.E) @ sd["out_proj.weight"].T + sd["out_proj.bias"]
+    c = compare(out, _ours(sd, "uniform", q, k, v, keep, framework="jax")[0], tolerance_for("float32").forward)
+    assert c.passed, c
 
 
 # ------------------------------------------------------------- Keras 3

@@ -20,7 +20,7 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention, Qwen2Rotary
 
 from mha_spec import AttentionConfig
 from parity import convert, ecosystem, layouts, reference
-from parity.tolerances import Tolerance, compare, tolerance_for
+from parity.tolerances import compare, tolerance_for
 
 B, T, E, N, K, H = 3, 5, 24, 6, 2, 4
 THETA = 500.0
