@@ -55,11 +55,11 @@ PLANTED_IMPLS = ("same", "negated", "time-reversed")
 
 @pytest.fixture(scope="module")
 def real_run(tmp_path_factory):
-    """One real sweep in one worker (--isolation run) holding both frameworks: the classic layer
-    (N = K = 2) and a multi-query one (K = 1), ours in both frameworks, a torch peer and the planted
-    implementations through --impl. Shared by the tests below: one start-up of torch and JAX. The
-    forward pass only: fwd+bwd runs the same worker code with another program (test_bench_variants
-    builds and runs it in both frameworks)."""
+    """One real sweep in one worker (--isolation run) holding both frameworks: ours in both, a torch
+    peer and the planted implementations through --impl. Shared by the tests below: one start-up of
+    torch and JAX. The forward pass of the classic layer only: fwd+bwd runs the same worker code with
+    another program, and test_bench_variants builds and runs both passes' programs in both frameworks
+    on a grouped, rotary, bias-free layer."""
     tmp = tmp_path_factory.mktemp("real-run")
     (tmp / "bench_planted.py").write_text(PLANTED)
     patch = pytest.MonkeyPatch()
@@ -68,7 +68,7 @@ def real_run(tmp_path_factory):
     out, console = tmp / "b.json", _console()
     try:
         rc = cli.main(
-            ["--seq", "16", "--batch", "1", "--embed", "32", "--heads", "2", "--kv-heads", "2,1", "--budget", "0.02",
+            ["--seq", "16", "--batch", "1", "--embed", "32", "--heads", "2", "--budget", "0.02",
              "--peak-sizes", "256", "--no-progress", "--impls", ",".join(REAL_IMPLS),
              *(f"--impl=bench_planted:{name.replace('-', '_')}" for name in PLANTED_IMPLS),
              "--passes", "fwd", "--threads", "1", "--isolation", "run",
@@ -78,10 +78,6 @@ def real_run(tmp_path_factory):
     finally:
         patch.undo()
     return rc, console.file.getvalue(), json.loads(out.read_text()), tmp
-
-
-def _classic(rows):
-    return [r for r in rows if r["kv_heads"] == r["heads"]]
 
 
 def test_real_sweep_times_both_frameworks_in_one_worker_and_writes_every_report(real_run):
@@ -96,7 +92,7 @@ def test_real_sweep_times_both_frameworks_in_one_worker_and_writes_every_report(
     assert env["threads"] == {"torch": 1, "jax": 1} and env["thread_settings"]["torch_threads"] == 1
     assert env["thread_settings"]["env"] == sweep.thread_env()
     assert env["precision_settings"]["jax"]["jax_default_matmul_precision"] == "highest"
-    rows = _classic(data["rows"])
+    rows = data["rows"]
     assert len(rows) == len(REAL_IMPLS) + len(PLANTED_IMPLS)
     # These tiny shapes run at a few GFLOP/s, far below the peak: every row that computes what ours
     # does is measured, and its output is within the bound of the reference's.
@@ -104,16 +100,16 @@ def test_real_sweep_times_both_frameworks_in_one_worker_and_writes_every_report(
     assert all(r["status"] in ("ok", "noisy") for r in good), good
     assert all(r["out_max_diff"] is not None for r in good if r["impl"] != "ours-torch")
     # One verdict per (case, pass), torch against JAX by default, over paired repeats.
-    vs = [v for v in data["verdicts"] if " K=" not in v["case"]]
+    vs = data["verdicts"]
     assert len(vs) == 1
     for v in vs:
         sides = {v["faster"].split(":")[0], v["slower"].split(":")[0]}
         assert "ours-jax" in sides and sides & {"ours-torch", "torch-sdpa-core", "same"}
         assert v["ratio"] >= 1 and v["repeats"] >= 8
-    for r in data["rows"]:
+    for r in rows:
         assert list(r) == list(ROW_FIELDS)
-        if r["status"] != "skip":
-            assert r["mem_source"] and r["median_s"] > 0
+        assert r["mem_source"] and r["median_s"] > 0
+        assert (r["kv_heads"], r["rope"], r["bias"]) == (2, None, "all")
         if r["framework"] == "jax":
             assert r["compile_s"] is not None and r["recompile_s"] is not None
     assert (tmp / "b.png").stat().st_size > 0
@@ -123,29 +119,13 @@ def test_real_sweep_times_both_frameworks_in_one_worker_and_writes_every_report(
 def test_a_planted_wrong_output_through_impl_is_an_error_row_and_exit_1(real_run):
     rc, text, data, _ = real_run
     assert rc == 1, text
-    rows = {r["impl"]: r for r in _classic(data["rows"])}
+    rows = {r["impl"]: r for r in data["rows"]}
     assert rows["same"]["status"] in ("ok", "noisy") and rows["same"]["out_max_diff"] == 0.0  # no false red
     for name in ("negated", "time-reversed"):
         assert rows[name]["status"] == "error", rows[name]
         assert rows[name]["message"].startswith("not the same computation as ours-torch:eager:fused")
         assert rows[name]["median_s"] > 0  # measured, kept, rejected
     assert "2 item(s) failed" in text
-
-
-def test_a_multi_query_case_runs_where_declared_and_is_a_skip_row_naming_the_feature_elsewhere(real_run):
-    _, text, data, _ = real_run
-    rows = [r for r in data["rows"] if r["kv_heads"] == 1]
-    assert {(r["rope"], r["bias"], r["heads"]) for r in rows} == {(None, "all", 2)}
-    by_impl = {}
-    for r in rows:
-        by_impl.setdefault(r["impl"], []).append(r)
-    for impl in ("ours-torch", "ours-jax"):  # both declare grouped heads: measured, and the same output
-        assert [r["status"] in ("ok", "noisy") for r in by_impl[impl]] == [True], by_impl[impl]
-    assert by_impl["ours-jax"][0]["out_max_diff"] is not None
-    for impl in ("torch-sdpa-core", *PLANTED_IMPLS):  # the classic layer only
-        assert [r["status"] for r in by_impl[impl]] == ["skip"]
-        assert all("grouped" in r["message"] for r in by_impl[impl]), by_impl[impl]
-    assert "B=1 T=16 S=16 E=32 N=2 K=1 float32" in text
 
 
 def test_absent_gpu_is_a_clean_skip(tmp_path):
@@ -230,6 +210,29 @@ def test_all_ok_exits_0_and_skipped_float16_rows_do_not_fail_a_cpu_run():
     rc, text, calls = _run([*FAST, "--dtypes", "float32,float16"])
     assert rc == 0, text
     assert "float16 not benchmarked on CPU" in text and len(calls) == 1
+
+
+def test_variant_flags_make_the_cases_and_each_implementation_runs_what_it_declares():
+    rc, text, calls = _run([*FAST, "--impls", "ours-torch:eager:fused,torch-sdpa-core", "--heads", "4",
+                            "--kv-heads", "4,1", "--rope", "none,interleaved", "--bias", "qkv"])
+    assert rc == 0, text
+    sent = [(item["impl"], BenchCase.from_fields(item["case"])) for item in calls[0]["items"]]
+    layers = {(c.kv_heads, c.config.rope, c.bias) for _, c in sent}
+    assert layers == {(4, None, "qkv"), (4, "interleaved", "qkv"), (1, None, "qkv"), (1, "interleaved", "qkv")}
+    assert {impl for impl, _ in sent} == {"ours-torch:eager:fused"}  # the classic peer runs none of them
+    # Each of its skip rows names what the layer uses: the bias set, and the heads and RoPE where they differ.
+    assert "this layer uses no-out-bias, which" in " ".join(text.split())
+    assert "this layer uses grouped, rope-interleaved, no-out-bias, which" in " ".join(text.split())
+    assert "B=1 T=16 S=16 E=32 N=4 K=1 rope=interleaved bias=qkv float32" in text
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--heads", "4", "--kv-heads", "3"], "num_kv_heads=3 must divide num_heads=4"),
+    (["--embed", "36", "--heads", "4", "--rope", "half"], "rope needs an even head_dim, got 9"),
+])
+def test_a_layer_that_cannot_be_is_a_usage_error(argv, message):
+    rc, text, calls = _run([*FAST, *argv])
+    assert rc == 2 and not calls and message in text
 
 
 def test_a_failed_item_exits_1():
