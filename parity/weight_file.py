@@ -1,7 +1,8 @@
 """Reading a safetensors weight file, with every error naming the file and what is wrong with it.
 
-Shared by parity.convert.load (our own files) and parity.layouts.read_layout (one block
-of a Hugging Face checkpoint). Tensors are read lazily, one key at a time, and only in
+Shared by parity.convert.load (our own files) and parity.layouts.read_layout and
+read_checkpoint (one block of a Hugging Face checkpoint: one file, or the shards of a
+checkpoint directory). Tensors are read lazily, one key at a time, and only in
 the dtypes a canonical state dict holds: a float8 (or integer, or any other) tensor is
 a ValueError naming its key and dtype, never a silent cast. A file that is not
 safetensors is never unpickled: a pickle is recognised by its first bytes and named.
