@@ -6,7 +6,6 @@ memory and count FLOPs without paying for a torch or jax import.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -264,12 +263,6 @@ class Preset:
     peak_sizes: tuple[int, ...] = (1024, 2048)  # square matmuls for the measured peak
     isolation: str = "case"  # one worker per case, or one for the whole run (see sweep)
     doc: str = ""
-
-    def cases(self) -> list[BenchCase]:
-        return [
-            BenchCase.of(b, s, s, e, h, d)
-            for d, b, e, h, s in itertools.product(self.dtypes, self.batch, self.embed, self.heads, self.seqs)
-        ]
 
 
 # The matmul peak: the fastest call over several repeats and sizes, so that on a noisy
