@@ -417,8 +417,11 @@ BUILTIN = (
                    bench=False, runs_on=("*/*/float64", "*/*/float32"), variants=VARIANT_FEATURES,
                    doc="our projections around F.scaled_dot_product_attention(enable_gqa=True) on the K key/value "
                    "heads, RoPE by its own rotate_half/rotate_every_two; bool mask True = attend; empty rows give 0"),
+    # Each unit of jax-dpa-gqa is two XLA compiles (forward, gradients): it runs on the masks and
+    # attention kinds the default matrix's classic peer cases lack (there it is jax-dpa-core's kernel).
     Implementation("jax-dpa-gqa", "jax", "parity.impls.gqa_jax:dpa_gqa", "jit", False, masked_rows="uniform",
-                   role="peer", bench=False, materializes=True, runs_on=("*/*/float64", "*/*/float32"),
+                   role="peer", bench=False, materializes=True,
+                   runs_on=("cross/*/float64", "cross/*/float32", "self/padding/float64", "self/padding/float32"),
                    variants=VARIANT_FEATURES,
                    doc="our projections around jax.nn.dot_product_attention with K key/value heads, RoPE as complex "
                    "pairs; mask True = attend; empty rows uniform; softmax in float32 (also for float64 inputs)"),
