@@ -3,6 +3,7 @@
     from parity.harness import run
     report = run(quick=True, json_path="parity.json")
     report.ok  # something was checked, nothing failed or errored
+    run(cases="modern")  # grouped/multi-query heads, RoPE, bias-free projections
 
 The command line is `mha-parity` (parity.cli). Modules: `matrix` (cases and inputs),
 `checks` (forward, gradient, training, peers, divergence) on the implementations of
@@ -10,11 +11,23 @@ The command line is `mha-parity` (parity.cli). Modules: `matrix` (cases and inpu
 (the margin picture), `runner` (`run`).
 """
 
-from parity.harness.matrix import CHECKS, MASK_KINDS, SHAPES, Case, Shape, default_matrix, draw_inputs, quick_matrix
+from parity.harness.matrix import (
+    CASE_SETS,
+    CHECKS,
+    MASK_KINDS,
+    SHAPES,
+    VARIANT_SHAPES,
+    Case,
+    Shape,
+    default_matrix,
+    draw_inputs,
+    modern_matrix,
+    quick_matrix,
+)
 from parity.harness.report import Report, Row
 from parity.harness.runner import run, select_impls
 
 __all__ = [
-    "run", "Report", "Row", "Case", "Shape", "CHECKS", "MASK_KINDS", "SHAPES", "default_matrix", "quick_matrix",
-    "draw_inputs", "select_impls",
+    "run", "Report", "Row", "Case", "Shape", "CHECKS", "MASK_KINDS", "SHAPES", "VARIANT_SHAPES", "CASE_SETS",
+    "default_matrix", "modern_matrix", "quick_matrix", "draw_inputs", "select_impls",
 ]
