@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mha_jax.chunked import accumulation_dtype, chunked_attention, fill_masked_rows, fold_scale
+from mha_jax.chunked import accumulation_dtype, chunked_attention, fill_masked_rows, fold_scale, mean_over_keys
 from mha_jax import kernels
 from mha_spec import AttentionConfig, Stages, check_mask_values, check_positions, check_qkv_shapes, mask_shape_4d
 
@@ -131,15 +131,6 @@ def attention_core(q, k, v, keep=None, *, masked_rows="nan", precision=None, ret
     if return_scores:
         return context, weights, returned_scores
     return context, weights
-
-
-def mean_over_keys(v):
-    """mean(V) over the keys, (B, S, K, H) -> (B, 1, K, H) in the accumulation dtype.
-
-    Summed as V·(1/S), as the weights path's uniform row computes it: a plain sum of finite
-    values near the dtype's largest could overflow to inf before the division.
-    """
-    return (v.astype(accumulation_dtype(v.dtype)) * (1.0 / v.shape[1])).sum(axis=1, keepdims=True)
 
 
 def fused_attention_core(q, k, v, keep=None, *, masked_rows="nan", precision=None):

@@ -93,6 +93,15 @@ def fill_masked_rows(x, row_any, masked_rows: str, uniform_value):
     return jnp.where(row_any, x, fill)
 
 
+def mean_over_keys(v):
+    """mean(V) over the keys, (B, S, K, H) -> (B, 1, K, H) in the accumulation dtype.
+
+    Summed as V·(1/S), as the weights path's uniform row computes it: a plain sum of finite
+    values near the dtype's largest could overflow to inf before the division.
+    """
+    return (v.astype(accumulation_dtype(v.dtype)) * (1.0 / v.shape[1])).sum(axis=1, keepdims=True)
+
+
 EMPTY, FULL, PARTIAL = 0, 1, 2  # block kinds: keep-mask all False, all True, mixed
 
 
@@ -309,8 +318,7 @@ def chunked_attention(q, k, v, keep=None, *, masked_rows="nan", q_chunk=512, k_c
     if keep is not None:
         G = N // K
         row_any = jnp.asarray(keep).any(axis=-1, keepdims=True)  # (B|1, N|1, T|1, 1): from the mask alone
-        # mean(V) as V·(1/S) summed: a plain sum of finite values near the dtype's largest could overflow.
-        mean_v = jnp.sum(v.astype(ctx.dtype) * (1.0 / S), axis=1)  # (B, K, H)
+        mean_v = mean_over_keys(v)[:, 0]  # (B, K, H)
         mean_v = (jnp.repeat(mean_v, G, axis=1) if G > 1 else mean_v)[:, :, None, :]  # (B, N, 1, H)
         ctx = fill_masked_rows(ctx, row_any, masked_rows, mean_v)
     return jnp.transpose(ctx, (0, 2, 1, 3)).astype(q.dtype)  # (B, T, N, H)

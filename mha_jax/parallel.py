@@ -285,7 +285,9 @@ def _layer(params, num_heads, num_kv_heads, rope, rope_theta, masked_rows) -> At
         raise ValueError(f"q/k/v biases come all three or none; present: {qkv_bias} for q_proj, k_proj, v_proj")
     cfg = AttentionConfig(E, num_heads, num_kv_heads=num_kv_heads, qkv_bias=qkv_bias[0], out_bias="bias" in params["out_proj"],
                           rope=rope, rope_theta=rope_theta, masked_rows=masked_rows)
-    for name, shape in cfg.weight_shapes().items():
+    shapes = cfg.weight_shapes()
+    for name in sorted(shapes, key=lambda n: n.endswith(".bias")):  # a kernel's width says more than its bias's
+        shape = shapes[name]
         proj, leaf = name.split(".")
         got = tuple(params[proj]["kernel" if leaf == "weight" else "bias"].shape)
         want = shape[::-1] if leaf == "weight" else shape  # kernels are (in, out)

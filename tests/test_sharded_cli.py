@@ -20,7 +20,7 @@ from rich.console import Console
 
 from parity import cli
 from parity.bench import sharded_cli
-from parity.harness.sharded import MASK_POLICIES
+from parity.harness.sharded import MASK_POLICIES, PROBLEMS
 from parity.harness.sharded.cases import jobs
 from parity.harness.sharded.launch import run_sharded
 
@@ -69,7 +69,7 @@ def test_ctrl_c_to_the_process_group_stops_between_jobs_and_leaves_nothing_behin
     data = json.loads(report.read_text())
     assert data["summary"]["interrupted"] is True
     sharded = [r for r in data["rows"] if r["check"] == "sharded"]
-    every_job = 2 * len(MASK_POLICIES) * ROWS_PER_JOB  # 2 frameworks x every mask kind and policy
+    every_job = 2 * len(PROBLEMS) * len(MASK_POLICIES) * ROWS_PER_JOB  # 2 frameworks x every layer, mask kind and policy
     assert 0 < len(sharded) < every_job and len(sharded) % ROWS_PER_JOB == 0, len(sharded)
     assert all(r["status"] == "pass" for r in sharded), [r["message"][:200] for r in sharded if r["status"] != "pass"]
     assert not list(tmp_path.glob("sharded-*"))
@@ -89,7 +89,7 @@ def test_a_group_that_finishes_no_job_within_the_job_timeout_is_killed(tmp_path,
     assert code == 1, capsys.readouterr().out[-2000:]
     sharded = [r for r in json.loads(report.read_text())["rows"] if r["check"] == "sharded"]
     assert {r["impl"] for r in sharded} == {"torch-dp", "jax-dp"}
-    assert len(sharded) == 2 * len(MASK_POLICIES)  # one error row per unfinished job
+    assert len(sharded) == 2 * len(PROBLEMS) * len(MASK_POLICIES)  # one error row per unfinished job
     assert all(r["status"] == "error" and "job timeout of 0.5 s" in r["message"] for r in sharded)
     assert not list(tmp_path.glob("sharded-*"))
     assert not _processes_mentioning(str(tmp_path))
@@ -111,8 +111,8 @@ def test_sharded_arguments_of_mha_parity_are_usage_errors(argv):
 def test_a_repeated_layout_framework_or_dtype_runs_once():
     once = jobs(devices=2, layouts=("tp", "dp"), frameworks=("torch",), dtypes=("float64",))
     assert jobs(devices=2, layouts=("tp", "dp", "tp"), frameworks=("torch", "torch"), dtypes=("float64", "float64")) == once
-    # 3 devices split neither N=8 nor B=4: skip rows, one per job, without launching anything
-    rows = run_sharded(devices=3, layouts=("tp", "tp"), frameworks=("torch",), dtypes=("float64",))
+    # 3 devices split no layer's heads: skip rows, one per job, without launching anything
+    rows = run_sharded(devices=3, layouts=("tp", "tp"), frameworks=("torch",), dtypes=("float64",), layers=("classic", "classic"))
     assert len(rows) == len({(r.case, r.impl, r.dtype) for r in rows}) == len(MASK_POLICIES)
 
 

@@ -114,7 +114,8 @@ def jobs(*, devices: int, layouts=LAYOUTS, frameworks=FRAMEWORKS, dtypes=("float
 def unsplittable(job: Job) -> str:
     """Why `job.devices` cannot split what the job's layout splits ("" if it can)."""
     p = job.problem
-    sizes = {"tp": {"N": p.config.num_heads, "K": p.config.kv_heads}, "sp": {"T": p.T, "S": p.S}, "dp": {"B": p.B}}
+    heads = {"N": p.config.num_heads} | ({"K": p.config.kv_heads} if "grouped" in p.config.features else {})
+    sizes = {"tp": heads, "sp": {"T": p.T, "S": p.S}, "dp": {"B": p.B}}
     bad = [f"{k}={v}" for k, v in sizes["tp" if job.layout == "tp-gspmd" else job.layout].items() if v % job.devices]
     return f"{', '.join(bad)} not divisible by {job.devices} devices" if bad else ""
 
