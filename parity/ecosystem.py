@@ -273,3 +273,44 @@ def equinox_mha_forward(sd, num_heads: int, query, key, value, keep=None, dtype=
     else:
         out = jax.vmap(lambda q, k, v, mask: m(q, k, v, mask=mask, inference=True))(q, k, v, jnp.asarray(np.asarray(keep, bool)))
     return np.asarray(out)
+
+
+def keras_gqa_call(sd, num_heads: int, num_kv_heads: int):
+    """keras.layers.GroupQueryAttention (JAX backend) as a pure function of canonical parameters.
+
+    Returns call(params, query, key, value, keep) -> output, which JAX differentiates in every
+    argument: the layer is built once from `sd` (its structure and dtype), and each call runs
+    `layer.stateless_call` with `params` (canonical names, torch layout) reshaped into its
+    kernels and biases by the table of `convert.to_keras`. keep: bool (B, T, S), True = attend.
+    Keras repeats the key/value heads per group (ops.repeat) and runs ops.dot_product_attention,
+    i.e. jax.nn.dot_product_attention: a fully masked row is uniform, the softmax float32 even
+    for float64 inputs. It has no RoPE and one use_bias for all four projections.
+    """
+    import jax.numpy as jnp
+
+    layer = convert.to_keras(sd, num_heads, num_kv_heads=num_kv_heads)
+    N, K, H, E = layer.num_query_heads, layer.num_key_value_heads, layer.head_dim, layer.feature_dim
+    heads = {"q_proj": N, "k_proj": K, "v_proj": K}
+    leaves = {}  # id(keras variable) -> params -> its value
+    for p, attr in convert._KERAS_GQA.items():
+        dense = getattr(layer, attr)
+        if p == "out_proj":
+            leaves[id(dense.kernel)] = lambda params: params["out_proj.weight"].T.reshape(N, H, E)
+        else:
+            leaves[id(dense.kernel)] = lambda params, p=p: params[f"{p}.weight"].T.reshape(E, heads[p], H)
+        if layer.use_bias:
+            shape = (E,) if p == "out_proj" else (heads[p], H)
+            leaves[id(dense.bias)] = lambda params, p=p, shape=shape: params[f"{p}.bias"].reshape(shape)
+    trainable = layer.trainable_variables
+    if {id(v) for v in trainable} != set(leaves):
+        raise ValueError(f"keras GroupQueryAttention's trainable variables {[v.path for v in trainable]} are not "
+                         f"the {len(leaves)} kernels and biases of its four projections")
+    fixed = [v.value for v in layer.non_trainable_variables]
+
+    def call(params, query, key, value, keep):
+        values = [leaves[id(v)](params) for v in trainable]
+        mask = None if keep is None else jnp.asarray(keep, bool)
+        out, _ = layer.stateless_call(values, fixed, query, value, key=key, attention_mask=mask, training=False)
+        return out
+
+    return call

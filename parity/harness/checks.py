@@ -38,10 +38,11 @@ OPTIMIZERS = {
 # Measured (seed 0, default matrix): jax.nn.dot_product_attention's float64 output
 # is off the float64 oracle by ~1e-8 because its softmax always runs in float32.
 # Keras 3's default call runs jax.nn.dot_product_attention too: 2.2e-7 off in float64.
-# jax-dpa-gqa is the same kernel with K heads. HF Llama (eager) computes RoPE's cos/sin and its
+# jax-dpa-gqa and keras-gqa (Keras's GroupQueryAttention) are the same kernel with K heads. HF Llama (eager) computes RoPE's cos/sin and its
 # softmax in float32 for float64 models: 2e-8..5e-8 off (tests/test_modern_peers.py measures it).
 PEER_EFFECTIVE_DTYPE = {("jax-dpa-core", "float64"): "float32", ("keras-mha", "float64"): "float32",
-                        ("jax-dpa-gqa", "float64"): "float32", ("hf-llama", "float64"): "float32"}
+                        ("jax-dpa-gqa", "float64"): "float32", ("keras-gqa", "float64"): "float32",
+                        ("hf-llama", "float64"): "float32"}
 
 GRAD_GROUPS = {
     "d_inputs": ("query", "key", "value"),

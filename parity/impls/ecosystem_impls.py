@@ -111,6 +111,26 @@ def equinox_mha(sd, num_heads, *, dtype, device):
 
 # ---------------------------------------------------------------- grouped-query/RoPE peers
 
+
+def keras_gqa(sd, num_heads, *, dtype, device, problem):
+    """keras.layers.GroupQueryAttention on the canonical parameters (stateless_call), jitted.
+
+    fn(params, query, key, value, keep) -> output: it computes with the harness's parameters,
+    so its JAX autodiff gradients (inputs and every parameter) are checked too.
+    """
+    _require("keras")
+    import jax
+
+    from parity import ecosystem
+
+    config = problem.config
+    if config.num_heads != num_heads:
+        raise ValueError(f"keras-gqa: num_heads={num_heads} but the problem's config has {config.num_heads}")
+    call = ecosystem.keras_gqa_call({k: np.asarray(v) for k, v in sd.items()}, num_heads, config.kv_heads)
+    # Jitted here: the harness runs a peer's forward op by op, and keras's layer calls are many small ops.
+    return jax.jit(call)
+
+
 # What transformers' LlamaAttention and Keras's GroupQueryAttention do (measured; tests/test_modern_peers.py):
 #
 #   HF Llama (eager)  cos/sin from LlamaRotaryEmbedding in float32, cast to the model dtype; softmax in

@@ -105,6 +105,8 @@ class Implementation:
                      "no-qkv-bias", "no-out-bias") for a Llama port); () the classic layer only.
                      Declaring any feature makes the factory take `problem=` and `fn` take the
                      positions on RoPE cases (see the module docstring)
+    classic          whether it also runs the classic layer (no feature used); False for a peer of
+                     the variant layers whose classic twin is a peer of its own (keras-gqa, keras-mha)
     runs_on          where the peers check runs it: fnmatch patterns over a unit's kind
                      "<self|cross>/<mask kind>/<dtype>" (mask kinds: none, padding, causal, random);
                      None: everywhere. What it can express (HF BERT is self-attention: "self/*/*";
@@ -130,6 +132,7 @@ class Implementation:
     dtypes: tuple[str, ...] | None = None
     masked_row_grads: str = "stop"
     variants: tuple[str, ...] = ()
+    classic: bool = True
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name or any(c.isspace() for c in self.name):
@@ -172,6 +175,9 @@ class Implementation:
         if config is not None:
             if not isinstance(config, AttentionConfig):
                 raise TypeError(f"unsupported: config must be an mha_spec.AttentionConfig, got {type(config).__name__}")
+            if not self.classic and not config.features:
+                return (f"{self.name} runs the layers of its variants ({','.join(self.variants)}) only: "
+                        "the classic layer has a peer of its own")
             missing = [f for f in VARIANT_FEATURES if f in config.features and f not in self.variants]
             if missing:
                 declared = f"variants={','.join(self.variants)}" if self.variants else "no variants (the classic layer only)"
@@ -425,6 +431,14 @@ BUILTIN = (
                    variants=VARIANT_FEATURES,
                    doc="our projections around jax.nn.dot_product_attention with K key/value heads, RoPE as complex "
                    "pairs; mask True = attend; empty rows uniform; softmax in float32 (also for float64 inputs)"),
+    # Keras's GroupQueryAttention has no RoPE and one use_bias for all four projections: it runs
+    # grouped layers with every bias (a bias-free one skips: "no-qkv-bias" alone is not its layer).
+    Implementation("keras-gqa", "jax", f"{_E}:keras_gqa", "jit", False, masked_rows="uniform", mask_shape="BTS",
+                   role="peer", bench=False, materializes=True, runs_on=("*/*/float64", "*/*/float32"),
+                   variants=("grouped",), classic=False,
+                   doc="keras.layers.GroupQueryAttention (JAX backend) on the canonical parameters via stateless_call; "
+                   "key/value heads repeated per group (ops.repeat), then jax.nn.dot_product_attention: bool mask "
+                   "True = attend, empty rows uniform, float32 softmax in float64 runs"),
     # HF Llama in float64: a fully masked row is NaN there (finfo(float64).min is -inf in its float32
     # softmax), uniform elsewhere; so float64 runs only the masks without one (none, causal self-attention).
     Implementation("hf-llama", "torch", f"{_E}:hf_llama", masked_rows="uniform", mask_shape="BTS", uses_params=False,
