@@ -15,8 +15,10 @@ $(STAMP): requirements.lock pyproject.toml
 parity: $(STAMP)
 	$(BIN)/mha-parity --json parity-report.json --markdown parity-report.md --plot parity-report.png $(ARGS)
 
+# Two workers (pytest-xdist), one module per worker at a time: the suite is mostly single-threaded
+# XLA compiles. ARGS='-n 0' runs it in one process.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q $(ARGS)
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile $(ARGS)
 
 bench: $(STAMP)
 	$(BIN)/mha-bench --preset quick --json bench.json --markdown bench.md --plot bench.png $(ARGS)

@@ -104,6 +104,7 @@ class Source:
 
 EPYC = Processor("cpu", "AMD EPYC", "avx512f")
 XEON = Processor("cpu", "Intel(R) Xeon(R) Processor", "avx512f")
+EPYC_AVX2 = Processor("cpu", "AMD EPYC", "avx2")
 
 # `python -m mha_jax.tune` (float32, H=64, precision "highest") on 2-core VMs shared with
 # other jobs; each comment gives scores (1.00 = fastest in every run and pass that measured it).
@@ -122,6 +123,14 @@ BUILTIN: dict[str, tuple[Measured, ...]] = {
         Measured(BN=32, T=512, S=512, fastest="chunked", blocks=(256, 256)),  # 1.02; 128x256 1.11, einsum 1.33
         Measured(BN=32, T=1024, S=1024, fastest="chunked", blocks=(256, 256)),  # 1.00; 256x512 1.07, einsum 1.27
         Measured(BN=32, T=2048, S=2048, fastest="chunked", blocks=(512, 512)),  # 1.02; 1024x1024 1.07, 256x256 1.49
+    ),
+    # One run (load average below 1.9); times in docs/results/kernel-table-epyc-avx2.json.
+    EPYC_AVX2.key: (
+        Measured(BN=32, T=256, S=256, fastest="chunked", blocks=(256, 256)),  # 1.02; 128x256 1.33, dpa-xla 1.35
+        Measured(BN=32, T=512, S=512, fastest="chunked", blocks=(256, 512)),  # 1.06; einsum 1.14, 512x512 1.25
+        Measured(BN=32, T=1024, S=1024, fastest="chunked", blocks=(256, 512)),  # 1.00; 512x512 1.02, 128x256 1.20
+        Measured(BN=32, T=2048, S=2048, fastest="chunked", blocks=(256, 512)),  # 1.00; 512x512 1.05, 256x256 1.32
+        Measured(BN=8, T=8192, S=8192, fastest="chunked", blocks=(256, 512)),  # 1.00; 1024x1024 1.09, 512x512 1.10
     ),
 }
 

@@ -264,7 +264,7 @@ def _to_flax_layout(sd, num_heads: int) -> dict[str, dict[str, np.ndarray]]:
       in-projections: weight (N*H, E) -> kernel (E, N, H);  bias (N*H,) -> (N, H)
       out-projection: weight (E, N*H) -> kernel (N, H, E);  bias (E,)   -> (E,)
     """
-    _classic_only(sd, "flax's MultiHeadAttention")
+    _classic_only(sd, "flax.linen.MultiHeadDotProductAttention")
     E, dtype = check_state_dict(sd)
     check_config(E, num_heads, "nan")
     N, H = num_heads, E // num_heads
@@ -364,7 +364,8 @@ def to_flax_nnx(sd, num_heads: int, **module_kwargs):
     import jax.numpy as jnp
     from flax import nnx
 
-    _classic_only(sd, "flax's MultiHeadAttention")
+    # flax.nnx.MultiHeadAttention has a num_kv_heads of its own; this converter builds the classic layer.
+    _classic_only(sd, "to_flax_nnx's flax.nnx.MultiHeadAttention (built without num_kv_heads)")
     E, dtype = check_state_dict(sd)
     _check_jax_dtype(dtype)
     _pop_dtype(module_kwargs, "param_dtype", dtype, np.dtype)

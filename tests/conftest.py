@@ -75,3 +75,14 @@ def rng():
 @pytest.fixture
 def sd64(rng):
     return make_state_dict(rng, SIZES.E)
+
+
+# `make test` runs the files on two pytest-xdist workers (--dist loadfile: a module's tests and
+# fixtures stay in one process). The longest modules go first, so neither worker is left
+# with one of them at the end while the other idles.
+_LONG_FIRST = ("test_sharded.py", "test_modern_peers.py", "test_ecosystem_peers.py", "test_harness.py", "test_docs.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(_LONG_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order

@@ -280,7 +280,8 @@ def test_keras_gqa_and_flax_refusals_are_named(keras_gqa):
         convert.to_keras(qkv_only, GN, num_kv_heads=GK)
     with pytest.raises(ValueError, match=r"keras.layers.MultiHeadAttention \(to_keras without num_kv_heads\) has no grouped .* to_keras\(..., num_kv_heads=K\)"):
         convert.to_keras(sd, GN)
-    for to_peer, name in ((convert.to_flax_linen, "flax's MultiHeadAttention"), (convert.to_flax_nnx, "flax's MultiHeadAttention"),
+    for to_peer, name in ((convert.to_flax_linen, r"flax\.linen\.MultiHeadDotProductAttention"),
+                          (convert.to_flax_nnx, r"to_flax_nnx's flax\.nnx\.MultiHeadAttention \(built without num_kv_heads\)"),
                           (convert.to_torch_mha, "torch.nn.MultiheadAttention")):
         with pytest.raises(ValueError, match=name + r" has no grouped key/value heads .* grouped key/value heads \(k_proj.weight \(8, 24\)"):
             to_peer(sd, GN)

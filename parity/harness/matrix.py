@@ -157,7 +157,7 @@ def default_matrix() -> tuple[Case, ...]:
     the cheaper half of the variant cases (`modern_matrix` has all of them).
 
     Not the full product: XLA compiles (~0.5 s per shape, dtype and policy on a CPU)
-    set the run time, and the default must finish in a minute on two cores. Every
+    set the run time, and the default run must stay short on two cores. Every
     axis value appears; every policy meets fully masked rows; 16-bit runs on the
     base and the large shape (where 16-bit error grows), and eager JAX (the same
     program as jit, op by op) on the base shape. Of the variants: the Llama layer
