@@ -60,6 +60,61 @@ def jax_steps(jm, x, keep):
             "fwd+bwd": lambda: jax.block_until_ready(g(state, x, keep))}
 
 
+def build_steps(B: int, T: int, E: int, N: int) -> dict:
+    """(framework, mask, pass) -> a call that runs it once, both modules on one set of weights."""
+    torch.manual_seed(0)
+    jax.config.update("jax_default_matmul_precision", "highest")
+    tm = mha_torch.MultiHeadAttention(E, N, masked_rows="zero")
+    jm = convert.torch_to_jax(tm)
+    x = np.random.default_rng(0).standard_normal((B, T, E), dtype=np.float32)
+    tril = np.tril(np.ones((T, T), bool))
+    steps = {}
+    for mask, keep in (("none", None), ("causal", tril)):
+        for p, fn in torch_steps(tm, torch.from_numpy(x), None if keep is None else torch.from_numpy(keep)).items():
+            steps[("torch", mask, p)] = fn
+        for p, fn in jax_steps(jm, jnp.asarray(x), None if keep is None else jnp.asarray(keep)).items():
+            steps[("jax", mask, p)] = fn
+    return steps
+
+
+def time_round_robin(steps: dict, rounds: int) -> dict:
+    """Seconds of each call per round, every call once a round, the order reversed every other round."""
+    for fn in steps.values():  # compile and warm up
+        fn()
+    times = {k: [] for k in steps}
+    keys = list(steps)
+    for r in range(rounds):
+        for k in (keys if r % 2 == 0 else keys[::-1]):
+            t0 = time.perf_counter()
+            steps[k]()
+            times[k].append(time.perf_counter() - t0)
+        print(f"round {r + 1}/{rounds} done, load {os.getloadavg()[0]:.2f}", flush=True)
+    return times
+
+
+def speedups(times: dict) -> list[dict]:
+    rows = []
+    for fw in ("torch", "jax"):
+        for p in ("fwd", "fwd+bwd"):
+            full, causal = times[(fw, "none", p)], times[(fw, "causal", p)]
+            per_round = [a / b for a, b in zip(full, causal)]
+            rows.append({"framework": fw, "pass": p, "none_ms": 1e3 * statistics.median(full),
+                         "causal_ms": 1e3 * statistics.median(causal),
+                         "speedup": statistics.median(full) / statistics.median(causal),
+                         "speedup_min": min(per_round), "speedup_max": max(per_round),
+                         "none_s": full, "causal_s": causal})
+    return rows
+
+
+def markdown(head: str, rows: list[dict]) -> str:
+    lines = [f"# Causal vs unmasked, {head}", "", "| framework | pass | unmasked ms | causal ms | speed-up | per-round range |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['framework']} | {r['pass']} | {r['none_ms']:.0f} | {r['causal_ms']:.0f} | "
+                     f"{r['speedup']:.2f}x | {r['speedup_min']:.2f}-{r['speedup_max']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=2)
@@ -72,49 +127,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     B, T, E, N = args.batch, args.seq, args.embed, args.heads
 
-    torch.manual_seed(0)
-    jax.config.update("jax_default_matmul_precision", "highest")
-    torch.backends.cuda.matmul.allow_tf32 = False
-    tm = mha_torch.MultiHeadAttention(E, N, masked_rows="zero")
-    jm = convert.torch_to_jax(tm)
-    x = np.random.default_rng(0).standard_normal((B, T, E), dtype=np.float32)
-    tril = np.tril(np.ones((T, T), bool))
-    steps = {}
-    for mask, keep in (("none", None), ("causal", tril)):
-        for p, fn in torch_steps(tm, torch.from_numpy(x), None if keep is None else torch.from_numpy(keep)).items():
-            steps[("torch", mask, p)] = fn
-        for p, fn in jax_steps(jm, jnp.asarray(x), None if keep is None else jnp.asarray(keep)).items():
-            steps[("jax", mask, p)] = fn
+    rows = speedups(time_round_robin(build_steps(B, T, E, N), args.rounds))
     kernel = kernels.fused_choice(B, N, T, T, E // N, jnp.float32, has_mask=True)
-    for fn in steps.values():  # compile and warm up
-        fn()
-    times = {k: [] for k in steps}
-    keys = list(steps)
-    for r in range(args.rounds):
-        for k in (keys if r % 2 == 0 else keys[::-1]):
-            t0 = time.perf_counter()
-            steps[k]()
-            times[k].append(time.perf_counter() - t0)
-        print(f"round {r + 1}/{args.rounds} done, load {os.getloadavg()[0]:.2f}", flush=True)
-
-    rows = []
-    for fw in ("torch", "jax"):
-        for p in ("fwd", "fwd+bwd"):
-            full, causal = times[(fw, "none", p)], times[(fw, "causal", p)]
-            per_round = [a / b for a, b in zip(full, causal)]
-            rows.append({"framework": fw, "pass": p, "none_ms": 1e3 * statistics.median(full),
-                         "causal_ms": 1e3 * statistics.median(causal),
-                         "speedup": statistics.median(full) / statistics.median(causal),
-                         "speedup_min": min(per_round), "speedup_max": max(per_round),
-                         "none_s": full, "causal_s": causal})
     head = (f"B={B} T=S={T} E={E} N={N} float32, fused paths (torch: SDPA is_causal; "
             f"jax: {kernel.kernel} {kernel.q_chunk}x{kernel.k_chunk}, {kernel.why}), {args.rounds} rounds")
-    lines = [f"# Causal vs unmasked, {head}", "", "| framework | pass | unmasked ms | causal ms | speed-up | per-round range |",
-             "|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['framework']} | {r['pass']} | {r['none_ms']:.0f} | {r['causal_ms']:.0f} | "
-                     f"{r['speedup']:.2f}x | {r['speedup_min']:.2f}-{r['speedup_max']:.2f} |")
-    text = "\n".join(lines) + "\n"
+    text = markdown(head, rows)
     print(text)
     if args.json:
         with open(args.json, "w") as f:
