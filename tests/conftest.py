@@ -12,6 +12,11 @@ from dataclasses import dataclass
 # changes what a test sees and a test run never writes into ~/.cache.
 _CACHE = os.environ["MHA_PARITY_CACHE_DIR"] = tempfile.mkdtemp(prefix="mha-parity-test-cache-")
 
+# XLA's backend optimisation level 0 for every JAX program the tests compile (here and in the
+# processes they start): the tests check our maths, masks and gradients, not XLA's optimiser;
+# mha-parity and mha-bench compile at the default level. The suite is mostly XLA compiles.
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
+
 import jax
 import numpy as np
 import pytest
