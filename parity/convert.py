@@ -503,14 +503,32 @@ def _to_keras_gqa(sd, num_heads: int, num_kv_heads: int):
     layer = keras.layers.GroupQueryAttention(head_dim=H, num_query_heads=N, num_key_value_heads=K, use_bias=cfg.qkv_bias,
                                              dtype=dtype.name, kernel_initializer="zeros", bias_initializer="zeros")
     layer.build(query_shape=(None, None, E), value_shape=(None, None, E))
-    for p, attr in _KERAS_GQA.items():
+    for attr, (kernel, bias) in _keras_gqa_tensors(sd, N, K).items():
         dense = getattr(layer, attr)
-        w = sd[f"{p}.weight"]
-        dense.kernel.assign(w.T.reshape(N, H, E) if p == "out_proj" else w.T.reshape(E, N if p == "q_proj" else K, H))
-        if cfg.qkv_bias:
-            b = sd[f"{p}.bias"]
-            dense.bias.assign(b if p == "out_proj" else b.reshape(-1, H))
+        dense.kernel.assign(kernel)
+        if bias is not None:
+            dense.bias.assign(bias)
     return layer
+
+
+def _keras_gqa_tensors(sd, num_heads: int, num_kv_heads: int) -> dict:
+    """Canonical -> {GroupQueryAttention sublayer: (kernel, bias or None)} by the table above.
+
+    Only transposes and reshapes, so it maps NumPy arrays (to_keras) and traced JAX arrays
+    alike (the keras-gqa peer differentiates through it).
+    """
+    N, K = num_heads, num_kv_heads
+    E = sd["q_proj.weight"].shape[1]
+    H = E // N
+    heads = {"q_proj": N, "k_proj": K, "v_proj": K}
+    out = {}
+    for p, attr in _KERAS_GQA.items():
+        w, b = sd[f"{p}.weight"], sd.get(f"{p}.bias")
+        if p == "out_proj":
+            out[attr] = (w.T.reshape(N, H, E), b)
+        else:
+            out[attr] = (w.T.reshape(E, heads[p], H), None if b is None else b.reshape(heads[p], H))
+    return out
 
 
 EQX_NAMES = {"q_proj": "query_proj", "k_proj": "key_proj", "v_proj": "value_proj", "out_proj": "output_proj"}

@@ -280,35 +280,32 @@ def keras_gqa_call(sd, num_heads: int, num_kv_heads: int):
 
     Returns call(params, query, key, value, keep) -> output, which JAX differentiates in every
     argument: the layer is built once from `sd` (its structure and dtype), and each call runs
-    `layer.stateless_call` with `params` (canonical names, torch layout) reshaped into its
-    kernels and biases by the table of `convert.to_keras`. keep: bool (B, T, S), True = attend.
-    Keras repeats the key/value heads per group (ops.repeat) and runs ops.dot_product_attention,
-    i.e. jax.nn.dot_product_attention: a fully masked row is uniform, the softmax float32 even
-    for float64 inputs. It has no RoPE and one use_bias for all four projections.
+    `layer.stateless_call` with `params` (canonical names, torch layout) mapped into its kernels
+    and biases by `convert._keras_gqa_tensors`, the table `convert.to_keras` assigns with.
+    keep: bool (B, T, S), True = attend. Keras repeats the key/value heads per group
+    (ops.repeat) and runs ops.dot_product_attention, i.e. jax.nn.dot_product_attention: a fully
+    masked row is uniform, the softmax float32 even for float64 inputs. It has no RoPE and one
+    use_bias for all four projections.
     """
     import jax.numpy as jnp
 
     layer = convert.to_keras(sd, num_heads, num_kv_heads=num_kv_heads)
-    N, K, H, E = layer.num_query_heads, layer.num_key_value_heads, layer.head_dim, layer.feature_dim
-    heads = {"q_proj": N, "k_proj": K, "v_proj": K}
-    leaves = {}  # id(keras variable) -> params -> its value
-    for p, attr in convert._KERAS_GQA.items():
+    where = {}  # id(keras variable) -> (sublayer, 0 kernel | 1 bias)
+    for attr in convert._KERAS_GQA.values():
         dense = getattr(layer, attr)
-        if p == "out_proj":
-            leaves[id(dense.kernel)] = lambda params: params["out_proj.weight"].T.reshape(N, H, E)
-        else:
-            leaves[id(dense.kernel)] = lambda params, p=p: params[f"{p}.weight"].T.reshape(E, heads[p], H)
+        where[id(dense.kernel)] = (attr, 0)
         if layer.use_bias:
-            shape = (E,) if p == "out_proj" else (heads[p], H)
-            leaves[id(dense.bias)] = lambda params, p=p, shape=shape: params[f"{p}.bias"].reshape(shape)
+            where[id(dense.bias)] = (attr, 1)
     trainable = layer.trainable_variables
-    if {id(v) for v in trainable} != set(leaves):
+    if {id(v) for v in trainable} != set(where):
         raise ValueError(f"keras GroupQueryAttention's trainable variables {[v.path for v in trainable]} are not "
-                         f"the {len(leaves)} kernels and biases of its four projections")
+                         f"the {len(where)} kernels and biases of its four projections")
+    order = [where[id(v)] for v in trainable]
     fixed = [v.value for v in layer.non_trainable_variables]
 
     def call(params, query, key, value, keep):
-        values = [leaves[id(v)](params) for v in trainable]
+        tensors = convert._keras_gqa_tensors(params, num_heads, num_kv_heads)
+        values = [tensors[attr][i] for attr, i in order]
         mask = None if keep is None else jnp.asarray(keep, bool)
         out, _ = layer.stateless_call(values, fixed, query, value, key=key, attention_mask=mask, training=False)
         return out

@@ -30,7 +30,7 @@ from flax import nnx  # noqa: E402
 import mha_torch  # noqa: E402
 from mha_jax import kernels  # noqa: E402
 from parity import convert  # noqa: E402
-from parity.env import environment  # noqa: E402
+from parity.env import environment, pin_jax, pin_torch  # noqa: E402
 
 
 def torch_steps(tm, x, keep):
@@ -63,7 +63,8 @@ def jax_steps(jm, x, keep):
 def build_steps(B: int, T: int, E: int, N: int) -> dict:
     """(framework, mask, pass) -> a call that runs it once, both modules on one set of weights."""
     torch.manual_seed(0)
-    jax.config.update("jax_default_matmul_precision", "highest")
+    pin_torch(True)  # full-precision float32 matmuls in both, as mha-bench's default
+    pin_jax(True)
     tm = mha_torch.MultiHeadAttention(E, N, masked_rows="zero")
     jm = convert.torch_to_jax(tm)
     x = np.random.default_rng(0).standard_normal((B, T, E), dtype=np.float32)
