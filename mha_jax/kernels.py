@@ -34,7 +34,6 @@ the guard and "chunked" with DEFAULT_BLOCKS above it.
 
 from __future__ import annotations
 
-import json
 import math
 import platform as _platform
 import warnings
@@ -46,6 +45,7 @@ import jax
 import jax.numpy as jnp
 
 from mha_jax.cache import kernel_table_path
+from mha_spec.files import read_json
 
 KERNELS = ("einsum", "chunked", "dpa-xla", "dpa-cudnn")
 DEFAULT_BLOCKS = (512, 1024)
@@ -224,15 +224,10 @@ def load_user_table(path: Path | None = None) -> dict[Processor, tuple[Measured,
     is ignored with a UserWarning naming it (the built-in rows then apply): never an error."""
     path = Path(path or kernel_table_path())
     try:
-        text = path.read_text()
+        return parse_table(read_json(path))
     except FileNotFoundError:
         return {}
-    except OSError as e:
-        warnings.warn(f"mha_jax kernel table {path} could not be read ({e}); using the built-in rows", UserWarning, stacklevel=2)
-        return {}
-    try:
-        return parse_table(json.loads(text))
-    except ValueError as e:  # json.JSONDecodeError is a ValueError
+    except ValueError as e:  # files.JSONFileError (unreadable, not UTF-8, too deep) is one
         warnings.warn(f"mha_jax kernel table {path} is ignored ({e}); using the built-in rows. "
                       "Rerun `python -m mha_jax.tune` or delete the file.", UserWarning, stacklevel=2)
         return {}

@@ -30,7 +30,7 @@ import ml_dtypes
 import numpy as np
 
 from mha_spec import MASKED_ROWS_POLICIES, AttentionConfig, check_config
-from parity.atomic import atomic_path
+from mha_spec.files import atomic_path
 from parity.canonical import (
     CANONICAL_KEYS,
     PROJECTIONS,

@@ -28,7 +28,6 @@ API; this module never imports parity.convert.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from collections.abc import Mapping
@@ -37,6 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mha_spec.files import read_json
 from parity.canonical import SUPPORTED_DTYPES, bias_flags, check_state_dict, tensor_to_numpy
 from parity.weight_file import file_path, open_weight_file
 
@@ -442,11 +442,7 @@ def _config_json(source) -> tuple[Mapping, str]:
         path = os.path.join(path, "config.json")
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: no such config file (a transformers checkpoint directory holds config.json)")
-    try:
-        with open(path, encoding="utf-8") as fh:
-            cfg = json.load(fh)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from e
+    cfg = read_json(path)
     if not isinstance(cfg, Mapping):
         raise ValueError(f"{path} holds a JSON {type(cfg).__name__}, not an object")
     return cfg, path
@@ -567,11 +563,10 @@ def read_checkpoint(path, layout: str = "hf-llama", *, prefix: str = "", config=
 
 def _read_sharded(directory, index_path, layout, prefix, num_heads):
     """The block's tensors from the shards model.safetensors.index.json names (each shard opened once)."""
-    try:
-        with open(index_path, encoding="utf-8") as fh:
-            weight_map = json.load(fh)["weight_map"]
-    except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{index_path} is not a safetensors index (a JSON object with a 'weight_map'): {e}") from e
+    index = read_json(index_path)
+    weight_map = index.get("weight_map") if isinstance(index, Mapping) else None
+    if weight_map is None:
+        raise ValueError(f"{index_path} is not a safetensors index (a JSON object with a 'weight_map')")
     if not isinstance(weight_map, Mapping):
         raise ValueError(f"{index_path}: 'weight_map' is not a mapping")
     with ExitStack() as stack:

@@ -10,7 +10,6 @@ safetensors is never unpickled: a pickle is recognised by its first bytes and na
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,6 +18,7 @@ from dataclasses import dataclass, field
 import ml_dtypes
 import numpy as np
 
+from mha_spec.files import parse_json
 from parity.canonical import tensor_to_numpy
 
 # safetensors' dtype names -> the NumPy dtype each is read as; every other dtype is refused by name.
@@ -121,7 +121,7 @@ def _not_safetensors_message(path: str, error: Exception) -> str:
     try:
         with open(path, "rb") as fh:
             fh.seek(8)
-            header = json.loads(fh.read(header_len))
+            header = parse_json(fh.read(header_len), path)
         data_len = max((entry["data_offsets"][1] for k, entry in header.items() if k != "__metadata__"), default=0)
     except (ValueError, TypeError, KeyError, IndexError, AttributeError):
         return f"{path} is not a readable safetensors file (its header is not safetensors' JSON): {error}"

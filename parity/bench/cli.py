@@ -41,7 +41,7 @@ from dataclasses import replace
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from parity.atomic import writable_problem
+from mha_spec.files import writable_problem
 from parity.bench import report, sweep
 from parity.bench.spec import BIASES, DTYPES, IMPLS, MEASURED, PASSES, PRESETS, BenchCase, select_impls
 from mha_spec import ROPE_CONVENTIONS

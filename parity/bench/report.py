@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from parity.atomic import atomic_path, write_atomic
+from mha_spec.files import JSONFileError, atomic_path, parse_json, write_atomic
 from parity.bench import verdict as verdicts
 from mha_spec import ROPE_CONVENTIONS
 from parity.bench.spec import BIASES, MEASURED, NOISY_IQR, ROW_FIELDS, STATUSES, case_label, row_key, variant_fields
@@ -359,18 +359,16 @@ _STR_FIELDS = ("impl", "mode", "pass", "dtype")
 def load(path: str) -> dict:
     """Read and validate an mha-bench JSON file; BenchFileError says what is wrong."""
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, "rb") as f:
             text = f.read()
-    except (OSError, UnicodeDecodeError) as e:
-        raise BenchFileError(f"{path}: cannot read: {getattr(e, 'strerror', None) or e}") from None
+    except OSError as e:
+        raise BenchFileError(f"{path}: cannot read: {e.strerror or e}") from None
     if not text.strip():
         raise BenchFileError(f"{path}: empty file, not an mha-bench JSON")
     try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise BenchFileError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
-    except (ValueError, RecursionError) as e:  # an integer too long to convert, nesting too deep
-        raise BenchFileError(f"{path}: not a readable JSON: {str(e).splitlines()[0][:200]}") from None
+        data = parse_json(text, path)
+    except JSONFileError as e:
+        raise BenchFileError(str(e)) from None
     validate(data, path)
     return data
 

@@ -26,7 +26,7 @@ import os
 from rich.console import Console
 from rich.table import Table
 
-from parity.atomic import check_writable, write_atomic
+from mha_spec.files import check_writable, write_atomic
 from parity.cli_args import comma_separated, positive_float, positive_int, positive_ints as _ints
 from parity.bench.sharded import TIMEOUT_S
 

@@ -7,7 +7,7 @@ room to spare; points near the line are where agreement is thin.
 
 from __future__ import annotations
 
-from parity.atomic import atomic_path
+from mha_spec.files import atomic_path
 from parity.harness.report import Report, margin
 
 _CHECK_COLOURS = {"forward": "#1f77b4", "gradient": "#ff7f0e", "training": "#2ca02c", "peers": "#9467bd"}

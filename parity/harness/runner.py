@@ -11,7 +11,7 @@ import fnmatch
 import time
 from dataclasses import dataclass
 
-from parity.atomic import check_writable, write_atomic
+from mha_spec.files import check_writable, write_atomic
 from parity.devices import DevicePlan, resolve_device
 from parity.dtypes import DTYPES, numpy_dtype
 from parity.env import environment, pinned

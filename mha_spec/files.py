@@ -1,10 +1,62 @@
-"""Atomic file writes for every report and weight file: a reader never sees half a file."""
+"""The files every tool reads and writes: one JSON reader, one atomic writer.
+
+Framework-free (like the rest of mha_spec), so `mha_jax` (its kernel table, `mha_jax.tune`)
+and `parity` (reports, checkpoints, bench files) share them without crossing the wall
+between frameworks.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import tempfile
+from typing import Any
+
+
+class JSONFileError(ValueError):
+    """A file (or text) that is not readable JSON; the message is one line naming the source."""
+
+
+def parse_json(text: str | bytes, source: str) -> Any:
+    """Parse JSON text; JSONFileError naming `source` for anything Python's reader rejects.
+
+    Besides a syntax error: bytes that are not UTF-8, nesting deeper than the reader's
+    recursion allows (RecursionError), an integer too long to convert (ValueError).
+    NaN and Infinity literals are accepted, as json.loads does: a caller that needs finite
+    numbers checks its own fields.
+    """
+    if isinstance(text, bytes):
+        try:
+            text = text.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise JSONFileError(f"{source}: not UTF-8 text (byte {e.start}: {e.reason})") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise JSONFileError(f"{source}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+    except RecursionError:
+        raise JSONFileError(f"{source}: JSON nested too deeply to read") from None
+    except ValueError as e:  # e.g. an integer of more digits than int() converts
+        raise JSONFileError(f"{source}: not readable JSON ({str(e).splitlines()[0][:200]})") from None
+
+
+def read_json(path) -> Any:
+    """The parsed JSON of the file at `path`.
+
+    FileNotFoundError when there is no such file (callers decide whether that is an error);
+    JSONFileError (a ValueError) naming the path for a file that cannot be read (a directory,
+    no permission) or is not readable JSON (see `parse_json`).
+    """
+    path = os.fspath(path)
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read()
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        raise JSONFileError(f"{path}: cannot read: {e.strerror or e}") from None
+    return parse_json(data, path)
 
 
 def _umask_mode() -> int:
