@@ -174,28 +174,48 @@ def device_kind(device=None) -> str:
 # ---------------------------------------------------------------- the user's table
 
 
+MAX_SIZE = 2**31 - 1
+"""The largest B·N, T or S a table row may give: the kernels index the sequence axes with
+int32, and any positive size up to this keeps `_distance`'s logarithms finite."""
+
+MAX_BLOCK = math.isqrt(MATERIALIZE_LIMIT)
+"""The largest q_chunk or k_chunk a table row may give (8192): a block pair then holds at most
+MATERIALIZE_LIMIT scores per (batch, head), the memory guard the chunked kernel runs under.
+No multiple is required: the chunked kernel pads a ragged tail, and clamps a block to its axis."""
+
+
+def _bounded_int(x, low: int, high: int) -> bool:
+    # bool is an int in Python, and JSON floats (NaN, Infinity, 8.0) are not sizes.
+    return type(x) is int and low <= x <= high
+
+
 def _row(d) -> Measured:
     if not isinstance(d, dict):
         raise ValueError(f"a row must be an object, got {d!r}")
     for f in ("BN", "T", "S"):
-        if not isinstance(d.get(f), int) or isinstance(d.get(f), bool) or d[f] < 1:
-            raise ValueError(f"row field {f} must be a positive integer, got {d.get(f)!r}")
+        if not _bounded_int(d.get(f), 1, MAX_SIZE):
+            raise ValueError(f"row field {f} must be an integer in [1, {MAX_SIZE}], got {_short(d.get(f))}")
     if d.get("fastest") not in KERNELS:
-        raise ValueError(f"row field fastest must be one of {KERNELS}, got {d.get('fastest')!r}")
+        raise ValueError(f"row field fastest must be one of {KERNELS}, got {_short(d.get('fastest'))}")
     blocks = d.get("blocks")
     if blocks is not None:
-        if (not isinstance(blocks, list) or len(blocks) != 2
-                or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in blocks)):
-            raise ValueError(f"row field blocks must be null or two positive integers, got {blocks!r}")
+        if not isinstance(blocks, list) or len(blocks) != 2 or not all(_bounded_int(b, 1, MAX_BLOCK) for b in blocks):
+            raise ValueError(f"row field blocks must be null or two integers in [1, {MAX_BLOCK}], got {_short(blocks)}")
         blocks = tuple(blocks)
     return Measured(BN=d["BN"], T=d["T"], S=d["S"], fastest=d["fastest"], blocks=blocks)
 
 
+def _short(x) -> str:
+    """repr(x), cut to 60 characters: a 400-digit integer must not flood the warning."""
+    text = repr(x)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def parse_table(data) -> dict[Processor, tuple[Measured, ...]]:
     """The user's table (parsed JSON) -> {processor: rows}; ValueError naming what is wrong."""
-    if not isinstance(data, dict) or data.get("schema") != TABLE_SCHEMA:
-        got = data.get("schema") if isinstance(data, dict) else type(data).__name__
-        raise ValueError(f"expected an object with schema {TABLE_SCHEMA}, got schema {got!r}")
+    if not isinstance(data, dict) or not _bounded_int(data.get("schema"), TABLE_SCHEMA, TABLE_SCHEMA):
+        got = _short(data.get("schema")) if isinstance(data, dict) else repr(type(data).__name__)
+        raise ValueError(f"expected an object with schema {TABLE_SCHEMA}, got schema {got}")
     entries = data.get("processors")
     if not isinstance(entries, dict):
         raise ValueError("'processors' must be an object keyed by processor")

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import pytest
 
 import mha_jax.kernels as kernels
-from mha_jax import tune
+from mha_jax import fused_attention_core, tune
 from mha_jax.kernels import Measured, Processor
 
 X86 = """processor\t: 0
@@ -138,6 +138,23 @@ CORRUPT = {
     "an unknown kernel": json.dumps(_table(HERE, [{**GOOD_ROW, "fastest": "magic"}])),
     "a float size": json.dumps(_table(HERE, [{**GOOD_ROW, "T": 8.5}])),
     "a key that does not match its fields": json.dumps(_table(HERE, [GOOD_ROW])).replace("Test CPU 9000 |", "Test CPU 1 |"),
+    # Every number the parser accepts is bounded (sizes to [1, 2**31 - 1], blocks to [1, 8192]);
+    # json reads 10**400 as an int and NaN/Infinity as floats.
+    "a size of 10**400": json.dumps(_table(HERE, [{**GOOD_ROW, "BN": 10**400}])),
+    "a block of 10**400": json.dumps(_table(HERE, [{**GOOD_ROW, "blocks": [4, 10**400]}])),
+    "a size above int32": json.dumps(_table(HERE, [{**GOOD_ROW, "S": 2**31}])),
+    "a NaN size": json.dumps(_table(HERE, [{**GOOD_ROW, "T": math.nan}])),
+    "an infinite size": json.dumps(_table(HERE, [{**GOOD_ROW, "S": math.inf}])),
+    "a NaN block": json.dumps(_table(HERE, [{**GOOD_ROW, "blocks": [math.nan, 4]}])),
+    "an infinite block": json.dumps(_table(HERE, [{**GOOD_ROW, "blocks": [4, -math.inf]}])),
+    "a negative size": json.dumps(_table(HERE, [{**GOOD_ROW, "BN": -2}])),
+    "a zero size": json.dumps(_table(HERE, [{**GOOD_ROW, "T": 0}])),
+    "a negative block": json.dumps(_table(HERE, [{**GOOD_ROW, "blocks": [-4, 4]}])),
+    "a block larger than allowed": json.dumps(_table(HERE, [{**GOOD_ROW, "blocks": [4, kernels.MAX_BLOCK + 1]}])),
+    "a boolean size": json.dumps(_table(HERE, [{**GOOD_ROW, "T": True}])),
+    "a float block": json.dumps(_table(HERE, [{**GOOD_ROW, "blocks": [4.0, 4]}])),
+    "schema true": json.dumps({**_table(HERE, [GOOD_ROW]), "schema": True}),
+    "schema 1.0": json.dumps({**_table(HERE, [GOOD_ROW]), "schema": 1.0}),
 }
 
 
@@ -147,6 +164,34 @@ def test_a_corrupt_table_is_ignored_with_a_warning(what, tmp_path):
     path.write_text(CORRUPT[what])
     with pytest.warns(UserWarning, match=f"kernel table {path} is ignored"):
         assert kernels.load_user_table(path) == {}
+
+
+@pytest.mark.parametrize("row", [dict(BN=10**400), dict(T=math.nan), dict(S=math.inf), dict(BN=-32), dict(T=0),
+                                 dict(blocks=[4, kernels.MAX_BLOCK + 1])],
+                         ids=["BN 10**400", "T NaN", "S inf", "BN negative", "T zero", "block above MAX_BLOCK"])
+def test_an_out_of_range_number_leaves_the_built_in_rows_and_the_fused_call_working(row, cache_dir, monkeypatch):
+    proc = kernels.processor()
+    monkeypatch.setattr(kernels, "BUILTIN", {proc.key: (Measured(BN=9, T=5, S=7, fastest="einsum", blocks=None),)})
+    path = cache_dir / "kernels.json"
+    path.write_text(json.dumps(_table(proc, [{**GOOD_ROW, **row}])))
+    with pytest.warns(UserWarning, match=f"kernel table {path} is ignored"):
+        c = kernels.fused_choice(3, 3, 5, 7, 4, jnp.float32, has_mask=False)
+    assert (c.kernel, c.source) == ("einsum", "built-in")
+    if "BN" in row:  # one real call (one compile) is enough to show the fused path runs on
+        q, k = (jnp.ones((3, L, 3, 4), jnp.float32) for L in (5, 7))  # (B, T|S, N, H)
+        with pytest.warns(UserWarning, match="is ignored"):
+            out = fused_attention_core(q, k, k)
+        assert out.shape == (3, 5, 3, 4) and bool(jnp.allclose(out, 1.0))  # softmax-weighted mean of ones
+
+
+def test_the_largest_allowed_numbers_read_back(tmp_path):
+    path = tmp_path / "kernels.json"
+    big = dict(BN=kernels.MAX_SIZE, T=kernels.MAX_SIZE, S=1, fastest="chunked", blocks=[kernels.MAX_BLOCK, 1])
+    path.write_text(json.dumps(_table(HERE, [big])))
+    (row,) = kernels.load_user_table(path)[HERE]
+    assert row.blocks == (8192, 1) and kernels.MAX_SIZE == 2**31 - 1
+    c = _choose((kernels.Source("fake", (row,)),), T=4096, S=4096)
+    assert (c.kernel, c.q_chunk, c.k_chunk) == ("chunked", 8192, 1)
 
 
 def test_a_good_table_reads_back_without_warning(tmp_path):
