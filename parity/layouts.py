@@ -398,29 +398,58 @@ def _config_error(source: str, message: str) -> ValueError:
     return ValueError(f"{source}: {message}")
 
 
-def _rope_theta(cfg: Mapping, source: str) -> float:
-    """rope_theta from either spelling: transformers 5's rope_parameters, or 4.x's top-level
-    rope_theta with rope_scaling; anything but the default (unscaled) RoPE is refused by name."""
-    params = cfg.get("rope_parameters")
-    if params is None:
-        params = cfg.get("rope_scaling")
-    if params is None:
-        params = {}
-    if not isinstance(params, Mapping):
-        raise _config_error(source, f"rope_parameters/rope_scaling = {params!r} is not a mapping")
+# The config.json fields transformers reads RoPE from, in the order it prefers them: a set (non-empty)
+# rope_scaling, the 4.x spelling, replaces rope_parameters whole (PreTrainedConfig.convert_rope_params_to_dict).
+_ROPE_FIELDS = ("rope_scaling", "rope_parameters")
+# How each names the RoPE type: transformers 5 reads rope_type first, then type; older releases
+# read type alone, so a non-default value under either spelling is a scaled RoPE to some reader.
+_ROPE_TYPE_KEYS = ("rope_type", "type")
+
+
+def _rope_fields(cfg: Mapping, source: str) -> dict[str, Mapping]:
+    """{field: its mapping} for each RoPE field config.json sets (null and {} are unset, as for transformers)."""
+    fields = {}
+    for name in _ROPE_FIELDS:
+        value = cfg.get(name)
+        if value is None:
+            continue
+        if not isinstance(value, Mapping):
+            raise _config_error(source, f"{name} = {value!r} is not a mapping")
+        if value:
+            fields[name] = value
+    return fields
+
+
+def _refuse_scaling(name: str, params: Mapping, source: str) -> None:
+    """Anything in one RoPE field but the default, unscaled, whole-head RoPE is refused by name."""
     if any(isinstance(v, Mapping) for v in params.values()):
-        raise NotImplementedError(f"{source}: rope_parameters nested per layer type ({sorted(params)}) are not supported: "
+        raise NotImplementedError(f"{source}: {name} nested per layer type ({sorted(params)}) are not supported: "
                                   f"every layer here has one RoPE")
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
-        raise NotImplementedError(f"{source}: rope_type {rope_type!r} ({dict(params)}) is not supported: our modules "
-                                  f"implement the default, unscaled RoPE only")
-    for fields in (params, cfg):
-        factor = fields.get("partial_rotary_factor")
+    for key in _ROPE_TYPE_KEYS:
+        if key in params and params[key] != "default":
+            raise NotImplementedError(f"{source}: rope_type {params[key]!r} ({name}.{key}, in {name} = {dict(params)}) is "
+                                      f"not supported: our modules implement the default, unscaled RoPE only")
+
+
+def _rope_theta(cfg: Mapping, source: str) -> float:
+    """rope_theta as transformers reads it, from rope_scaling (when set), else rope_parameters, else the
+    top-level rope_theta (transformers 4.x), else 10000. A scaled, partial or per-layer RoPE in any field,
+    under either type spelling, is refused by name; so is a rope_theta in rope_parameters that a set
+    rope_scaling hides (transformers would not use it)."""
+    fields = _rope_fields(cfg, source)
+    for name, params in fields.items():
+        _refuse_scaling(name, params, source)
+    for where, holder in [*fields.items(), ("config.json's top level", cfg)]:
+        factor = holder.get("partial_rotary_factor")
         if factor is not None and factor != 1.0:
-            raise NotImplementedError(f"{source}: partial_rotary_factor={factor!r} is not supported: our modules "
-                                      f"rotate the whole head")
-    theta = params.get("rope_theta", cfg.get("rope_theta", _DEFAULT_ROPE_THETA))
+            raise NotImplementedError(f"{source}: partial_rotary_factor={factor!r} ({where}) is not supported: our "
+                                      f"modules rotate the whole head")
+    read = next(iter(fields.values()), {})  # the field transformers reads
+    theta = read.get("rope_theta", cfg.get("rope_theta", _DEFAULT_ROPE_THETA))
+    hidden = fields.get("rope_parameters", {}).get("rope_theta") if "rope_scaling" in fields else None
+    if hidden is not None and hidden != theta:
+        raise _config_error(source, f"rope_parameters.rope_theta = {hidden!r}, but rope_scaling is set too and "
+                                    f"transformers reads it instead (rope_theta {theta!r}): say one rope_theta")
     if isinstance(theta, bool) or not isinstance(theta, (int, float)):
         raise _config_error(source, f"rope_theta = {theta!r} is not a number")
     return float(theta)

@@ -211,6 +211,25 @@ def test_config_json_fields_are_read(cfg, expected):
     ({"model_type": "gemma"}, ValueError, r"model_type 'gemma' is not one of \['llama', 'mistral', 'mixtral', 'qwen2'\]"),
     ({"num_key_value_heads": 4}, ValueError, r"num_kv_heads=4 must divide num_heads=6"),
     ({"attention_bias": "yes"}, ValueError, r"attention_bias = 'yes' is not a bool"),
+    # transformers reads a set rope_scaling instead of rope_parameters: scaling there is refused too
+    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, NotImplementedError,
+     r"rope_type 'linear' \(rope_scaling.type, in rope_scaling = "),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}},
+     NotImplementedError, r"rope_type 'yarn' \(rope_scaling.rope_type"),
+    # ... and so is scaling in rope_parameters that a set rope_scaling hides
+    ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0}, "rope_scaling": {"rope_type": "default"}},
+     NotImplementedError, r"rope_type 'llama3' \(rope_parameters.rope_type"),
+    # either spelling: transformers 5 reads rope_type first, older releases read type alone
+    ({"rope_parameters": {"rope_type": "default", "type": "dynamic", "factor": 2.0, "rope_theta": THETA}},
+     NotImplementedError, r"rope_type 'dynamic' \(rope_parameters.type"),
+    ({"rope_scaling": {"rope_theta": THETA, "partial_rotary_factor": 0.5}}, NotImplementedError,
+     r"partial_rotary_factor=0.5 \(rope_scaling\)"),
+    ({"rope_scaling": {"full_attention": {"rope_type": "default"}}}, NotImplementedError,
+     r"rope_scaling nested per layer type"),
+    # a set rope_scaling without rope_theta: transformers takes 10000, not rope_parameters' THETA
+    ({"rope_scaling": {"rope_type": "default"}}, ValueError,
+     rf"rope_parameters.rope_theta = {THETA}, but rope_scaling is set too and transformers reads it instead "
+     r"\(rope_theta 10000.0\)"),
 ])
 def test_config_json_refusals_are_named(changes, error, message, tmp_path):
     path = tmp_path / "config.json"
