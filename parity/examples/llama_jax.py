@@ -108,3 +108,46 @@ def port(state_dict, num_heads, *, dtype, device, problem):
                 **_DECLARED)
 def port_with_tile_bug(state_dict, num_heads, *, dtype, device, problem):
     return make_attention(problem.config, repeat_kv=lambda x, g: jnp.tile(x, (1, 1, g, 1)))
+
+
+# ---------------------------------------------------------------- the HF-style layer, ported as it is written
+
+
+def llama_attention(p, x, attention_mask, positions, *, config):
+    """parity.examples.llama_torch.LlamaAttention.forward in jax.numpy: one input, hf-llama names
+    (o_proj), additive mask, cos/sin and softmax in float32. Returns (output, weights)."""
+    B, L, _ = x.shape
+    N, K, H = config.num_heads, config.kv_heads, config.head_size
+    q = (x @ p["q_proj.weight"].T).reshape(B, L, N, H).transpose(0, 2, 1, 3)  # (B, N, L, H)
+    k = (x @ p["k_proj.weight"].T).reshape(B, L, K, H).transpose(0, 2, 1, 3)  # (B, K, L, H)
+    v = (x @ p["v_proj.weight"].T).reshape(B, L, K, H).transpose(0, 2, 1, 3)  # (B, K, L, H)
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(L), (B, L))
+    inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, H, 2, dtype=jnp.float32) / H))
+    freqs = positions[:, :, None].astype(jnp.float32) * inv_freq  # (B, L, H/2)
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, None]  # (B, 1, L, H)
+    cos, sin = jnp.cos(emb).astype(q.dtype), jnp.sin(emb).astype(q.dtype)
+    q = q * cos + _rotate_half(q) * sin
+    k = k * cos + _rotate_half(k) * sin
+    k, v = jnp.repeat(k, N // K, axis=1), jnp.repeat(v, N // K, axis=1)  # (B, N, L, H), as HF's repeat_kv
+    scores = q @ k.transpose(0, 1, 3, 2) / jnp.sqrt(jnp.asarray(H, q.dtype))  # (B, N, L, L)
+    if attention_mask is not None:
+        scores = scores + attention_mask
+    weights = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(q.dtype)
+    out = (weights @ v).transpose(0, 2, 1, 3).reshape(B, L, N * H)  # (B, L, E)
+    return out @ p["o_proj.weight"].T, weights
+
+
+# One input, HF's names, the Llama layer's features, float32 arithmetic: as parity.examples.llama_torch.
+HF_DECLARED = dict(framework="jax", mode="jit", inputs="self", names="hf-llama",
+                   requires=("grouped", "rope-half", "no-qkv-bias", "no-out-bias"), computes_in="float32",
+                   mask="additive", masked_rows="nan", masked_row_grads="flow", returns_weights=True)
+
+
+@implementation(name="llama-jax-hf-port", doc="parity.examples.llama_jax: LlamaAttention ported to jax.numpy as written",
+                **HF_DECLARED)
+def hf_port(state_dict, num_heads, *, dtype, device, problem):
+    def fn(p, x, attention_mask, positions=None):
+        return llama_attention(p, x, attention_mask, positions, config=problem.config)
+
+    return fn

@@ -73,6 +73,12 @@ MODES = ("eager", "jit", "compile")
 MASK_CONVENTIONS = ("keep", "drop", "additive")
 MASK_SHAPES = ("B1TS", "BNTS", "BTS")
 ROLES = ("ours", "peer", "user")
+INPUTS = ("qkv", "self")
+
+
+def unit_kind(cross: bool, mask: str, dtype: str) -> str:
+    """"<self|cross>/<mask kind>/<dtype>": what `Implementation.runs_on` patterns match."""
+    return f"{'cross' if cross else 'self'}/{mask}/{dtype}"
 
 
 @dataclass(frozen=True)
@@ -107,10 +113,23 @@ class Implementation:
                      positions on RoPE cases (see the module docstring)
     classic          whether it also runs the classic layer (no feature used); False for a peer of
                      the variant layers whose classic twin is a peer of its own (keras-gqa, keras-mha)
-    runs_on          where the peers check runs it: fnmatch patterns over a unit's kind
+    runs_on          where it runs, in every check and the benchmark: fnmatch patterns over a unit's kind
                      "<self|cross>/<mask kind>/<dtype>" (mask kinds: none, padding, causal, random);
                      None: everywhere. What it can express (HF BERT is self-attention: "self/*/*";
                      GPT-2 also causal: "self/causal/*") or what is worth the time. Elsewhere: a skip row.
+    inputs           "qkv": fn(params, query, key, value, mask, ...) | "self": fn(params, x, mask, positions=None),
+                     one input for query, key and value (self-attention layers: Llama, BERT, GPT-2); its input
+                     gradient is judged against the sum of the oracle's query, key and value gradients, and
+                     cross-attention cases are skip rows saying why
+    requires         the `mha_spec.VARIANT_FEATURES` its layer always has (a Llama port: ("grouped", "rope-half",
+                     "no-qkv-bias", "no-out-bias")): it runs only on layers with every one of them (they are
+                     added to `variants`); `parity.harness` builds such cases when the selected set has none
+    computes_in      the dtype it really computes in when its inputs are wider (e.g. "float32": a float32 softmax
+                     in a float64 model): units of a wider dtype are judged at this dtype's bound, the row says
+                     so, and the stage search uses the same bound; None: the inputs' dtype
+    names            a `parity.layouts` layout (e.g. "hf-llama"): `params` (and fn.intermediates') arrive under
+                     that layout's names, without prefix (q_proj.weight, o_proj.weight, ...); gradients reach
+                     the canonical tensors through the renaming. None: the canonical names
     """
 
     name: str
@@ -133,6 +152,10 @@ class Implementation:
     masked_row_grads: str = "stop"
     variants: tuple[str, ...] = ()
     classic: bool = True
+    inputs: str = "qkv"
+    requires: tuple[str, ...] = ()
+    computes_in: str | None = None
+    names: str | None = None
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name or any(c.isspace() for c in self.name):
@@ -161,17 +184,62 @@ class Implementation:
             if not isinstance(self.dtypes, tuple) or not self.dtypes or any(d not in DTYPES for d in self.dtypes):
                 raise ValueError(f"implementation {self.name!r}: dtypes must be a non-empty tuple of {DTYPES} "
                                  f"(or None for all), got {self.dtypes!r}")
-        if not isinstance(self.variants, tuple) or any(v not in VARIANT_FEATURES for v in self.variants):
-            raise ValueError(f"implementation {self.name!r}: variants must be a tuple of {VARIANT_FEATURES} "
-                             f"(() for the classic layer only), got {self.variants!r}")
+        for attr in ("variants", "requires"):
+            value = getattr(self, attr)
+            if not isinstance(value, tuple) or any(v not in VARIANT_FEATURES for v in value):
+                raise ValueError(f"implementation {self.name!r}: {attr} must be a tuple of {VARIANT_FEATURES} "
+                                 f"(() for {'the classic layer only' if attr == 'variants' else 'none'}), got {value!r}")
+        if self.requires:  # a layer that always has a feature runs it, and never the classic layer
+            variants = tuple(f for f in VARIANT_FEATURES if f in self.variants or f in self.requires)
+            object.__setattr__(self, "variants", variants)
+            object.__setattr__(self, "classic", False)
+        self._check_edges()
 
-    def unsupported(self, dtype: str, config: AttentionConfig | None = None) -> str | None:
-        """Why it does not run a unit of this dtype and layer, by its own declarations (None: it runs).
+    def _check_edges(self) -> None:
+        """inputs, computes_in, names: what the layer is called with and computes in."""
+        if self.inputs not in INPUTS:
+            raise ValueError(f"implementation {self.name!r}: inputs={self.inputs!r} is not one of {INPUTS}")
+        if self.inputs == "self" and not self.uses_params:
+            raise ValueError(f"implementation {self.name!r}: inputs='self' is fn(params, x, mask, ...): it needs "
+                             "uses_params=True")
+        if self.computes_in is not None:
+            from parity.dtypes import DTYPES
 
-        config: the unit's layer (None: the classic one); its `features` must all be declared in `variants`.
+            if self.computes_in not in DTYPES:
+                raise ValueError(f"implementation {self.name!r}: computes_in={self.computes_in!r} is not one of {DTYPES}")
+        if self.names is not None:
+            from parity.layouts import LAYOUTS
+
+            if self.names not in LAYOUTS:
+                raise ValueError(f"implementation {self.name!r}: names={self.names!r} is not a layout parity.layouts "
+                                 f"knows: {LAYOUTS}")
+            if not self.uses_params:
+                raise ValueError(f"implementation {self.name!r}: names= renames the params fn takes: it needs "
+                                 "uses_params=True")
+
+    def unsupported(self, dtype: str, config: AttentionConfig | None = None, *, cross: bool | None = None,
+                    mask: str | None = None) -> str | None:
+        """Why it does not run a unit of this dtype, layer, attention kind and mask, by its own declarations
+        (None: it runs). The one place every check and the benchmark skip by.
+
+        config: the unit's layer (None: the classic one); its `features` must all be declared in `variants`
+        and hold every one of `requires`. cross: cross-attention (query apart from key/value); mask: the
+        unit's mask kind; with both known, `runs_on` decides too.
         """
         if self.dtypes is not None and dtype not in self.dtypes:
             return f"{self.name} declares dtypes={','.join(self.dtypes)}: {dtype} is not among them"
+        if cross and self.inputs == "self":
+            return (f"{self.name} declares inputs='self' (one input for query, key and value): cross-attention "
+                    "needs the query apart from the keys and values")
+        if cross is not None and mask is not None and not self.runs(unit_kind(cross, mask, dtype)):
+            return (f"{self.name} runs only where its runs_on matches the <self|cross>/<mask>/<dtype> of the unit "
+                    f"({unit_kind(cross, mask, dtype)}): {', '.join(self.runs_on)}")
+        if self.requires:
+            if config is not None and not isinstance(config, AttentionConfig):
+                raise TypeError(f"unsupported: config must be an mha_spec.AttentionConfig, got {type(config).__name__}")
+            lacking = [f for f in self.requires if config is None or f not in config.features]
+            if lacking:
+                return f"{self.name} requires {', '.join(self.requires)}: this layer lacks {', '.join(lacking)}"
         if config is not None:
             if not isinstance(config, AttentionConfig):
                 raise TypeError(f"unsupported: config must be an mha_spec.AttentionConfig, got {type(config).__name__}")
@@ -184,6 +252,16 @@ class Implementation:
                 return (f"{self.name} declares {declared}: this layer uses {', '.join(missing)}, "
                         f"which it does not run")
         return None
+
+    def judged_at(self, dtype: str) -> str:
+        """The dtype whose bound judges a unit of `dtype`: `computes_in` where it is coarser, else `dtype`."""
+        if self.computes_in is None:
+            return dtype
+        from parity.dtypes import numpy_dtype
+        import ml_dtypes
+
+        eps = lambda d: float(ml_dtypes.finfo(numpy_dtype(d)).eps)  # noqa: E731
+        return self.computes_in if eps(self.computes_in) > eps(dtype) else dtype
 
     @property
     def takes_problem(self) -> bool:
@@ -237,6 +315,10 @@ class Implementation:
         fn = self.resolve_factory()(state_dict, num_heads, **kw)
         if not callable(fn):
             raise TypeError(f"{self.name}: the factory returned {type(fn).__name__}, not a callable")
+        if self.inputs != "qkv" or self.names is not None:
+            from parity.impls.adapt import to_contract
+
+            fn = to_contract(self, fn)
         return fn
 
     def resolve_factory(self) -> Callable:

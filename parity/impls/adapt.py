@@ -1,0 +1,73 @@
+"""A user's layer as it is written, called through the harness's one contract.
+
+    fn(params, query, key, value, mask[, *, positions, key_positions])      what every check calls
+
+An implementation that declares `inputs="self"` is written `fn(p, x, mask, positions=None)`
+(one input, as HF's `forward(hidden_states, attention_mask, position_ids)`); one that declares
+`names="hf-llama"` (any `parity.layouts` layout) reads `p["o_proj.weight"]` where the harness
+holds `out_proj.weight`. `to_contract` wraps it, so the runners, the judge and the benchmark see
+the contract and nothing else. The renaming is done on the framework's own arrays inside the
+call (a view, a transpose, a concatenation where the layout stores one), so autodiff carries the
+gradients back to the canonical tensors: nothing is mapped back by hand.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+from parity.layouts import LAYOUT_TABLES
+
+
+def _ops(framework: str):
+    """(concatenate along the last axis, transpose of a 2-D array) for the framework's arrays."""
+    if framework == "torch":
+        torch = importlib.import_module("torch")
+        return (lambda xs: torch.cat(xs, dim=-1)), (lambda x: x.T)
+    jnp = importlib.import_module("jax.numpy")
+    return (lambda xs: jnp.concatenate(xs, axis=-1)), (lambda x: x.T)
+
+
+def renamer(layout: str, framework: str):
+    """canonical params -> the layout's tensors (its first spelling, no prefix), in framework ops.
+
+    Each stored tensor holds its canonical parts along its last axis (GPT-2's c_attn: q | k | v),
+    weights transposed where the layout stores them (in, out). A bias the layer does not have
+    (absent from params) is absent from the result.
+    """
+    concat, transpose = _ops(framework)
+    spelling = LAYOUT_TABLES[layout].spellings[0]
+
+    def rename(params: dict) -> dict:
+        out = {}
+        for stored in spelling:
+            if not all(p in params for p in stored.parts):
+                continue
+            parts = [transpose(params[p]) if stored.in_out else params[p] for p in stored.parts]
+            out[stored.key] = parts[0] if len(parts) == 1 else concat(parts)
+        return out
+
+    return rename
+
+
+def to_contract(impl, fn):
+    """fn as the harness calls it (see the module docstring); `fn.intermediates` and `fn.vjp` likewise."""
+    rename = renamer(impl.names, impl.framework) if impl.names is not None else (lambda p: p)
+
+    def call(f):
+        @functools.wraps(f)
+        def contract(params, query, key, value, mask, **positions):
+            if impl.inputs == "self":
+                # A self-attention unit's key and value equal its query (cross-attention units are
+                # declined by Implementation.unsupported), so the query's gradient is d_x whole.
+                pos = {"positions": positions["positions"]} if "positions" in positions else {}
+                return f(rename(params), query, mask, **pos)
+            return f(rename(params), query, key, value, mask, **positions)
+
+        return contract
+
+    wrapped = call(fn)
+    inner = getattr(fn, "intermediates", None)
+    if inner is not None:
+        wrapped.intermediates = call(inner)
+    return wrapped
