@@ -354,6 +354,16 @@ class BenchFileError(ValueError):
 
 _INT_FIELDS = ("batch", "seq_q", "seq_k", "embed", "heads")
 _STR_FIELDS = ("impl", "mode", "pass", "dtype")
+# Every number the console, the Markdown, the plot and `compare` read from a row, with its lowest
+# value (">0" positive, ">=0" non-negative). Each may be null, except median_s and iqr_s of a
+# measured (ok, noisy) row, which compare and the noise rule divide by and subtract.
+_NUMBERS = {"median_s": ">0", "iqr_s": ">=0", "ratio": ">0", "gflops": ">=0", "peak_fraction": ">=0",
+            "compile_s": ">=0", "recompile_s": ">=0", "peak_mem_bytes": ">=0", "out_max_diff": ">=0"}
+# Fields a file may lack: the variant fields and out_max_diff came later, and kernel and message
+# are read with a default. Every other field above is in every file any version wrote.
+_OPTIONAL = ("kv_heads", "rope", "bias", "kernel", "message", "out_max_diff")
+_TEXTS = ("kernel", "message")  # null or a string
+_REQUIRED = ("status", *(k for k in _NUMBERS if k not in _OPTIONAL))  # besides MATCH_KEY
 
 
 def load(path: str) -> dict:
@@ -374,6 +384,8 @@ def load(path: str) -> dict:
 
 
 def validate(data, path: str = "input") -> None:
+    """Check everything `compare`, `report` and the writers read from a loaded run: after it, none
+    of them can raise on `data`. BenchFileError, one line naming the file (and row or verdict)."""
     if not isinstance(data, dict):
         raise BenchFileError(f"{path}: not an mha-bench JSON (top level is a {type(data).__name__}, not an object)")
     schema = data.get("schema")
@@ -388,13 +400,14 @@ def validate(data, path: str = "input") -> None:
         raise BenchFileError(f"{path}: 'rows' must be a list, got {type(rows).__name__}")
     if not rows:
         raise BenchFileError(f"{path}: 'rows' is empty")
-    if not isinstance(data.get("environment", {}), dict):
-        raise BenchFileError(f"{path}: 'environment' must be an object")
+    problem = _environment_problem(data.get("environment", {}))
+    if problem:
+        raise BenchFileError(f"{path}: 'environment': {problem}")
     seen: dict = {}
     for i, row in enumerate(rows):
         problem = _row_problem(row)
         if problem:
-            raise BenchFileError(f"{path}: row {i}: {problem}")
+            raise BenchFileError(f"{path}: row {i}{_named(row)}: {problem}")
         first = seen.setdefault(_key(row), i)
         if first != i:
             raise BenchFileError(f"{path}: row {i} repeats row {first} (same case, pass and implementation)")
@@ -407,57 +420,122 @@ def validate(data, path: str = "input") -> None:
             raise BenchFileError(f"{path}: verdict {i}: {problem}")
 
 
+def _short(x) -> str:
+    """repr(x) for a one-line message: a huge integer by its digits, anything long cut."""
+    text = repr(x)
+    if _is_int(x) and len(text) > 80:
+        return f"an integer of {len(str(abs(x)))} digits"
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _environment_problem(env) -> str | None:
+    """The environment fields the Markdown iterates or formats as numbers (the rest it only prints)."""
+    if not isinstance(env, dict):
+        return f"must be an object, got {type(env).__name__}"
+    if not isinstance(env.get("versions", {}), dict):
+        return f"versions must be an object, got {_short(env['versions'])}"
+    for name in ("peaks", "peak_measurements"):
+        items = env.get(name, [])
+        if not (isinstance(items, list) and all(isinstance(p, dict) for p in items)):
+            return f"{name} must be a list of objects, got {_short(items)}"
+    for p in env.get("peaks", []):
+        if p.get("gflops") is not None and not (_finite(p["gflops"]) and p["gflops"] >= 0):
+            return f"a peak's gflops = {_short(p['gflops'])} is not a finite non-negative number"
+        if p.get("gflops") and not isinstance(p.get("dtype"), str):
+            return f"a peak's dtype = {_short(p.get('dtype'))} is not a string"
+    interference = env.get("interference")
+    if interference is not None and not (isinstance(interference, list) and all(isinstance(w, str) for w in interference)):
+        return f"interference must be null or a list of strings, got {_short(interference)}"
+    return None
+
+
 def _verdict_problem(v) -> str | None:
     if not isinstance(v, dict):
         return f"not an object ({type(v).__name__})"
     missing = [k for k in verdicts.VERDICT_FIELDS if k not in v]
     if missing:
         return f"missing field(s) {', '.join(missing)}"
+    bad = [k for k in ("case", "pass", "faster", "slower") if not isinstance(v[k], str)]
+    if bad:
+        return f"{', '.join(f'{k} = {_short(v[k])}' for k in bad)}: not a string"
     ci = v["ci"]
-    if not (isinstance(ci, list) and len(ci) == 2 and all(_is_num(x) for x in ci)) or not _finite(v["ratio"]):
-        return f"ratio {v['ratio']!r} / ci {ci!r} are not numbers"
-    if not isinstance(v["conclusive"], bool) or not (isinstance(v["repeats"], int) and not isinstance(v["repeats"], bool)):
-        return f"conclusive {v['conclusive']!r} / repeats {v['repeats']!r} are not a bool and an int"
+    # ratio = slower / faster >= 1; ci: 0 <= low <= high, high infinite when there was no interval.
+    ci_ok = isinstance(ci, list) and len(ci) == 2 and all(_is_num(x) and _as_float(x) is not None for x in ci)
+    if not (ci_ok and _finite(v["ratio"]) and v["ratio"] >= 1 and 0 <= _as_float(ci[0]) <= _as_float(ci[1])):
+        return f"ratio {_short(v['ratio'])} / ci {_short(ci)} are not a ratio >= 1 and an interval 0 <= low <= high"
+    if not isinstance(v["conclusive"], bool) or not (_is_int(v["repeats"]) and v["repeats"] >= 0):
+        return f"conclusive {_short(v['conclusive'])} / repeats {_short(v['repeats'])} are not a bool and a count"
     return None
+
 
 def _is_num(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _as_float(x) -> float | None:
+    """x as a float, None for NaN or an integer too large for one (infinity stays)."""
+    try:
+        f = float(x)
+    except OverflowError:
+        return None
+    return None if math.isnan(f) else f
+
+
 def _finite(x) -> bool:
     """A number that is finite as a float (a huge JSON integer is not: it overflows)."""
-    try:
-        return _is_num(x) and math.isfinite(float(x))
-    except OverflowError:
-        return False
+    return _is_num(x) and _as_float(x) is not None and math.isfinite(_as_float(x))
+
+
+def _named(row) -> str:
+    """ ' (implementation pass case)' for a row whose key fields are valid, else ''."""
+    if not isinstance(row, dict) or _key_problem(row):
+        return ""
+    return f" ({row_key(row)} {row['pass']} {_case(row)})"
+
+
+def _key_problem(row) -> str | None:
+    """What is wrong with the fields that name a row (its case, pass and implementation)."""
+    missing = [k for k in MATCH_KEY if k not in row]
+    if missing:
+        return f"missing field(s) {', '.join(missing)}"
+    bad = [k for k in _STR_FIELDS if not isinstance(row[k], str)]
+    bad += [k for k in _INT_FIELDS if not (_is_int(row[k]) and 0 < row[k] < 2**63)]
+    bad += [] if isinstance(row["need_weights"], bool) else ["need_weights"]
+    kv = row.get("kv_heads")
+    if kv is not None and not (_is_int(kv) and kv > 0 and _is_int(row["heads"]) and row["heads"] % kv == 0):
+        bad.append("kv_heads")
+    bad += [] if row.get("rope") in (None, *ROPE_CONVENTIONS) else ["rope"]
+    bad += [] if row.get("bias") in (None, *BIASES) else ["bias"]
+    if bad:
+        return f"bad value(s) for {', '.join(f'{k}={_short(row[k])}' for k in bad)}"
+    return None
 
 
 def _row_problem(row) -> str | None:
     if not isinstance(row, dict):
         return f"not an object ({type(row).__name__})"
-    missing = [k for k in (*MATCH_KEY, "status", "median_s", "iqr_s") if k not in row]
+    problem = _key_problem(row)
+    if problem:
+        return problem
+    missing = [k for k in _REQUIRED if k not in row]
     if missing:
         return f"missing field(s) {', '.join(missing)}"
     if row["status"] not in STATUSES:
-        return f"status {row['status']!r} is not one of {STATUSES}"
-    bad = [k for k in _STR_FIELDS if not isinstance(row[k], str)]
-    bad += [k for k in _INT_FIELDS if not (isinstance(row[k], int) and not isinstance(row[k], bool) and 0 < row[k] < 2**63)]
-    bad += [] if isinstance(row["need_weights"], bool) else ["need_weights"]
-    kv = row.get("kv_heads")
-    if kv is not None and not (isinstance(kv, int) and not isinstance(kv, bool) and kv > 0
-                               and isinstance(row["heads"], int) and row["heads"] % kv == 0):
-        bad.append("kv_heads")
-    bad += [] if row.get("rope") in (None, *ROPE_CONVENTIONS) else ["rope"]
-    bad += [] if row.get("bias") in (None, *BIASES) else ["bias"]
-    if bad:
-        return f"bad value(s) for {', '.join(f'{k}={row[k]!r}' for k in bad)}"
-    for name, lowest in (("median_s", "positive"), ("iqr_s", "non-negative")):
-        x = row[name]
-        if x is None and (row["status"] != "ok"):
+        return f"status {_short(row['status'])} is not one of {STATUSES}"
+    for name, lowest in _NUMBERS.items():
+        x = row.get(name)
+        if x is None and not (row["status"] in MEASURED and name in ("median_s", "iqr_s")):
             continue
-        if not (_finite(x) and (x > 0 if lowest == "positive" else x >= 0)):
-            shown = repr(x) if not isinstance(x, int) or abs(x) < 10**30 else f"an integer of {len(str(abs(x)))} digits"
-            return f"{name} = {shown} is not a finite {lowest} number ({row['status']} row)"
+        if not (_finite(x) and (x > 0 if lowest == ">0" else x >= 0)):
+            kind = "positive" if lowest == ">0" else "non-negative"
+            return f"{name} = {_short(x)} is not a finite {kind} number ({row['status']} row)"
+    bad = [k for k in _TEXTS if not isinstance(row.get(k), (str, type(None)))]
+    if bad:
+        return f"{', '.join(f'{k} = {_short(row[k])}' for k in bad)}: not a string or null"
     return None
 
 
