@@ -8,8 +8,10 @@ between frameworks.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
+import stat
 import tempfile
 from typing import Any
 
@@ -66,49 +68,109 @@ def _umask_mode() -> int:
     return 0o666 & ~mask
 
 
-@contextlib.contextmanager
-def atomic_path(path, suffix: str = ".tmp"):
-    """Yield a temporary path beside `path`; when the block succeeds, rename it over `path`.
+def _is_stream(mode: int) -> bool:
+    """A node that is written into, never replaced: a character or block device, a FIFO."""
+    return stat.S_ISCHR(mode) or stat.S_ISBLK(mode) or stat.S_ISFIFO(mode)
 
-    The suffix lets writers that pick a format from the name (matplotlib) see the right one.
-    On an exception (Ctrl-C included) the temporary file is removed and `path` is untouched.
+
+def write_target(path) -> tuple[str, os.stat_result | None]:
+    """Where a write of `path` lands, and that node's stat (None: nothing there yet).
+
+    A symbolic link is followed to its final target (a dangling one to the file it names), so
+    the link stays a link. OSError naming `path` for a symbolic link loop, a directory or a
+    socket: none of them can hold a report.
     """
     path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
+    try:
+        st = os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):  # nothing there (yet): created, or refused, on writing
+        st = None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise OSError(errno.ELOOP, "a loop of symbolic links", path) from None
+        raise
+    if st is not None and stat.S_ISDIR(st.st_mode):
+        raise IsADirectoryError(errno.EISDIR, "is a directory", path)
+    if st is not None and stat.S_ISSOCK(st.st_mode):
+        raise OSError(errno.EINVAL, "is a socket, not a file", path)
+    return os.path.realpath(path), st
+
+
+def write_into(path, data: bytes) -> None:
+    """Write `data` into an existing device or FIFO as it is: opened for writing, never created,
+    replaced or chmod-ed. A short or failed write (ENOSPC from a full device) raises OSError."""
+    fd = os.open(path, os.O_WRONLY | getattr(os, "O_NOCTTY", 0))  # no O_CREAT: it exists, or this fails
+    try:
+        view = memoryview(data)
+        while view:
+            written = os.write(fd, view)
+            if not written:  # a device that takes nothing: never loop on it
+                raise OSError(errno.EIO, "the device took none of the bytes", os.fspath(path))
+            view = view[written:]
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_path(path, suffix: str = ".tmp"):
+    """Yield a temporary path to write; when the block succeeds, its bytes become `path`'s.
+
+    A regular file or a new path: the temporary file sits beside it and is renamed over it
+    (atomic: a reader never sees half a file). A symbolic link: the same for its final
+    target, and the link stays. A character or block device or a FIFO: the temporary file is
+    made in the temporary directory and its bytes are written into the node (`write_into`),
+    which is never replaced. The suffix lets writers that pick a format from the name
+    (matplotlib) see the right one. On an exception (Ctrl-C included) the temporary file is
+    removed and `path` is untouched. OSError for what cannot be written (see `write_target`).
+    """
+    target, st = write_target(path)
+    stream = st is not None and _is_stream(st.st_mode)
+    directory = None if stream else os.path.dirname(target)
+    if directory is not None:
+        os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=suffix)
     os.close(fd)
     try:
         yield tmp
-        os.chmod(tmp, _umask_mode())
-        os.replace(tmp, path)
+        if stream:
+            with open(tmp, "rb") as f:
+                write_into(target, f.read())
+        else:
+            os.chmod(tmp, _umask_mode())
+            os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
 
 
 def write_atomic(path, data: str | bytes) -> None:
-    """Write text (UTF-8) or bytes to `path` atomically."""
+    """Write text (UTF-8) or bytes to `path` through `atomic_path` (a device or FIFO directly)."""
+    data = data.encode("utf-8") if isinstance(data, str) else bytes(data)
+    target, st = write_target(path)
+    if st is not None and _is_stream(st.st_mode):
+        write_into(target, data)
+        return
     with atomic_path(path) as tmp:
-        if isinstance(data, str):
-            with open(tmp, "w", encoding="utf-8") as f:
-                f.write(data)
-        else:
-            with open(tmp, "wb") as f:
-                f.write(data)
+        with open(tmp, "wb") as f:
+            f.write(data)
 
 
 def writable_problem(path) -> str | None:
     """Why writing `path` with `atomic_path` would fail, or None: checked before a long run.
 
-    atomic_path creates missing directories, so the nearest existing ancestor must be a
-    directory where a file can be created: tried for real (and removed), since permission
-    bits do not tell root about read-only mounts or /proc; the path must not be a directory.
+    A device or FIFO must grant write permission; it is not opened (a FIFO's open waits for a
+    reader, a device's may act). Otherwise atomic_path creates missing directories, so the
+    nearest existing ancestor of the (symbolic links followed) target must be a directory
+    where a file can be created: tried for real (and removed), since permission bits do not
+    tell root about read-only mounts or /proc.
     """
-    path = os.path.abspath(os.fspath(path))
-    if os.path.isdir(path):
-        return "is a directory"
-    existing = os.path.dirname(path)
+    try:
+        target, st = write_target(path)
+    except OSError as e:
+        return e.strerror or str(e)  # without the path: the caller names it
+    if st is not None and _is_stream(st.st_mode):
+        return None if os.access(target, os.W_OK) else "no permission to write into it"
+    existing = os.path.dirname(target)
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):

@@ -14,7 +14,8 @@ times are overhead measurements, and per-device memory is the headline.
 Every argument is checked before anything starts (exit 2): positive sizes, E divisible by N,
 T (sp) and N (tp) divisible by every device count, distinct output files. A repeated device
 count, layout or framework is measured once. Ctrl-C ends the running measurement's processes,
-writes the report of what finished and exits 130.
+writes the report of what finished and exits 130. A report that cannot be written once the
+table is printed (a full disk) is said in one line and the run exits 3.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from mha_spec.files import check_writable, write_atomic
 from parity.cli_args import comma_separated, positive_float, positive_int, positive_ints as _ints
 from parity.bench.sharded import TIMEOUT_S
 
-EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_WRITE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
 
 def parser() -> argparse.ArgumentParser:
@@ -68,7 +69,7 @@ def main(argv, console: Console) -> int:
     args = parser().parse_args(argv)
     sizes = {"B": args.batch, "T": args.seq, "E": args.embed, "N": args.heads, "repeats": args.repeats}
     try:
-        paths = [os.path.abspath(p) for p in (args.json, args.markdown) if p]
+        paths = [os.path.realpath(p) for p in (args.json, args.markdown) if p]
         if len(set(paths)) < len(paths):
             raise ValueError("--json and --markdown must be different files")
         for path in paths:
@@ -94,11 +95,28 @@ def main(argv, console: Console) -> int:
         table.add_row(r["framework"], r["layout"], str(r["devices"]), f"{r['per_device_peak_bytes'] / 2**20:.1f} MiB",
                       ratio, f"{r['time_s'] * 1e3:.0f} ms")
     console.print(table)
-    if args.json:
-        write_atomic(args.json, json.dumps({"schema": "mha-bench-sharded/1", "interrupted": interrupted, "rows": rows}, indent=1) + "\n")
-    if args.markdown:
-        write_atomic(args.markdown, markdown(rows, title + (" (interrupted)" if interrupted else ""), TIME_NOTE))
+    written = write_reports(args, rows, title + (" (interrupted)" if interrupted else ""), interrupted, TIME_NOTE, console)
     if interrupted:
         console.print("[bold red]interrupted: the report holds the measurements that finished", soft_wrap=True)
         return EXIT_INTERRUPTED
+    if not written:
+        return EXIT_WRITE
     return EXIT_OK if rows else EXIT_FAIL
+
+
+def write_reports(args, rows, title: str, interrupted: bool, note: str, console: Console) -> bool:
+    """Write the requested reports; True if all were. A failure is one line, and the other report is still written."""
+    reports = (("--json", args.json, lambda: json.dumps({"schema": "mha-bench-sharded/1", "interrupted": interrupted,
+                                                         "rows": rows}, indent=1) + "\n"),
+               ("--markdown", args.markdown, lambda: markdown(rows, title, note)))
+    written = True
+    for flag, path, text in reports:
+        if not path:
+            continue
+        try:
+            write_atomic(path, text())
+        except OSError as e:
+            console.print(f"mha-bench sharded: error: could not write {flag} {path}: {e.strerror or e}",
+                          style="red", markup=False, soft_wrap=True)
+            written = False
+    return written
