@@ -60,7 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", help="write the JSON report here (atomically)")
     p.add_argument("--markdown", metavar="PATH", help="write the Markdown report here (atomically)")
     p.add_argument("--plot", metavar="PATH.png", help="draw every group's error ÷ bound (log scale, pass line at 1)")
-    p.add_argument("--all-rows", action="store_true", help="print every row, not the per-group summary")
+    p.add_argument("--details", action="store_true",
+                   help="print one line per (check, implementation, reference, dtype, quantity) and every skip reason, "
+                   "not the summary per implementation, check and dtype")
+    p.add_argument("--all-rows", action="store_true", help="print every row, not the summary")
     p.add_argument("--all-columns", action="store_true", help="also print max_rel_err, atol and rtol")
     p.add_argument("--no-progress", action="store_true", help="no live progress bar")
     p.add_argument("--no-compile-cache", action="store_true",
@@ -187,7 +190,7 @@ def _finish(report, args, console, compile_summary: str = "") -> int:
 
     if report.environment.get("x64_enabled_for_run"):
         console.print("float64 in the run: jax_enable_x64 was enabled for it (recorded in the report's environment)")
-    print_report(report, console, all_rows=args.all_rows, all_columns=args.all_columns)
+    print_report(report, console, all_rows=args.all_rows, all_columns=args.all_columns, details=args.details)
     if compile_summary:
         console.print(compile_summary, markup=False)
     for label, path in (("JSON", args.json), ("Markdown", args.markdown), ("plot", args.plot)):

@@ -49,3 +49,44 @@ def positive_ints(text: str) -> tuple[int, ...]:
     if not vals or any(v <= 0 for v in vals):
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
     return vals
+
+
+# --layer's keys: E, N, K (key/value heads), rope (none | half | interleaved), theta, bias (all | none | qkv | out:
+# which projections have one).
+_LAYER_BIASES = {"all": (True, True), "none": (False, False), "qkv": (True, False), "out": (False, True)}
+
+
+def parse_layer(text: str):
+    """An argparse `type`: 'E=64,N=4,K=2,rope=half,theta=500,bias=none' -> mha_spec.AttentionConfig.
+
+    E and N are required; K defaults to N, rope to none, theta to 10000, bias to all."""
+    from mha_spec import ROPE_CONVENTIONS, AttentionConfig
+
+    fields = {}
+    for item in (t.strip() for t in text.split(",") if t.strip()):
+        key, sep, value = item.partition("=")
+        if not sep or key not in ("E", "N", "K", "rope", "theta", "bias") or key in fields:
+            raise argparse.ArgumentTypeError(f"{text!r}: {item!r} is not one of E=, N=, K=, rope=, theta=, bias= "
+                                             f"(each once), e.g. E=64,N=4,K=2,rope=half,bias=none")
+        fields[key] = value
+    missing = [k for k in ("E", "N") if k not in fields]
+    if missing:
+        raise argparse.ArgumentTypeError(f"{text!r}: {' and '.join(missing)} missing (e.g. E=64,N=4)")
+    try:
+        E, N = positive_int(fields["E"]), positive_int(fields["N"])
+        K = positive_int(fields["K"]) if "K" in fields else None
+        theta = positive_float(fields["theta"]) if "theta" in fields else 10000.0
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
+    rope = fields.get("rope", "none")
+    if rope != "none" and rope not in ROPE_CONVENTIONS:
+        raise argparse.ArgumentTypeError(f"{text!r}: rope={rope!r} is not none or one of {', '.join(ROPE_CONVENTIONS)}")
+    bias = fields.get("bias", "all")
+    if bias not in _LAYER_BIASES:
+        raise argparse.ArgumentTypeError(f"{text!r}: bias={bias!r} is not one of {', '.join(_LAYER_BIASES)}")
+    qkv_bias, out_bias = _LAYER_BIASES[bias]
+    try:
+        return AttentionConfig(E, N, num_kv_heads=None if K in (None, N) else K, qkv_bias=qkv_bias, out_bias=out_bias,
+                               rope=None if rope == "none" else rope, rope_theta=theta)
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None

@@ -41,6 +41,7 @@ class Report:
     elapsed_s: float = 0.0
     write_errors: list = field(default_factory=list)  # report files that could not be written
     unchecked: list = field(default_factory=list)  # the user's implementations that no unit ran (each skipped)
+    users: list = field(default_factory=list)  # the user's Implementation objects, for the verdict in words
 
     def summary(self) -> dict:
         counts = {s: 0 for s in STATUSES}
@@ -112,6 +113,7 @@ def to_markdown(report: Report) -> str:
 # ---------------------------------------------------------------- terminal
 
 _STYLE = {"pass": "green", "fail": "bold red", "error": "bold magenta", "skip": "yellow"}
+MAX_SKIP_LINES = 8  # more distinct skip reasons than this are counted, not printed (--details prints them)
 
 
 def grouped(rows) -> list[dict]:
@@ -163,8 +165,82 @@ def group_cells(rows, wide: bool = False) -> list[tuple[list[str], str]]:
     return out
 
 
-def print_report(report: Report, console, all_rows: bool = False, all_columns: bool = False) -> None:
-    """The per-group table (readable at 80 columns), failures with their stage, skips, the summary."""
+SUMMARY_COLUMNS = ("impl", "check", "dtype", "rows", "margin", "status")
+
+
+def summary_cells(rows) -> list[tuple[list[str], str]]:
+    """(cells, status) per (implementation, check, dtype): the console's default table, in SUMMARY_COLUMNS order.
+
+    rows: "passed/judged" (or the count of the group's status); margin: the worst over every
+    quantity and reference of the group."""
+    groups: dict[tuple, dict] = {}
+    for r in rows:
+        g = groups.setdefault((r.impl, r.check, r.dtype), {"rows": 0, "pass": 0, "fail": 0, "error": 0, "skip": 0,
+                                                           "worst": None})
+        g["rows"] += 1
+        g[r.status] += 1
+        m = margin(r)
+        if m is not None and (g["worst"] is None or m > g["worst"]):
+            g["worst"] = m
+    out = []
+    for (impl, check, dtype), g in groups.items():
+        st = group_status(g)
+        judged = g["rows"] - g["skip"]
+        counts = f"{g['pass']}/{judged}" if st in ("pass", "fail", "error") else f"{g['skip']} skip"
+        m = "" if g["worst"] is None else f"{g['worst']:.2g}"
+        out.append(([impl, _SHORT.get(check, check), _SHORT.get(dtype, dtype), counts, m, st], st))
+    return out
+
+
+def _short_reason(impl: str, message: str) -> str:
+    """A skip message without the implementation's name in front, cut to one short clause."""
+    text = message.removeprefix(f"{impl} ").split("; ")[0]
+    return text if len(text) <= 90 else text[:87] + "..."
+
+
+def verdict_lines(report: Report) -> list[tuple[str, str]]:
+    """(style, text) per user implementation: what was checked and how it came out, in words."""
+    out = []
+    for impl in report.users:
+        mine = [r for r in report.rows if r.impl == impl.name]
+        ran = [r for r in mine if r.status != "skip"]
+        cases = sorted({r.case for r in ran})
+        skipped = sorted({r.case for r in mine if r.case != "*"} - set(cases))
+        reasons = sorted({_short_reason(impl.name, r.message) for r in mine if r.status == "skip" and r.case in skipped})
+        tail = (f", {len(skipped)} skipped: {'; '.join(reasons[:2])}" + (" ..." if len(reasons) > 2 else "")
+                if skipped else "")
+        if not ran:
+            out.append(("bold red", f"{impl.name}: nothing was checked{tail}"))
+            continue
+        bad = [r for r in ran if r.status in ("fail", "error")]
+        checks = [c for c in ("forward", "gradient", "peers", "training") if any(r.check == c for r in ran)]
+        dtypes = [d for d in ("float64", "float32", "bfloat16", "float16") if any(r.dtype == d for r in ran)]
+        at = ""
+        if impl.computes_in is not None and any(impl.judged_at(d) != d for d in dtypes):
+            at = f" ({', '.join(d for d in dtypes if impl.judged_at(d) != d)} at the {impl.computes_in} bound: computes_in)"
+        if not bad:
+            what = " and ".join({"forward": "forward", "gradient": "gradients"}.get(c, c) for c in checks)
+            out.append(("green", f"{impl.name}: {what} match the float64 oracle within {', '.join(dtypes)} bounds{at} "
+                                 f"on {len(cases)} case{'s' if len(cases) != 1 else ''}{tail}"))
+            continue
+        parts = []
+        for c in checks:
+            failing = [r for r in bad if r.check == c]
+            if failing:
+                stages = sorted({r.stage for r in failing if r.stage})
+                where = f" (first diverging stage: {', '.join(stages)})" if stages else ""
+                parts.append(f"{c} on {len({r.case for r in failing})} of {len({r.case for r in ran if r.check == c})} "
+                             f"cases{where}")
+        out.append(("bold red", f"{impl.name}: FAILS {'; '.join(parts)}{tail}"))
+    return out
+
+
+def print_report(report: Report, console, all_rows: bool = False, all_columns: bool = False,
+                 details: bool = False) -> None:
+    """The summary table (one line per implementation, check and dtype; readable at 80 columns), failures
+    with their stage, the skip reasons, the counts and one line in words per user implementation.
+    details: one line per (check, implementation, reference, dtype, quantity) instead, and every skip
+    reason; all_rows: every row."""
     from rich import box
     from rich.markup import escape
     from rich.table import Table
@@ -174,7 +250,17 @@ def print_report(report: Report, console, all_rows: bool = False, all_columns: b
         f"[bold]mha-parity[/] seed={env.get('seed')} device={env.get('device')} x64={env.get('jax_enable_x64')} "
         f"precision: jax={env.get('jax_default_matmul_precision')} torch={env.get('torch_float32_matmul_precision')}"
     )
-    if all_rows:
+    if not all_rows and not details and not all_columns:
+        table = Table(title="per implementation, check, dtype; margin = worst error ÷ bound (< 1 passes)",
+                      box=box.SIMPLE_HEAD, pad_edge=False, title_justify="left")
+        for c in SUMMARY_COLUMNS:
+            table.add_column(c, justify="right" if c in ("rows", "margin") else "left", no_wrap=True)
+        for cells, st in summary_cells(report.rows):
+            cells = [escape(c) for c in cells]
+            cells[SUMMARY_COLUMNS.index("status")] = f"[{_STYLE[st]}]{st}[/]"
+            table.add_row(*cells)
+        console.print(table)
+    elif all_rows:
         table = Table(title="mha-parity: every row", box=box.SIMPLE_HEAD)
         for c in COLUMNS:
             table.add_column(c, overflow="fold")
@@ -197,8 +283,11 @@ def print_report(report: Report, console, all_rows: bool = False, all_columns: b
         console.print(table)
     _print_failures(report, console, all_rows)
     skips = sorted({r.message for r in report.rows if r.status == "skip" and r.message})
-    for msg in skips:
-        console.print(f"[yellow]skip:[/] {escape(msg)}", soft_wrap=True)
+    if details or all_rows or len(skips) <= MAX_SKIP_LINES:
+        for msg in skips:
+            console.print(f"[yellow]skip:[/] {escape(msg)}", soft_wrap=True)
+    else:
+        console.print(f"[yellow]skip:[/] {len(skips)} distinct reasons (--details prints them; the reports hold them)")
     s = report.summary()
     style = "green" if report.ok else "bold red"
     console.print(
@@ -210,6 +299,8 @@ def print_report(report: Report, console, all_rows: bool = False, all_columns: b
     elif report.unchecked:
         console.print(f"[bold red]nothing was checked for {escape(', '.join(report.unchecked))}: every unit skipped it "
                       "(see the skip reasons above)[/]")
+    for style, text in verdict_lines(report):
+        console.print(f"[{style}]{escape(text)}[/]", soft_wrap=True)
 
 
 def _print_failures(report: Report, console, all_rows: bool) -> None:

@@ -174,6 +174,7 @@ def run(
             if not report.interrupted:  # what an interrupted run did not reach is not a "cannot run"
                 report.rows += coverage(report.rows, p.cases, *p.coverage_of, p.impls, p.device.name)
                 report.unchecked = unchecked(report.rows, p.impls)
+            report.users = [i for i in p.impls if i.role == "user"]
             report.elapsed_s = time.perf_counter() - started
             report.write_errors = write_reports(report, json_path, markdown_path, plot_path)
     return report
