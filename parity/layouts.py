@@ -286,10 +286,21 @@ def _check_canonical(sd, layout: Layout, what: str) -> tuple[int, np.dtype]:
 # ---------------------------------------------------------------- API
 
 
-def _from_getter(get, keys, layout: str, prefix: str, source: str = "", num_heads: int | None = None) -> dict[str, np.ndarray]:
+def _check_finite(arr: np.ndarray, key: str, prefix: str, source: str) -> None:
+    """A weight read from a file holds numbers only: a NaN or inf in it would make every output it
+    reaches NaN, in the oracle as in every implementation, where nothing can be compared."""
+    nan, inf = int(np.count_nonzero(np.isnan(arr))), int(np.count_nonzero(np.isinf(arr)))
+    if nan or inf:
+        raise ValueError(f"{source}tensor {key!r} (prefix {prefix!r}) holds {nan} NaN and {inf} inf of {arr.size} "
+                         f"values: a checkpoint's weights must be finite")
+
+
+def _from_getter(get, keys, layout: str, prefix: str, source: str = "", num_heads: int | None = None,
+                 finite: bool = False) -> dict[str, np.ndarray]:
     """Shared by from_layout and read_layout: `get(key)` returns one tensor, `keys` are all keys.
 
-    `source` ("model.safetensors: ") starts every error message about the tensors.
+    `source` ("model.safetensors: ") starts every error message about the tensors; `finite`: a
+    tensor holding NaN/inf is a ValueError naming it (the file readers ask for it).
     """
     lay = _layout(layout)
     spelling = _choose_spelling(lay, keys, prefix, source)
@@ -298,6 +309,8 @@ def _from_getter(get, keys, layout: str, prefix: str, source: str = "", num_head
     def fetch(key):  # each tensor is read once (read_layout reads from disk)
         if key not in cache:
             cache[key] = _as_numpy(get(key), key)
+            if finite:
+                _check_finite(cache[key], key, prefix, source)
         return cache[key]
 
     E = _embed_dim(lay, spelling, fetch, prefix, source)
@@ -358,12 +371,12 @@ def read_layout(path, layout: str, *, prefix: str = "", num_heads: int | None = 
     """Read one attention block from a .safetensors checkpoint: only its tensors are read (lazily).
 
     Every error names the file: a directory, a missing, truncated or pickle file, a tensor
-    in a dtype other than float16/bfloat16/float32/float64 (float8 included), a missing key
-    or a wrong shape. For a transformers checkpoint directory (config.json, sharded
+    in a dtype other than float16/bfloat16/float32/float64 (float8 included), a tensor holding
+    NaN or inf (named with the prefix), a missing key or a wrong shape. For a transformers checkpoint directory (config.json, sharded
     weights) use `read_checkpoint`.
     """
     with open_weight_file(path) as f:
-        return _from_getter(f.get, f.keys, layout, prefix, source=f"{f.path}: ", num_heads=num_heads)
+        return _from_getter(f.get, f.keys, layout, prefix, source=f"{f.path}: ", num_heads=num_heads, finite=True)
 
 
 # ---------------------------------------------------------------- transformers checkpoint directories
@@ -609,4 +622,5 @@ def _read_sharded(directory, index_path, layout, prefix, num_heads):
                 opened[shard] = stack.enter_context(open_weight_file(os.path.join(directory, shard)))
             return opened[shard].get(key)
 
-        return _from_getter(get, weight_map.keys(), layout, prefix, source=f"{index_path}: ", num_heads=num_heads)
+        return _from_getter(get, weight_map.keys(), layout, prefix, source=f"{index_path}: ", num_heads=num_heads,
+                            finite=True)

@@ -22,6 +22,24 @@ is summed from. Every other gradient keeps its three-way bound unchanged (a floo
 there would loosen it: measured on the default matrix, our modules' bias gradients
 sit at up to 0.7 eps * scale of their bound).
 
+NON-FINITE REFERENCES. A comparison counts the elements it compared (`compared`: the
+reference a finite number, the candidate not NaN) of the reference's `size`. Elementwise:
+where the reference is a number the candidate must be within the bound (NaN or inf there
+fails); where it is NaN the candidate must be NaN; an infinite reference is matched only by
+the same infinity; a bound that is not finite (an overflowed 16-bit yardstick) passes
+nothing. What a reference NaN means is the caller's to say, and the harness says it per
+row (`parity.harness.checks.Unit.nonfinite_verdict`):
+  - the unit's inputs and weights all finite: the float64 oracle is NaN only where the
+    "nan" policy makes it (fully masked rows and what they reach: under "nan", v_proj's
+    and out_proj.weight's gradients are NaN everywhere), so NaN matched is right; a row
+    that compared nothing (NaN everywhere in both) passes and says so;
+  - an input or weight holding NaN/inf at the run dtype (fixed weights, or a weight beyond
+    float16's range): a row whose reference holds any NaN/inf fails, naming the tensors --
+    the values it covers were never compared. (A checkpoint file read by read_checkpoint /
+    read_layout never gets this far: a NaN/inf tensor there is a ValueError.)
+So a row passes only if at least one element was compared where the reference is finite,
+or the reference is NaN everywhere by the policy's design (finite inputs).
+
 How the numbers were chosen (measured with scripts/measure_tolerances.py, written
 in the README's "Tolerances" section): see the comment on each entry.
 """
@@ -83,6 +101,20 @@ class Comparison:
     nan_mismatch: int  # elements NaN in one array and not the other
     passed: bool
     values_ok: bool | None = None  # the values where both are not NaN are within the bound (None: not recorded)
+    compared: int | None = None  # elements where the reference is a finite number and the candidate is not NaN
+    size: int | None = None  # elements in the reference (None: counts not recorded)
+
+    @property
+    def nothing_compared(self) -> bool:
+        """No element was compared where the reference is finite, though there were elements: the
+        reference is NaN/inf everywhere (and the candidate, else NaN placement differs). Whether
+        that may pass is the caller's to say (see NON-FINITE REFERENCES above)."""
+        return bool(self.size) and self.compared == 0
+
+    @property
+    def not_compared(self) -> int:
+        """Elements of the reference that are NaN/inf, so were not compared (0 when not recorded)."""
+        return 0 if self.size is None else self.size - self.compared
 
 
 # The gradients computed from one projection's output gradient (see the module docstring).
@@ -117,6 +149,13 @@ def gradient_floors(exact: dict, dtype: str) -> dict[str, float]:
     return floors
 
 
+def _differences(a: np.ndarray, e: np.ndarray) -> np.ndarray:
+    """|a - e| elementwise (float64, no NaN in either), 0 where both hold the same infinity (as for
+    NaNs at the same place), inf where only one is infinite."""
+    with np.errstate(invalid="ignore"):
+        return np.where(a == e, 0.0, np.abs(a - e))
+
+
 def errors(actual, expected) -> tuple[float, float, int]:
     """(max abs error, max relative error, NaN-placement mismatches), NaNs at equal places ignored."""
     a, e = as_float64(actual), as_float64(expected)
@@ -127,18 +166,36 @@ def errors(actual, expected) -> tuple[float, float, int]:
     both = ~(a_nan | e_nan)
     if not both.any():
         return 0.0, 0.0, nan_mismatch
-    diff = np.abs(a[both] - e[both])
-    rel = diff / np.maximum(np.abs(e[both]), np.finfo(np.float64).tiny)
+    a, e = a[both], e[both]
+    diff = _differences(a, e)
+    with np.errstate(invalid="ignore"):  # inf / inf where the reference is infinite: masked below
+        rel = diff / np.maximum(np.abs(e), np.finfo(np.float64).tiny)
+    rel = np.where(diff == 0, 0.0, np.where(np.isinf(e), np.inf, rel))
     return float(diff.max()), float(rel.max()), nan_mismatch
+
+
+def counts(actual, expected) -> tuple[int, int]:
+    """(elements compared: the reference finite and the candidate not NaN, elements in the reference)."""
+    a, e = as_float64(actual), as_float64(expected)
+    return int(np.count_nonzero(np.isfinite(e) & ~np.isnan(a))), int(e.size)
+
+
+def bounded(max_abs: float, atol: float) -> bool:
+    """max_abs <= atol, where a bound that is not finite (a 16-bit yardstick that overflowed to inf,
+    so any error would fit under it) never passes."""
+    return bool(np.isfinite(atol) and max_abs <= atol)
 
 
 def compare(actual, expected, tol: Tolerance) -> Comparison:
     """Elementwise allclose against an exact reference, NaNs required at the same places."""
     max_abs, max_rel, nan_mismatch = errors(actual, expected)
     a, e = as_float64(actual), as_float64(expected)
-    finite = ~(np.isnan(a) | np.isnan(e))
-    ok = bool(np.all(np.abs(a[finite] - e[finite]) <= tol.atol + tol.rtol * np.abs(e[finite])))
-    return Comparison(max_abs, max_rel, tol.atol, tol.rtol, nan_mismatch, ok and nan_mismatch == 0, ok)
+    both = ~(np.isnan(a) | np.isnan(e))
+    a, e = a[both], e[both]
+    # an infinite reference allows no error: only the same infinity matches it
+    ok = bool(np.all(_differences(a, e) <= tol.atol + tol.rtol * np.where(np.isinf(e), 0.0, np.abs(e))))
+    return Comparison(max_abs, max_rel, tol.atol, tol.rtol, nan_mismatch, ok and nan_mismatch == 0, ok,
+                      *counts(actual, expected))
 
 
 def compare_three_way(actual, expected64, low_dtype_oracle, k: float, floor: float) -> Comparison:
@@ -146,5 +203,6 @@ def compare_three_way(actual, expected64, low_dtype_oracle, k: float, floor: flo
     max_abs, max_rel, nan_mismatch = errors(actual, expected64)
     yardstick, _, _ = errors(low_dtype_oracle, expected64)
     atol = k * yardstick + floor
-    ok = bool(max_abs <= atol)
-    return Comparison(max_abs, max_rel, atol, 0.0, nan_mismatch, ok and nan_mismatch == 0, ok)
+    ok = bounded(max_abs, atol)
+    return Comparison(max_abs, max_rel, atol, 0.0, nan_mismatch, ok and nan_mismatch == 0, ok,
+                      *counts(actual, expected64))

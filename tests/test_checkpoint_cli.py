@@ -124,3 +124,61 @@ def test_weights_config_json_does_not_describe_are_named(llama_dir, tmp_path, ca
     assert main(["--checkpoint", str(bad), "--prefix", PREFIX, "--no-progress"]) == 2
     out = capsys.readouterr().out
     assert "k_proj" in out and str(bad) in out
+
+
+def _planted(llama_dir, tmp_path, value):
+    """A copy of the checkpoint whose block's q_proj.weight holds one `value` (NaN or inf)."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    bad = tmp_path / "planted"
+    shutil.copytree(llama_dir, bad)
+    tensors = load_file(bad / "model.safetensors")
+    w = tensors[f"{PREFIX}q_proj.weight"].copy()
+    w[3, 5] = value
+    tensors[f"{PREFIX}q_proj.weight"] = w
+    save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
+    return bad
+
+
+@pytest.mark.parametrize("value, said", [(np.nan, "holds 1 NaN and 0 inf of 576 values"),
+                                         (-np.inf, "holds 0 NaN and 1 inf of 576 values")])
+def test_a_non_finite_weight_is_a_usage_error_naming_file_prefix_and_tensor(llama_dir, tmp_path, capsys, value, said):
+    """Every output a NaN weight reaches is NaN, in the oracle too: nothing could be compared."""
+    bad = _planted(llama_dir, tmp_path, value)
+    single = ["--num-heads", "6", "--rope-theta", "500"]
+    for path, flags in ((bad, []), (bad / "model.safetensors", single)):
+        assert main(["--checkpoint", str(path), "--prefix", PREFIX, *FAST, "--checks", "forward", *flags]) == 2
+        out = " ".join(capsys.readouterr().out.split())
+        assert f"{bad / 'model.safetensors'}: tensor '{PREFIX}q_proj.weight' (prefix '{PREFIX}') {said}" in out, out
+
+
+def test_fixed_weights_holding_nan_are_red_rows_not_a_silent_pass(llama_dir):
+    """From Python the weights are the caller's: with one NaN in q_proj.weight the causal case's
+    oracle is NaN everywhere, and so are our module and a planted layer that returns NaN whatever
+    it is given. Each row compared nothing where the reference is a number: each fails, naming the tensor."""
+    import torch
+
+    from parity import layouts
+    from parity.harness import checkpoint, run
+    from parity.impls import implementation
+
+    @implementation(name="all-nan", framework="torch", mode="eager", mask="keep", masked_rows="nan",
+                    returns_weights=False, variants=("grouped", "rope-half", "no-qkv-bias", "no-out-bias"))
+    def all_nan(state_dict, num_heads, *, dtype, device, problem):
+        return lambda p, query, key, value, keep, **positions: torch.full_like(query, float("nan"))
+
+    sd, config = layouts.read_checkpoint(llama_dir, prefix=PREFIX)
+    sd["q_proj.weight"] = sd["q_proj.weight"].copy()
+    sd["q_proj.weight"][3, 5] = np.nan
+    causal = checkpoint.cases(config, 2, 5, 5)[:1]
+    report = run(cases=causal, state_dict=sd, impls=["torch", all_nan], dtypes=("float32",), checks=("forward",),
+                 device="cpu")
+    outputs = [r for r in report.rows if r.quantity == "output"]
+    assert {(r.impl, r.reference) for r in outputs} == {("torch", "oracle"), ("all-nan", "oracle"), ("all-nan", "torch")}
+    for r in outputs:
+        assert r.status == "fail" and r.max_abs_err == 0.0, r  # nothing compared: no error seen, yet red
+        assert r.message.startswith("240 of 240 reference values are NaN/inf and were not compared"), r.message  # B·T·E = 2·5·24
+        assert "(q_proj.weight)" in r.message
+    assert not report.ok

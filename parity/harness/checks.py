@@ -9,6 +9,7 @@ stage when the implementation exposes its intermediates.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import traceback
 from dataclasses import dataclass, field
 
@@ -16,7 +17,7 @@ import numpy as np
 
 from mha_spec import Problem
 from parity import reference
-from parity.harness.judge import judge, judge_grads, nan_note, status
+from parity.harness.judge import NOTHING_COMPARED, judge, judge_grads, nan_note, status
 from parity.harness.matrix import Case, Inputs
 from parity.harness.report import Row
 from parity.impls import Implementation, builtin, mask_for
@@ -139,10 +140,34 @@ class Unit:
     def inputs(self):
         return self.x.query, self.x.key, self.x.value, self.x.keep
 
+    @functools.cached_property
+    def nonfinite_inputs(self) -> tuple[str, ...]:
+        """The inputs and weights holding NaN/inf at the run dtype (fixed weights with a NaN, or a
+        weight beyond float16's range): from these the oracle's NaN is not the masked-row policy's."""
+        x = self.x
+        named = {"query": x.query, "key": x.key, "value": x.value, **x.state_dict}
+        return tuple(n for n, a in named.items() if not np.isfinite(reference.as_float64(a)).all())
+
+    def nonfinite_verdict(self, st: str, cmp: Comparison, message: str) -> tuple[str, str]:
+        """The rule for a reference that is not finite everywhere (parity.tolerances, NON-FINITE REFERENCES):
+        with non-finite inputs a reference value left uncompared fails the row; from finite inputs a reference
+        NaN everywhere is the policy's (masked_rows="nan"), and the passing row says nothing was compared."""
+        bad = self.nonfinite_inputs
+        if bad and cmp.not_compared:
+            why = (f"{cmp.not_compared} of {cmp.size} reference values are NaN/inf and were not compared: the inputs "
+                   f"hold NaN/inf ({', '.join(bad)}), so that NaN is theirs, not the masked-row policy's")
+            return "fail", "; ".join(m for m in (why, message) if m)
+        if st == "pass" and cmp.nothing_compared:
+            why = f"{NOTHING_COMPARED} (from finite inputs the oracle is NaN only where masked_rows='nan' makes it)"
+            return st, "; ".join(m for m in (why, message) if m)
+        return st, message
+
     def row(self, check, impl: Implementation, ref, st, quantity="", cmp: Comparison | None = None, **kw) -> Row:
         nums = {}
         if cmp is not None:
             nums = dict(max_abs_err=cmp.max_abs_err, max_rel_err=cmp.max_rel_err, atol=cmp.atol, rtol=cmp.rtol)
+            if cmp.size is not None:
+                st, kw["message"] = self.nonfinite_verdict(st, cmp, kw.get("message", ""))
             if cmp.nan_mismatch and "NaN" not in kw.get("message", ""):
                 kw["message"] = (kw.get("message", "") + f"; {cmp.nan_mismatch} NaN-placement mismatches").strip("; ")
         device = str(self.runner(impl).device).lower()

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from parity import reference
-from parity.tolerances import Comparison, Tolerance, compare, errors
+from parity.tolerances import Comparison, Tolerance, bounded, compare, counts, errors
 
 
 def judge(actual, expected, tol: Tolerance, k: float | None = None, yardstick=None, yard_err: float | None = None,
@@ -37,8 +37,11 @@ def judge(actual, expected, tol: Tolerance, k: float | None = None, yardstick=No
         # directions (one 16-bit ulp apart is normal), so the bound is doubled.
         atol = max(2 * k * yard_err + tol.atol, floor)
     max_abs, max_rel, nan_mismatch = errors(actual, expected)
-    ok = bool(max_abs <= atol)
-    return Comparison(max_abs, max_rel, atol, 0.0, nan_mismatch, ok and nan_mismatch == 0, ok)
+    ok = bounded(max_abs, atol)
+    return Comparison(max_abs, max_rel, atol, 0.0, nan_mismatch, ok and nan_mismatch == 0, ok, *counts(actual, expected))
+
+
+NOTHING_COMPARED = "NaN everywhere in both, so nothing was compared"
 
 
 def nan_note(actual, expected) -> str:
@@ -72,8 +75,12 @@ def judge_grads(got: dict, expected: dict, tol: Tolerance, names, k=None, yard_e
     c = cmps[worst]
     total_nan = sum(x.nan_mismatch for x in cmps.values())
     merged = Comparison(c.max_abs_err, c.max_rel_err, c.atol, c.rtol, total_nan, all(x.passed for x in cmps.values()),
-                        all(x.values_ok is not False for x in cmps.values()))
+                        all(x.values_ok is not False for x in cmps.values()),
+                        sum(x.compared for x in cmps.values()), sum(x.size for x in cmps.values()))
     note = f"worst: {worst}" + ("" if c.passed else " (fails)")
+    empty = [n for n in names if cmps[n].nothing_compared]
+    if empty and len(empty) < len(names):  # all of them: the row's own message says so (checks.Unit.row)
+        note += f"; {', '.join(empty)}: {NOTHING_COMPARED}"
     off = [n for n in names if cmps[n].values_ok is False]
     if len(off) > 1 or (off and off != [worst]):
         note += f"; values off the bound in {', '.join(off)}"
