@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mha_jax.chunked import accumulation_dtype, chunked_attention, fill_masked_rows, fold_scale, mean_over_keys
+from mha_jax.chunked import accumulation_dtype, chunked_attention, fill_masked_rows, fold_scale, keep_4d, mean_over_keys
 from mha_jax import kernels
 from mha_spec import AttentionConfig, Stages, check_mask_values, check_positions, check_qkv_shapes, mask_shape_4d
 
@@ -91,8 +91,8 @@ def attention_core(q, k, v, keep=None, *, masked_rows="nan", precision=None, ret
     """softmax(Q Kᵀ / √H) V with materialised weights.
 
     q (B, T, N, H), k and v (B, S, K, H) with K dividing N (query head h reads key/value
-    head h // (N/K); the grouped einsums below never repeat K or V), keep bool
-    broadcastable to (B, N, T, S) or None.
+    head h // (N/K); the grouped einsums below never repeat K or V), keep bool [T, S],
+    [B, T, S] (a batch axis, as in the modules) or (B|1, N|1, T|1, S|1), or None.
     Returns context (B, T, N, H) and weights (B, N, T, S), both in q's dtype, and with
     return_scores also the scaled scores (B, N, T, S), -inf where masked.
     Scores and softmax run in float32 for 16-bit inputs (float64 stays float64).
@@ -101,6 +101,7 @@ def attention_core(q, k, v, keep=None, *, masked_rows="nan", precision=None, ret
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
     G = _groups(q, k, v)
+    keep = keep_4d(keep, B, N, T, S)  # (B|1, N|1, T|1, S|1)
     acc = accumulation_dtype(dtype)
     q, scores_scale = fold_scale(q)
     if G == 1:
@@ -136,7 +137,8 @@ def attention_core(q, k, v, keep=None, *, masked_rows="nan", precision=None, ret
 def fused_attention_core(q, k, v, keep=None, *, masked_rows="nan", precision=None):
     """The same context as `attention_core`, without returning (or, when large, building) weights.
 
-    q (B, T, N, H), k and v (B, S, K, H) with K dividing N. The kernel and its chunk sizes
+    q (B, T, N, H), k and v (B, S, K, H) with K dividing N; keep as for `attention_core`
+    ([T, S], [B, T, S] or (B|1, N|1, T|1, S|1), bool), the same on every kernel. The kernel and its chunk sizes
     come from `mha_jax.kernels.fused_choice` (measured per processor; it also says why, for
     a benchmark row): our einsum core, the chunked kernel (flash backward, O(T + S) memory)
     or jax.nn.dot_product_attention (XLA, or cuDNN on a CUDA GPU for 16-bit). None of them
@@ -151,6 +153,7 @@ def fused_attention_core(q, k, v, keep=None, *, masked_rows="nan", precision=Non
     if S == 0:
         raise ValueError(f"fused_attention_core needs at least one key: got key shape {k.shape} (S=0)")
     G = _groups(q, k, v)
+    keep = keep_4d(keep, B, N, T, S)  # (B|1, N|1, T|1, S|1): what every kernel below indexes
     choice = kernels.fused_choice(B, N, T, S, H, q.dtype, has_mask=keep is not None)
     if choice.kernel == "einsum":
         return attention_core(q, k, v, keep, masked_rows=masked_rows, precision=precision)[0]
@@ -180,6 +183,12 @@ def _check_positions(pos, batch: int, length: int, name: str):
     return pos
 
 
+def _lead(pos) -> int:
+    """The batch axis of (L,) | (B, L) positions as (B|1, L): from the shape, since with L = 0 a
+    reshape cannot infer it."""
+    return pos.shape[0] if pos.ndim == 2 else 1
+
+
 def rope_cos_sin(pos, length: int, head_dim: int, theta: float, acc):
     """cos and sin of position · theta ** (-2i / H), (B|1, L, 1, H/2) in the accumulation dtype.
 
@@ -191,13 +200,13 @@ def rope_cos_sin(pos, length: int, head_dim: int, theta: float, acc):
     inv_freq = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)  # (H/2,)
     if jax.config.jax_enable_x64:
         p = jnp.arange(length) if pos is None else jnp.asarray(pos)
-        angles = p.astype(jnp.float64).reshape(-1, length, 1, 1) * jnp.asarray(inv_freq)
+        angles = p.astype(jnp.float64).reshape(_lead(p), length, 1, 1) * jnp.asarray(inv_freq)
         return jnp.cos(angles).astype(acc), jnp.sin(angles).astype(acc)
     if pos is None or not isinstance(pos, jax.core.Tracer):
         p = np.arange(length) if pos is None else np.asarray(pos)
-        angles = p.astype(np.float64).reshape(-1, length, 1, 1) * inv_freq
+        angles = p.astype(np.float64).reshape(_lead(p), length, 1, 1) * inv_freq
         return jnp.asarray(np.cos(angles), acc), jnp.asarray(np.sin(angles), acc)
-    angles = pos.astype(jnp.float32).reshape(-1, length, 1, 1) * jnp.asarray(inv_freq, jnp.float32)
+    angles = pos.astype(jnp.float32).reshape(_lead(pos), length, 1, 1) * jnp.asarray(inv_freq, jnp.float32)
     return jnp.cos(angles).astype(acc), jnp.sin(angles).astype(acc)
 
 

@@ -53,6 +53,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from mha_spec import mask_shape_4d
+
 
 def accumulation_dtype(dtype):
     """float32 for 16-bit inputs, the input dtype otherwise (float32 or float64)."""
@@ -91,6 +93,19 @@ def fill_masked_rows(x, row_any, masked_rows: str, uniform_value):
     else:
         fill = jnp.asarray(uniform_value, x.dtype)
     return jnp.where(row_any, x, fill)
+
+
+def keep_4d(keep, B: int, N: int, T: int, S: int):
+    """A core's keep-mask of any shape the modules take -> (B|1, N|1, T|1, S|1); None stays None.
+
+    [T, S] -> [1, 1, T, S], [B, T, S] -> [B, 1, T, S] (`mha_spec.mask_shape_4d`: a batch
+    axis, never read as heads by broadcasting), 4-D as is; anything else is a ValueError
+    naming the shapes. Every kernel then sees the same four axes.
+    """
+    if keep is None:
+        return None
+    keep = jnp.asarray(keep)
+    return keep.reshape(mask_shape_4d(keep.shape, B, N, T, S))
 
 
 def mean_over_keys(v):
@@ -298,7 +313,7 @@ def chunked_attention(q, k, v, keep=None, *, masked_rows="nan", q_chunk=512, k_c
     head h // (N/K). The G = N/K query heads of one key/value head run as one query axis of
     G·T rows against that head's keys, so K, V and their gradients stay at K heads (and a
     keep-mask that varies over query rows but not heads is repeated G times, as bools).
-    keep: bool keep-mask broadcastable to (B, N, T, S), as (B|1, N|1, T|1, S|1), or None.
+    keep: bool keep-mask [T, S], [B, T, S] (a batch axis) or (B|1, N|1, T|1, S|1), or None.
     Returns the context (B, T, N, H) in q's dtype. Accumulates in float32 for 16-bit inputs,
     float64 for float64. T = 0 or B = 0 gives an empty context; S = 0 is a ValueError (no
     key to attend to).
@@ -312,12 +327,13 @@ def chunked_attention(q, k, v, keep=None, *, masked_rows="nan", q_chunk=512, k_c
                          f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} (B, L, heads, H)")
     if q_chunk < 1 or k_chunk < 1:
         raise ValueError(f"q_chunk and k_chunk must be positive, got {q_chunk} and {k_chunk}")
+    keep = keep_4d(keep, B, N, T, S)  # (B|1, N|1, T|1, S|1)
     if B == 0 or T == 0:
         return jnp.zeros((B, T, N, H), q.dtype)
     ctx = _chunked(q, k, v, keep, q_chunk=q_chunk, k_chunk=k_chunk, precision=precision)  # (B, N, T, H)
     if keep is not None:
         G = N // K
-        row_any = jnp.asarray(keep).any(axis=-1, keepdims=True)  # (B|1, N|1, T|1, 1): from the mask alone
+        row_any = keep.any(axis=-1, keepdims=True)  # (B|1, N|1, T|1, 1): from the mask alone
         mean_v = mean_over_keys(v)[:, 0]  # (B, K, H)
         mean_v = (jnp.repeat(mean_v, G, axis=1) if G > 1 else mean_v)[:, :, None, :]  # (B, N, 1, H)
         ctx = fill_masked_rows(ctx, row_any, masked_rows, mean_v)

@@ -74,10 +74,20 @@ def _apply_masked_row_policy(x, row_any, masked_rows: str, uniform_value):
     return torch.where(row_any, x, fill)
 
 
+def _core_keep(keep, B: int, N: int, T: int, S: int):
+    """A core's keep-mask of any shape the module takes -> (B|1, N|1, T|1, S|1); None stays None.
+
+    [B, T, S] gets a head axis (`mha_spec.mask_shape_4d`) instead of being read as
+    [1, B, T, S] by broadcasting; anything that does not fit is a ValueError naming the shapes.
+    """
+    return None if keep is None else keep.reshape(mask_shape_4d(keep.shape, B, N, T, S))
+
+
 def attention_core(q, k, v, keep, *, masked_rows: str = "nan", return_scores: bool = False):
     """softmax(Q Kᵀ / √H) V with materialised weights.
 
-    q (B, N, T, H), k and v (B, N, S, H), keep bool broadcastable to (B, N, T, S) or None.
+    q (B, N, T, H), k and v (B, N, S, H), keep bool [T, S], [B, T, S] (a batch axis, as in
+    the module) or (B|1, N|1, T|1, S|1), or None.
     Returns context (B, N, T, H) in q's dtype and weights (B, N, T, S) in q's dtype, and with
     return_scores also the scaled scores (B, N, T, S), -inf where masked (a copy, only then).
     Scores and softmax run in float32 for 16-bit inputs (float64 stays float64).
@@ -85,6 +95,7 @@ def attention_core(q, k, v, keep, *, masked_rows: str = "nan", return_scores: bo
     dtype = q.dtype
     B, N, T, H = q.shape
     S = k.shape[-2]
+    keep = _core_keep(keep, B, N, T, S)  # (B|1, N|1, T|1, S|1)
     if dtype in _LOW_PRECISION:
         # Products of 16-bit numbers are exact in float32; rounding the scores to
         # 16 bits before the softmax would cost ~1e-2 relative error in the weights.
@@ -229,6 +240,7 @@ def fused_attention_core(q, k, v, keep, *, masked_rows: str = "nan"):
 
     k and v may have K heads dividing q's N (query head h reads key/value head h // (N/K));
     SDPA then runs with enable_gqa=True, and only per-head flags and means are repeated.
+    keep takes the shapes `attention_core` takes.
 
     SDPA gives zeros on fully masked rows; the policy is applied afterwards on the
     (B, N, T, H) context, so nothing of size (B, N, T, S) is built here. NaN lands where
@@ -246,6 +258,7 @@ def fused_attention_core(q, k, v, keep, *, masked_rows: str = "nan"):
         raise ValueError(f"key/value heads must divide the query heads: q {tuple(q.shape)}, "
                          f"k {tuple(k.shape)}, v {tuple(v.shape)}")
     gqa = {"enable_gqa": True} if group > 1 else {}
+    keep = _core_keep(keep, q.shape[0], q.shape[1], q.shape[2], k.shape[2])  # (B|1, N|1, T|1, S|1)
 
     def per_query_head(x):  # (B, K, ...) -> (B, N, ...)
         return x.repeat_interleave(group, dim=1) if group > 1 else x
@@ -281,7 +294,9 @@ def _positions(pos, batch: int, length: int, name: str, device) -> torch.Tensor:
     if pos.dtype.is_floating_point or pos.dtype.is_complex or pos.dtype == torch.bool:
         raise TypeError(f"{name} must be integers, got dtype {pos.dtype}")
     check_positions(pos.shape, batch, length, name)
-    return pos.to(device=device, dtype=torch.int64).reshape(-1, 1, length, 1)
+    # The leading size from the shape, not -1: with L = 0 a reshape cannot infer it.
+    lead = pos.shape[0] if pos.ndim == 2 else 1
+    return pos.to(device=device, dtype=torch.int64).reshape(lead, 1, length, 1)
 
 
 def rotate(x, pos, theta: float, convention: str):
