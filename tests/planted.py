@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 
+from mha_spec import VARIANT_FEATURES
 from parity.impls import Implementation, builtin
 
 
@@ -124,3 +125,79 @@ def llama_rope_swapped():
 def llama_key_positions_off_by_one():
     """The keys rotated by position + 1."""
     return _llama_port("llama-key-pos-off-by-one", key_position_shift=1)
+
+
+# ---------------------------------------------------------------- RoPE bugs in our torch module
+
+# The variants of a rotate-half-only port (parity.examples.llama_jax:port's): the interleaved case is a skip row.
+ROTATE_HALF_ONLY = ("grouped", "rope-half", "no-qkv-bias", "no-out-bias")
+
+
+def wrap_torch_variants(name: str, around, variants: tuple[str, ...] = VARIANT_FEATURES):
+    """Our torch module (the case's policy, its stages) declaring `variants`, with `around(fn) -> fn`."""
+    base = builtin("torch")
+
+    def factory(sd, num_heads, **kw):
+        fn = base.resolve_factory()(sd, num_heads, **kw)
+        wrapped = around(fn)
+        wrapped.intermediates = around(fn.intermediates)
+        return wrapped
+
+    return Implementation(name, "torch", factory, returns_weights=True, masked_rows=None, role="user",
+                          variants=variants)
+
+
+@contextlib.contextmanager
+def _rotation_at_theta_10000():
+    import mha_torch.attention as attention
+
+    real = attention.rotate
+    attention.rotate = lambda x, pos, theta, convention: real(x, pos, 10000.0, convention)
+    try:
+        yield
+    finally:
+        attention.rotate = real
+
+
+def _at_theta_10000(fn):
+    @functools.wraps(fn)
+    def call(*args, **kw):
+        with _rotation_at_theta_10000():
+            return fn(*args, **kw)
+
+    return call
+
+
+def keys_at_query_positions(positions, S: int, xp):
+    """(B, S) key positions made from the query positions (B, T), as a port with one position list
+    makes them: the queries taken for the newest keys, the keys before them one step apart (T == S:
+    the query positions themselves). xp: the array module (numpy, torch, jax.numpy)."""
+    T = positions.shape[1]
+    if S <= T:
+        return positions[:, T - S:]
+    before = positions[:, :1] - xp.arange(S - T, 0, -1)  # (B, S - T)
+    return xp.concatenate([before, positions], 1)
+
+
+def _keys_at_query_positions(fn):
+    import torch
+
+    @functools.wraps(fn)
+    def call(params, query, key, *rest, positions=None, key_positions=None):
+        if positions is not None:
+            key_positions = keys_at_query_positions(positions, key.shape[1], torch)
+        return fn(params, query, key, *rest, positions=positions, key_positions=key_positions)
+
+    return call
+
+
+def theta_10000(variants: tuple[str, ...] = VARIANT_FEATURES):
+    """rope_theta hard-coded to 10000 (Llama 2's base), whatever the layer's is."""
+    suffix = "-half-only" if "rope-interleaved" not in variants else ""
+    return wrap_torch_variants(f"theta-10000{suffix}", _at_theta_10000, variants)
+
+
+def keys_rotated_at_query_positions(variants: tuple[str, ...] = VARIANT_FEATURES):
+    """The keys rotated with the query positions (`keys_at_query_positions`), not their own."""
+    suffix = "-half-only" if "rope-interleaved" not in variants else ""
+    return wrap_torch_variants(f"keys-at-query-positions{suffix}", _keys_at_query_positions, variants)

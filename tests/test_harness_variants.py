@@ -25,11 +25,14 @@ from parity import draw
 from parity.convert import CANONICAL_KEYS
 from parity.harness import Case, Shape, draw_inputs, run
 from parity.harness.matrix import CASE_SETS, SHAPES, VARIANT_SHAPES, default_matrix, modern_matrix
-from parity.impls import Implementation, builtin, implementation
+from parity.impls import builtin, implementation
+from tests import planted
 
 LLAMA = Case(VARIANT_SHAPES["llama"], "padding", "uniform")  # N=8, K=2, RoPE half, no biases; an empty key row
 INTERLEAVED = Case(VARIANT_SHAPES["rope-interleaved"], "causal", "zero")  # cross, rope_theta=500, with biases
+HALF = Case(VARIANT_SHAPES["rope-half"], "random", "nan")  # cross, T < S, rope_theta=1e6; a fully masked row
 CLASSIC = Case(Shape("c", B=3, T=5, S=7, E=12, N=3, cross=True), "random", "nan")
+ROPE = (LLAMA, INTERLEAVED, HALF)
 
 
 # ---------------------------------------------------------------- a port written as a user would
@@ -103,20 +106,6 @@ def classic_port(state_dict, num_heads, *, dtype, device):
 # ---------------------------------------------------------------- planted bugs wrapping our torch module
 
 
-def _wrap_ours(name: str, around):
-    """Our torch module (with weights, stages) with one thing broken by `around(fn) -> fn`."""
-    base = builtin("torch")
-
-    def factory(sd, num_heads, **kw):
-        fn = base.resolve_factory()(sd, num_heads, **kw)
-        wrapped = around(fn)
-        wrapped.intermediates = around(fn.intermediates)
-        return wrapped
-
-    return Implementation(name, "torch", factory, returns_weights=True, masked_rows=None, role="user",
-                          variants=VARIANT_FEATURES)
-
-
 @contextlib.contextmanager
 def _swapped_rope_convention():
     real = mha_torch.attention.rotate
@@ -146,8 +135,8 @@ def _key_positions_off_by_one(fn):
 
 
 TILE = _declared_port("tile-port", expand="tile")
-ROPE_SWAPPED = _wrap_ours("rope-swapped", _rope_swapped)
-KEY_POS = _wrap_ours("key-positions-plus-one", _key_positions_off_by_one)
+ROPE_SWAPPED = planted.wrap_torch_variants("rope-swapped", _rope_swapped)
+KEY_POS = planted.wrap_torch_variants("key-positions-plus-one", _key_positions_off_by_one)
 PORT = _declared_port("llama-port")
 PLANTED = {TILE.name: "scores", ROPE_SWAPPED.name: "q_rot", KEY_POS.name: "k_rot"}
 """Where each bug first shows. Tile: q, k, v and their rotations have the oracle's K key/value heads
@@ -157,7 +146,7 @@ and are right; the scores are the first stage that pairs a query head with a key
 @pytest.fixture(scope="module")
 def torch_report():
     RECEIVED.clear()
-    return run(cases=[LLAMA, INTERLEAVED, CLASSIC], dtypes=("float64",), checks=("forward", "gradient"), device="cpu",
+    return run(cases=[*ROPE, CLASSIC], dtypes=("float64",), checks=("forward", "gradient"), device="cpu",
                impls=("torch", classic_port, PORT, TILE, ROPE_SWAPPED, KEY_POS))
 
 
@@ -194,9 +183,9 @@ def test_an_undeclared_layer_skips_the_variant_cases_naming_them_and_passes_the_
 def test_a_declared_layer_receives_the_problem_and_the_oracles_positions(torch_report):
     mine = _rows(torch_report, "llama-port")
     assert mine and {r.status for r in mine} == {"pass"}, [r for r in mine if r.status != "pass"]
-    for case in (LLAMA, INTERLEAVED, CLASSIC):
+    for case in (*ROPE, CLASSIC):
         assert {r.check for r in mine if r.case == case.name} == {"forward", "gradient"}, case.name
-    for case in (LLAMA, INTERLEAVED, CLASSIC):
+    for case in (*ROPE, CLASSIC):
         # The port declares masked_rows="nan": its problem carries that policy.
         expected = dataclasses.replace(case.problem, config=dataclasses.replace(case.config, masked_rows="nan"))
         calls = [pos for problem, pos in RECEIVED if problem == expected]
@@ -207,14 +196,14 @@ def test_a_declared_layer_receives_the_problem_and_the_oracles_positions(torch_r
             for name, pos in got.items():
                 np.testing.assert_array_equal(pos, drawn.position_kw[name])
     assert {p for p, _ in RECEIVED} <= {dataclasses.replace(c.problem, config=dataclasses.replace(c.config, masked_rows="nan"))
-                                        for c in (LLAMA, INTERLEAVED, CLASSIC)}
+                                        for c in (*ROPE, CLASSIC)}
     drawn = draw_inputs(LLAMA, 0)
     assert not (drawn.positions == np.arange(LLAMA.shape.T)).all(axis=-1).any()  # not the default
 
 
 @pytest.mark.parametrize("bug", sorted(PLANTED))
 def test_a_porting_bug_fails_naming_its_first_diverging_stage(torch_report, bug):
-    cases = (LLAMA,) if bug == TILE.name else (LLAMA, INTERLEAVED)  # tiling K=N heads changes nothing
+    cases = (LLAMA,) if bug == TILE.name else ROPE  # tiling K=N heads changes nothing
     for case in cases:
         bad = [r for r in _rows(torch_report, bug, case) if r.status == "fail" and r.reference == "oracle"]
         assert bad, f"{bug} was not caught on {case.name}"

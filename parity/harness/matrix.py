@@ -4,7 +4,9 @@ A case is a problem (`mha_spec.AttentionConfig` and the sizes B, T, S, with self
 cross-attention), a mask kind and a masked-row policy; dtypes are a separate axis of
 the run. Inputs are drawn once per case, in float64, from a NumPy generator seeded by
 (seed, case name), so filtering cases never changes another case's numbers; each dtype
-then rounds the same draw. A RoPE case also draws its positions (not the default arange).
+then rounds the same draw. A RoPE case also draws its positions (not the default arange);
+the keys of a cross-attention case draw positions of their own, a self-attention case's keys
+have its queries' positions.
 
 Legend (see mha_spec): B T S N H E, K key/value heads.
 """
@@ -132,20 +134,24 @@ SHAPES = {
 }
 
 # The layers researchers port today (`mha_spec.VARIANT_FEATURES`): grouped and multi-query heads,
-# rotary embeddings in both conventions with a non-default base, projections without bias, and
-# all of it at once as in Llama. Sizes small and pairwise distinct, head dims odd where RoPE
-# allows; every RoPE case draws its positions (`draw.positions`).
+# rotary embeddings in both conventions, projections without bias, and all of it at once as in
+# Llama. Sizes small and pairwise distinct, head dims odd where RoPE allows; every RoPE case draws
+# its positions (`draw.positions`). No RoPE layer has the default base 10000, so a port that
+# hard-codes it fails at q_rot. Each convention has a cross-attention case with T < S, whose keys
+# draw positions of their own, so a port that rotates its keys with the query positions fails at
+# k_rot. The Llama layer is self-attention (one position list, as Hugging Face's LlamaAttention and
+# every one-input port): its keys' positions are its queries'.
 VARIANT_SHAPES = {
     s.name: s
     for s in (
         Shape("gqa", B=2, T=5, S=7, E=24, N=8, cross=True, num_kv_heads=2),  # N=8 query heads, K=2, H=3
         Shape("mqa", B=3, T=4, S=6, E=20, N=4, cross=True, num_kv_heads=1),  # multi-query, H=5
-        Shape("rope-half", B=2, T=6, S=6, E=24, N=4, cross=False, rope="half"),
+        Shape("rope-half", B=2, T=5, S=7, E=24, N=4, cross=True, rope="half", rope_theta=1e6),  # Qwen2's base
         Shape("rope-interleaved", B=3, T=5, S=7, E=16, N=2, cross=True, rope="interleaved", rope_theta=500.0),
         Shape("no-qkv-bias", B=2, T=5, S=5, E=18, N=3, cross=False, qkv_bias=False),
         Shape("no-out-bias", B=3, T=4, S=6, E=14, N=7, cross=True, out_bias=False),
         Shape("llama", B=2, T=6, S=6, E=32, N=8, cross=False, num_kv_heads=2, qkv_bias=False, out_bias=False,
-              rope="half"),
+              rope="half", rope_theta=500000.0),  # Llama 3's base
     )
 }
 
@@ -161,8 +167,8 @@ def default_matrix() -> tuple[Case, ...]:
     axis value appears; every policy meets fully masked rows; 16-bit runs on the
     base and the large shape (where 16-bit error grows), and eager JAX (the same
     program as jit, op by op) on the base shape. Of the variants: the Llama layer
-    (grouped heads, RoPE, no biases: every stage a port can get wrong) and multi-query
-    heads, in float32.
+    (grouped heads, rotate-half RoPE at base 500000, no biases: every stage a port can
+    get wrong) and multi-query heads, in float32.
     """
     base = SHAPES["self"]
     return (
@@ -190,7 +196,9 @@ _DEFAULT_VARIANT_CASES = (
 def modern_matrix() -> tuple[Case, ...]:
     """Every variant case (`mha-parity --cases modern`): each feature alone, every mask kind and
     policy among them, float64 and float32, and the Llama layer also in bfloat16, with peers and
-    the training check; includes the default matrix's variant cases."""
+    the training check; includes the default matrix's variant cases. Both RoPE conventions run
+    cross-attention with T < S (key positions apart from the query positions) and no RoPE layer
+    has the base 10000 (`VARIANT_SHAPES`)."""
     return (
         *_DEFAULT_VARIANT_CASES,
         Case(_V["gqa"], "random", "zero", peers=True, jax_eager=False, dtypes=_WIDE),
