@@ -73,12 +73,30 @@ def _is_stream(mode: int) -> bool:
     return stat.S_ISCHR(mode) or stat.S_ISBLK(mode) or stat.S_ISFIFO(mode)
 
 
-def write_target(path) -> tuple[str, os.stat_result | None]:
-    """Where a write of `path` lands, and that node's stat (None: nothing there yet).
+def _through_process_fd(path: str) -> bool:
+    """Whether a link on the way from `path` is one of /proc's file-descriptor links
+    (/dev/stdout, /dev/fd/1, /proc/self/fd/1): its target is an open file of a process,
+    written into as the shell's `>` would have it, not a path to rename over."""
+    p = os.path.abspath(path)
+    for _ in range(40):  # the kernel's own limit on links followed
+        if not os.path.islink(p):
+            return False
+        directory = os.path.realpath(os.path.dirname(p))
+        if directory == "/proc" or directory.startswith("/proc/"):
+            return True
+        p = os.path.join(directory, os.readlink(p))
+    return False
 
-    A symbolic link is followed to its final target (a dangling one to the file it names), so
-    the link stays a link. OSError naming `path` for a symbolic link loop, a directory or a
-    socket: none of them can hold a report.
+
+def write_target(path) -> tuple[str, bool]:
+    """Where a write of `path` lands, and whether it is written into in place (True) or
+    replaced atomically (False).
+
+    A character or block device, a FIFO, or a file a process holds open (/dev/stdout): written
+    into, through `path` itself (open() follows every link, /proc's included). Otherwise symbolic
+    links are followed to the final target (a dangling one to the file it names), which is
+    replaced, so a link stays a link. OSError naming `path` for a loop of symbolic links, a
+    directory or a socket: none of them can hold a report.
     """
     path = os.fspath(path)
     try:
@@ -93,13 +111,16 @@ def write_target(path) -> tuple[str, os.stat_result | None]:
         raise IsADirectoryError(errno.EISDIR, "is a directory", path)
     if st is not None and stat.S_ISSOCK(st.st_mode):
         raise OSError(errno.EINVAL, "is a socket, not a file", path)
-    return os.path.realpath(path), st
+    if st is not None and (_is_stream(st.st_mode) or _through_process_fd(path)):
+        return path, True
+    return os.path.realpath(path), False
 
 
 def write_into(path, data: bytes) -> None:
-    """Write `data` into an existing device or FIFO as it is: opened for writing, never created,
-    replaced or chmod-ed. A short or failed write (ENOSPC from a full device) raises OSError."""
-    fd = os.open(path, os.O_WRONLY | getattr(os, "O_NOCTTY", 0))  # no O_CREAT: it exists, or this fails
+    """Write `data` into an existing node as it is: opened for writing (appending, which a
+    device or FIFO ignores and which keeps what a process already wrote to its open file),
+    never created, replaced or chmod-ed. A failed write (ENOSPC from a full device) raises OSError."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | getattr(os, "O_NOCTTY", 0))  # no O_CREAT: it exists
     try:
         view = memoryview(data)
         while view:
@@ -117,14 +138,13 @@ def atomic_path(path, suffix: str = ".tmp"):
 
     A regular file or a new path: the temporary file sits beside it and is renamed over it
     (atomic: a reader never sees half a file). A symbolic link: the same for its final
-    target, and the link stays. A character or block device or a FIFO: the temporary file is
-    made in the temporary directory and its bytes are written into the node (`write_into`),
-    which is never replaced. The suffix lets writers that pick a format from the name
+    target, and the link stays. A character or block device, a FIFO or a process's open file
+    (/dev/stdout): the temporary file is made in the temporary directory and its bytes are
+    written into the node (`write_into`), which is never replaced. The suffix lets writers that pick a format from the name
     (matplotlib) see the right one. On an exception (Ctrl-C included) the temporary file is
     removed and `path` is untouched. OSError for what cannot be written (see `write_target`).
     """
-    target, st = write_target(path)
-    stream = st is not None and _is_stream(st.st_mode)
+    target, stream = write_target(path)
     directory = None if stream else os.path.dirname(target)
     if directory is not None:
         os.makedirs(directory, exist_ok=True)
@@ -146,8 +166,8 @@ def atomic_path(path, suffix: str = ".tmp"):
 def write_atomic(path, data: str | bytes) -> None:
     """Write text (UTF-8) or bytes to `path` through `atomic_path` (a device or FIFO directly)."""
     data = data.encode("utf-8") if isinstance(data, str) else bytes(data)
-    target, st = write_target(path)
-    if st is not None and _is_stream(st.st_mode):
+    target, stream = write_target(path)
+    if stream:
         write_into(target, data)
         return
     with atomic_path(path) as tmp:
@@ -158,17 +178,17 @@ def write_atomic(path, data: str | bytes) -> None:
 def writable_problem(path) -> str | None:
     """Why writing `path` with `atomic_path` would fail, or None: checked before a long run.
 
-    A device or FIFO must grant write permission; it is not opened (a FIFO's open waits for a
-    reader, a device's may act). Otherwise atomic_path creates missing directories, so the
+    What is written into (a device, a FIFO, /dev/stdout) must grant write permission; it is
+    not opened (a FIFO's open waits for a reader, a device's may act). Otherwise atomic_path creates missing directories, so the
     nearest existing ancestor of the (symbolic links followed) target must be a directory
     where a file can be created: tried for real (and removed), since permission bits do not
     tell root about read-only mounts or /proc.
     """
     try:
-        target, st = write_target(path)
+        target, stream = write_target(path)
     except OSError as e:
         return e.strerror or str(e)  # without the path: the caller names it
-    if st is not None and _is_stream(st.st_mode):
+    if stream:
         return None if os.access(target, os.W_OK) else "no permission to write into it"
     existing = os.path.dirname(target)
     while not os.path.exists(existing):

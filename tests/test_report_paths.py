@@ -118,6 +118,28 @@ def test_a_fifo_gets_the_bytes_and_stays_a_fifo(tmp_path):
     assert _leftovers(tmp_path) == []
 
 
+def test_a_processes_open_file_is_written_into(tmp_path):
+    """/dev/stdout's kind of link (here a link to /proc/self/fd/N, never /dev itself): a pipe
+    gets the bytes, a file the shell's `>` opened keeps what was printed and gets the report after it."""
+    r, w = os.pipe()
+    out = open(tmp_path / "out.md", "w")
+    try:
+        out.write("the table\n")
+        out.flush()
+        stdout = tmp_path / "stdout"
+        stdout.symlink_to(f"/proc/self/fd/{out.fileno()}")
+        assert writable_problem(stdout) is None and writable_problem(f"/proc/self/fd/{w}") is None
+        write_atomic(stdout, "the report\n")
+        write_atomic(f"/proc/self/fd/{w}", b"piped")
+        assert os.read(r, 100) == b"piped"
+        assert (tmp_path / "out.md").read_text() == "the table\nthe report\n"
+        assert os.fstat(out.fileno()).st_nlink == 1 and stdout.is_symlink()  # the open file is the file
+    finally:
+        out.close()
+        os.close(r)
+        os.close(w)
+
+
 def test_a_symbolic_link_stays_a_link_and_its_target_is_written(tmp_path):
     (tmp_path / "real").mkdir()
     (tmp_path / "real" / "r.json").write_text("old")
