@@ -38,7 +38,7 @@ import numpy as np
 
 from mha_spec.files import read_json
 from parity.canonical import SUPPORTED_DTYPES, bias_flags, check_state_dict, tensor_to_numpy
-from parity.weight_file import file_path, open_weight_file
+from parity.weight_file import file_path, open_weight_file, path_error, path_problem
 
 
 @dataclass(frozen=True)
@@ -482,8 +482,8 @@ def _config_json(source) -> tuple[Mapping, str]:
     path = file_path(source)
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{path}: no such config file (a transformers checkpoint directory holds config.json)")
+    if (problem := path_problem(path)) is not None:
+        raise path_error(path, problem, "no such config file (a transformers checkpoint directory holds config.json)")
     cfg = read_json(path)
     if not isinstance(cfg, Mapping):
         raise ValueError(f"{path} holds a JSON {type(cfg).__name__}, not an object")
@@ -568,6 +568,8 @@ def read_checkpoint(path, layout: str = "hf-llama", *, prefix: str = "", config=
     if config is not None and not isinstance(config, AttentionConfig):
         raise TypeError(f"config must be an mha_spec.AttentionConfig, got {type(config).__name__}")
     _layout(layout)
+    if (problem := path_problem(path)) is not None:
+        raise path_error(path, problem, "no such checkpoint directory or weight file")
     if os.path.isdir(path):
         if config is None:
             cfg, where = _config_json(path)
@@ -577,9 +579,9 @@ def read_checkpoint(path, layout: str = "hf-llama", *, prefix: str = "", config=
             config = _attention_config(cfg, where, masked_rows, ignore_sliding_window)
         index = os.path.join(path, "model.safetensors.index.json")
         single = os.path.join(path, "model.safetensors")
-        if os.path.exists(single):
+        if os.path.lexists(single):  # lexists: a link that leads nowhere is named by the reader, not skipped
             sd = read_layout(single, layout, prefix=prefix, num_heads=config.num_heads)
-        elif os.path.exists(index):
+        elif os.path.lexists(index):
             sd = _read_sharded(path, index, layout, prefix, config.num_heads)
         else:
             found = sorted(os.listdir(path))

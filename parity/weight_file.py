@@ -10,6 +10,7 @@ safetensors is never unpickled: a pickle is recognised by its first bytes and na
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -36,6 +37,30 @@ def file_path(path) -> str:
     if not isinstance(path, (str, bytes, os.PathLike)):
         raise TypeError(f"a weight file path must be a str, bytes or os.PathLike, got {type(path).__name__}")
     return os.fsdecode(os.fspath(path))
+
+
+def path_problem(path: str) -> str | None:
+    """Why `path` cannot be opened, in words (None: it can be reached). A path through a loop of
+    symbolic links is said to be one: os.path.exists says only False, as for a missing file."""
+    try:
+        os.stat(path)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return "a loop of symbolic links (too many levels of symbolic links)"
+        if e.errno == errno.ENOENT and os.path.islink(path):
+            return f"a symbolic link to {os.readlink(path)!r}, which does not exist"
+        if e.errno == errno.ENOENT:
+            return "no such file or directory"
+        return (e.strerror or type(e).__name__).lower()
+    return None
+
+
+def path_error(path: str, problem: str, missing: str) -> OSError:
+    """The error for a path_problem: FileNotFoundError saying `missing` when nothing is there,
+    else an OSError in path_problem's words (a loop of symbolic links, a link to nowhere, ...)."""
+    if problem == "no such file or directory":
+        return FileNotFoundError(f"{path}: {missing}")
+    return (FileNotFoundError if "does not exist" in problem else OSError)(f"{path}: {problem}")
 
 
 @dataclass(frozen=True)
@@ -72,8 +97,8 @@ def open_weight_file(path) -> Iterator[WeightFile]:
     path = file_path(path)
     if os.path.isdir(path):
         raise IsADirectoryError(_directory_message(path))
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{path}: no such weight file")
+    if (problem := path_problem(path)) is not None:
+        raise path_error(path, problem, "no such weight file")
     try:
         handle = safe_open(path, framework="numpy")
     except OSError as e:

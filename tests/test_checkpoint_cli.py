@@ -182,3 +182,20 @@ def test_fixed_weights_holding_nan_are_red_rows_not_a_silent_pass(llama_dir):
         assert r.message.startswith("240 of 240 reference values are NaN/inf and were not compared"), r.message  # B·T·E = 2·5·24
         assert "(q_proj.weight)" in r.message
     assert not report.ok
+
+
+def test_a_loop_of_symbolic_links_is_named_as_one(llama_dir, tmp_path, capsys):
+    """os.path.exists is False for a link loop as for a missing file: the message says which it is."""
+    import shutil
+
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    inner = tmp_path / "inner"  # a checkpoint directory whose weight file is a loop
+    inner.mkdir()
+    shutil.copy(llama_dir / "config.json", inner / "config.json")
+    (inner / "model.safetensors").symlink_to(tmp_path / "a")
+    looped = tmp_path / "a" / "model.safetensors"
+    for path, named in ((tmp_path / "a", tmp_path / "a"), (looped, looped), (inner, inner / "model.safetensors")):
+        assert main(["--checkpoint", str(path), "--prefix", PREFIX, "--no-progress"]) == 2
+        out = " ".join(capsys.readouterr().out.split())
+        assert f"{named}: a loop of symbolic links" in out, out

@@ -71,11 +71,12 @@ def load_layer(path, layout: str = "hf-llama", prefix: str = "", *, num_heads: i
                num_kv_heads: int | None = None, rope_theta: float | None = None) -> CheckpointLayer:
     """Read one attention block; any failure is a `LoadError` naming the path, layout and prefix."""
     from parity import layouts
+    from parity.weight_file import path_problem
 
     if layout not in layouts.LAYOUTS:
         raise LoadError(f"--layout {layout!r} is not a known layout; known: {', '.join(layouts.LAYOUTS)}")
-    if not os.path.exists(path):
-        raise LoadError(f"--checkpoint {path}: no such file or directory")
+    if (problem := path_problem(os.fsdecode(path))) is not None:
+        raise LoadError(f"--checkpoint {path}: {problem}")
     given = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "rope_theta": rope_theta}
     try:
         if os.path.isdir(path):
