@@ -19,6 +19,12 @@ The rows go into the user's table (`mha_jax.cache.kernel_table_path()`, `--out` 
 choose another file) under this processor's key, next to any other processor's rows in
 that file; `mha_jax.kernels` reads them first from then on. `--json` also saves every
 time, the load average and the processor.
+
+Exit 0 done; 2 a usage error, found before anything is measured: a bad --sizes, --blocks,
+--passes, --reps, --budget or --dtype, an output (--out, --json) that cannot be written or
+both naming one file, a --combine file that is absent, not JSON or not a tune run; 3 the
+run was measured but a file could not be written (--json is written first: when it fails,
+the table is left as it was).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import datetime
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -39,9 +46,13 @@ from mha_jax import kernels
 from mha_jax.attention import attention_core
 from mha_jax.cache import kernel_table_path
 from mha_jax.chunked import chunked_attention
+from mha_spec.files import read_json, writable_problem, write_atomic
 
 DEFAULT_SIZES = "4x8x256x64,4x8x512x64,4x8x1024x64,4x8x2048x64,1x8x8192x64"
 DEFAULT_BLOCKS = "128x256,256x256,256x512,512x512,512x1024,1024x1024"
+PASSES = ("fwd", "fwdbwd")
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+EXIT_WRITE = 3  # measured, but a file could not be written (as mha-bench's reports)
 
 
 def candidates(B: int, N: int, T: int, H: int, blocks) -> dict:
@@ -120,10 +131,12 @@ def summarise(runs) -> list[dict]:
 def write_table(path: Path, proc: kernels.Processor, rows: list[dict], meta: dict) -> None:
     """Put `rows` under `proc` in the table at `path`, keeping other processors' entries.
 
-    An unreadable or corrupt file is replaced (kernels.load_user_table warns about it)."""
+    An unreadable or corrupt file is replaced (kernels.load_user_table warns about it). The
+    write goes through `mha_spec.files.write_atomic`: a reader never sees half a file.
+    OSError when it cannot be written."""
     entries = {}
     try:
-        existing = json.loads(path.read_text())
+        existing = read_json(path)
         kernels.parse_table(existing)
         entries = existing["processors"]
     except (OSError, ValueError):
@@ -131,10 +144,7 @@ def write_table(path: Path, proc: kernels.Processor, rows: list[dict], meta: dic
     kernels.parse_table({"schema": kernels.TABLE_SCHEMA, "processors": {proc.key: {
         "device_kind": proc.device_kind, "model": proc.model, "isa": proc.isa, "rows": rows}}})  # what we write must read back
     entries[proc.key] = {"device_kind": proc.device_kind, "model": proc.model, "isa": proc.isa, **meta, "rows": rows}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"schema": kernels.TABLE_SCHEMA, "processors": entries}, indent=1) + "\n")
-    os.replace(tmp, path)  # atomic: a reader never sees half a file
+    write_atomic(path, json.dumps({"schema": kernels.TABLE_SCHEMA, "processors": entries}, indent=1) + "\n")
 
 
 def show(path: Path, console=print) -> None:
@@ -157,15 +167,70 @@ def _sizes(text: str, n: int, what: str) -> list[tuple[int, ...]]:
     return out
 
 
+def _passes(text: str) -> tuple[str, ...]:
+    items = tuple(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))  # each once, in order
+    if not items or not set(items) <= set(PASSES):
+        raise argparse.ArgumentTypeError(f"expected a comma-separated subset of {','.join(PASSES)}, got {text!r}")
+    return items
+
+
+def _reps(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _budget(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):  # 0: --reps repeats; NaN or inf: no repeat count at all
+        raise argparse.ArgumentTypeError(f"expected a finite number of seconds >= 0, got {text!r}")
+    return value
+
+
+def _dtype(text: str) -> str:
+    if text not in DTYPES:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(DTYPES)}, got {text!r}")
+    if text == "float64" and not jax.config.jax_enable_x64:  # else jnp.asarray would time float32 under that name
+        raise argparse.ArgumentTypeError("float64 needs JAX_ENABLE_X64=1 (without it JAX computes in float32)")
+    return text
+
+
+def load_run(path: Path) -> list[dict]:
+    """The rows of a saved `--json` run; ValueError naming the file for one that is absent,
+    not JSON, or whose rows `summarise` cannot use."""
+    try:
+        data = read_json(path)
+    except FileNotFoundError:
+        raise ValueError(f"{path}: no such file") from None
+    rows = data.get("rows") if isinstance(data, dict) else None
+    if not isinstance(rows, list) or not rows:
+        raise ValueError(f"{path}: not a tune run (expected an object with a non-empty 'rows' list, as --json writes)")
+    for n, r in enumerate(rows):
+        ok = (isinstance(r, dict) and all(isinstance(r.get(k), int) and not isinstance(r.get(k), bool) for k in "BNTS")
+              and r.get("pass_") in PASSES and isinstance(r.get("candidate"), str)
+              and isinstance(r.get("min_s"), (int, float)) and math.isfinite(r["min_s"]) and r["min_s"] > 0)
+        if not ok:
+            raise ValueError(f"{path}: row {n} is not a tune row (integers B, N, T, S; pass_ in {', '.join(PASSES)}; "
+                             "a candidate name; min_s a positive time)")
+    return rows
+
+
 def parser(prog: str = "python -m mha_jax.tune") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default=DEFAULT_SIZES, type=lambda s: _sizes(s, 4, "BxNxTxH"), help="comma-separated BxNxTxH (S = T)")
     p.add_argument("--blocks", default=DEFAULT_BLOCKS, type=lambda s: _sizes(s, 2, "QxK"), help="comma-separated q_chunk x k_chunk")
-    p.add_argument("--passes", default="fwd,fwdbwd")
-    p.add_argument("--reps", type=int, default=3, help="repeats at least (more for small sizes, see --budget)")
-    p.add_argument("--budget", type=float, default=0.5, help="seconds per candidate that set the repeats of small sizes")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--passes", default=PASSES, type=_passes, help="comma-separated: fwd, fwdbwd (default both)")
+    p.add_argument("--reps", type=_reps, default=3, help="repeats at least (more for small sizes, see --budget)")
+    p.add_argument("--budget", type=_budget, default=0.5, help="seconds per candidate that set the repeats of small sizes")
+    p.add_argument("--dtype", type=_dtype, default="float32", help=f"one of {', '.join(DTYPES)}")
     p.add_argument("--out", type=Path, default=None, help="the table to write (default: the user's kernel table)")
     p.add_argument("--json", type=Path, default=None, help="also save every time here")
     p.add_argument("--show", action="store_true", help="print the rows this processor uses and where they come from")
@@ -173,47 +238,76 @@ def parser(prog: str = "python -m mha_jax.tune") -> argparse.ArgumentParser:
     return p
 
 
-def run(args, p: argparse.ArgumentParser) -> dict | None:
-    """What `main` does for parsed `args`; for a measuring run, {"path", "processor", "rows", "table", "meta"}."""
+def check_outputs(args, p: argparse.ArgumentParser) -> Path:
+    """The table's path; every output tried before anything is measured (p.error, exit 2)."""
     out = args.out or kernel_table_path()
+    paths = [("--out", out)] + ([("--json", args.json)] if args.json else [])
+    if len(paths) == 2 and os.path.realpath(out) == os.path.realpath(args.json):
+        p.error(f"--json {args.json} is the kernel table (--out): each needs its own file")
+    for flag, path in paths:
+        problem = writable_problem(path)
+        if problem:
+            p.error(f"{flag} {path}: cannot write there: {problem}")
+    return out
+
+
+def run(args, p: argparse.ArgumentParser) -> dict | None:
+    """What `main` does for parsed `args`; for a measuring run, {"path", "processor", "rows",
+    "table", "meta", "write_error"} (write_error: None, or why a file could not be written)."""
     if args.show:
-        show(out)
+        show(args.out or kernel_table_path())
         return None
     if args.combine:
-        runs = [json.loads(path.read_text())["rows"] for path in args.combine]
+        try:
+            runs = [load_run(path) for path in args.combine]
+        except ValueError as e:
+            p.error(f"--combine: {e}")
         print(json.dumps(summarise(runs), indent=1))
         return None
-    if args.reps < 1:
-        p.error("--reps must be >= 1")
-    passes = args.passes.split(",")
-    if not set(passes) <= {"fwd", "fwdbwd"}:
-        p.error(f"--passes: choose from fwd, fwdbwd; got {args.passes!r}")
+    out = check_outputs(args, p)
     proc = kernels.processor()
     load_start = os.getloadavg()
     print(f"processor {proc.key!r}, load average {load_start}, {os.cpu_count()} cores", flush=True)
     rows = []
     with jax.default_matmul_precision("highest"):  # as mha-bench pins it
         for B, N, T, H in args.sizes:
-            rows += measure_size(B, N, T, H, args.blocks, passes, args.reps, jnp.dtype(args.dtype), args.budget,
+            rows += measure_size(B, N, T, H, args.blocks, args.passes, args.reps, jnp.dtype(args.dtype), args.budget,
                                  log=lambda s: print(s, flush=True))
     table = summarise([rows])
     meta = dict(measured=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), jax=jax.__version__,
                 dtype=args.dtype, precision="highest", cores=os.cpu_count(), load_average_start=list(load_start),
                 load_average_end=list(os.getloadavg()))
-    write_table(out, proc, table, meta)
-    print(f"wrote {len(table)} row(s) for {proc.key!r} to {out}")
-    if args.json:
-        args.json.write_text(json.dumps(dict(processor=proc.key, **meta, rows=rows, table=table), indent=1) + "\n")
-        print(f"wrote every time to {args.json}")
+    result = dict(path=out, processor=proc, rows=rows, table=table, meta=meta,
+                  write_error=write_outputs(args.json, out, proc, rows, table, meta))
     for t in table:
         print(f"  B·N={t['BN']} T={t['T']}: {t['fastest']}, blocks {t['blocks']}  {t['scores']}")
-    return dict(path=out, processor=proc, rows=rows, table=table, meta=meta)
+    return result
+
+
+def write_outputs(json_path, out: Path, proc, rows, table, meta) -> str | None:
+    """The run's --json first, then the table, which stays as it was when the run's file cannot
+    be written; None when every file is written, else the error (said on stderr)."""
+    run_text = json.dumps(dict(processor=proc.key, **meta, rows=rows, table=table), indent=1) + "\n"
+    for path, write, done in (
+            (json_path, lambda: write_atomic(json_path, run_text), f"wrote every time to {json_path}"),
+            (out, lambda: write_table(out, proc, table, meta), f"wrote {len(table)} row(s) for {proc.key!r} to {out}")):
+        if not path:
+            continue
+        try:
+            write()
+        except OSError as e:
+            error = f"error: could not write {path}: {e.strerror or e}"
+            print(error, file=sys.stderr)
+            return error
+        print(done)
+    return None
 
 
 def main(argv=None) -> int:
+    """Exit 0 written, 2 a usage error (before anything is measured), 3 a file could not be written."""
     p = parser()
-    run(p.parse_args(argv), p)
-    return 0
+    result = run(p.parse_args(argv), p)
+    return EXIT_WRITE if result is not None and result["write_error"] else 0
 
 
 if __name__ == "__main__":

@@ -12,6 +12,9 @@ size are the only comparable ones on a shared machine, so this is the whole chec
 choice is within 5 % when its ratio is at most 1.05 in every pass. The choice optimises
 the geometric mean over the passes, so one pass may exceed 5 % while the mean does not;
 both are shown.
+
+Exit codes as `python -m mha_jax.tune`'s: 2 a usage error (before anything is measured), 3 a
+file could not be written after the run.
 """
 
 from __future__ import annotations
@@ -108,6 +111,8 @@ def main(argv, console: Console) -> int:
     result = tune.run(args, p)
     if result is None:  # --show, --combine: nothing measured
         return 0
+    if result["write_error"]:  # said on stderr; the table may not hold this run's rows
+        return tune.EXIT_WRITE
     path, proc, dtype = result["path"], result["processor"], args.dtype
     sources = kernels.sources_for(proc, kernels.load_user_table(path), str(path))
     platform = jax.devices()[0].platform
