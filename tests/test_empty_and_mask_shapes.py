@@ -48,13 +48,15 @@ def test_torch_empty_queries_with_positions(need_weights, pos_shape, kpos_shape)
     assert all(p.grad is not None and not p.grad.any() for p in m.parameters())
 
 
-def _jax_module():
+@pytest.fixture(scope="module")
+def jax_module():
+    """One module for the JAX tests: building one runs (and compiles) its initialisers."""
     return mha_jax.MultiHeadAttention(E, N, num_kv_heads=K, rope="half", rngs=nnx.Rngs(0))
 
 
 @pytest.mark.parametrize("pos_shape, kpos_shape", POSITIONS)
-def test_jax_eager_empty_queries_with_positions(pos_shape, kpos_shape):
-    m = _jax_module()
+def test_jax_eager_empty_queries_with_positions(pos_shape, kpos_shape, jax_module):
+    m = jax_module
     q = np.zeros((B, 0, E), np.float32)
     kv = np.random.default_rng(0).standard_normal((B, S, E)).astype(np.float32)
     pos = np.zeros(pos_shape, np.int32)
@@ -65,10 +67,10 @@ def test_jax_eager_empty_queries_with_positions(pos_shape, kpos_shape):
         assert (w is None) if not need_weights else w.shape == (B, N, 0, S)
 
 
-def test_jax_jit_empty_queries_with_positions_and_their_gradients():
+def test_jax_jit_empty_queries_with_positions_and_their_gradients(jax_module):
     """Both paths in one jitted program (one compile); gradients w.r.t. key, value and every
     parameter are zero."""
-    m = _jax_module()
+    m = jax_module
     q = jnp.zeros((B, 0, E), jnp.float32)
     kv = jnp.asarray(np.random.default_rng(1).standard_normal((B, S, E)), jnp.float32)
     pos, kpos = jnp.zeros((B, 0), jnp.int32), jnp.tile(jnp.arange(S, dtype=jnp.int32), (B, 1))
@@ -101,10 +103,11 @@ MASK_SHAPES = {  # documented shape -> how it reads as (B|1, N|1, T|1, S|1), wri
     "1N1S": ((1, N, 1, S), lambda m: m),
     "1111": ((1, 1, 1, 1), lambda m: m),
 }
-# The JAX kernels compile once per (B|1, N|1, T|1, S|1) shape, so they run the 2-D and 3-D
-# masks and their 4-D twins (four compiles per kernel); [B, N, T, S] runs on every kernel in
-# test_jax_variants.py, [B, 1, 1, S] and [1, 1, T, 1] on the chunked one in test_chunked.py.
-JAX_MASK_SHAPES = ("TS", "11TS", "BTS", "B1TS", "T1", "BT1", "B1T1")
+# The JAX kernels compile once per (B|1, N|1, T|1, S|1) shape, so they run one mask of each
+# rank below 4 per reading and its 4-D twin (three compiles per kernel); [B, N, T, S] runs on
+# every kernel in test_jax_variants.py, [B, 1, 1, S] and [1, 1, T, 1] on the chunked one in
+# test_chunked.py.
+JAX_MASK_SHAPES = ("TS", "11TS", "BTS", "B1TS", "T1")
 
 
 def _masks(name):
