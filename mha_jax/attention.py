@@ -138,14 +138,15 @@ def fused_attention_core(q, k, v, keep=None, *, masked_rows="nan", precision=Non
     """The same context as `attention_core`, without returning (or, when large, building) weights.
 
     q (B, T, N, H), k and v (B, S, K, H) with K dividing N; keep as for `attention_core`
-    ([T, S], [B, T, S] or (B|1, N|1, T|1, S|1), bool), the same on every kernel. The kernel and its chunk sizes
-    come from `mha_jax.kernels.fused_choice` (measured per processor; it also says why, for
-    a benchmark row): our einsum core, the chunked kernel (flash backward, O(T + S) memory)
-    or jax.nn.dot_product_attention (XLA, or cuDNN on a CUDA GPU for 16-bit). None of them
-    repeats K or V to N heads: the einsum core and dot_product_attention contract per group,
-    the chunked kernel stacks a group's query heads along its query axis. Whichever runs,
-    fully masked rows follow `masked_rows` (mean V of the row's own key/value head) and
-    which rows those are comes from the keep-mask alone, so NaN inputs give NaN outputs.
+    (bool [T, S], [B, T, S] or (B|1, N|1, T|1, S|1)), the same on every kernel. The kernel
+    and its chunk sizes come from `mha_jax.kernels.fused_choice` (measured per processor; it
+    also says why, for a benchmark row): our einsum core, the chunked kernel (flash backward,
+    O(T + S) memory) or jax.nn.dot_product_attention (XLA, or cuDNN on a CUDA GPU for
+    16-bit). None of them repeats K or V to N heads: the einsum core and dot_product_attention
+    contract per group, the chunked kernel stacks a group's query heads along its query axis.
+    Whichever runs, fully masked rows follow `masked_rows` (mean V of the row's own key/value
+    head) and which rows those are comes from the keep-mask alone, so NaN inputs give NaN
+    outputs.
     S = 0 is a ValueError; T = 0 gives an empty context.
     """
     B, T, N, H = q.shape
