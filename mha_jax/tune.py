@@ -167,6 +167,14 @@ def _sizes(text: str, n: int, what: str) -> list[tuple[int, ...]]:
     return out
 
 
+def _blocks(text: str) -> list[tuple[int, ...]]:
+    """--blocks: QxK pairs within what the kernel table reads back (else the table written would be ignored)."""
+    out = _sizes(text, 2, "QxK")
+    if max(max(b) for b in out) > kernels.MAX_BLOCK:
+        raise argparse.ArgumentTypeError(f"blocks are at most {kernels.MAX_BLOCK} (the kernel table's bound), got {text!r}")
+    return out
+
+
 def _passes(text: str) -> tuple[str, ...]:
     items = tuple(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))  # each once, in order
     if not items or not set(items) <= set(PASSES):
@@ -226,7 +234,7 @@ def parser(prog: str = "python -m mha_jax.tune") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default=DEFAULT_SIZES, type=lambda s: _sizes(s, 4, "BxNxTxH"), help="comma-separated BxNxTxH (S = T)")
-    p.add_argument("--blocks", default=DEFAULT_BLOCKS, type=lambda s: _sizes(s, 2, "QxK"), help="comma-separated q_chunk x k_chunk")
+    p.add_argument("--blocks", default=DEFAULT_BLOCKS, type=_blocks, help="comma-separated q_chunk x k_chunk")
     p.add_argument("--passes", default=PASSES, type=_passes, help="comma-separated: fwd, fwdbwd (default both)")
     p.add_argument("--reps", type=_reps, default=3, help="repeats at least (more for small sizes, see --budget)")
     p.add_argument("--budget", type=_budget, default=0.5, help="seconds per candidate that set the repeats of small sizes")

@@ -111,7 +111,7 @@ def _usage_problems(args) -> str | None:
         unknown = sorted(set(args.layouts) - set(LAYOUTS) - {"tp-gspmd"})
         if unknown:
             return f"unknown --layouts {unknown}; choose from {', '.join(LAYOUTS)}, tp-gspmd"
-    paths = [os.path.abspath(p) for p in (args.json, args.markdown, args.plot) if p]
+    paths = [os.path.realpath(p) for p in (args.json, args.markdown, args.plot) if p]  # a link and its target are one file
     if len(set(paths)) < len(paths):
         return "--json, --markdown and --plot must be different files"
     return None

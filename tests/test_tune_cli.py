@@ -66,6 +66,7 @@ def _usage_error(tool, argv, capsys) -> str:
     (["--reps", "0"], "argument --reps"), (["--reps", "two"], "argument --reps"),
     (["--sizes", "4x8"], "argument --sizes"), (["--sizes", "1x2x0x4"], "argument --sizes"),
     (["--blocks", "8"], "argument --blocks"), (["--blocks", "0x8"], "argument --blocks"),
+    (["--blocks", "16384x16384"], "blocks are at most 8192 (the kernel table's bound)"),
     (["--passes", ""], "argument --passes"), (["--passes", "fwd,bwd"], "argument --passes"),
 ])
 def test_bad_arguments_are_usage_errors_before_measuring(tool, argv, message, measured, tmp_path, capsys):
