@@ -271,7 +271,8 @@ def _whole_positions(pos, batch: int, length: int, name: str):
         raise TypeError(f"{name} must be a jax or numpy array of integers, got "
                         f"{getattr(pos, 'dtype', type(pos).__name__)}")
     check_positions(pos.shape, batch, length, name)
-    return jnp.asarray(pos).reshape(-1, length)
+    pos = jnp.asarray(pos)
+    return pos.reshape(pos.shape[0] if pos.ndim == 2 else 1, length)  # not -1: the length may be 0
 
 
 def _layer(params, num_heads, num_kv_heads, rope, rope_theta, masked_rows) -> AttentionConfig:

@@ -87,7 +87,7 @@ def _positions(pos, batch: int, length: int, name: str) -> np.ndarray:
     if not np.issubdtype(pos.dtype, np.integer):
         raise TypeError(f"{name} must be integers, got dtype {pos.dtype}")
     check_positions(pos.shape, batch, length, name)
-    return pos.astype(np.float64).reshape(-1, 1, length, 1)
+    return pos.astype(np.float64).reshape(pos.shape[0] if pos.ndim == 2 else 1, 1, length, 1)  # not -1: L may be 0
 
 
 def rope_angles(pos, head_dim: int, theta: float) -> np.ndarray:

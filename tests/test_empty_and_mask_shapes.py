@@ -172,3 +172,19 @@ def test_a_mask_that_fits_no_documented_shape_is_named():
     for core in (mha_jax.attention_core, mha_jax.fused_attention_core, mha_jax.chunked_attention):
         with pytest.raises(ValueError, match=r"mask of shape \(3, 5, 7\) \(read as \(3, 1, 5, 7\)\) does not broadcast"):
             core(q, k, v, jnp.ones((3, T, S), bool))
+
+
+@pytest.mark.parametrize("pos_shape", [(2, 0), (0,)])
+def test_the_oracle_and_the_rope_peers_take_empty_queries_with_positions(pos_shape):
+    from mha_spec import AttentionConfig
+    from parity import reference
+    from parity.impls.gqa_torch import rope_cos_sin
+
+    c = AttentionConfig(12, 3, num_kv_heads=1, rope="half")
+    sd = {k: np.ones(s) for k, s in c.weight_shapes().items()}
+    q, kv = np.zeros((2, 0, 12)), np.ones((2, 7, 12))
+    out = reference.forward(sd, q, kv, kv, None, num_heads=3, num_kv_heads=1, rope="half",
+                            positions=np.zeros(pos_shape, np.int64), key_positions=np.arange(7)).output
+    assert out.shape == (2, 0, 12)
+    cos, _ = rope_cos_sin(torch.zeros(pos_shape, dtype=torch.int64), 0, 4, 10000.0, torch.float32, "cpu")
+    assert cos.shape[2] == 0

@@ -36,7 +36,8 @@ def _rope_cos_sin(positions, length: int, head_dim: int, theta: float, dtype):
     acc = jnp.float32 if jnp.dtype(dtype).itemsize < 4 else dtype
     pos = jnp.arange(length) if positions is None else jnp.asarray(positions)
     inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=acc) / head_dim))
-    freqs = pos.astype(acc).reshape(-1, length, 1, 1) * inv_freq  # (B|1, L, 1, H/2)
+    lead = pos.shape[0] if pos.ndim == 2 else 1  # not -1: the length may be 0
+    freqs = pos.astype(acc).reshape(lead, length, 1, 1) * inv_freq  # (B|1, L, 1, H/2)
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(emb), jnp.sin(emb)
 

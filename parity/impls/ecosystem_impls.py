@@ -186,7 +186,7 @@ def _llama_position_ids(positions, key_positions, B: int, T: int):
         return None if p is None else np.asarray(convert.tensor_to_numpy(p) if hasattr(p, "detach") else p)
 
     pos, kpos = as_np(positions), as_np(key_positions)
-    full = [np.broadcast_to(np.arange(T) if p is None else p.reshape(-1, T), (B, T)) for p in (pos, kpos)]
+    full = [np.broadcast_to(np.arange(T) if p is None else p, (B, T)) for p in (pos, kpos)]
     if not np.array_equal(full[0], full[1]):
         raise ValueError("HF LlamaAttention rotates queries and keys with one position list (position_ids): "
                          f"key_positions must equal positions, got {full[1].tolist()} and {full[0].tolist()}")

@@ -39,7 +39,7 @@ def rope(x, pos, theta: float, convention: str):
     wide = jnp.float64 if jax.config.jax_enable_x64 else jnp.float32
     pos = jnp.arange(L) if pos is None else jnp.asarray(pos)
     inv_freq = jnp.asarray(np.power(float(theta), -np.arange(0, H, 2, dtype=np.float64) / H), wide)
-    angles = pos.astype(wide).reshape(-1, L, 1, 1) * inv_freq  # (B|1, L, 1, H/2)
+    angles = pos.astype(wide).reshape(pos.shape[0] if pos.ndim == 2 else 1, L, 1, 1) * inv_freq  # (B|1, L, 1, H/2)
     turn = jnp.cos(angles).astype(acc) + 1j * jnp.sin(angles).astype(acc)
     xa = x.astype(acc)
     if convention == "half":

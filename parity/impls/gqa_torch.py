@@ -32,7 +32,8 @@ def rope_cos_sin(pos, length: int, head_dim: int, theta: float, dtype: torch.dty
     if pos is None:
         pos = torch.arange(length, device=device)
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim))
-    angles = pos.to(torch.float64).reshape(-1, 1, length, 1) * inv_freq
+    lead = pos.shape[0] if pos.ndim == 2 else 1  # not -1: the length may be 0
+    angles = pos.to(torch.float64).reshape(lead, 1, length, 1) * inv_freq
     return torch.cos(angles).to(_acc(dtype)), torch.sin(angles).to(_acc(dtype))
 
 
