@@ -33,16 +33,13 @@ ROPE_CASES = _one_case_per_rope_layer()  # llama (self), rope-half and rope-inte
 SELF = {c.name for c in ROPE_CASES if not c.shape.cross}
 HALF = {c.name for c in ROPE_CASES if c.shape.rope == "half"}
 ALL = {c.name for c in ROPE_CASES}
-THETA, KEYS = planted.theta_10000, planted.keys_rotated_at_query_positions
-# bug -> (the stage the harness blames, the cases where it is red). Elsewhere the bug skips (a
-# rotate-half-only port on the interleaved case) or is right (the keys' positions are the queries'
-# in self-attention).
-BUGS = {
-    THETA().name: (THETA(), "q_rot", ALL),
-    THETA(planted.ROTATE_HALF_ONLY).name: (THETA(planted.ROTATE_HALF_ONLY), "q_rot", HALF),
-    KEYS().name: (KEYS(), "k_rot", ALL - SELF),
-    KEYS(planted.ROTATE_HALF_ONLY).name: (KEYS(planted.ROTATE_HALF_ONLY), "k_rot", HALF - SELF),
-}
+THETA, KEYS, HALF_ONLY = planted.theta_10000, planted.keys_rotated_at_query_positions, planted.ROTATE_HALF_ONLY
+# bug -> (its implementation, the stage the harness blames, the cases where it is red). Elsewhere
+# the bug skips (a rotate-half-only port on the interleaved case) or is right (the keys' positions
+# are the queries' in self-attention).
+BUGS = {impl.name: (impl, stage, red) for impl, stage, red in (
+    (THETA(), "q_rot", ALL), (THETA(HALF_ONLY), "q_rot", HALF),
+    (KEYS(), "k_rot", ALL - SELF), (KEYS(HALF_ONLY), "k_rot", HALF - SELF))}
 
 
 def _keys_apart(case) -> bool:
@@ -110,7 +107,7 @@ def test_a_rotate_half_only_port_with_either_bug_fails_the_rope_cases():
     cases = [c for c in ROPE_CASES if c.shape.rope == "half" and c.shape.cross]
     assert cases
     for make in (THETA, KEYS):
-        impl = make(planted.ROTATE_HALF_ONLY)
+        impl = make(HALF_ONLY)
         report = run(cases=cases, checks=("forward",), dtypes=("float32",), impls=(impl,), device="cpu")
         assert not report.ok and any(r.status == "fail" for r in report.rows), impl.name
 
