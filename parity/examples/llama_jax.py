@@ -114,41 +114,72 @@ def port_with_tile_bug(state_dict, num_heads, *, dtype, device, problem):
 # ---------------------------------------------------------------- the HF-style layer, ported as it is written
 
 
-def llama_attention(p, x, attention_mask, positions, *, config):
+def llama_attention(p, x, attention_mask, positions, *, config, rope_on_v: bool = False, use_biases: bool = True):
     """parity.examples.llama_torch.LlamaAttention.forward in jax.numpy: one input, hf-llama names
-    (o_proj), additive mask, cos/sin and softmax in float32. Returns (output, weights)."""
+    (o_proj), q/k/v biases where present, additive mask, cos/sin and softmax in float32.
+    Returns every stage (the harness's layout: heads first), output and weights among them.
+
+    rope_on_v and use_biases=False plant two porting bugs: RoPE applied to the values too (first
+    wrong stage: context), and the q/k/v biases ignored (right on Llama, which has none)."""
     B, L, _ = x.shape
     N, K, H = config.num_heads, config.kv_heads, config.head_size
-    q = (x @ p["q_proj.weight"].T).reshape(B, L, N, H).transpose(0, 2, 1, 3)  # (B, N, L, H)
-    k = (x @ p["k_proj.weight"].T).reshape(B, L, K, H).transpose(0, 2, 1, 3)  # (B, K, L, H)
-    v = (x @ p["v_proj.weight"].T).reshape(B, L, K, H).transpose(0, 2, 1, 3)  # (B, K, L, H)
+
+    def proj(name, heads):  # (B, L, E) -> (B, heads, L, H); a bias where the model has one (Qwen2)
+        y = x @ p[f"{name}.weight"].T + (p.get(f"{name}.bias", 0) if use_biases else 0)
+        return y.reshape(B, L, heads, H).transpose(0, 2, 1, 3)
+
+    q, k, v = proj("q_proj", N), proj("k_proj", K), proj("v_proj", K)
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(L), (B, L))
     inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, H, 2, dtype=jnp.float32) / H))
     freqs = positions[:, :, None].astype(jnp.float32) * inv_freq  # (B, L, H/2)
     emb = jnp.concatenate([freqs, freqs], axis=-1)[:, None]  # (B, 1, L, H)
     cos, sin = jnp.cos(emb).astype(q.dtype), jnp.sin(emb).astype(q.dtype)
-    q = q * cos + _rotate_half(q) * sin
-    k = k * cos + _rotate_half(k) * sin
-    k, v = jnp.repeat(k, N // K, axis=1), jnp.repeat(v, N // K, axis=1)  # (B, N, L, H), as HF's repeat_kv
-    scores = q @ k.transpose(0, 1, 3, 2) / jnp.sqrt(jnp.asarray(H, q.dtype))  # (B, N, L, L)
+    q_rot = q * cos + _rotate_half(q) * sin
+    k_rot = k * cos + _rotate_half(k) * sin
+    v_used = v * cos + _rotate_half(v) * sin if rope_on_v else v
+    k_all, v_all = jnp.repeat(k_rot, N // K, axis=1), jnp.repeat(v_used, N // K, axis=1)  # (B, N, L, H), repeat_kv
+    scores = q_rot @ k_all.transpose(0, 1, 3, 2) / jnp.sqrt(jnp.asarray(H, q.dtype))  # (B, N, L, L)
     if attention_mask is not None:
         scores = scores + attention_mask
     weights = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(q.dtype)
-    out = (weights @ v).transpose(0, 2, 1, 3).reshape(B, L, N * H)  # (B, L, E)
-    return out @ p["o_proj.weight"].T, weights
+    context = (weights @ v_all).transpose(0, 2, 1, 3).reshape(B, L, N * H)  # (B, L, E)
+    output = context @ p["o_proj.weight"].T
+    return dict(q=q, k=k, v=v, q_rot=q_rot, k_rot=k_rot, scores=scores, weights=weights, context=context, output=output)
 
 
-# One input, HF's names, the Llama layer's features, float32 arithmetic: as parity.examples.llama_torch.
+# One input, HF's names, the Llama layer's features (q/k/v biases optional, as in Qwen2), float32
+# arithmetic: as parity.examples.llama_torch.
 HF_DECLARED = dict(framework="jax", mode="jit", inputs="self", names="hf-llama",
-                   requires=("grouped", "rope-half", "no-qkv-bias", "no-out-bias"), computes_in="float32",
+                   requires=("grouped", "rope-half", "no-out-bias"), variants=("no-qkv-bias",), computes_in="float32",
                    mask="additive", masked_rows="nan", masked_row_grads="flow", returns_weights=True)
+
+
+def _hf(problem, **bug):
+    def stages(p, x, attention_mask, positions=None):
+        return llama_attention(p, x, attention_mask, positions, config=problem.config, **bug)
+
+    def fn(p, x, attention_mask, positions=None):
+        s = stages(p, x, attention_mask, positions)
+        return s["output"], s["weights"]
+
+    fn.intermediates = stages
+    return fn
 
 
 @implementation(name="llama-jax-hf-port", doc="parity.examples.llama_jax: LlamaAttention ported to jax.numpy as written",
                 **HF_DECLARED)
 def hf_port(state_dict, num_heads, *, dtype, device, problem):
-    def fn(p, x, attention_mask, positions=None):
-        return llama_attention(p, x, attention_mask, positions, config=problem.config)
+    return _hf(problem)
 
-    return fn
+
+@implementation(name="llama-jax-hf-port-rope-on-v", doc="parity.examples.llama_jax: RoPE applied to the values too",
+                **HF_DECLARED)
+def hf_port_with_rope_on_v(state_dict, num_heads, *, dtype, device, problem):
+    return _hf(problem, rope_on_v=True)
+
+
+@implementation(name="llama-jax-hf-port-no-biases", doc="parity.examples.llama_jax: the q/k/v biases ignored",
+                **HF_DECLARED)
+def hf_port_ignoring_biases(state_dict, num_heads, *, dtype, device, problem):
+    return _hf(problem, use_biases=False)

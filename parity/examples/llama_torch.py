@@ -4,7 +4,8 @@
 
 `LlamaAttention` is what a researcher has in a PyTorch model today: one input
 (`forward(hidden_states, attention_mask, position_ids)`), `q_proj`/`k_proj`/`v_proj`/`o_proj`
-without biases, K key/value heads repeated for their N/K query heads (`repeat_kv`), rotate-half
+(q/k/v biases only where the model has them: none in Llama and Mistral, present in Qwen2; no
+bias on `o_proj`), K key/value heads repeated for their N/K query heads (`repeat_kv`), rotate-half
 RoPE with cos/sin in float32, an additive mask (0 / -inf) and the softmax in float32 whatever
 the model's dtype. Nothing in it was changed for the harness: the declaration says what it is
 (one input, the hf-llama parameter names, the layer's features, float32 arithmetic) and the
@@ -22,7 +23,8 @@ from torch import nn
 
 from parity.impls import implementation
 
-LLAMA_FEATURES = ("grouped", "rope-half", "no-qkv-bias", "no-out-bias")
+# The layer always has grouped heads, rotate-half RoPE and no o_proj bias; q/k/v biases are optional.
+REQUIRES, RUNS_ALSO = ("grouped", "rope-half", "no-out-bias"), ("no-qkv-bias",)
 
 
 def rotate_half(x):
@@ -37,14 +39,14 @@ def repeat_kv(x, groups: int):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, rope_theta: float):
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, rope_theta: float, qkv_bias: bool = False):
         super().__init__()
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.head_dim = hidden_size // num_heads
         self.rope_theta = rope_theta
-        self.q_proj = nn.Linear(hidden_size, num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(hidden_size, num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(hidden_size, num_kv_heads * self.head_dim, bias=False)
+        self.q_proj = nn.Linear(hidden_size, num_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * self.head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(num_heads * self.head_dim, hidden_size, bias=False)
 
     def rotary(self, position_ids, dtype):
@@ -76,14 +78,16 @@ class LlamaAttention(nn.Module):
 
 
 # What the layer is, in the registry's words: the harness calls it as it is written.
-DECLARED = dict(framework="torch", inputs="self", names="hf-llama", requires=LLAMA_FEATURES, computes_in="float32",
+DECLARED = dict(framework="torch", inputs="self", names="hf-llama", requires=REQUIRES, variants=RUNS_ALSO,
+                computes_in="float32",
                 mask="additive", masked_rows="nan", masked_row_grads="flow", returns_weights=True)
 
 
 @implementation(name="llama-torch-layer", doc="parity.examples.llama_torch: an HF-style LlamaAttention", **DECLARED)
 def layer(state_dict, num_heads, *, dtype, device, problem):
     c = problem.config
-    module = LlamaAttention(c.embed_dim, c.num_heads, c.kv_heads, c.rope_theta).to(device=device, dtype=getattr(torch, dtype))
+    module = LlamaAttention(c.embed_dim, c.num_heads, c.kv_heads, c.rope_theta, c.qkv_bias)
+    module = module.to(device=device, dtype=getattr(torch, dtype))
 
     def fn(params, x, attention_mask, positions=None):  # params: hf-llama names (q_proj.weight, ..., o_proj.weight)
         return torch.func.functional_call(module, params, (x, attention_mask, positions))

@@ -217,6 +217,45 @@ def quick_matrix() -> tuple[Case, ...]:
     return (Case(SHAPES["cross"], "random", "uniform", peers=True, dtypes=("float32",)),)
 
 
+# A layer's own cases: the masks a layer meets in a model, one masked-row policy each, so our
+# configurable modules meet every policy beside the layer checked.
+LAYER_MASKS = (("causal", "nan"), ("padding", "uniform"), ("random", "zero"))
+
+
+def layer_cases(shape: Shape, quick: bool = False, dtypes: tuple = DTYPES) -> tuple[Case, ...]:
+    """The cases of one layer at its sizes: quick, causal only; else causal, padding and random
+    (`LAYER_MASKS`), each in `dtypes`; named "<shape>/<mask>/<policy>"."""
+    masks = LAYER_MASKS[:1] if quick else LAYER_MASKS
+    return tuple(Case(shape, mask, policy, peers=True, jax_eager=False, dtypes=tuple(dtypes)) for mask, policy in masks)
+
+
+def _smallest_factor(n: int) -> int:
+    return next(p for p in range(2, n + 1) if n % p == 0)
+
+
+def declared_shape(name: str, features, like: Shape, self_attention: bool) -> Shape:
+    """The layer a declaration requires (`mha_spec.VARIANT_FEATURES` names) at `like`'s sizes.
+
+    grouped: K = N over its smallest prime factor (N = 1 becomes 2 heads); RoPE at base 500
+    (never the default 10000, so a hard-coded base is red) on an even head dim; no-qkv-bias,
+    no-out-bias: those biases absent. self_attention: T = S = like.T (one input)."""
+    features = set(features)
+    E, N = like.E, like.N
+    if "grouped" in features and N == 1:
+        N = 2
+    rope = next((c for c in ("half", "interleaved") if f"rope-{c}" in features), None)
+    if rope is not None and (E // N) % 2:
+        E = N * (E // N + 1)  # RoPE rotates pairs: the head dim must be even
+    if E % N:
+        E = N * max(1, E // N)
+    K = N // _smallest_factor(N) if "grouped" in features else None
+    T = like.T
+    S = T if self_attention else like.S
+    return Shape(name, like.B, T, S, E, N, cross=not self_attention and like.cross, num_kv_heads=K,
+                 qkv_bias="no-qkv-bias" not in features, out_bias="no-out-bias" not in features, rope=rope,
+                 rope_theta=500.0 if rope else 10000.0)
+
+
 CASE_SETS = {"default": default_matrix, "quick": quick_matrix, "modern": modern_matrix}
 """Named case sets: `run(cases="modern")`, `mha-parity --cases modern` (a name in --cases selects its set)."""
 

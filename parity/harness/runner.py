@@ -16,7 +16,8 @@ from parity.devices import DevicePlan, resolve_device
 from parity.dtypes import DTYPES, numpy_dtype
 from parity.env import environment, pinned
 from parity.harness import checks as _checks
-from parity.harness.matrix import CASE_SETS, CHECKS, Case, all_cases, default_matrix, draw_inputs, quick_matrix
+from parity.harness.matrix import (CASE_SETS, CHECKS, SHAPES, Case, all_cases, declared_shape, default_matrix, draw_inputs,
+                                   layer_cases, quick_matrix)
 from parity.harness.report import Report, Row, to_json, to_markdown
 from parity.impls import Implementation, select
 
@@ -208,14 +209,48 @@ def _plan(cases, case_filter, dtypes, checks, impls, device, quick, compile, pat
     given = cases is not None
     cases = tuple(cases) if given else (quick_matrix() if quick else default_matrix())
     cases = _select_cases(cases, case_filter, pool=cases if given or quick else all_cases())
+    chosen = select_impls(impls, compile)
+    cases += own_cases([i for i in chosen if i.role == "user"], cases, dtypes, quick,
+                       whole=not (given or case_filter))
     units = tuple((c, d) for c in cases for d in dtypes if d in c.dtypes)
     peers = tuple(p for p in select("peer") if p.harness)
-    chosen = select_impls(impls, compile)
     user = [i.name for i in chosen if i.role == "user"]
     if user and not set(USER_CHECKS) & set(checks):
         raise ValueError(f"{', '.join(user)}: no selected check runs a user implementation (--checks "
                          f"{','.join(checks)}); the checks that run it: {', '.join(USER_CHECKS)}")
     return RunPlan(cases, dtypes, checks, chosen, peers, units, resolve_device(device), named)
+
+
+def _runs_in(impl: Implementation, case: Case, dtypes) -> set:
+    """The dtypes (of `dtypes`) in which `impl` runs `case`, by its own declarations."""
+    return {d for d in dtypes if d in case.dtypes
+            and impl.unsupported(d, case.config, cross=case.shape.cross, mask=case.mask) is None}
+
+
+def own_cases(users, cases, dtypes, quick: bool, whole: bool) -> tuple[Case, ...]:
+    """The cases of each user layer's declared layer (`requires`, `inputs`) that `cases` lacks.
+
+    A correct layer is never red or unchecked because of the case set: when the selection holds
+    no case it runs (or, for the default or quick set, `whole`, none it runs in every dtype it
+    declares), its own layer's cases are added at the sizes of the selection's first case
+    (self-attention for a one-input layer): quick, one causal case; else causal, padding and random
+    masks in every dtype it declares (`matrix.layer_cases`)."""
+    out, names = [], {c.name for c in cases}
+    for impl in users:
+        wanted = set(dtypes) & set(impl.dtypes or DTYPES)
+        ran = set().union(*(_runs_in(impl, c, dtypes) for c in cases)) if cases else set()
+        if not wanted or (ran >= wanted if whole else ran):
+            continue
+        like = next((c for c in cases if not c.shape.cross), cases[0]) if cases else None
+        shape = declared_shape(impl.name, impl.requires, like.shape if like else SHAPES["self"],
+                               self_attention=impl.inputs == "self" or not (like and like.shape.cross))
+        if quick and like is not None:  # the quick set's dtypes: a few seconds
+            wanted &= set(like.dtypes)
+        for c in layer_cases(shape, quick, tuple(d for d in DTYPES if d in wanted)):
+            if c.name not in names:
+                names.add(c.name)
+                out.append(c)
+    return tuple(out)
 
 
 def _loop(report, p: RunPlan, seed, runners, on_progress, should_stop, state_dict=None) -> None:
