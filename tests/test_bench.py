@@ -170,13 +170,21 @@ def test_jax_sync_blocks_on_every_leaf():
 def test_budget_stops_repeats_but_not_before_min_repeats():
     clock = FakeClock()
     bench = measure.Bench(step=lambda: clock.advance(1.0), sync=lambda out: None)
-    times, _ = measure.sample({0: bench}, Timing(min_repeats=3, max_repeats=100, budget_s=0.5), clock)
-    assert len(times[0]) == 3
-    times, _ = measure.sample({0: bench}, Timing(min_repeats=2, max_repeats=100, budget_s=10.0), clock)
+    one = {"round_repeats": 1}
+    times, _, _ = measure.sample({0: bench}, Timing(min_repeats=3, max_repeats=100, budget_s=0.5, **one), clock)
+    assert times[0] == [[1.0]] * 3
+    times, _, _ = measure.sample({0: bench}, Timing(min_repeats=2, max_repeats=100, budget_s=10.0, **one), clock)
     assert len(times[0]) == 10
     # Two benches share one budget of 2 × budget_s: both stop together, after the same rounds.
-    times, _ = measure.sample({0: bench, 1: bench}, Timing(min_repeats=2, max_repeats=100, budget_s=3.0), clock)
+    times, _, _ = measure.sample({0: bench, 1: bench}, Timing(min_repeats=2, max_repeats=100, budget_s=3.0, **one), clock)
     assert len(times[0]) == len(times[1]) == 3
+    # The budget is looked at when a round ends: rounds of 4 repeats, the last one cut by max_repeats.
+    probes = []
+    times, _, got = measure.sample({0: bench}, Timing(min_repeats=3, max_repeats=100, budget_s=0.5), clock,
+                                   probe=lambda: probes.append(1) or {"round": len(probes)})
+    assert times[0] == [[1.0] * 4] and got == [{"round": 1}]
+    times, _, got = measure.sample({0: bench}, Timing(min_repeats=6, max_repeats=6, budget_s=1e9), clock, probe=dict)
+    assert [len(r) for r in times[0]] == [4, 2] and len(got) == 2
 
 
 def test_a_row_above_the_noise_threshold_is_noisy_never_ok():
@@ -268,8 +276,8 @@ def test_dead_worker_costs_one_error_row_and_the_sweep_continues(tmp_path):
     out = sweep.Collected()
     sweep.run_group(cfg, items, [], out, lambda k, d: None, str(tmp_path), spawn)
     assert spawned == [[0, 1, 2, 3], [2, 3]]
-    assert [out.rows[i]["status"] for i in range(4)] == ["ok", "error", "ok", "ok"]
-    assert "signal 9" in out.rows[1]["message"] and "Killed" in out.rows[1]["message"]
+    assert [[r["status"] for r in out.rows[i]] for i in range(4)] == [["ok"], ["error"], ["ok"], ["ok"]]
+    assert "signal 9" in out.rows[1][0]["message"] and "Killed" in out.rows[1][0]["message"]
 
 
 def test_failing_item_in_worker_becomes_error_row(monkeypatch):
@@ -283,9 +291,9 @@ def test_failing_item_in_worker_becomes_error_row(monkeypatch):
             raise RuntimeError("out of memory: tried to allocate 64 GiB")
 
     group = [(0, _impl("ours-jax:jit:fused"), CASE, "fwd")]
-    rows, v = worker.run_group({"jax": Broken}, group, _worker_spec(), Timing(), FakeClock())
+    rows, probes = worker.run_group({"jax": Broken}, group, _worker_spec(), Timing(), FakeClock())
     row = rows[0][1]
-    assert row["status"] == "error" and v is None
+    assert row["status"] == "error" and probes == []
     assert row["message"].startswith("RuntimeError: out of memory")
     assert set(ROW_FIELDS) <= set(row)
 
@@ -385,8 +393,14 @@ def _fake_group(keys, costs, outputs=None, **spec):
     clock, log = FakeClock(), []
     group = [(i, _impl(k), CASE, "fwd") for i, k in enumerate(keys)]
     mods = {fw: FakeMod(clock, log, costs, outputs) for fw in ("torch", "jax")}
-    rows, v = worker.run_group(mods, group, _worker_spec(**spec), Timing(warmup=1, min_repeats=8, max_repeats=8), clock)
-    return dict(rows), v, log
+    rows, _ = worker.run_group(mods, group, _worker_spec(**spec), Timing(warmup=1, min_repeats=8, max_repeats=8), clock)
+    rows = dict(rows)
+    timed = {s: r for s, r in rows.items() if r["status"] in ("ok", "noisy")}
+    pair = verdict.choose_pair({s: keys[s] for s in timed}, {s: _impl(keys[s]).framework for s in timed},
+                               {s: r["median_s"] for s, r in timed.items()}, spec.get("verdict"))
+    v = None if pair is None else verdict.compute(
+        "case", "fwd", keys[pair[0]], [rows[pair[0]]["samples"]], keys[pair[1]], [rows[pair[1]]["samples"]])
+    return rows, v, log
 
 
 @pytest.mark.parametrize("planted", ["negated", "time-reversed"])
@@ -562,7 +576,9 @@ def test_torch_and_jax_implementations_of_a_case_are_timed_in_one_rotation(monke
     assert rounds[0] == keys and rounds[1] == keys[::-1] and rounds[2] == keys
     assert (v["faster"], v["slower"]) == ("ours-jax:jit:fused", "torch-sdpa-core:eager:fused")
     assert v["ratio"] == pytest.approx(2.0) and v["ci"] == [pytest.approx(2.0)] * 2 and v["repeats"] == 8
-    assert v["conclusive"]
+    assert rows[0]["samples"] == [[3.0] * 4] * 2 and (rows[0]["rounds"], rows[0]["processes"]) == (2, 1)
+    # One worker process cannot show the run-to-run spread: the samples alone are not conclusive.
+    assert not v["conclusive"] and "one worker process" in verdict.sample_reason(v)
     _, named, _ = _fake_group(keys, costs, verdict=["ours-torch:eager:fused", "ours-jax:jit:weights"])
     assert (named["faster"], named["slower"], named["ratio"]) == ("ours-torch:eager:fused", "ours-jax:jit:weights",
                                                                 pytest.approx(4 / 3))
@@ -585,14 +601,14 @@ def test_sampling_stops_once_the_interval_is_narrow_enough():
                1: measure.Bench(step=lambda: clock.advance(2.0), sync=lambda out: None)}
     checks = []
 
-    def settled(times):
-        checks.append(len(times[0]))
-        return len(times[0]) >= 12
+    def settled(rounds):  # rounds of 4 repeats
+        checks.append(len(rounds[0]))
+        return len(rounds[0]) >= 12
 
-    times, _ = measure.sample(benches, Timing(min_repeats=8, max_repeats=100, budget_s=1e9), clock, settled=settled)
-    assert checks[0] == 8 and len(times[0]) == len(times[1]) == checks[-1] >= 12
-    assert len(times[0]) < 100  # the budget is far: the interval stopped it
-    assert checks == sorted(set(checks)) and len(checks) < len(times[0]) - 7  # not after every round
+    times, _, _ = measure.sample(benches, Timing(min_repeats=8, max_repeats=400, budget_s=1e9), clock, settled=settled)
+    assert checks[0] == 2 and len(times[0]) == len(times[1]) == checks[-1] >= 12
+    assert len(measure.flat(times[0])) < 400  # the budget is far: the interval stopped it
+    assert checks == sorted(set(checks)) and len(checks) < len(times[0]) - 2  # not after every round
 
 
 # ---------------------------------------------------------------- compare: the noise rule
@@ -739,11 +755,12 @@ def test_a_row_above_the_peak_keeps_its_numbers_marked_in_table_ratio_and_markdo
     items = sweep.plan(cfg)
     flops = pass_flops(CASE, "fwd")
     out = sweep.Collected(peaks=[{"dtype": "float32", "gflops": 100.0}])
-    out.rows = {items[0].id: _ok_row(median_s=flops / 50e9) | {"impl": "torch-sdpa-core"},
-                items[1].id: _ok_row(median_s=flops / 150e9)}  # 150 GFLOP/s > the 100 peak: planted
+    out.rows = {items[0].id: [_ok_row(median_s=flops / 50e9) | {"impl": "torch-sdpa-core"}],
+                items[1].id: [_ok_row(median_s=flops / 150e9)]}  # 150 GFLOP/s > the 100 peak: planted
     rows = sweep.finish(items, out)
     assert [r["status"] for r in rows] == ["ok", "error"]
-    assert rows[1]["ratio"] == pytest.approx(50 / 150)  # against the ok row, not itself
+    # Against the measured row: ours-torch fused, the default baseline, is rejected, so not itself.
+    assert rows[1]["ratio"] == pytest.approx(50 / 150) and rows[1]["baseline"] == "torch-sdpa-core:eager:fused"
     cells = report._cells(rows[1])
     assert cells[5] == "0.33× (error)" and cells[6] == "150.0 (error)"
     console = report.Console(file=io.StringIO(), width=300)
@@ -884,9 +901,16 @@ def test_plot_has_a_title_and_draws_error_rows(tmp_path, monkeypatch):
     rows[7] = rows[7] | {"status": "error", "message": "exceeds"}  # in another series
     env = {"device": "cpu", "cpu_model": "Fake CPU", "preset": "quick", "precision": "highest"}
     path = tmp_path / "b.png"
-    report.write_plot(str(path), rows, env)
+    v = {"case": "B=1 T=64 S=64 E=32 N=4 float32", "pass": "fwd", "faster": "a:jit:fused", "slower": "b:eager:fused",
+         "ratio": 1.5, "ci": [1.4, 1.6], "conclusive": False, "repeats": 48, "reason": "interference during the run"}
+    report.write_plot(str(path), rows, env, [v])
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert titles == ["mha-bench: device cpu (Fake CPU), preset quick, precision highest"]
+    # The rows: one implementation in float32 at (B, E) = (1, 32), (2, 64), (4, 64), T = S = 64, 128, and
+    # the next dtype's first two; N = 4 everywhere, the classic layer without a mask.
+    assert titles == ["mha-bench: E=32,64 N=4 K=4 RoPE=none bias=all mask=none B=1,2,4 T=64,128 S=64,128 "
+                      "bfloat16,float32\ndevice cpu (Fake CPU), preset quick, precision highest\n"
+                      "fwd B=1 T=64 S=64 E=32 N=4 float32: a:jit:fused 1.5x faster than b:eager:fused, 95% CI 1.4-1.6, "
+                      "inconclusive (interference during the run)"]
     assert markers.count((1, "X")) == 4  # two error rows, each on the time and the GFLOP/s axes
     assert legends[0].count("error row (measured, not trusted)") == 1 and legends[0][-1].startswith("error row")
 
@@ -896,66 +920,122 @@ def test_plot_has_a_title_and_draws_error_rows(tmp_path, monkeypatch):
 from parity.bench import verdict  # noqa: E402
 
 
+def _nested(values, procs=2, rounds=5):
+    """Flat per-pair values cut into processes -> rounds -> pairs."""
+    values = list(values)
+    n = len(values) // (procs * rounds)
+    return [[values[(p * rounds + r) * n:(p * rounds + r + 1) * n] for r in range(rounds)] for p in range(procs)]
+
+
 def _load(n, seed=0):
-    """A common-mode load factor per round, 1x to 5x: what a busy machine does to both calls of a round."""
+    """A common-mode load factor per pair, 1x to 5x: what a busy machine does to both calls of a pair."""
     return np.random.default_rng(seed).uniform(1.0, 5.0, n)
+
+
+OK_ROWS = {"A": {"status": "ok"}, "B": {"status": "ok"}}
 
 
 def test_a_clear_difference_is_conclusive_with_its_ratio_inside_the_interval():
     load = _load(40)
     jitter = np.random.default_rng(1).normal(1.0, 0.01, 40)
     a = 0.010 * load
-    b = 0.013 * load * jitter  # B takes 1.3x A's time in every round, within 1 %
-    v = verdict.compute("case", "fwd", "A", a, "B", b)
-    assert (v["faster"], v["slower"], v["repeats"]) == ("A", "B", 40)
+    b = 0.013 * load * jitter  # B takes 1.3x A's time in every pair, within 1 %
+    v = verdict.compute("case", "fwd", "A", _nested(a), "B", _nested(b))
+    assert (v["faster"], v["slower"], v["repeats"], v["rounds"], v["processes"]) == ("A", "B", 40, 10, 2)
     assert v["ci"][0] < 1.3 < v["ci"][1] and v["ci"][0] > 1.25 and v["ci"][1] < 1.35
     assert v["conclusive"] and verdict.settled(v)
+    assert verdict.finalize(v, OK_ROWS)["conclusive"]
     # Swapped arguments give the same verdict, oriented the same way.
-    w = verdict.compute("case", "fwd", "B", b, "A", a)
+    w = verdict.compute("case", "fwd", "B", _nested(b), "A", _nested(a))
     assert (w["faster"], w["slower"]) == ("A", "B") and w["ratio"] == pytest.approx(v["ratio"])
     assert w["ci"] == pytest.approx(v["ci"])
 
 
 def test_pairing_cancels_a_common_load_that_unpaired_samples_cannot():
-    load = _load(30, seed=2)
-    a, b = 0.010 * load, 0.011 * load  # exactly 1.1x in every round, under a 1x-5x load
-    paired = verdict.compute("c", "fwd", "A", a, "B", b, paired=True)
-    unpaired = verdict.compute("c", "fwd", "A", a, "B", b, paired=False)
+    load = _load(40, seed=2)
+    a, b = 0.010 * load, 0.011 * load  # exactly 1.1x in every pair, under a 1x-5x load
+    paired = verdict.compute("c", "fwd", "A", _nested(a), "B", _nested(b), paired=True)
+    unpaired = verdict.compute("c", "fwd", "A", _nested(a), "B", _nested(b), paired=False)
     assert paired["ci"] == [pytest.approx(1.1), pytest.approx(1.1)] and paired["conclusive"]
     assert unpaired["ci"][0] < 1.0 < unpaired["ci"][1] and not unpaired["conclusive"]
 
 
+def test_a_shift_between_rounds_widens_the_interval_that_resampling_pairs_alone_would_not():
+    """The same pairs, 1 % apart within each round; in the second sample the rounds' ratios differ
+    (1.2x or 1.4x, as the machine's state changed between them): the hierarchical interval must
+    cover that spread. A bootstrap over the pooled pairs (what the interval was before) stays narrow."""
+    rng = np.random.default_rng(4)
+    noise = rng.normal(1.0, 0.01, 40)
+    steady = verdict.compute("c", "fwd", "A", _nested([1.0] * 40), "B", _nested(1.3 * noise))
+    shifts = np.repeat([1.2, 1.4] * 5, 4)  # a ratio per round of 4 pairs, alternating
+    shifted = verdict.compute("c", "fwd", "A", _nested([1.0] * 40), "B", _nested(shifts * noise))
+    width = lambda v: v["ci"][1] / v["ci"][0]  # noqa: E731
+    assert width(steady) < 1.02 and width(shifted) > 1.10
+    pooled = verdict.hierarchical_interval([[list(np.log(shifts * noise))]])  # one process, one round
+    assert pooled[1] is None  # one round gives no interval at all: never a tight one
+
+
+def test_a_shift_between_processes_makes_the_verdict_inconclusive():
+    """Two worker processes, each tight on its own: B 1.3x slower in the first, 1.3x faster in the
+    second (a run-to-run flip). Within either process the interval excludes 1; across them it must not."""
+    noise = np.random.default_rng(5).normal(1.0, 0.01, 40)
+    b = np.concatenate([1.3 * noise[:20], noise[20:] / 1.3])
+    v = verdict.compute("c", "fwd", "A", _nested([1.0] * 40), "B", _nested(b))
+    first = verdict.compute("c", "fwd", "A", _nested([1.0] * 20, procs=1), "B", _nested(b[:20], procs=1))
+    assert verdict.excludes_one(first["ci"])
+    assert v["ci"][0] < 1.0 < v["ci"][1] and not verdict.finalize(v, OK_ROWS)["conclusive"]
+    assert verdict.finalize(v, OK_ROWS)["reason"].startswith("the interval contains 1")
+
+
 def test_no_real_difference_is_inconclusive_and_says_why():
     rng = np.random.default_rng(3)
-    a = 0.010 * rng.lognormal(0.0, 0.2, 30)
-    b = 0.010 * rng.lognormal(0.0, 0.2, 30)  # the same distribution: the interval must contain 1
-    v = verdict.compute("c", "fwd", "A", a, "B", b)
+    a = 0.010 * rng.lognormal(0.0, 0.2, 40)
+    b = 0.010 * rng.lognormal(0.0, 0.2, 40)  # the same distribution: the interval must contain 1
+    v = verdict.compute("c", "fwd", "A", _nested(a), "B", _nested(b))
     assert v["ci"][0] < 1.0 < v["ci"][1] and not v["conclusive"]
-    rows = {"A": {"status": "ok"}, "B": {"status": "ok"}}
-    assert "interval contains 1" in verdict.why_inconclusive(verdict.finalize(v, rows), rows)
-    assert verdict.sentence(verdict.finalize(v, rows), rows).startswith("inconclusive (the interval contains 1")
+    final = verdict.finalize(v, OK_ROWS)
+    assert final["reason"] == verdict.why_inconclusive(final, OK_ROWS) and "interval contains 1" in final["reason"]
+    assert verdict.sentence(final, OK_ROWS).startswith("inconclusive (the interval contains 1")
 
 
-def test_too_few_repeats_or_a_noisy_row_is_never_conclusive():
-    few = verdict.compute("c", "fwd", "A", [1.0] * 5, "B", [2.0] * 5)
-    assert few["ci"] == [2.0, 2.0] and not few["conclusive"]  # the interval excludes 1, but 5 < MIN_PAIRS
-    ok = {"A": {"status": "ok"}, "B": {"status": "ok"}}
-    assert verdict.why_inconclusive(few, ok) == f"too few repeats (5 < {verdict.MIN_PAIRS})"
-    enough = verdict.compute("c", "fwd", "A", [1.0] * 8, "B", [2.0] * 8)
-    assert verdict.finalize(enough, ok)["conclusive"]
-    for status in ("noisy", "error"):
-        rows = {"A": {"status": "ok"}, "B": {"status": status}}
-        final = verdict.finalize(enough, rows)
-        assert not final["conclusive"] and verdict.why_inconclusive(final, rows) == f"B is {status}"
+def test_too_few_processes_or_rounds_or_interference_or_an_error_row_is_never_conclusive_a_noisy_row_is():
+    twice = [[[1.0] * 4] * 3] * 2  # 2 processes x 3 rounds x 4 pairs
+    doubled = [[[2.0] * 4] * 3] * 2
+    enough = verdict.compute("c", "fwd", "A", twice, "B", doubled)
+    assert enough["ci"] == [2.0, 2.0] and verdict.finalize(enough, OK_ROWS)["conclusive"]
+    one = verdict.compute("c", "fwd", "A", twice[:1], "B", doubled[:1])
+    assert not one["conclusive"] and "one worker process" in verdict.finalize(one, OK_ROWS)["reason"]
+    few = verdict.compute("c", "fwd", "A", [r[:2] for r in twice], "B", [r[:2] for r in doubled])
+    assert verdict.finalize(few, OK_ROWS)["reason"] == f"too few rounds (4 < {verdict.MIN_ROUNDS})"
+    # A row's own spread no longer vetoes a tight paired interval; it stays noisy for the reader.
+    noisy = {"A": {"status": "ok"}, "B": {"status": "noisy"}}
+    assert verdict.finalize(enough, noisy)["conclusive"]
+    err = {"A": {"status": "ok"}, "B": {"status": "error"}}
+    assert verdict.finalize(enough, err)["reason"] == "B is error"
+    disturbed = verdict.finalize(enough, OK_ROWS, ["worker process 1: other processes used 1.00 cores"])
+    assert not disturbed["conclusive"] and disturbed["reason"].startswith("interference during the run: worker process 1")
+    assert verdict.sentence(disturbed).startswith("inconclusive (interference during the run")
+
+
+def test_a_single_round_has_no_interval_and_writes_as_null(tmp_path):
+    v = verdict.compute("B=1 T=16 S=16 E=32 N=2 float32", "fwd", "A", [[[1.0]]], "B", [[[2.0]]])
+    assert v["ci"] is None and v["ratio"] == pytest.approx(2.0) and not verdict.settled(v)
+    final = verdict.finalize(v, OK_ROWS)
+    assert "no interval" in verdict.sentence(final)
+    path = tmp_path / "v.json"
+    row = _ok_row(median_s=1e-3)
+    report.write_json(str(path), [row], _env(), [final])  # allow_nan=False: an infinite bound would raise here
+    loaded = report.load(str(path))
+    assert loaded["verdicts"][0]["ci"] is None and loaded["verdicts"][0]["reason"] == final["reason"]
 
 
 def test_settled_is_a_half_width_within_five_percent_of_the_ratio():
     base = {"ratio": 2.0, "conclusive": True, "repeats": 20}
     assert verdict.settled({**base, "ci": [1.91, 2.09]})  # half-width 0.09 < 5 % of 2
     assert not verdict.settled({**base, "ci": [1.89, 2.11]})  # 0.11 > 0.1
-    assert not verdict.settled({**base, "ci": [-np.inf, np.inf]})
-    with pytest.raises(ValueError, match="paired samples must be as many"):
-        verdict.compute("c", "fwd", "A", [1.0, 1.0], "B", [1.0])
+    assert not verdict.settled({**base, "ci": None})
+    with pytest.raises(ValueError, match="paired samples need the same processes"):
+        verdict.compute("c", "fwd", "A", [[[1.0]], [[1.0]]], "B", [[[1.0]]])
 
 
 def test_compare_calls_a_noisy_row_noisy_whatever_its_change():

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from parity.bench import cli, sweep
+from parity.bench import cli, sweep, verdict
 from parity.bench.spec import PRESETS, ROW_FIELDS
 
 TINY = [
@@ -170,17 +170,20 @@ def test_list_plans_without_running():
 
 # ---------------------------------------------------------------- exit codes (fake workers)
 
-from parity.bench import report  # noqa: E402
+from parity.bench import measure, report  # noqa: E402
 from parity.bench.spec import IMPLS, BenchCase, empty_row  # noqa: E402
 from test_bench import FakeProc  # noqa: E402
 
 FAST = [*TINY, "--impls", "ours-torch:eager:fused,torch-sdpa-core", "--passes", "fwd", "--isolation", "run"]
 
 
-def fake_spawn(calls, fail=(), noisy=(), verdicts=()):
-    """A worker launcher that runs nothing: ok rows (1 ms) unless the implementation is in `fail`
-    (an error row) or `noisy` (IQR 50 % of the median); `verdicts` are sent as the worker would."""
+def fake_spawn(calls, fail=(), load=(1.0,), cost=None, probes=()):
+    """A worker launcher that runs nothing: rows of 3 rounds of 4 calls, each call `cost[key]` (default
+    1 ms) times the load of its repeat (`load`, cycled: the same for every implementation, as a
+    machine's load is for the calls of one repeat), or an error row for an implementation in `fail`;
+    `probes` (the interference probe's records) follow every group."""
     impls = {im.bench_key: im for im in IMPLS}
+    factors = [load[i % len(load)] for i in range(4)]
 
     def spawn(spec, env):
         calls.append(spec)
@@ -188,28 +191,31 @@ def fake_spawn(calls, fail=(), noisy=(), verdicts=()):
                  for p in spec["peaks"]]
         for item in spec["items"]:
             ok = item["impl"] not in fail
-            status = "error" if not ok else ("noisy" if item["impl"] in noisy else "ok")
+            samples = [[(cost or {}).get(item["impl"], 1e-3) * f for f in factors]] * 3
+            stats = measure.summarize(measure.flat(samples))
             row = empty_row(impls[item["impl"]], BenchCase.of(**item["case"]), item["pass"], device=spec["device"]["name"],
-                            status=status, median_s=1e-3 if ok else None,
-                            iqr_s=(5e-4 if status == "noisy" else 1e-5) if ok else None,
-                            message=None if status == "ok" else "RuntimeError: boom" if not ok else "noisy: IQR")
+                            status="error" if not ok else "noisy" if stats.noise() else "ok",
+                            median_s=stats.median_s if ok else None, iqr_s=stats.iqr_s if ok else None,
+                            message=stats.noise() if ok else "RuntimeError: boom", repeats=12, rounds=3, processes=1,
+                            samples=samples if ok else None)
             lines += [f"@@START\t{item['id']}", f"@@ROW\t{json.dumps({'id': item['id'], **row})}"]
-        lines += [f"@@VERDICT\t{json.dumps(v)}" for v in verdicts]
+        record = {"items": [item["id"] for item in spec["items"]], "probes": list(probes), "threads": 1}
+        lines.append(f"@@PROBES\t{json.dumps(record)}")
         return FakeProc(lines, rc=0)
 
     return spawn
 
 
-def _run(argv, fail=(), noisy=(), verdicts=()):
+def _run(argv, fail=(), **kw):
     calls, console = [], _console()
-    rc = cli.main(argv, console=console, spawn=fake_spawn(calls, fail, noisy, verdicts))
+    rc = cli.main(argv, console=console, spawn=fake_spawn(calls, fail, **kw))
     return rc, console.file.getvalue(), calls
 
 
 def test_all_ok_exits_0_and_skipped_float16_rows_do_not_fail_a_cpu_run():
     rc, text, calls = _run([*FAST, "--dtypes", "float32,float16"])
     assert rc == 0, text
-    assert "float16 not benchmarked on CPU" in text and len(calls) == 1
+    assert "float16 not benchmarked on CPU" in text and len(calls) == 2  # one worker per process (--processes 2)
 
 
 def test_variant_flags_make_the_cases_and_each_implementation_runs_what_it_declares():
@@ -322,29 +328,55 @@ def test_a_calibration_loop_that_changed_speed_is_interference():
     assert cli.calibration_warning(1.0, None) is None
 
 
-def _verdict(conclusive=True, **kw):
-    case = BenchCase.of(1, 16, 16, 32, 2, "float32")
-    return {"case": case.label, "pass": "fwd", "faster": "torch-sdpa-core:eager:fused",
-            "slower": "ours-torch:eager:fused", "ratio": 1.5, "ci": [1.4, 1.6], "conclusive": conclusive,
-            "repeats": 20, **kw}
+SDPA, OURS = "torch-sdpa-core:eager:fused", "ours-torch:eager:fused"
 
 
-def test_noisy_rows_are_measured_but_never_ok_nor_a_conclusive_verdict(tmp_path):
+@pytest.fixture
+def quiet_machine(monkeypatch):
+    """The parent's own checks (load average, calibration before and after) see a quiet machine, whatever
+    this one does while the tests run: what the fake workers' probes say is then all there is."""
+    monkeypatch.setattr(cli, "_loadavg", lambda: [0.0, 0.0, 0.0])
+    monkeypatch.setattr(cli, "calibrate", lambda: 0.01)
+
+
+def test_noisy_rows_are_measured_and_do_not_veto_a_tight_paired_verdict(tmp_path, quiet_machine):
+    """Both rows' calls swing by 60 % with the load of their repeat (IQR/median > 10 %: noisy), but
+    ours takes 1.5x SDPA's time in every pair: the paired interval is tight and the verdict conclusive."""
     out = tmp_path / "b.json"
     seq16 = [a if a != "16,32" else "16" for a in FAST]
-    rc, text, _ = _run([*seq16, "--json", str(out)], noisy=("ours-torch:eager:fused",), verdicts=[_verdict()])
+    rc, text, calls = _run([*seq16, "--json", str(out)], load=(1.0, 1.6), cost={OURS: 1.5e-3})
     assert rc == 0, text  # noisy is not a failure of the implementation: the exit code is unchanged
     data = json.loads(out.read_text())
-    assert [r["status"] for r in data["rows"]] == ["noisy", "ok"]
-    # The worker's samples excluded 1, but one row is noisy: the verdict is not conclusive, and says why.
-    assert data["verdicts"][0]["conclusive"] is False
-    assert "inconclusive (ours-torch:eager:fused is noisy)" in " ".join(text.split())
-    rc, text, _ = _run([*seq16, "--json", str(out)], verdicts=[_verdict()])
-    assert json.loads(out.read_text())["verdicts"][0]["conclusive"] is True
-    assert ("torch-sdpa-core:eager:fused is 1.5x faster than ours-torch:eager:fused (95% CI 1.4-1.6, 20 repeats)"
+    assert data["schema"] == "mha-bench/3" and len(calls) == 2
+    assert [(r["status"], r["processes"], r["rounds"], r["repeats"]) for r in data["rows"]] == [("noisy", 2, 6, 24)] * 2
+    v = data["verdicts"][0]
+    assert (v["faster"], v["slower"], v["conclusive"], v["processes"], v["rounds"]) == (SDPA, OURS, True, 2, 6)
+    assert v["ratio"] == pytest.approx(1.5) and v["ci"] == [pytest.approx(1.5)] * 2 and v["reason"] is None
+    assert (f"{SDPA} is 1.5x faster than {OURS} (95% CI 1.5-1.5, 2 processes, 6 rounds, 24 repeats)"
             in " ".join(text.split()))  # the line folds at 100 columns
-    assert list(json.loads(out.read_text())["verdicts"][0]) == [
-        "case", "pass", "faster", "slower", "ratio", "ci", "conclusive", "repeats"]
+    assert list(v) == list(verdict.VERDICT_FIELDS)
+    # One process: the same samples are not conclusive, and the verdict says why.
+    rc, text, _ = _run([*seq16, "--processes", "1", "--json", str(out)], cost={OURS: 1.5e-3})
+    v = json.loads(out.read_text())["verdicts"][0]
+    assert not v["conclusive"] and "one worker process" in v["reason"] and "inconclusive (one worker" in text
+
+
+def test_interference_during_the_run_makes_every_verdict_inconclusive_and_says_so(tmp_path, quiet_machine):
+    """The probes of the rounds say another process used a core (others_cpu 1.0): the clear 1.5x of
+    the test above is then not conclusive, the console warns, the JSON records why."""
+    out = tmp_path / "b.json"
+    seq16 = [a if a != "16,32" else "16" for a in FAST]
+    busy = [{"calib_s": 1e-3, "loadavg": 0.0, "others_cpu": 1.0}] * 3
+    rc, text, _ = _run([*seq16, "--json", str(out)], cost={OURS: 1.5e-3}, probes=busy)
+    assert rc == 0, text
+    data = json.loads(out.read_text())
+    v = data["verdicts"][0]
+    assert not v["conclusive"] and v["reason"].startswith("interference during the run: worker process 1: other processes")
+    assert any("other processes used 1.00 cores" in w for w in data["environment"]["interference"])
+    assert "interference: worker process 1: other processes used 1.00 cores" in " ".join(text.split())
+    quiet = [{"calib_s": 1e-3, "loadavg": 0.0, "others_cpu": 0.1}] * 3
+    _run([*seq16, "--json", str(out)], cost={OURS: 1.5e-3}, probes=quiet)
+    assert json.loads(out.read_text())["verdicts"][0]["conclusive"]
 
 
 @pytest.mark.parametrize("pair, message", [

@@ -42,8 +42,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from mha_spec.files import writable_problem
-from parity.bench import report, sweep
-from parity.bench.spec import BIASES, DTYPES, IMPLS, MEASURED, PASSES, PRESETS, BenchCase, select_impls
+from parity.bench import report, sweep, verdict
+from parity.bench.spec import BIASES, DTYPES, IMPLS, MASKS, MEASURED, PASSES, PRESETS, BenchCase, select_impls
 from mha_spec import ROPE_CONVENTIONS
 from parity.impls import load_user_impl
 from parity.cli_args import comma_separated, nonnegative_int, positive_float, positive_int
@@ -71,7 +71,11 @@ def run_parser() -> argparse.ArgumentParser:
                    help="also time your own implementation (a parity.impls.Implementation), e.g. parity.examples.jax_port:port")
     p.add_argument("--passes", type=comma_separated(PASSES, nonempty=True), help="fwd,fwd+bwd")
     p.add_argument("--dtypes", type=comma_separated(tuple(DTYPES), nonempty=True), help="float32,bfloat16,float16")
-    p.add_argument("--seq", type=_ints, help="sequence lengths (T = S), e.g. 256,1024")
+    p.add_argument("--seq", type=_ints, help="query lengths T (and key lengths S = T unless --kv-seq), e.g. 256,1024")
+    p.add_argument("--kv-seq", type=_ints, metavar="S,..", help="key/value lengths S (default: S = T): T != S cases")
+    p.add_argument("--mask", type=comma_separated(MASKS, nonempty=True), metavar="none,causal,padding",
+                   help="keep-mask of every case: none (default); causal, bottom-right aligned (needs T <= S); "
+                   "padding (batch row b keeps its first S - floor(b*S/2B) keys)")
     p.add_argument("--max-seq", type=positive_int, help="drop preset lengths above this")
     p.add_argument("--batch", type=_ints)
     p.add_argument("--embed", type=_ints)
@@ -87,6 +91,12 @@ def run_parser() -> argparse.ArgumentParser:
                    help="highest: pin float32 matmuls to full precision in both frameworks (default)")
     p.add_argument("--budget", type=positive_float, help="seconds of timed repeats per item (overrides the preset)")
     p.add_argument("--min-repeats", type=positive_int)
+    p.add_argument("--processes", type=positive_int, default=2,
+                   help="independent worker processes per case, one after the other (default 2; a verdict needs "
+                   f"at least {verdict.MIN_PROCESSES} to be conclusive)")
+    p.add_argument("--baseline", metavar="KEY",
+                   help="the implementation (full key) the ratio column is taken against (default: ours-torch fused, "
+                   "else ours-jax fused, else the first measured)")
     p.add_argument("--peak-sizes", type=_ints, help="square matmul sizes for the measured peak (overrides the preset)")
     p.add_argument("--isolation", choices=("case", "run"),
                    help="one worker (both frameworks) per case, or one for the whole run (default: the preset's)")
@@ -125,9 +135,10 @@ def build_config(args) -> sweep.RunConfig:
         dtypes = (*dtypes, "float16")  # native half matmuls on GPUs; CPU runs skip float16
     ropes = tuple(None if r == "none" else r for r in (args.rope or ("none",)))
     cases = tuple(dict.fromkeys(
-        BenchCase.of(b, s, s, e, h, d, kv_heads=kv or h, rope=rope, bias=args.bias)
+        BenchCase.of(b, s, kv_s or s, e, h, d, kv_heads=kv or h, rope=rope, bias=args.bias, mask=mask)
         for d in dtypes for b in (args.batch or preset.batch) for e in (args.embed or preset.embed)
-        for h in (args.heads or preset.heads) for kv in (args.kv_heads or (None,)) for rope in ropes for s in seqs
+        for h in (args.heads or preset.heads) for kv in (args.kv_heads or (None,)) for rope in ropes
+        for mask in (args.mask or ("none",)) for s in seqs for kv_s in (args.kv_seq or (None,))
     ))
     timing = preset.timing
     if args.budget is not None:
@@ -142,11 +153,14 @@ def build_config(args) -> sweep.RunConfig:
     if args.peak_sizes:
         preset = replace(preset, peak_sizes=args.peak_sizes)
     pair = _verdict_pair(args.verdict, impls) if args.verdict is not None else None
+    if args.baseline is not None and args.baseline not in [im.bench_key for im in impls]:
+        raise ValueError(f"--baseline {args.baseline} is not among the selected implementations: "
+                         f"{', '.join(im.bench_key for im in impls)}")
     return sweep.RunConfig(
         preset=preset, plan=plan, impls=impls, cases=cases, user_impls=tuple(args.impl),
         passes=args.passes or preset.passes, threads=args.threads, precision=args.precision, seed=args.seed,
         isolation=args.isolation or preset.isolation, interleave=not args.sequential, item_timeout_s=args.item_timeout, timing=timing,
-        verdict=pair,
+        verdict=pair, processes=args.processes, baseline=args.baseline,
     )
 
 
@@ -186,12 +200,14 @@ def _warn(console: Console, text: str) -> None:
     console.print(text, style="yellow", markup=False, width=min(console.width, report.CONSOLE_WIDTH))
 
 
-def load_warning(when: str, load, cores: int | None) -> str | None:
-    """Interference: the 1-minute load average at or above half the cores."""
-    if not load or not cores or load[0] < cores / 2:
+def load_warning(when: str, load, cores: int | None, own: int = 0) -> str | None:
+    """Interference: the 1-minute load average, less `own` (the threads of the run's own workers,
+    whose load it still holds at the end), at or above half the cores."""
+    if not load or not cores or load[0] - own < cores / 2:
         return None
-    return (f"interference: load average {load[0]:.2f} at the {when} of the run is at or above half the {cores} cores: "
-            "other processes compete for the CPU; rows may turn noisy and verdicts inconclusive")
+    less = f", less the workers' {own} thread(s)," if own else ""
+    return (f"interference: load average {load[0]:.2f} at the {when} of the run{less} is at or above half the "
+            f"{cores} cores: other processes compete for the CPU; verdicts are inconclusive")
 
 
 CALIBRATION_DRIFT = 0.25  # the calibration loop slowing or speeding by more than this is interference
@@ -226,7 +242,7 @@ def _execute(cfg, items, no_progress: bool, console: Console, spawn):
         console=console, disable=no_progress, transient=True,
     )
     with progress:
-        task = progress.add_task("mha-bench", total=len(items))
+        task = progress.add_task("mha-bench", total=sum(1 if it.skip else cfg.processes for it in items))
 
         def on_event(kind, data):
             if kind == "start":
@@ -252,10 +268,13 @@ def write_outputs(outputs, rows, env: dict, console: Console, keep_results: bool
             failed.append(flag)
             _error(console, f"mha-bench: error: could not write {flag} {path}: {type(e).__name__}: {e}")
     if failed and keep_results and not json_written:
-        fd, fallback = tempfile.mkstemp(prefix="mha-bench-results-", suffix=".json")
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(report.to_json(rows, env, verdicts), f, indent=1, allow_nan=False)
-        _error(console, f"mha-bench: the results are kept in {fallback}")
+        try:
+            fd, fallback = tempfile.mkstemp(prefix="mha-bench-results-", suffix=".json")
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(report.to_json(rows, env, verdicts), f, indent=1, allow_nan=False)
+            _error(console, f"mha-bench: the results are kept in {fallback}")
+        except Exception as e:  # noqa: BLE001 - the temporary directory may be full too: say so, no traceback
+            _error(console, f"mha-bench: error: the results could not be kept either: {type(e).__name__}: {e}")
     return not failed
 
 
@@ -290,7 +309,8 @@ def run(argv, console: Console, spawn=None) -> int:
     if cfg.plan.skip_reason:
         _warn(console, f"mha-bench: {cfg.plan.skip_reason}: every item is a skip row")
     load_start, calib_start = _loadavg(), calibrate()
-    start_text = load_warning("start", load_start, os.cpu_count())
+    cores = os.cpu_count()
+    start_text = load_warning("start", load_start, cores)
     if start_text:
         _warn(console, start_text)
     collected = _execute(cfg, items, args.no_progress, console, spawn)
@@ -299,16 +319,19 @@ def run(argv, console: Console, spawn=None) -> int:
         load_end, calib_end = _loadavg(), None
     else:
         load_end, calib_end = _loadavg(), calibrate()
-    rows = sweep.finish(items, collected)
-    vs = sweep.finish_verdicts(items, rows, collected)
-    end_texts = [t for t in (load_warning("end", load_end, os.cpu_count()), calibration_warning(calib_start, calib_end)) if t]
+    rows = sweep.finish(items, collected, cfg.baseline)
+    own = max((len(e.get("cpus") or ()) for e in collected.envs.values()), default=0)
+    end_texts = [t for t in (load_warning("end", load_end, cores, own), calibration_warning(calib_start, calib_end)) if t]
     interference = [t for t in (start_text, *end_texts) if t]
+    vs = sweep.finish_verdicts(cfg, items, rows, collected, interference, cores)
+    interference += list(dict.fromkeys(t for v in vs for t in v["interference"] if t not in interference))
     env = {"loadavg_start": load_start, **sweep.bench_environment(cfg, collected), "loadavg_end": load_end,
            "calibration_s": [calib_start, calib_end], "interference": interference, "interrupted": collected.interrupted}
     report.print_table(rows, console)
     report.print_verdicts(vs, rows, console)
-    for text in end_texts:
-        _warn(console, text)
+    for text in interference:
+        if text != start_text:
+            _warn(console, text if text.startswith("interference") else f"interference: {text}")
     written = write_outputs(outputs, rows, env, console, verdicts=vs)
     if collected.interrupted:
         return EXIT_INTERRUPTED

@@ -15,10 +15,11 @@ import numpy as np
 from mha_jax import kernels
 
 from parity.bench.measure import Bench, CpuPeakRss
-from parity.bench.spec import BenchCase, canonical_weights, make_inputs, rope_positions
+from parity.bench.spec import DTYPES, BenchCase, canonical_weights, keep_mask, make_inputs, rope_positions
 from parity.env import pin_jax
 from parity.impls import Implementation
 from parity.impls.jax_impls import JaxRunner
+from parity.impls.registry import mask_for
 
 
 def setup(device: str, precision: str) -> dict:
@@ -46,20 +47,27 @@ def sync(out):
 
 
 def _program(runner: JaxRunner, built, pass_: str):
-    """The registered implementation (the harness's adapter) as a jitted f(params, q, k, v)."""
+    """The registered implementation (the harness's adapter) as a jitted f(params, q, k, v, mask); the
+    mask (the case's keep-mask in the implementation's convention, or None) is an argument, not a constant."""
 
-    def f(params, q, k, v):
-        return runner.call(built, q, k, v, params=params)
+    def f(params, q, k, v, mask):
+        return runner.call(built, q, k, v, mask, params=params)
 
     if pass_ == "fwd":
         return jax.jit(f)
 
-    def loss(params, q, k, v):
-        out, _ = f(params, q, k, v)
+    def loss(params, q, k, v, mask):
+        out, _ = f(params, q, k, v, mask)
         return out.astype(jnp.float32).sum()
 
     # Gradient w.r.t. parameters and all three inputs.
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+
+
+def _args(built, case: BenchCase, seed: int, dev) -> tuple:
+    """(params, q, k, v, mask) on the device for one case."""
+    mask = mask_for(built.impl, keep_mask(case), case.heads, DTYPES[case.dtype])
+    return (built.params, *jax.device_put(make_inputs(case, seed), dev), None if mask is None else jax.device_put(mask, dev))
 
 
 def build(impl: Implementation, case: BenchCase, pass_: str, device: str, seed: int) -> Bench:
@@ -73,8 +81,7 @@ def build(impl: Implementation, case: BenchCase, pass_: str, device: str, seed: 
         return runner.build(impl, sd, c.heads, masked_rows="nan", problem=c.problem, positions=rope_positions(c))
 
     built = built_for(case)
-    params = built.params
-    args = (params, *jax.device_put(make_inputs(case, seed), dev))
+    args = _args(built, case, seed, dev)
     program = _program(runner, built, pass_)
     holder = {}
 
@@ -85,7 +92,7 @@ def build(impl: Implementation, case: BenchCase, pass_: str, device: str, seed: 
         return holder["compiled"](*args)
 
     shrunk = case.shrunk()
-    args2 = (params, *jax.device_put(make_inputs(shrunk, seed), dev))
+    args2 = _args(built, shrunk, seed, dev)
     # RoPE: the positions (constants of the program) have the new lengths, so it is built anew.
     program2 = _program(runner, built_for(shrunk), pass_) if case.config.rope else program
 
@@ -123,7 +130,7 @@ def kernel_of(impl: Implementation, case: BenchCase, device) -> str:
     where the choice came from (user table, built-in, other cpu, rule, no rows), e.g. "chunked 512x512 (built-in)"."""
     if impl.family == "ours-jax" and not impl.returns_weights:
         c = kernels.fused_choice(case.batch, case.heads, case.seq_q, case.seq_k, case.config.head_size,
-                                 jnp.dtype(case.dtype), has_mask=False, device=device)
+                                 jnp.dtype(case.dtype), has_mask=case.mask != "none", device=device)
         return c.kernel + (f" {c.q_chunk}x{c.k_chunk}" if c.kernel == "chunked" else "") + f" ({c.source})"
     return {"ours-jax": "einsum (weights)", "jax-dpa-core": "dpa-xla"}.get(impl.family or impl.name, impl.family or impl.name)
 

@@ -125,45 +125,61 @@ def prepare(bench: Bench, timing: Timing, clock: Clock) -> Prepared:
 
 def sample(
     benches: dict[int, Bench], timing: Timing, clock: Clock = time.perf_counter, interleave: bool = True,
-    settled: Callable[[dict[int, list[float]]], bool] | None = None,
-) -> tuple[dict[int, list[float]], dict[int, Exception]]:
-    """Timed calls of prepared benches: ({slot: seconds per call}, {slot: the exception it raised}).
+    settled: Callable[[dict[int, list[list[float]]]], bool] | None = None, probe: Callable[[], dict] | None = None,
+) -> tuple[dict[int, list[list[float]]], dict[int, Exception], list[dict]]:
+    """Timed calls of prepared benches: ({slot: rounds of seconds per call}, {slot: the exception it
+    raised}, [what `probe` said at the end of each round]).
 
-    Interleaved (the default): rounds of one call each, alternating direction: A, B, C, C, B, A, A, ...
+    Interleaved (the default): repeats of one call each, alternating direction: A, B, C, C, B, A, A, ...
     On a shared machine the load drifts over seconds; timing implementations one after the
     other turns that drift into fake ratios between them. Round-robin gives every implementation
     the same share of each load phase, and the i-th calls of two implementations form a pair
-    that saw the same moment (`verdict`). Reversing every other round removes what a fixed order
-    leaves: a linear drift within a round, and the cost of always following the same neighbour
+    that saw the same moment (`verdict`). Reversing every other repeat removes what a fixed order
+    leaves: a linear drift within a repeat, and the cost of always following the same neighbour
     (measured: a fixed A, B order showed ours-jax 1.06x flax.nnx at T=2048; alternating, 0.99x).
     A bench that raises leaves the rotation; the others go on.
 
-    Stops after min_repeats rounds once `settled(times)` (checked at rounds growing by a quarter,
-    so the bootstrap costs little) or once the timed calls spent budget_s per bench; at
-    max_repeats at the latest. Sequential (interleave=False): each bench alone, same rules.
+    Every `round_repeats` repeats close a round: `probe()` (the interference probe) runs then,
+    outside any timed call. At the end of a round, after min_repeats repeats, sampling stops once
+    `settled(rounds)` (checked at rounds growing by a quarter, so the bootstrap costs little) or
+    once the timed calls spent budget_s per bench; at max_repeats at the latest. Sequential
+    (interleave=False): each bench alone, same rules.
     """
-    times: dict[int, list[float]] = {i: [] for i in benches}
+    rounds: dict[int, list[list[float]]] = {i: [] for i in benches}
     errors: dict[int, Exception] = {}
+    probes: list[dict] = []
 
-    def run_rounds(slots: list[int]) -> None:
-        active, forward, rounds, next_check = list(slots), True, 0, timing.min_repeats
-        while active:
+    def one_round(active: list[int], forward: bool, repeats: int) -> bool:
+        for i in active:
+            rounds[i].append([])
+        for _ in range(repeats):
             for i in list(active) if forward else list(reversed(active)):
                 try:
-                    times[i].append(timed_call(benches[i].step, benches[i].sync, clock))
+                    rounds[i][-1].append(timed_call(benches[i].step, benches[i].sync, clock))
                 except Exception as e:  # noqa: BLE001 - recorded per bench
                     errors[i] = e
                     active.remove(i)
-            forward, rounds = not forward, rounds + 1
-            if rounds >= timing.max_repeats:
+            forward = not forward
+        if probe is not None:
+            probes.append(probe())
+        return forward
+
+    def run_rounds(slots: list[int]) -> None:
+        active, forward, repeats, next_check = list(slots), True, 0, 0
+        while active:
+            n = min(timing.round_repeats, timing.max_repeats - repeats)  # the last round may be short
+            forward = one_round(active, forward, n)
+            repeats += n
+            if repeats >= timing.max_repeats:
                 break
-            if rounds < timing.min_repeats:
+            if repeats < timing.min_repeats:
                 continue
-            if sum(sum(times[i]) for i in slots) >= timing.budget_s * len(slots):
+            if sum(sum(map(sum, rounds[i])) for i in slots) >= timing.budget_s * len(slots):
                 break
-            if settled is not None and rounds >= next_check:
-                next_check = max(rounds + 1, math.ceil(rounds * 1.25))
-                if settled({i: times[i] for i in active}):
+            n_rounds = len(rounds[slots[0]])
+            if settled is not None and n_rounds >= next_check:
+                next_check = max(n_rounds + 1, math.ceil(n_rounds * 1.25))
+                if settled({i: rounds[i] for i in active}):
                     break
 
     if interleave:
@@ -171,7 +187,90 @@ def sample(
     else:
         for i in benches:
             run_rounds([i])
-    return times, errors
+    return {i: [r for r in rs if r] for i, rs in rounds.items()}, errors, probes
+
+
+def flat(rounds) -> list[float]:
+    """The samples of rounds, in order."""
+    return [t for r in rounds for t in r]
+
+
+CALIBRATION_LOOP = 20_000  # iterations of the probe's pure-Python loop: about a millisecond
+CALIBRATION_DRIFT = 0.25  # a calibration loop this much slower than the run's fastest was slowed down
+OTHERS_CPU = 0.5  # other processes using this many cores on average during the rounds is interference
+
+
+def calibration_loop(n: int = CALIBRATION_LOOP, clock: Clock = time.perf_counter) -> float:
+    """Seconds for a fixed pure-Python loop: how fast one core runs for this process right now."""
+    t0 = clock()
+    x = 0
+    for i in range(n):
+        x += i * i
+    return clock() - t0
+
+
+def _system_busy_s() -> float:
+    import psutil
+
+    t = psutil.cpu_times()
+    return sum(t) - t.idle - getattr(t, "iowait", 0.0)
+
+
+def _own_cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def _loadavg():
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+
+
+class InterferenceProbe:
+    """What the machine did during each round, measured at its end, outside the timed calls: the
+    calibration loop's time, the 1-minute load average, and the cores other processes used since
+    the previous probe (the system's busy CPU time minus this process's, over the wall time).
+    The readers are parameters so that tests can feed them."""
+
+    def __init__(self, clock: Clock = time.perf_counter, busy=_system_busy_s, own=_own_cpu_s, loadavg=_loadavg,
+                 calibrate=calibration_loop):
+        self.clock, self.busy, self.own, self.loadavg, self.calibrate = clock, busy, own, loadavg, calibrate
+        self.start()
+
+    def start(self) -> None:
+        self.last = (self.clock(), self.busy(), self.own())
+
+    def __call__(self) -> dict:
+        now = (self.clock(), self.busy(), self.own())
+        wall = now[0] - self.last[0]
+        others = max((now[1] - self.last[1]) - (now[2] - self.last[2]), 0.0) / wall if wall > 0 else None
+        record = {"calib_s": self.calibrate(), "loadavg": self.loadavg(), "others_cpu": others}
+        self.start()  # the calibration loop is this process's own work: not counted in the next round
+        return record
+
+
+def interference(probes: list[dict], cores: int | None, own_threads: int) -> list[str]:
+    """What the probes of one worker process's rounds say disturbed them (empty: nothing):
+
+    - more than a quarter of the rounds' calibration loops ran CALIBRATION_DRIFT slower than the
+      fastest of them: the core was shared or its clock changed;
+    - other processes used OTHERS_CPU cores or more on average;
+    - the 1-minute load average minus the worker's own threads (its load) reached half the cores.
+    """
+    out = []
+    calib = [p["calib_s"] for p in probes if p.get("calib_s")]
+    if calib:
+        slow = sum(c > (1 + CALIBRATION_DRIFT) * min(calib) for c in calib)
+        if slow * 4 > len(calib):
+            out.append(f"the calibration loop ran more than {CALIBRATION_DRIFT:.0%} slower than its fastest in "
+                       f"{slow} of {len(calib)} rounds")
+    others = [p["others_cpu"] for p in probes if p.get("others_cpu") is not None]
+    if others and sum(others) / len(others) >= OTHERS_CPU:
+        out.append(f"other processes used {sum(others) / len(others):.2f} cores on average during the rounds")
+    loads = [p["loadavg"] for p in probes if p.get("loadavg") is not None]
+    if loads and cores and max(loads) - own_threads >= cores / 2:
+        out.append(f"load average {max(loads):.2f} during the rounds, less the worker's {own_threads} thread(s), "
+                   f"is at or above half the {cores} cores")
+    return out
 
 
 def time_group(
@@ -188,9 +287,9 @@ def time_group(
             prepared[i] = prepare(b, timing, clock)
         except Exception as e:  # noqa: BLE001 - recorded per bench
             results[i] = e
-    times, errors = sample({i: benches[i] for i in prepared}, timing, clock, interleave, settled)
+    rounds, errors, _ = sample({i: benches[i] for i in prepared}, timing, clock, interleave, settled)
     for i, p in prepared.items():
-        results[i] = errors.get(i) or summary(benches[i], p, times[i], clock)
+        results[i] = errors.get(i) or summary(benches[i], p, flat(rounds[i]), clock)
     return results
 
 
@@ -243,16 +342,18 @@ def output_bound(dtype: str, precision: str = "highest") -> tuple[float, float, 
     return 2 * tol.forward.atol, 2 * tol.three_way_k * float(ml_dtypes.finfo(DTYPES[judged]).eps), False
 
 
-def same_output(out: np.ndarray, ref: np.ndarray, dtype: str, precision: str = "highest") -> tuple[float, str | None]:
+def same_output(out: np.ndarray, ref: np.ndarray, dtype: str, precision: str = "highest") -> tuple[float | None, str | None]:
     """(max |out - ref|, None) if `out` computes what `ref` does (`output_bound`), else (that, why not).
-    NaNs must sit at the same places."""
+    NaNs must sit at the same places. Where no difference can be taken (the shapes differ, or the
+    NaNs sit elsewhere) it is None, and the reason says why: a row's out_max_diff is a finite
+    number or null, never infinite (the JSON has no infinity)."""
     a, r = np.asarray(out, np.float64), np.asarray(ref, np.float64)
     if a.shape != r.shape:
-        return math.inf, f"output shape {a.shape} differs from the reference's {r.shape}"
+        return None, f"output shape {a.shape} differs from the reference's {r.shape}"
     nan_a, nan_r = np.isnan(a), np.isnan(r)
     if np.any(nan_a != nan_r):
-        return math.inf, f"NaN at {int(np.count_nonzero(nan_a != nan_r))} place(s) where the reference has none, or the reverse"
-    diff = np.where(nan_r, 0.0, np.abs(a - r))
+        return None, f"NaN at {int(np.count_nonzero(nan_a != nan_r))} place(s) where the reference has none, or the reverse"
+    diff = np.where(nan_r | (a == r), 0.0, np.abs(a - r))  # an infinity matches only itself
     atol, rtol, elementwise = output_bound(dtype, precision)
     size = np.where(nan_r, 0.0, np.abs(r))
     bound = atol + rtol * (size if elementwise else size.max(initial=0.0))
@@ -260,9 +361,10 @@ def same_output(out: np.ndarray, ref: np.ndarray, dtype: str, precision: str = "
     over = diff > bound
     if not np.any(over):
         return worst, None
+    shown = worst if math.isfinite(worst) else None
     at = np.unravel_index(int(np.argmax(np.where(over, diff - bound, -np.inf))), diff.shape)
     scale = "|ref|" if elementwise else "max|ref|"
-    return worst, (f"max |out - reference| {worst:.3g} > {atol:.3g} + {rtol:.3g}·{scale} at index "
+    return shown, (f"max |out - reference| {worst:.3g} > {atol:.3g} + {rtol:.3g}·{scale} at index "
                    f"{tuple(int(x) for x in at)} ({int(np.count_nonzero(over))} of {diff.size} elements)")
 
 

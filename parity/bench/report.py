@@ -22,17 +22,21 @@ from rich.text import Text
 from mha_spec.files import JSONFileError, atomic_path, parse_json, write_atomic
 from parity.bench import verdict as verdicts
 from mha_spec import ROPE_CONVENTIONS
-from parity.bench.spec import BIASES, MEASURED, NOISY_IQR, ROW_FIELDS, STATUSES, case_label, row_key, variant_fields
+from parity.bench.spec import (
+    BIASES, MASKS, MEASURED, NOISY_IQR, ROW_FIELDS, STATUSES, case_label, row_key, variant_fields,
+)
 
 # /2: the `noisy` status and `verdicts`. The variant fields (kv_heads, rope, bias) were added
 # without a new schema: a row without them is the classic layer, which is what it measured.
-SCHEMA = "mha-bench/2"
-READABLE_SCHEMAS = ("mha-bench/1", SCHEMA)
+# /3: rows gain mask, rounds, processes, process_medians_s and baseline (the ratio's); verdicts
+# gain rounds, processes, interference and reason, and their ci is null where there is no interval.
+SCHEMA = "mha-bench/3"
+READABLE_SCHEMAS = ("mha-bench/1", "mha-bench/2", SCHEMA)
 CONSOLE_WIDTH = 100
 # What a row must have; two rows of a file (or of two files compared) are the same item when these
 # and the variant fields (`spec.variant_fields`) agree.
 MATCH_KEY = ("impl", "mode", "pass", "batch", "seq_q", "seq_k", "embed", "heads", "dtype", "need_weights")
-KEY_FIELDS = (*MATCH_KEY, "kv_heads", "rope", "bias")  # `_key`'s order
+KEY_FIELDS = (*MATCH_KEY, "kv_heads", "rope", "bias", "mask")  # `_key`'s order
 
 
 def _variant(row) -> str:
@@ -56,7 +60,7 @@ def _mem(x) -> str:
     return "-" if x is None else f"{x / 2**20:.0f} MiB"
 
 
-COLUMNS = ("case", "pass", "implementation", "median", "IQR", "ratio", "GFLOP/s", "peak", "compile", "recompile",
+COLUMNS = ("case", "pass", "implementation", "median", "IQR", "ratio to baseline", "GFLOP/s", "peak", "compile", "recompile",
            "mem", "out diff", "status")
 
 
@@ -103,7 +107,8 @@ def print_table(rows, console: Console | None = None) -> None:
     for row in rows:
         by_case.setdefault(_case(row), []).append(row)
     for case, members in by_case.items():
-        table = Table(title=f"{case}  (IQR / median; ratio to the fastest ok row)", title_justify="left",
+        bases = ", ".join(dict.fromkeys(r["baseline"] for r in members if r.get("baseline"))) or "-"
+        table = Table(title=f"{case}  (IQR / median; ratio to {bases})", title_justify="left",
                       box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1), collapse_padding=True)
         for col in CONSOLE_COLUMNS:
             table.add_column(col, no_wrap=True, overflow="ellipsis", max_width=30 if col == "implementation" else None,
@@ -137,7 +142,7 @@ def print_verdicts(vs, rows, console: Console | None = None) -> None:
 
 def to_json(rows, env: dict, verdicts_=()) -> dict:
     return {"schema": SCHEMA, "environment": env, "rows": [{k: r.get(k) for k in ROW_FIELDS} for r in rows],
-            "verdicts": [{k: v[k] for k in verdicts.VERDICT_FIELDS} for v in verdicts_]}
+            "verdicts": [{k: v.get(k) for k in verdicts.VERDICT_FIELDS} for v in verdicts_]}
 
 
 def write_json(path: str, rows, env: dict, verdicts_=()) -> None:
@@ -146,8 +151,12 @@ def write_json(path: str, rows, env: dict, verdicts_=()) -> None:
 
 def markdown(rows, env: dict, verdicts_=()) -> str:
     peaks = ", ".join(f"{p['dtype']} {p['gflops']:.0f} GFLOP/s" for p in env.get("peaks", []) if p.get("gflops"))
+    bases = sorted({f"{r['pass']} {_case(r)}: {r['baseline']}" for r in rows if r.get("baseline")})
     lines = [
         "# mha-bench results",
+        "",
+        *(["## Verdicts", "", *(f"- {line}" for line in verdict_lines(verdicts_, rows)), ""] if verdicts_ else []),
+        "## Run",
         "",
         f"- device: {env.get('device')} — {env.get('cpu_model')}; threads: {env.get('threads')}; "
         f"precision: {env.get('precision')}; preset: {env.get('preset')}",
@@ -156,15 +165,16 @@ def markdown(rows, env: dict, verdicts_=()) -> str:
         f"{sum('remeasured_for' in p for p in env.get('peak_measurements', []))} re-measured because a row beat it",
         f"- load average at the start: {env.get('loadavg_start')}, at the end: {env.get('loadavg_end')} "
         f"on {env.get('cpu_count')} cores (other processes on the machine make timings noisy)",
-        f"- FLOPs: {env.get('flops_formula')}; ratio = median / fastest ok row of the same case and pass; "
-        "numbers marked (error) were measured but rejected (see the status column)",
+        f"- FLOPs: {env.get('flops_formula')}; ratio to baseline = median / the baseline's median in the same case "
+        "and pass; numbers marked (error) were measured but rejected (see the status column)",
+        f"- baselines: {'; '.join(bases) or 'none'}",
         f"- threads: {env.get('thread_settings') or env.get('threads')}",
-        f"- noisy: IQR/median above {NOISY_IQR:.0%}; verdicts: {verdicts.CI_LEVEL:.0%} percentile-bootstrap interval of "
-        f"the median paired log ratio, conclusive when it excludes 1, with at least {verdicts.MIN_PAIRS} repeats and both "
-        "rows ok",
+        f"- noisy: IQR/median above {NOISY_IQR:.0%} (shown, no veto); verdicts: {verdicts.CI_LEVEL:.0%} hierarchical "
+        "percentile-bootstrap interval (worker processes, rounds, pairs) of the median paired log ratio, conclusive when "
+        f"it excludes 1, with at least {verdicts.MIN_PROCESSES} worker processes and {verdicts.MIN_ROUNDS} rounds, both "
+        "rows measured and no interference",
         *(f"- **{w}**" for w in env.get("interference") or ()),
         "",
-        *(["## Verdicts", "", *(f"- {line}" for line in verdict_lines(verdicts_, rows)), ""] if verdicts_ else []),
         "## Rows",
         "",
         "| " + " | ".join(COLUMNS) + " |",
@@ -220,13 +230,43 @@ def _palette(n: int) -> list:
     return colors[:n]
 
 
-def plot_title(rows, env: dict | None) -> str:
+# The layer fields a plot title names, with their short names; a field the rows differ in lists its values.
+_TITLE_FIELDS = (("embed", "E"), ("heads", "N"), ("kv_heads", "K"), ("rope", "RoPE"), ("bias", "bias"),
+                 ("mask", "mask"), ("batch", "B"), ("seq_q", "T"), ("seq_k", "S"), ("dtype", "dtype"))
+
+
+def layer_title(rows) -> str:
+    """The whole layer the rows time: E, N, K, RoPE, bias, mask, B, T, S and the dtype (several values
+    where the rows differ), e.g. 'E=512 N=8 K=2 RoPE=half bias=none mask=causal B=1 T=1024 S=1024 float32'."""
+    def value(r, name):
+        kv_heads, rope, bias, mask = variant_fields(r)
+        return {"kv_heads": kv_heads, "rope": rope or "none", "bias": bias, "mask": mask}.get(name, r.get(name))
+
+    parts = []
+    for name, short in _TITLE_FIELDS:
+        vals = sorted({value(r, name) for r in rows}, key=lambda x: (isinstance(x, str), x))
+        text = ",".join(map(str, vals)) or "?"
+        parts.append(text if name == "dtype" else f"{short}={text}")
+    return " ".join(parts)
+
+
+def verdict_short(v: dict) -> str:
+    """A verdict in a plot's words: pass, case, who is faster by how much, the interval, conclusive or why not."""
+    ci = v.get("ci")
+    span = f"{verdicts.CI_LEVEL:.0%} CI {ci[0]:.3g}-{ci[1]:.3g}" if ci and math.isfinite(ci[1]) else "no interval"
+    state = "conclusive" if v["conclusive"] else f"inconclusive ({v.get('reason') or 'see the report'})"
+    return f"{v['pass']} {v['case']}: {v['faster']} {v['ratio']:.3g}x faster than {v['slower']}, {span}, {state}"
+
+
+def plot_title(rows, env: dict | None, verdicts_=()) -> str:
+    """The layer, the machine and the run's settings; then one line per verdict."""
     env = env or {}
     device = env.get("device") or ", ".join(sorted({str(r.get("device")) for r in rows}))
     model = env.get("cpu_model") if device == "cpu" else None
     bits = [f"device {device}" + (f" ({model})" if model else ""), f"preset {env.get('preset', '?')}",
             f"precision {env.get('precision', '?')}"]
-    return "mha-bench: " + ", ".join(bits)
+    lines = [f"mha-bench: {layer_title(rows)}" if rows else "mha-bench", ", ".join(bits)]
+    return "\n".join([*lines, *(verdict_short(v) for v in verdicts_)])
 
 
 def write_plot(path: str, rows, env: dict | None = None, verdicts_=()) -> None:
@@ -262,7 +302,8 @@ def write_plot(path: str, rows, env: dict | None = None, verdicts_=()) -> None:
             else:
                 ax.set_xscale("log", base=2)
                 ax.set_yscale("log")
-                ax.set_xlabel("sequence length (T = S)")
+                ax.set_xlabel("sequence length (T = S)" if all(r["seq_q"] == r["seq_k"] for r in members)
+                              else "query length T (S: see the title)")
                 ax.set_ylabel(label)
             ax.grid(True, which="both", alpha=0.3)
         shared = ""
@@ -272,7 +313,8 @@ def write_plot(path: str, rows, env: dict | None = None, verdicts_=()) -> None:
                 f" {short}={r0[k]}" for k, short in (("batch", "B"), ("embed", "E"), ("heads", "N"))
                 if len({r[k] for r in members}) == 1)
         axes[0][col].set_title(f"{pass_}{shared}")
-    fig.suptitle(plot_title(rows, env), fontsize=10)
+    title = plot_title(rows, env, verdicts_)
+    fig.suptitle(title, fontsize=9)
     legend: dict = {}  # label -> handle, once each: a series may appear in one pass only
     for ax in axes[0]:
         for h, lab in zip(*ax.get_legend_handles_labels()):
@@ -283,7 +325,8 @@ def write_plot(path: str, rows, env: dict | None = None, verdicts_=()) -> None:
     handles, labels = list(legend.values()), list(legend)
     if handles and not bars:
         fig.legend(handles, labels, loc="lower center", ncol=2, fontsize=7)
-    fig.tight_layout(rect=(0, 0 if bars else 0.04 + 0.018 * math.ceil(len(labels) / 2), 1, 0.97))
+    top = 0.985 - 0.022 * title.count("\n")  # room for the title's lines (the layer, the run, each verdict)
+    fig.tight_layout(rect=(0, 0 if bars else 0.04 + 0.018 * math.ceil(len(labels) / 2), 1, top))
     try:
         with atomic_path(path, suffix=".png") as tmp:
             fig.savefig(tmp, dpi=110)
@@ -302,9 +345,9 @@ def _iqr_bars(members) -> list[float]:
 
 def _series_label(r) -> str:
     label = f"{_variant(r)} {r['dtype']} B={r['batch']} E={r['embed']} N={r['heads']}"
-    kv_heads, rope, bias = variant_fields(r)
+    kv_heads, rope, bias, mask = variant_fields(r)
     return label + (f" K={kv_heads}" if kv_heads != r["heads"] else "") + (f" rope={rope}" if rope else "") + (
-        f" bias={bias}" if bias != "all" else "")
+        f" bias={bias}" if bias != "all" else "") + (f" mask={mask}" if mask != "none" else "")
 
 
 def _plot_series(ax_time, ax_rate, members, style) -> None:
@@ -362,7 +405,8 @@ _NUMBERS = {"median_s": ">0", "iqr_s": ">=0", "ratio": ">0", "gflops": ">=0", "p
 # Fields a file may lack: the variant fields and out_max_diff came later, and kernel and message
 # are read with a default. Every other field above is in every file any version wrote.
 _OPTIONAL = ("kv_heads", "rope", "bias", "kernel", "message", "out_max_diff")
-_TEXTS = ("kernel", "message")  # null or a string
+_TEXTS = ("kernel", "message", "baseline")  # null or a string
+_COUNTS = ("rounds", "processes")  # null or a positive integer (mha-bench/3; absent before)
 _REQUIRED = ("status", *(k for k in _NUMBERS if k not in _OPTIONAL))  # besides MATCH_KEY
 
 
@@ -452,19 +496,28 @@ def _environment_problem(env) -> str | None:
 def _verdict_problem(v) -> str | None:
     if not isinstance(v, dict):
         return f"not an object ({type(v).__name__})"
-    missing = [k for k in verdicts.VERDICT_FIELDS if k not in v]
+    missing = [k for k in verdicts.VERDICT_FIELDS_2 if k not in v]  # the fields every schema's verdicts have
     if missing:
         return f"missing field(s) {', '.join(missing)}"
     bad = [k for k in ("case", "pass", "faster", "slower") if not isinstance(v[k], str)]
     if bad:
         return f"{', '.join(f'{k} = {_short(v[k])}' for k in bad)}: not a string"
     ci = v["ci"]
-    # ratio = slower / faster >= 1; ci: 0 <= low <= high, high infinite when there was no interval.
-    ci_ok = isinstance(ci, list) and len(ci) == 2 and all(_is_num(x) and _as_float(x) is not None for x in ci)
-    if not (ci_ok and _finite(v["ratio"]) and v["ratio"] >= 1 and 0 <= _as_float(ci[0]) <= _as_float(ci[1])):
-        return f"ratio {_short(v['ratio'])} / ci {_short(ci)} are not a ratio >= 1 and an interval 0 <= low <= high"
+    # ratio = slower / faster >= 1; ci: null where there is no interval (a single round), else 0 <= low <= high.
+    ci_ok = ci is None or (isinstance(ci, list) and len(ci) == 2 and all(_is_num(x) and _as_float(x) is not None for x in ci)
+                           and 0 <= _as_float(ci[0]) <= _as_float(ci[1]))
+    if not (ci_ok and _finite(v["ratio"]) and v["ratio"] >= 1):
+        return f"ratio {_short(v['ratio'])} / ci {_short(ci)} are not a ratio >= 1 and null or an interval 0 <= low <= high"
     if not isinstance(v["conclusive"], bool) or not (_is_int(v["repeats"]) and v["repeats"] >= 0):
         return f"conclusive {_short(v['conclusive'])} / repeats {_short(v['repeats'])} are not a bool and a count"
+    bad = [k for k in ("rounds", "processes") if v.get(k) is not None and not (_is_int(v[k]) and v[k] >= 0)]
+    if bad:
+        return f"{', '.join(f'{k} = {_short(v[k])}' for k in bad)}: not null or a count"
+    interference = v.get("interference")
+    if interference is not None and not (isinstance(interference, list) and all(isinstance(t, str) for t in interference)):
+        return f"interference = {_short(interference)}: not null or a list of strings"
+    if not isinstance(v.get("reason"), (str, type(None))):
+        return f"reason = {_short(v['reason'])}: not a string or null"
     return None
 
 
@@ -510,6 +563,7 @@ def _key_problem(row) -> str | None:
         bad.append("kv_heads")
     bad += [] if row.get("rope") in (None, *ROPE_CONVENTIONS) else ["rope"]
     bad += [] if row.get("bias") in (None, *BIASES) else ["bias"]
+    bad += [] if row.get("mask") in (None, *MASKS) else ["mask"]
     if bad:
         return f"bad value(s) for {', '.join(f'{k}={_short(row[k])}' for k in bad)}"
     return None
@@ -536,6 +590,12 @@ def _row_problem(row) -> str | None:
     bad = [k for k in _TEXTS if not isinstance(row.get(k), (str, type(None)))]
     if bad:
         return f"{', '.join(f'{k} = {_short(row[k])}' for k in bad)}: not a string or null"
+    bad = [k for k in _COUNTS if row.get(k) is not None and not (_is_int(row[k]) and 0 < row[k] < 2**63)]
+    if bad:
+        return f"{', '.join(f'{k} = {_short(row[k])}' for k in bad)}: not a positive integer or null"
+    medians = row.get("process_medians_s")
+    if medians is not None and not (isinstance(medians, list) and all(_finite(x) and x > 0 for x in medians)):
+        return f"process_medians_s = {_short(medians)}: not null or a list of finite positive numbers"
     return None
 
 

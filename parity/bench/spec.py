@@ -21,10 +21,10 @@ DTYPES = {name: numpy_dtype(name) for name in ("float32", "bfloat16", "float16")
 
 # One result row, in this order in the JSON and the Markdown.
 ROW_FIELDS = (
-    "impl", "framework", "mode", "pass", "batch", "seq_q", "seq_k", "embed", "heads", "kv_heads", "rope", "bias", "dtype",
-    "need_weights", "kernel", "device", "compile_s", "recompile_s", "median_s", "iqr_s", "min_s", "repeats",
-    "ratio", "gflops", "peak_gflops", "peak_fraction", "peak_mem_bytes", "mem_source", "out_max_diff",
-    "status", "message",
+    "impl", "framework", "mode", "pass", "batch", "seq_q", "seq_k", "embed", "heads", "kv_heads", "rope", "bias", "mask",
+    "dtype", "need_weights", "kernel", "device", "compile_s", "recompile_s", "median_s", "iqr_s", "min_s", "repeats",
+    "rounds", "processes", "process_medians_s", "ratio", "baseline", "gflops", "peak_gflops", "peak_fraction",
+    "peak_mem_bytes", "mem_source", "out_max_diff", "status", "message",
 )
 # ok: measured and trusted; noisy: measured, but its spread is above NOISY_IQR (never ok, never
 # in a conclusive verdict); error: failed, or measured and rejected; skip: not run, with the reason.
@@ -46,8 +46,14 @@ def row_key(row: dict) -> str:
 
 # The projections that carry a bias (`--bias`): all four, q/k/v only (Qwen2), out only, none (Llama).
 BIASES = {"all": (True, True), "qkv": (True, False), "out": (False, True), "none": (False, False)}
-# What a row without the variant fields (a file written before they existed) describes: the classic layer.
-CLASSIC_FIELDS = {"rope": None, "bias": "all"}
+# What a row without the variant fields (a file written before they existed) describes: the classic
+# layer, without a mask.
+CLASSIC_FIELDS = {"rope": None, "bias": "all", "mask": "none"}
+# --mask: none; causal, bottom-right aligned (query t sees keys up to t + S - T, so a query block
+# is the last T positions of a sequence of S, as in a decoder with a cache); padding, each batch
+# row keeps its first S - floor(b·S / 2B) keys (every row keeps at least half: no row is fully
+# masked, whose output the implementations' masked-row policies would make differ).
+MASKS = ("none", "causal", "padding")
 
 
 def bias_name(qkv_bias: bool, out_bias: bool) -> str:
@@ -61,6 +67,7 @@ class BenchCase:
 
     problem: Problem
     dtype: str
+    mask: str = "none"
 
     def __post_init__(self):
         if not isinstance(self.problem, Problem) or not isinstance(self.problem.config, AttentionConfig):
@@ -71,10 +78,15 @@ class BenchCase:
                 raise ValueError(f"Problem.{name} must be a positive int, got {val!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {tuple(DTYPES)}")
+        if self.mask not in MASKS:
+            raise ValueError(f"mask {self.mask!r} is not one of {MASKS}")
+        if self.mask == "causal" and self.problem.T > self.problem.S:
+            raise ValueError(f"a causal mask needs T <= S (bottom-right aligned, the first T - S query rows would see "
+                             f"no key), got T={self.problem.T} S={self.problem.S}")
 
     @classmethod
     def of(cls, batch: int, seq_q: int, seq_k: int, embed: int, heads: int, dtype: str, *,
-           kv_heads: int | None = None, rope: str | None = None, bias: str = "all") -> BenchCase:
+           kv_heads: int | None = None, rope: str | None = None, bias: str = "all", mask: str = "none") -> BenchCase:
         """A case from the row fields; ValueError/TypeError (from `AttentionConfig`) for a layer that cannot be."""
         if bias not in BIASES:
             raise ValueError(f"bias {bias!r} is not one of {tuple(BIASES)}")
@@ -83,13 +95,14 @@ class BenchCase:
         qkv_bias, out_bias = BIASES[bias]
         config = AttentionConfig(embed, heads, num_kv_heads=None if kv_heads == heads else kv_heads,
                                  qkv_bias=qkv_bias, out_bias=out_bias, rope=rope)
-        return cls(Problem(config, batch, seq_q, seq_k), dtype)
+        return cls(Problem(config, batch, seq_q, seq_k), dtype, mask)
 
     @classmethod
     def from_fields(cls, fields: dict) -> BenchCase:
         """The case a row (or `fields()`) describes; rows without the variant fields are the classic layer."""
         return cls.of(*(fields[k] for k in ("batch", "seq_q", "seq_k", "embed", "heads", "dtype")),
-                      kv_heads=fields.get("kv_heads"), rope=fields.get("rope"), bias=fields.get("bias") or "all")
+                      kv_heads=fields.get("kv_heads"), rope=fields.get("rope"), bias=fields.get("bias") or "all",
+                   mask=fields.get("mask") or "none")
 
     @property
     def config(self) -> AttentionConfig:
@@ -114,7 +127,7 @@ class BenchCase:
     def fields(self) -> dict:
         return {
             "batch": self.batch, "seq_q": self.seq_q, "seq_k": self.seq_k, "embed": self.embed, "heads": self.heads,
-            "kv_heads": self.kv_heads, "rope": self.config.rope, "bias": self.bias, "dtype": self.dtype,
+            "kv_heads": self.kv_heads, "rope": self.config.rope, "bias": self.bias, "mask": self.mask, "dtype": self.dtype,
         }
 
     def shrunk(self) -> BenchCase:
@@ -132,22 +145,34 @@ def case_label(row: dict) -> str:
         label += f" rope={row['rope']}"
     if (row.get("bias") or "all") != "all":
         label += f" bias={row['bias']}"
+    if (row.get("mask") or "none") != "none":
+        label += f" mask={row['mask']}"
     return f"{label} {row['dtype']}"
 
 
 def variant_fields(row: dict) -> tuple:
-    """(kv_heads, rope, bias) of a row, the classic layer's where the row predates them."""
-    return (row.get("kv_heads") or row["heads"], row.get("rope"), row.get("bias") or "all")
+    """(kv_heads, rope, bias, mask) of a row, the classic layer's (no mask) where the row predates them."""
+    return (row.get("kv_heads") or row["heads"], row.get("rope"), row.get("bias") or "all", row.get("mask") or "none")
+
+
+# The native grouped-query baselines: each framework's own attention on K key/value heads. They
+# are timed on the layers that use a variant (grouped heads, RoPE, a bias set); on the classic
+# layer torch-sdpa-core and jax-dpa-core are the same kernels.
+GROUPED_BASELINES = ("torch-sdpa-gqa", "jax-dpa-gqa", "keras-gqa")
 
 
 def unsupported(impl: Implementation, case: BenchCase) -> str | None:
-    """Why `impl` does not run `case`, by its own declarations (dtypes, attention variants); None: it runs."""
-    return impl.unsupported(case.dtype, case.config)
+    """Why `impl` does not run `case`, by its own declarations (dtypes, attention variants, where it
+    runs: the benchmark's query, keys and values are three arrays, so every case is cross-attention
+    in the registry's terms); None: it runs."""
+    if impl.name in GROUPED_BASELINES and not case.config.features:
+        return f"{impl.name} is a grouped-layer baseline: the classic layer's is torch-sdpa-core / jax-dpa-core"
+    return impl.unsupported(case.dtype, case.config, cross=True, mask=case.mask)
 
 
 # The implementations come from the one registry (parity.impls), which the harness uses too;
 # a row's `impl` column is the registry entry's family, its key family:mode:weights|fused.
-IMPLS = tuple(i for i in BUILTIN if i.bench)
+IMPLS = tuple(i for i in BUILTIN if i.bench or i.name in GROUPED_BASELINES)
 
 
 def select_impls(spec: str | None, impls=IMPLS) -> tuple[Implementation, ...]:
@@ -229,21 +254,24 @@ def estimate_bytes(impl: Implementation, case: BenchCase, pass_: str) -> int:
 
 @dataclass(frozen=True)
 class Timing:
-    """How one (case, pass) is timed (see `measure.time_group`).
+    """How one (case, pass) is timed in one worker process (see `measure.sample`).
 
-    Repeats are rounds: each implementation of the case is timed once per round. After
-    min_repeats rounds, sampling stops as soon as the verdict's interval is narrow enough
-    (`verdict.settled`) or the timed calls have spent budget_s per implementation; never
-    more than max_repeats rounds.
+    A repeat is one call of each implementation of the case; a round is `round_repeats` repeats,
+    after which the machine is probed for interference (`measure.InterferenceProbe`). After
+    min_repeats repeats, sampling stops at the end of a round as soon as the verdict's interval
+    is narrow enough (`verdict.settled`) or the timed calls have spent budget_s per
+    implementation; never more than max_repeats repeats. Every worker process of the case
+    (`--processes`) does the same.
     """
 
     warmup: int = 1  # steady-state calls run and discarded after compilation
-    min_repeats: int = 8
+    min_repeats: int = 12
     max_repeats: int = 200
-    budget_s: float = 1.0  # seconds of timed calls per implementation (the group gets n × this)
+    budget_s: float = 1.0  # seconds of timed calls per implementation and process (the group gets n × this)
+    round_repeats: int = 4
 
     def __post_init__(self):
-        if self.warmup < 0 or self.min_repeats < 1 or self.max_repeats < self.min_repeats:
+        if self.warmup < 0 or self.min_repeats < 1 or self.max_repeats < self.min_repeats or self.round_repeats < 1:
             raise ValueError(f"bad timing: {self}")
         if self.budget_s <= 0:
             raise ValueError(f"budget_s must be positive, got {self.budget_s}")
@@ -267,7 +295,7 @@ class Preset:
 
 # The matmul peak: the fastest call over several repeats and sizes, so that on a noisy
 # machine the peak is an honest upper bound for the medians measured against it.
-PEAK_TIMING = Timing(warmup=2, min_repeats=5, max_repeats=30, budget_s=0.75)
+PEAK_TIMING = Timing(warmup=2, min_repeats=5, max_repeats=30, budget_s=0.75, round_repeats=1)
 
 # torch.compile is left out of `quick`: its first compile in a process costs ~20 s on
 # 2 cores (inductor start-up), a third of the quick budget on its own.
@@ -278,18 +306,18 @@ _NO_COMPILE = ",".join(
 PRESETS = {
     "quick": Preset(
         "quick", batch=(2,), seqs=(128, 512), embed=(256,), heads=(4,), dtypes=("float32",),
-        impls=_NO_COMPILE, timing=Timing(warmup=1, min_repeats=8, max_repeats=200, budget_s=0.5),
+        impls=_NO_COMPILE, timing=Timing(warmup=1, min_repeats=12, max_repeats=200, budget_s=0.5),
         peak_sizes=(1024, 2048), isolation="run",
         doc="smoke run, about a minute on a 2-core CPU; no torch.compile; one worker for the run",
     ),
     "default": Preset(
         "default", batch=(4,), seqs=(256, 1024, 2048), embed=(512,), heads=(8,),
-        dtypes=("float32", "bfloat16"), timing=Timing(warmup=2, min_repeats=8, max_repeats=400, budget_s=1.5),
+        dtypes=("float32", "bfloat16"), timing=Timing(warmup=2, min_repeats=12, max_repeats=400, budget_s=1.5),
         peak_sizes=(1024, 2048, 3072), doc="every implementation, float32 and bfloat16",
     ),
     "long": Preset(
         "long", batch=(1,), seqs=(1024, 2048, 4096, 8192, 16384, 32768), embed=(512,), heads=(8,),
-        dtypes=("float32",), timing=Timing(warmup=1, min_repeats=3, max_repeats=50, budget_s=4.0),
+        dtypes=("float32",), timing=Timing(warmup=1, min_repeats=3, max_repeats=50, budget_s=4.0, round_repeats=1),
         peak_sizes=(1024, 2048), doc="sequence sweep to 32768; materialising paths skipped where they cannot fit",
     ),
 }
@@ -324,11 +352,26 @@ def make_inputs(case: BenchCase, seed: int) -> tuple[np.ndarray, np.ndarray, np.
 
 def rope_positions(case: BenchCase) -> dict[str, np.ndarray]:
     """What a RoPE case passes every implementation (the registry's contract): the default positions,
-    arange(T) per batch row (B, T) and arange(S) (B, S); {} without RoPE."""
+    arange(T) per batch row (B, T) and arange(S) (B, S); {} without RoPE. (A causal T < S case's
+    queries stand for the last T positions, but their rotation costs the same at any position.)"""
     if case.config.rope is None:
         return {}
     return {"positions": np.broadcast_to(np.arange(case.seq_q), (case.batch, case.seq_q)).copy(),
             "key_positions": np.broadcast_to(np.arange(case.seq_k), (case.batch, case.seq_k)).copy()}
+
+
+def keep_mask(case: BenchCase) -> np.ndarray | None:
+    """The case's keep-mask (B, 1, T, S) bool (True = attend), None without one (`MASKS`)."""
+    B, T, S = case.batch, case.seq_q, case.seq_k
+    if case.mask == "none":
+        return None
+    if case.mask == "causal":
+        keep = np.arange(S)[None, :] <= np.arange(T)[:, None] + (S - T)  # (T, S)
+        keep = np.broadcast_to(keep, (B, T, S))
+    else:
+        lengths = S - (np.arange(B) * S) // (2 * B)  # (B,), from S down to just above S/2
+        keep = np.broadcast_to(np.arange(S)[None, None, :] < lengths[:, None, None], (B, T, S))
+    return np.ascontiguousarray(keep[:, None])  # (B, 1, T, S)
 
 
 def empty_row(impl: Implementation, case: BenchCase, pass_: str, **kw) -> dict:

@@ -30,12 +30,14 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
 import psutil
 
 from parity.bench import verdict as verdicts
-from parity.bench.measure import apply_peak
+from parity.bench.measure import apply_peak, summarize
+from parity.bench.measure import interference as measure_interference
 from parity.bench.spec import (
-    FLOPS_FORMULA, NOISY_IQR, BenchCase, Preset, Timing, empty_row, estimate_bytes, framework_device, pass_flops,
+    FLOPS_FORMULA, MEASURED, NOISY_IQR, BenchCase, Preset, Timing, empty_row, estimate_bytes, framework_device, pass_flops,
     row_key, unsupported,
 )
 from parity.bench.worker import TAG
@@ -83,7 +85,9 @@ class RunConfig:
     interleave: bool = True  # time the implementations of a (case, pass) round-robin
     timing: Timing = field(default_factory=Timing)
     available_bytes: int | None = None
-    verdict: tuple[str, str] | None = None  # the pair every verdict compares (--verdict); None: see worker
+    verdict: tuple[str, str] | None = None  # the pair every verdict compares (--verdict); None: `verdict.choose_pair`
+    processes: int = 2  # independent worker processes per group of items (--processes)
+    baseline: str | None = None  # the implementation key ratios are taken against (--baseline); None: BASELINE_ORDER
 
     @property
     def device(self) -> str:
@@ -95,6 +99,8 @@ class RunConfig:
             raise ValueError(f"precision must be 'highest' or 'default', got {self.precision!r}")
         if self.isolation not in ("case", "run"):
             raise ValueError(f"isolation must be 'case' or 'run', got {self.isolation!r}")
+        if isinstance(self.processes, bool) or not isinstance(self.processes, int) or self.processes < 1:
+            raise ValueError(f"processes must be a positive int, got {self.processes!r}")
 
 
 @dataclass(frozen=True)
@@ -187,11 +193,18 @@ def _pump(stream, q: queue.Queue, tag: str) -> None:
 
 @dataclass
 class Collected:
-    rows: dict = field(default_factory=dict)  # item id -> row
+    rows: dict = field(default_factory=dict)  # item id -> its row from each worker process, in process order
     peaks: list = field(default_factory=list)  # every matmul-peak measurement of the run
     envs: dict = field(default_factory=dict)  # framework -> env report
-    verdicts: list = field(default_factory=list)  # one per (case, pass) that timed two implementations
+    probes: list = field(default_factory=list)  # per worker group: {"process", "items", "probes", "threads"}
     interrupted: bool = False  # Ctrl-C: the rows of the items not run say so
+
+    def add(self, item_id: int, row: dict) -> None:
+        self.rows.setdefault(item_id, []).append(row)
+
+    def done(self, item_id: int, process: int) -> bool:
+        """Whether the item has its row from worker process `process` (0-based)."""
+        return len(self.rows.get(item_id, ())) > process
 
 
 @dataclass
@@ -216,11 +229,11 @@ def _end(proc) -> None:
         proc.wait()
 
 
-def _consume(proc, cfg: RunConfig, by_id: dict, out: Collected, on_event) -> WorkerEnd:
+def _consume(proc, cfg: RunConfig, by_id: dict, out: Collected, on_event, process: int = 0) -> WorkerEnd:
     """Read a worker's tagged lines into `out` until it exits; kill it when an item overruns.
     Whatever interrupts the reading (Ctrl-C) ends the worker before it propagates."""
     try:
-        return _read(proc, cfg, by_id, out, on_event)
+        return _read(proc, cfg, by_id, out, on_event, process)
     finally:
         _end(proc)
         for stream in (proc.stdout, proc.stderr):
@@ -230,7 +243,7 @@ def _consume(proc, cfg: RunConfig, by_id: dict, out: Collected, on_event) -> Wor
                 pass
 
 
-def _read(proc, cfg: RunConfig, by_id: dict, out: Collected, on_event) -> WorkerEnd:
+def _read(proc, cfg: RunConfig, by_id: dict, out: Collected, on_event, process: int) -> WorkerEnd:
     q: queue.Queue = queue.Queue()
     threads = [threading.Thread(target=_pump, args=(stream, q, tag), daemon=True)
                for stream, tag in ((proc.stdout, "out"), (proc.stderr, "err"))]
@@ -261,11 +274,11 @@ def _read(proc, cfg: RunConfig, by_id: dict, out: Collected, on_event) -> Worker
                 current, started_at = data, time.monotonic()
                 on_event("start", by_id[data])
             elif kind == "ROW":
-                out.rows[data.pop("id")] = data
+                out.add(data.pop("id"), data)
                 current = None
                 on_event("row", data)
-            elif kind == "VERDICT":
-                out.verdicts.append(data)
+            elif kind == "PROBES":
+                out.probes.append({**data, "process": process})
     rc = proc.wait()
     for t in threads:
         t.join(timeout=5.0)
@@ -285,10 +298,11 @@ def _death_message(end: WorkerEnd, cfg: RunConfig) -> str:
 
 def run_group(
     cfg: RunConfig, items: list[Item], peaks: list[dict], out: Collected,
-    on_event: Callable[[str, object], None], scratch: str, spawn: Spawn = _spawn,
+    on_event: Callable[[str, object], None], scratch: str, spawn: Spawn = _spawn, process: int = 0,
 ) -> None:
-    """Run items in workers until each has a row; a dead or stuck worker costs one item."""
-    pending = list(items)
+    """Run items in workers until each has its row from worker process `process`; a dead or stuck
+    worker costs one item."""
+    pending = [it for it in items if not out.done(it.id, process)]
     by_id = {it.id: it for it in items}
     while pending:
         spec = {
@@ -299,16 +313,16 @@ def run_group(
             # The best rates so far: the worker re-measures its peak when a row beats them.
             "known_peaks": [rec for rec in out.peaks if rec.get("gflops")],
         }
-        end = _consume(spawn(spec, _worker_env(cfg, scratch)), cfg, by_id, out, on_event)
-        pending = [it for it in pending if it.id not in out.rows]
+        end = _consume(spawn(spec, _worker_env(cfg, scratch)), cfg, by_id, out, on_event, process)
+        pending = [it for it in pending if not out.done(it.id, process)]
         if not pending:
             break
         victims = [by_id[end.current]] if end.current is not None else pending  # died outside an item: all fail
         for it in victims:
-            out.rows[it.id] = empty_row(it.impl, it.case, it.pass_, device=framework_device(it.impl.framework, cfg.plan),
-                                        status="error", message=_death_message(end, cfg))
-            on_event("row", out.rows[it.id])
-        pending = [it for it in pending if it.id not in out.rows]
+            out.add(it.id, empty_row(it.impl, it.case, it.pass_, device=framework_device(it.impl.framework, cfg.plan),
+                                     status="error", message=_death_message(end, cfg)))
+            on_event("row", out.rows[it.id][-1])
+        pending = [it for it in pending if not out.done(it.id, process)]
 
 
 def execute(cfg: RunConfig, items: list[Item], on_event=lambda kind, data: None, spawn: Spawn = _spawn) -> Collected:
@@ -317,45 +331,111 @@ def execute(cfg: RunConfig, items: list[Item], on_event=lambda kind, data: None,
     out = Collected()
     for it in items:
         if it.skip:
-            out.rows[it.id] = empty_row(it.impl, it.case, it.pass_, device=framework_device(it.impl.framework, cfg.plan),
-                                        status="skip", message=it.skip)
-            on_event("row", out.rows[it.id])
+            out.add(it.id, empty_row(it.impl, it.case, it.pass_, device=framework_device(it.impl.framework, cfg.plan),
+                                     status="skip", message=it.skip))
+            on_event("row", out.rows[it.id][0])
     try:
         with tempfile.TemporaryDirectory(prefix="mha-bench-") as scratch:
-            for group in _groups(items, cfg.isolation):
-                # Every worker re-measures the peak for its dtypes: the run's peak is the best of
-                # them all, so a burst of load during one measurement cannot lower the bar.
-                dtypes = sorted({it.case.dtype for it in group})
-                peaks = [{"dtype": d, "sizes": list(cfg.preset.peak_sizes)} for d in dtypes]
-                run_group(cfg, group, peaks, out, on_event, scratch, spawn)
+            # Process after process: the second worker of a case starts after the first has run every
+            # group, so the two see different moments of the machine (what the interval must cover).
+            for process in range(cfg.processes):
+                for group in _groups(items, cfg.isolation):
+                    # Every worker re-measures the peak for its dtypes: the run's peak is the best of
+                    # them all, so a burst of load during one measurement cannot lower the bar.
+                    dtypes = sorted({it.case.dtype for it in group})
+                    peaks = [{"dtype": d, "sizes": list(cfg.preset.peak_sizes)} for d in dtypes]
+                    run_group(cfg, group, peaks, out, on_event, scratch, spawn, process)
     except KeyboardInterrupt:
         out.interrupted = True
         for it in items:
             if it.id not in out.rows:
-                out.rows[it.id] = empty_row(it.impl, it.case, it.pass_, device=framework_device(it.impl.framework, cfg.plan),
-                                            status="skip", message=INTERRUPTED)
+                out.add(it.id, empty_row(it.impl, it.case, it.pass_, device=framework_device(it.impl.framework, cfg.plan),
+                                         status="skip", message=INTERRUPTED))
     return out
 
 
 # ---------------------------------------------------------------- post-processing
 
 
-def finish(items: list[Item], out: Collected) -> list[dict]:
-    """Rows in plan order with GFLOP/s, peak fraction and the ratio to the fastest ok row."""
+def merge_rows(parts: list[dict]) -> dict:
+    """One row from an item's rows of every worker process: the median, IQR and min of all their
+    samples together (so a shift between processes widens the IQR), the rounds and repeats summed,
+    each process's median kept (`process_medians_s`), the compile times' median, the largest memory
+    and output difference. A process whose row is an error or a skip makes the row that one."""
+    for i, r in enumerate(parts):
+        if r["status"] not in MEASURED:
+            bad = dict(r)
+            if len(parts) > 1 and r.get("message"):
+                bad["message"] = f"{r['message']} (worker process {i + 1} of {len(parts)})"
+            return bad
+    if any(not r.get("samples") for r in parts):  # a worker that sent no samples: nothing to pool
+        return dict(parts[0], processes=len(parts), process_medians_s=[r["median_s"] for r in parts])
+    stats = summarize([t for r in parts for rnd in r["samples"] for t in rnd])
+
+    def median_of(name):
+        xs = [r[name] for r in parts if r.get(name) is not None]
+        return float(np.median(xs)) if xs else None
+
+    def max_of(name):
+        xs = [r[name] for r in parts if r.get(name) is not None]
+        return max(xs) if xs else None
+
+    noise = stats.noise()
+    row = dict(parts[0])
+    row.update(median_s=stats.median_s, iqr_s=stats.iqr_s, min_s=stats.min_s, repeats=stats.repeats,
+               rounds=sum(r.get("rounds") or len(r["samples"]) for r in parts), processes=len(parts),
+               process_medians_s=[r["median_s"] for r in parts], compile_s=median_of("compile_s"),
+               recompile_s=median_of("recompile_s"), peak_mem_bytes=max_of("peak_mem_bytes"),
+               out_max_diff=max_of("out_max_diff"), status="noisy" if noise else "ok", message=noise,
+               samples=[r["samples"] for r in parts])
+    return row
+
+
+def finish(items: list[Item], out: Collected, baseline: str | None = None) -> list[dict]:
+    """Rows in plan order (merged over the worker processes) with GFLOP/s, peak fraction and the
+    ratio to the baseline (`baseline_of`). A merged row keeps its `samples` (processes -> rounds ->
+    seconds) for the verdicts; the reports write only ROW_FIELDS."""
     rows = []
     for it in items:
-        row = out.rows[it.id]
+        row = merge_rows(out.rows[it.id])
         rows.append(apply_peak(row, pass_flops(it.case, it.pass_), device_peak(out.peaks, it.case.dtype)))
-    _ratios(items, rows)
+    _ratios(items, rows, baseline)
     return rows
 
 
-def finish_verdicts(items: list[Item], rows: list[dict], out: Collected) -> list[dict]:
-    """The workers' verdicts, conclusive only where both rows ended up ok (`verdict.finalize`)."""
-    by_case: dict = {}
+def group_interference(out: Collected, ids: set, cores: int | None) -> list[str]:
+    """What the interference probes of the worker processes that ran these items saw, by process."""
+    texts = []
+    for rec in out.probes:
+        if ids & set(rec["items"]):
+            texts += [f"worker process {rec['process'] + 1}: {t}"
+                      for t in measure_interference(rec["probes"], cores, rec.get("threads") or 1)]
+    return list(dict.fromkeys(texts))
+
+
+def finish_verdicts(cfg: RunConfig, items: list[Item], rows: list[dict], out: Collected, interference=(),
+                    cores: int | None = None) -> list[dict]:
+    """One verdict per (case, pass) that timed two implementations, from the samples of every worker
+    process (`verdict.compute`); conclusive only where both rows are measured and neither the run
+    (`interference`, the parent's checks) nor the rounds of its workers saw interference."""
+    groups: dict = {}
     for it, row in zip(items, rows):
-        by_case.setdefault((it.case.label, it.pass_), {})[row_key(row)] = row
-    return [verdicts.finalize(v, by_case.get((v["case"], v["pass"]), {})) for v in out.verdicts]
+        groups.setdefault((it.case.label, it.pass_), []).append((it, row))
+    vs = []
+    for (label, pass_), members in groups.items():
+        timed = {it.id: (it, row) for it, row in members if row.get("samples") and row.get("median_s")}
+        usable = timed if cfg.verdict else {i: m for i, m in timed.items() if m[1]["status"] in MEASURED}
+        keys = {i: it.impl.bench_key for i, (it, _) in usable.items()}
+        pair = verdicts.choose_pair(keys, {i: it.impl.framework for i, (it, _) in usable.items()},
+                                    {i: row["median_s"] for i, (_, row) in usable.items()}, cfg.verdict)
+        if pair is None:
+            continue
+        (a, ra), (b, rb) = ((keys[s], usable[s][1]["samples"]) for s in pair)
+        n = min(len(ra), len(rb))
+        v = verdicts.compute(label, pass_, a, ra[:n], b, rb[:n], paired=cfg.interleave)
+        texts = [*interference, *group_interference(out, {it.id for it, _ in members}, cores)]
+        vs.append(verdicts.finalize(v, {row_key(row): row for _, row in members}, texts))
+    return vs
 
 
 def device_peak(peaks: list, dtype: str) -> float | None:
@@ -368,22 +448,37 @@ def device_peak(peaks: list, dtype: str) -> float | None:
     return max(rates) if rates else None
 
 
-def _ratios(items, rows) -> None:
-    """ratio = median / the fastest ok row of the same (case, pass); the fastest noisy row when none is ok.
+# The default baseline of the ratio column, the first of these measured in the (case, pass); else
+# the first measured row in plan order.
+BASELINE_ORDER = ("ours-torch:eager:fused", "ours-jax:jit:fused", "ours-torch:eager:weights", "ours-jax:jit:weights")
 
-    Rows flagged `error` after timing keep a ratio too (shown marked), against the others:
-    an impossible time must not become everyone else's yardstick.
-    """
-    fastest: dict = {}
-    for status in ("ok", "noisy"):
-        for it, row in zip(items, rows):
-            key = (it.case, it.pass_)
-            if row["status"] == status and (key not in fastest or fastest[key][0] == status):
-                fastest[key] = (status, min(fastest.get(key, (status, float("inf")))[1], row["median_s"]))
+
+def baseline_of(keys_measured: list[str], baseline: str | None = None) -> str | None:
+    """The implementation key a (case, pass)'s ratios are taken against: `baseline` (--baseline) if
+    measured there, else the first of BASELINE_ORDER measured, else the first measured."""
+    for key in (baseline, *BASELINE_ORDER):
+        if key in keys_measured:
+            return key
+    return keys_measured[0] if keys_measured else None
+
+
+def _ratios(items, rows, baseline: str | None = None) -> None:
+    """ratio = median / the baseline's median in the same (case, pass) (`baseline_of`), named in
+    the row's `baseline`; a baseline is a measured row (ok or noisy: an error row's time is not trusted).
+
+    Rows flagged `error` after timing keep a ratio too (shown marked), against the baseline."""
+    groups: dict = {}
     for it, row in zip(items, rows):
-        best = fastest.get((it.case, it.pass_))
-        if row["status"] in ("ok", "noisy", "error") and row.get("median_s") and best:
-            row["ratio"] = row["median_s"] / best[1]
+        groups.setdefault((it.case, it.pass_), []).append(row)
+    for members in groups.values():
+        measured = [row_key(r) for r in members if r["status"] in MEASURED and r.get("median_s")]
+        key = baseline_of(measured, baseline)
+        if key is None:
+            continue
+        base = next(r for r in members if row_key(r) == key)["median_s"]
+        for row in members:
+            if row["status"] in ("ok", "noisy", "error") and row.get("median_s"):
+                row["ratio"], row["baseline"] = row["median_s"] / base, key
 
 
 def bench_environment(cfg: RunConfig, out: Collected) -> dict:
@@ -418,8 +513,11 @@ def bench_environment(cfg: RunConfig, out: Collected) -> dict:
         "isolation": cfg.isolation,
         "interleaved": cfg.interleave,
         "paired": cfg.interleave,
-        "verdict_rule": {"ci_level": verdicts.CI_LEVEL, "ci_target": verdicts.CI_TARGET, "min_pairs": verdicts.MIN_PAIRS,
-                         "noisy_iqr": NOISY_IQR, "statistic": "median of paired log(time ratio), percentile bootstrap"},
+        "processes": cfg.processes,
+        "verdict_rule": {"ci_level": verdicts.CI_LEVEL, "ci_target": verdicts.CI_TARGET, "min_rounds": verdicts.MIN_ROUNDS,
+                         "min_processes": verdicts.MIN_PROCESSES, "noisy_iqr": NOISY_IQR,
+                         "statistic": "median of paired log(time ratio); hierarchical percentile bootstrap over "
+                         "worker processes, rounds and pairs"},
         "preset": cfg.preset.name,
         "timing": asdict(cfg.timing),
         "peaks": [

@@ -8,10 +8,11 @@ import torch
 
 from parity import convert
 from parity.bench.measure import Bench, CpuPeakRss, first_call_overhead
-from parity.bench.spec import DTYPES, BenchCase, canonical_weights, make_inputs, rope_positions
+from parity.bench.spec import DTYPES, BenchCase, canonical_weights, keep_mask, make_inputs, rope_positions
 from parity.dtypes import torch_dtype
 from parity.env import pin_torch
 from parity.impls import Implementation
+from parity.impls.registry import mask_for
 from parity.impls.torch_impls import TorchRunner
 
 
@@ -85,14 +86,20 @@ def _tensors(case: BenchCase, device: str, seed: int, requires_grad: bool):
     ]
 
 
+def _mask(runner: TorchRunner, built, case: BenchCase):
+    """The case's keep-mask (`spec.keep_mask`) in the implementation's convention, on the device; None without one."""
+    return runner.t(mask_for(built.impl, keep_mask(case), case.heads, DTYPES[case.dtype]))
+
+
 def _step(runner: TorchRunner, built, case: BenchCase, pass_: str, device: str, seed: int):
     """One call of the registered implementation (the harness's adapter), forward or forward+backward."""
+    mask = _mask(runner, built, case)
     if pass_ == "fwd":
         q, k, v = _tensors(case, device, seed, requires_grad=False)
 
         def step():
             with torch.inference_mode():
-                return runner.call(built, q, k, v)
+                return runner.call(built, q, k, v, mask)
 
         return step
     q, k, v = _tensors(case, device, seed, requires_grad=True)
@@ -101,7 +108,7 @@ def _step(runner: TorchRunner, built, case: BenchCase, pass_: str, device: str, 
         p.requires_grad_(True)
 
     def step():
-        out, _ = runner.call(built, q, k, v)
+        out, _ = runner.call(built, q, k, v, mask)
         loss = out.float().sum()
         # autograd.grad, not .backward(): nothing accumulates between repeats.
         return torch.autograd.grad(loss, [q, k, v, *params])
@@ -128,10 +135,11 @@ def build(impl: Implementation, case: BenchCase, pass_: str, device: str, seed: 
         recompile = lambda clock: first_call_overhead(step2, sync, clock)  # noqa: E731
     step = _step(runner, built, case, pass_, device, seed)
     q, k, v = _tensors(case, device, seed, requires_grad=False)
+    mask = _mask(runner, built, case)
 
     def output():
         with torch.inference_mode():
-            out, _ = runner.call(built, q, k, v)
+            out, _ = runner.call(built, q, k, v, mask)
         return out.detach().float().cpu().numpy()
 
     kernel = "sdpa" if not impl.returns_weights else "bmm-softmax (weights)"

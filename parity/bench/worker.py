@@ -8,11 +8,13 @@ precision, seed, timing, the matmul peaks to measure and the items. Results go t
 stdout as tagged JSON lines, one per event, flushed at once, so that the parent keeps
 every finished row even if this process is killed (out of memory) half-way:
 
-    @@ENV <json>    @@PEAK <json>    @@START <item id>    @@ROW <json>    @@VERDICT <json>
+    @@ENV <json>    @@PEAK <json>    @@START <item id>    @@ROW <json>    @@PROBES <json>
 
 Both frameworks are loaded here when the items need both, so that the implementations
 of one (case, pass) — torch and JAX together — are timed round-robin and every round
-gives paired samples (`measure.sample`, `verdict`). Before timing, every implementation's
+gives paired samples (`measure.sample`, `verdict`); each row carries its raw samples, by
+round, and the interference probe's record of every round follows the group's rows: the
+parent computes the verdict over all the worker processes of the case. Before timing, every implementation's
 output is compared with a reference's, ours when present, else the first (`OutputCheck`): a
 mismatch is an `error` row. A row whose rate beats the best matmul peak known so far triggers a fresh peak
 measurement before the row is sent (`PeakBar`).
@@ -33,7 +35,7 @@ import traceback
 import numpy as np
 
 from parity.bench import verdict
-from parity.bench.measure import pin_threads, prepare, same_output, sample, summary
+from parity.bench.measure import InterferenceProbe, flat, pin_threads, prepare, same_output, sample, summary
 from parity.bench.spec import (
     IMPLS, PEAK_TIMING, BenchCase, Timing, empty_row, framework_device, pass_flops,
 )
@@ -99,27 +101,12 @@ class OutputCheck:
         self.held.clear()  # the reference's array too: free before timing
 
 
-def verdict_pair(keys: dict[int, str], frameworks: dict[int, str], times: dict[int, list[float]],
-                 named: list[str] | None) -> tuple[int, int] | None:
-    """The two slots a verdict compares: `named` (--verdict A,B) if both are here; else the fastest
-    (by median so far) of each framework, or the two fastest when one framework is present."""
-    live = [s for s in times if times[s]]
-    if named:
-        by_key = {keys[s]: s for s in live}
-        return (by_key[named[0]], by_key[named[1]]) if all(k in by_key for k in named) else None
-    ranked = sorted(live, key=lambda s: float(np.median(times[s])))
-    best = {}
-    for s in ranked:
-        best.setdefault(frameworks[s], s)
-    if len(best) >= 2:
-        return tuple(sorted(best.values()))[:2]
-    return tuple(sorted(ranked[:2])) if len(ranked) >= 2 else None
-
-
-def run_group(mods: dict, group, spec: dict, timing: Timing, clock):
+def run_group(mods: dict, group, spec: dict, timing: Timing, clock, probe=None):
     """All implementations of one (case, pass): build, check outputs, time, summarise.
 
-    Returns ([(item id, row)], verdict dict or None)."""
+    Returns ([(item id, row)], [the interference probe's record of each round]); each timed row
+    carries its raw `samples` (rounds of seconds), from which the parent computes the verdict
+    over every worker process of the case."""
     precision, seed, interleave = spec["precision"], spec["seed"], spec.get("interleave", True)
     named = spec.get("verdict")
     rows, benches, prepared = {}, {}, {}
@@ -147,39 +134,31 @@ def run_group(mods: dict, group, spec: dict, timing: Timing, clock):
     mismatch = check.mismatch
     for s, diff in check.diffs.items():
         rows[s]["out_max_diff"] = diff
-
     case, pass_ = group[0][2], group[0][3]
 
-    def settled(times):
-        pair = verdict_pair(keys, fws, {s: t for s, t in times.items() if s not in mismatch}, named)
+    def settled(rounds):
+        medians = {s: float(np.median(flat(r))) for s, r in rounds.items() if s not in mismatch and r}
+        pair = verdict.choose_pair(keys, fws, medians, named)
         if pair is None:
             return False
         a, b = pair
-        v = verdict.compute(case.label, pass_, keys[a], times[a], keys[b], times[b], paired=True)
+        v = verdict.compute(case.label, pass_, keys[a], [rounds[a]], keys[b], [rounds[b]], paired=True)
         return verdict.settled(v)
 
-    times, errors = sample(benches, timing, clock, interleave, settled if interleave else None)
+    if probe is not None:
+        probe.start()
+    rounds, errors, probes = sample(benches, timing, clock, interleave, settled if interleave else None, probe)
     for s, bench in benches.items():
-        res = errors.get(s) or summary(bench, prepared[s], times[s], clock)
+        res = errors.get(s) or summary(bench, prepared[s], flat(rounds[s]), clock)
         if isinstance(res, Exception):
             rows[s].update(status="error", message=error_message(res))
             traceback.print_exception(res, file=sys.stderr)
             continue
         res.pop("samples"), res.pop("output")
-        rows[s].update(res)
+        rows[s].update(res, samples=rounds[s], rounds=len(rounds[s]), processes=1)
         if s in mismatch:
             rows[s].update(status="error", message=mismatch[s])
-    timed = {s: times[s] for s in benches if s not in errors and times[s]}
-    pair = verdict_pair(keys, fws, {s: t for s, t in timed.items() if s not in mismatch}, named)
-    v = None
-    if pair is not None:
-        a, b = pair
-        ta, tb = timed[a], timed[b]
-        if interleave:  # pairs: a bench that failed mid-way leaves the rounds it did complete
-            n = min(len(ta), len(tb))
-            ta, tb = ta[:n], tb[:n]
-        v = verdict.compute(case.label, pass_, keys[a], ta, keys[b], tb, paired=interleave)
-    return [(item_id, rows[item_id]) for item_id, *_ in group], v
+    return [(item_id, rows[item_id]) for item_id, *_ in group], probes
 
 
 class PeakBar:
@@ -310,15 +289,15 @@ def main(argv=None) -> int:
     for peak in spec.get("peaks", []):
         bar.measure(peak["dtype"])
     timing = Timing(**spec["timing"])
+    probe = InterferenceProbe(clock)
     for group in groups(items):
         for mod in mods.values():
             mod.reset_compiled()
-        rows, v = run_group(mods, group, spec, timing, clock)
+        rows, probes = run_group(mods, group, spec, timing, clock, probe)
         bar.vet(rows)
         for item_id, row in rows:
             emit("ROW", {"id": item_id, **row})
-        if v is not None:
-            emit("VERDICT", v)
+        emit("PROBES", {"items": [item_id for item_id, _ in rows], "probes": probes, "threads": len(cpus)})
     return 0
 
 
