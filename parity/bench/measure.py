@@ -353,7 +353,8 @@ def same_output(out: np.ndarray, ref: np.ndarray, dtype: str, precision: str = "
     nan_a, nan_r = np.isnan(a), np.isnan(r)
     if np.any(nan_a != nan_r):
         return None, f"NaN at {int(np.count_nonzero(nan_a != nan_r))} place(s) where the reference has none, or the reverse"
-    diff = np.where(nan_r | (a == r), 0.0, np.abs(a - r))  # an infinity matches only itself
+    with np.errstate(invalid="ignore"):  # inf - inf: NaN, replaced where the two are equal
+        diff = np.where(nan_r | (a == r), 0.0, np.abs(a - r))  # an infinity matches only itself
     atol, rtol, elementwise = output_bound(dtype, precision)
     size = np.where(nan_r, 0.0, np.abs(r))
     bound = atol + rtol * (size if elementwise else size.max(initial=0.0))
