@@ -3,6 +3,7 @@
     mha-bench [--preset quick|default|long] [--device cpu|gpu|tpu|auto] [--impls PATTERNS]
               [--passes fwd,fwd+bwd] [--dtypes ...] [--seq ...] [--batch ..] [--embed ..] [--heads ..]
               [--kv-heads K,..] [--rope none,half,interleaved] [--bias all|qkv|out|none]
+              [--kv-seq S,..] [--mask none,causal,padding] [--processes P] [--baseline KEY]
               [--threads K] [--precision highest|default] [--verdict A,B]
               [--json P] [--markdown P] [--plot P.png]
     mha-bench compare BASE.json NEW.json [--threshold 0.10]
@@ -24,7 +25,8 @@ Exit codes (a run is a pass only if it measured something and nothing failed):
        and written to the requested reports, the others say they were not run
 
 A `noisy` row (IQR/median above spec.NOISY_IQR) is measured, not failed: it does not
-change the exit code, but it is never `ok` and never supports a conclusive verdict.
+change the exit code and it is never `ok`; a verdict rests on the paired interval over the
+worker processes (`verdict`), which a noisy row does not veto, and any interference does.
 """
 
 from __future__ import annotations
