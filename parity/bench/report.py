@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import json
 import math
+import textwrap
 from dataclasses import dataclass, field
 
 from rich import box
@@ -254,8 +255,11 @@ def verdict_short(v: dict) -> str:
     """A verdict in a plot's words: pass, case, who is faster by how much, the interval, conclusive or why not."""
     ci = v.get("ci")
     span = f"{verdicts.CI_LEVEL:.0%} CI {ci[0]:.3g}-{ci[1]:.3g}" if ci and math.isfinite(ci[1]) else "no interval"
-    state = "conclusive" if v["conclusive"] else f"inconclusive ({v.get('reason') or 'see the report'})"
-    return f"{v['pass']} {v['case']}: {v['faster']} {v['ratio']:.3g}x faster than {v['slower']}, {span}, {state}"
+    reason = v.get("reason") or "see the report"
+    reason = reason if len(reason) <= 90 else reason[:87] + "..."  # the report has it whole
+    state = "conclusive" if v["conclusive"] else f"inconclusive ({reason})"
+    text = f"{v['pass']} {v['case']}: {v['faster']} {v['ratio']:.3g}x faster than {v['slower']}, {span}, {state}"
+    return textwrap.fill(text, 140)  # a figure two passes wide holds about 140 characters at this size
 
 
 def plot_title(rows, env: dict | None, verdicts_=()) -> str:

@@ -204,7 +204,7 @@ def why_inconclusive(verdict: dict, rows_by_key: dict) -> str | None:
         if status not in ("ok", "noisy"):
             return f"{verdict[k]} is {status or 'missing'}"
     if verdict.get("interference"):
-        return f"interference during the run: {verdict['interference'][0]}"
+        return f"interference during the run: {verdict['interference'][0].removeprefix('interference: ')}"
     return sample_reason(verdict)
 
 
