@@ -172,7 +172,7 @@ def unsupported(impl: Implementation, case: BenchCase) -> str | None:
 
 # The implementations come from the one registry (parity.impls), which the harness uses too;
 # a row's `impl` column is the registry entry's family, its key family:mode:weights|fused.
-IMPLS = tuple(i for i in BUILTIN if i.bench or i.name in GROUPED_BASELINES)
+IMPLS = tuple(i for i in BUILTIN if i.bench)
 
 
 def select_impls(spec: str | None, impls=IMPLS) -> tuple[Implementation, ...]:

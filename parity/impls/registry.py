@@ -502,13 +502,13 @@ BUILTIN = (
     # Peers for grouped/multi-query, rotary and bias-free layers (each RoPE its own code, not our modules').
     # float64/float32: 16-bit adds compiles and transformers calls to the default run and proves no more.
     Implementation("torch-sdpa-gqa", "torch", "parity.impls.gqa_torch:sdpa_gqa", masked_rows="zero", role="peer",
-                   bench=False, runs_on=("*/*/float64", "*/*/float32"), variants=VARIANT_FEATURES,
+                   bench=True, runs_on=("*/*/float64", "*/*/float32"), variants=VARIANT_FEATURES,
                    doc="our projections around F.scaled_dot_product_attention(enable_gqa=True) on the K key/value "
                    "heads, RoPE by its own rotate_half/rotate_every_two; bool mask True = attend; empty rows give 0"),
     # Each unit of jax-dpa-gqa is two XLA compiles (forward, gradients): it runs on the masks and
     # attention kinds the default matrix's classic peer cases lack (there it is jax-dpa-core's kernel).
     Implementation("jax-dpa-gqa", "jax", "parity.impls.gqa_jax:dpa_gqa", "jit", False, masked_rows="uniform",
-                   role="peer", bench=False, materializes=True,
+                   role="peer", bench=True, materializes=True,
                    runs_on=("cross/*/float64", "cross/*/float32", "self/padding/float64", "self/padding/float32"),
                    variants=VARIANT_FEATURES,
                    doc="our projections around jax.nn.dot_product_attention with K key/value heads, RoPE as complex "
@@ -516,7 +516,7 @@ BUILTIN = (
     # Keras's GroupQueryAttention has no RoPE and one use_bias for all four projections: it runs
     # grouped layers with every bias (a bias-free one skips: "no-qkv-bias" alone is not its layer).
     Implementation("keras-gqa", "jax", f"{_E}:keras_gqa", "jit", False, masked_rows="uniform", mask_shape="BTS",
-                   role="peer", bench=False, materializes=True, runs_on=("*/*/float64", "*/*/float32"),
+                   role="peer", bench=True, materializes=True, runs_on=("*/*/float64", "*/*/float32"),
                    variants=("grouped",), classic=False,
                    doc="keras.layers.GroupQueryAttention (JAX backend) on the canonical parameters via stateless_call; "
                    "key/value heads repeated per group (ops.repeat), then jax.nn.dot_product_attention: bool mask "
