@@ -117,12 +117,33 @@ def _read_file(path, layout, prefix, num_heads, num_kv_heads, rope_theta):
     return sd, config
 
 
-def cases(config: AttentionConfig, B: int, T: int, S: int) -> tuple[Case, ...]:
-    """The checkpoint's cases at B, T, S (see the module docstring)."""
+def constant_tensors(state_dict: dict) -> tuple[str, ...]:
+    """The tensors that hold one value throughout (all zero, as a freshly initialised bias is):
+    a port that ignores such a tensor computes what the file computes, so the forward check
+    cannot tell; a case with them redrawn can."""
+    import numpy as np
+
+    from parity.reference import as_float64
+
+    out = []
+    for name, a in state_dict.items():
+        a = as_float64(a)
+        if a.size and np.all(a == a.flat[0]):
+            out.append(name)
+    return tuple(out)
+
+
+def cases(config: AttentionConfig, B: int, T: int, S: int, redraw: tuple = ()) -> tuple[Case, ...]:
+    """The checkpoint's cases at B, T, S (see the module docstring); with `redraw` (constant
+    tensors), also "checkpoint-redrawn/causal/nan": the file's weights with those tensors drawn."""
     if T > S:
         raise ValueError(f"--shape {B},{T},{S}: a decoder's queries are the newest of its tokens, so T <= S; got T > S")
     shape = Shape.of("checkpoint", Problem(config, B, T, S), cross=T != S)
-    return tuple(Case(shape, mask, policy, peers=True, jax_eager=False) for mask, policy in MASKS)
+    out = tuple(Case(shape, mask, policy, peers=True, jax_eager=False) for mask, policy in MASKS)
+    if redraw:
+        redrawn = Shape.of("checkpoint-redrawn", Problem(config, B, T, S), cross=T != S)
+        out += (Case(redrawn, *MASKS[0], jax_eager=False, redraw=tuple(redraw)),)
+    return out
 
 
 def parse_shape(text: str) -> tuple[int, int, int]:
@@ -173,10 +194,16 @@ def usage_problem(args) -> str | None:
 
 
 def describe(environment: dict) -> str:
-    """One line naming the layer checked (printed before the table; the reports carry the same entries)."""
+    """What is checked, before the table (the reports carry the same entries): the layer, and a warning
+    naming the constant tensors, which blind the forward check (see `constant_tensors`)."""
     e = environment
-    return (f"checkpoint {e['checkpoint']} (layout {e['checkpoint_layout']}, prefix {e['checkpoint_prefix']!r}, "
+    text = (f"checkpoint {e['checkpoint']} (layout {e['checkpoint_layout']}, prefix {e['checkpoint_prefix']!r}, "
             f"{e['checkpoint_dtype']}): {e['checkpoint_layer']}")
+    if e.get("checkpoint_constant_tensors"):
+        text += (f"\nwarning: {e['checkpoint_constant_tensors'].replace(',', ', ')} hold one value throughout (all zero, "
+                 "as freshly initialised): a port that ignores them computes the same, so the case "
+                 "checkpoint-redrawn/causal/nan checks the layer with them drawn")
+    return text
 
 
 def run_kwargs(args) -> dict:
@@ -185,11 +212,15 @@ def run_kwargs(args) -> dict:
     layer = load_layer(args.checkpoint, args.layout, args.prefix, num_heads=args.num_heads,
                        num_kv_heads=args.num_kv_heads, rope_theta=args.rope_theta)
     B, T, S = args.shape or DEFAULT_SHAPE
+    constant = constant_tensors(layer.state_dict)
     try:
-        chosen = cases(layer.config, B, T, S)
+        chosen = cases(layer.config, B, T, S, redraw=constant)
     except ValueError as e:
         raise LoadError(str(e)) from e
-    return {"cases": chosen, "state_dict": layer.state_dict, "environment": layer.environment,
+    environment = dict(layer.environment)
+    if constant:
+        environment["checkpoint_constant_tensors"] = ",".join(constant)
+    return {"cases": chosen, "state_dict": layer.state_dict, "environment": environment,
             "checks": args.checks if args.checks is not None else CHECKS,
             "dtypes": args.dtypes if args.dtypes is not None else DTYPES_DEFAULT}
 

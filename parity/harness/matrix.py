@@ -100,6 +100,7 @@ class Case:
     peers: bool = False  # so are the peers (five more layers), so they run where they say most
     jax_eager: bool = True  # eager jax compiles every op per new shape: ~1 s a (shape, dtype)
     dtypes: tuple = DTYPES  # the dtypes this case runs in (intersected with the run's)
+    redraw: tuple = ()  # with fixed weights (a checkpoint's): these tensors are the case's own draw instead
     name: str = field(default="", compare=False)
 
     def __post_init__(self):
@@ -364,7 +365,7 @@ def draw_inputs(case: Case, seed: int, state_dict: dict | None = None) -> Inputs
         key, value = query.copy(), query.copy()
     sd = draw.state_dict(rng, case.config)
     if state_dict is not None:
-        sd = _fixed_weights(case, state_dict)
+        sd = {**_fixed_weights(case, state_dict), **{n: sd[n] for n in case.redraw}}
     keep = _keep_mask(case.mask, s, rng)
     # Scaled so gradient magnitudes stay O(1) whatever B and T are.
     cotangent = rng.standard_normal((s.B, s.T, s.E)) / np.sqrt(s.B * s.T)
