@@ -14,7 +14,7 @@ import os
 import signal
 import sys
 
-from parity.cli_args import comma_separated, nonnegative_int, positive_float
+from parity.cli_args import comma_separated, nonnegative_int, parse_layer, positive_float
 from parity.devices import DEVICES
 from parity.dtypes import DTYPES
 from parity.harness import checkpoint
@@ -46,6 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"which of our implementations to run ({', '.join(ours)}; default: all but the torch.compile ones)")
     p.add_argument("--impl", action="append", default=[], metavar="MODULE:ATTR",
                    help="your own implementation (a parity.impls.Implementation), e.g. parity.examples.jax_port:port; repeatable")
+    p.add_argument("--layer", type=parse_layer, default=None, metavar="E=64,N=4,K=2,rope=half,bias=none",
+                   help="check on this layer at --shape B,T,S (default 2,5,5) instead of the matrix: causal, padding and "
+                   "random masks (--quick: causal); keys E, N, K, rope (none|half|interleaved), theta, "
+                   "bias (all|none|qkv|out)")
     p.add_argument("--compile", action="store_true", help="also run torch.compile of the selected torch implementations (slow on CPU)")
     p.add_argument("--framework-defaults", action="store_true",
                    help="keep the frameworks' default matmul precision (TF32 on GPU, bf16 passes on TPU) instead of 'highest'")
@@ -99,6 +103,14 @@ def _usage_problems(args) -> str | None:
     problem = checkpoint.usage_problem(args)
     if problem:
         return problem
+    if args.layer is not None:
+        clash = [f for f, given in (("--checkpoint", args.checkpoint), ("--cases", args.cases),
+                                    ("--devices", args.devices)) if given]
+        if clash:
+            return f"--layer runs its own cases; it does not take {', '.join(clash)}"
+        B, T, S = args.shape or checkpoint.DEFAULT_SHAPE
+        if T > S:
+            return f"--shape {B},{T},{S}: T <= S (T < S is cross-attention, causal bottom-right aligned)"
     if args.devices is not None and args.devices < 2:
         return f"--devices must be at least 2, got {args.devices}"
     if args.layouts and args.devices is None:
@@ -139,6 +151,8 @@ def _run(args, console, stop):
         progress.update(state["task"], description=description)
 
     kw = dict(case_filter=args.cases, dtypes=args.dtypes, checks=args.checks)
+    if args.layer is not None:
+        kw["cases"] = _layer_cases(args)
     if args.checkpoint is not None:  # its cases, weights and report entries; a bad path/prefix is a LoadError
         kw.update(checkpoint.run_kwargs(args))
         console.print(checkpoint.describe(kw["environment"]), soft_wrap=True, markup=False)
@@ -150,6 +164,15 @@ def _run(args, console, stop):
             on_progress=on_progress, should_stop=lambda: stop.requested, devices=args.devices, layouts=args.layouts,
             job_timeout_s=args.job_timeout,
         )
+
+
+def _layer_cases(args):
+    """--layer at --shape: its own cases (`parity.harness.matrix.layer_cases`)."""
+    from mha_spec import Problem
+    from parity.harness.matrix import Shape, layer_cases
+
+    B, T, S = args.shape or checkpoint.DEFAULT_SHAPE
+    return layer_cases(Shape.of("layer", Problem(args.layer, B, T, S), cross=T != S), quick=args.quick)
 
 
 def _default_ours(args):

@@ -171,7 +171,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"how the checkpoint names the block's tensors ({', '.join(LAYOUTS)}; default %(default)s)")
     g.add_argument("--prefix", default="", metavar="PREFIX", help="the block's key prefix, e.g. model.layers.3.self_attn.")
     g.add_argument("--shape", type=parse_shape, default=None, metavar="B,T,S",
-                   help=f"batch, query and key lengths (T <= S; default {','.join(map(str, DEFAULT_SHAPE))})")
+                   help=f"batch, query and key lengths of the --checkpoint or --layer cases (T <= S; T < S is "
+                   f"cross-attention; default {','.join(map(str, DEFAULT_SHAPE))})")
     g.add_argument("--num-heads", type=positive_int, default=None, metavar="N", help="single file: query heads")
     g.add_argument("--num-kv-heads", type=positive_int, default=None, metavar="K",
                    help="single file: key/value heads (default: read off k_proj's rows)")
@@ -181,11 +182,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def usage_problem(args) -> str | None:
     """A flag that needs --checkpoint, or one --checkpoint cannot take (None: fine)."""
-    own = ("layout", "prefix", "shape", *_FILE_FLAGS)
+    own = ("layout", "prefix", *(() if getattr(args, "layer", None) else ("shape",)), *_FILE_FLAGS)
     if args.checkpoint is None:
         given = [f"--{a.replace('_', '-')}" for a in own
                  if getattr(args, a) not in (None, "", "hf-llama")]
-        return f"{', '.join(given)}: the flags of a checkpoint's layer; give --checkpoint too" if given else None
+        return (f"{', '.join(given)}: the flags of a checkpoint's layer; give --checkpoint too"
+                + (" (or --layer, for --shape)" if "--shape" in given else "")) if given else None
     if args.quick:
         return "--quick picks the drawn matrix; --checkpoint runs the checkpoint's own cases"
     if args.devices is not None:
