@@ -22,7 +22,7 @@ from parity.harness.matrix import Case, Inputs
 from parity.harness.report import Row
 from parity.impls import Implementation, builtin, mask_for
 from parity.impls.ecosystem_impls import MissingPackage
-from parity.tolerances import TOLERANCES, Comparison, errors, gradient_floors
+from parity.tolerances import TOLERANCES, Comparison, errors, gradient_floors, reduction_floors
 
 TRAIN_STEPS = 5
 TRAIN_DTYPES = ("float64", "float32")  # 16-bit training drifts by design; nothing sharp to compare
@@ -72,6 +72,7 @@ class Unit:
     _oracle: dict = field(default_factory=dict)
     _grads: dict = field(default_factory=dict)
     _built: dict = field(default_factory=dict)
+    _terms: dict = field(default_factory=dict)
 
     @property
     def tol(self):
@@ -116,6 +117,47 @@ class Unit:
                 yard = {n: errors(low[n], exact[n])[0] for n in exact}
             self._grads[key] = (exact, yard)
         return self._grads[key]
+
+    def bias_terms(self, policy: str, masked_row_grads: str = "stop") -> dict[str, np.ndarray]:
+        """{bias gradient: its per-token terms (B·L, F), float64}: the gradient of that projection's output
+        at each token, which the bias gradient sums (out_proj's: the cotangent), as the oracle's own maths in
+        the run dtype stores it (`reference.backward(dtype=...)`). Read off the oracle with each input
+        projection moved into its input -- x·Wᵀ + b fed as the input (zero-padded to E columns; F ≤ E), weight
+        [I | 0], bias 0: the same layer and the same stored values, whose input gradient is then the
+        projection's output gradient."""
+        sd, *xs = self._args64()
+        cot = reference.as_float64(self.x.cotangent)
+        moved, inputs, widths = dict(sd), [], {}
+        for name, x in zip(("q_proj", "k_proj", "v_proj"), xs):
+            W, b = sd[f"{name}.weight"], sd.get(f"{name}.bias")  # (F, E), (F,)
+            F, E = W.shape
+            out = x @ W.T + (0.0 if b is None else b)  # (B, L, F)
+            inputs.append(np.concatenate([out, np.zeros((*out.shape[:2], E - F))], axis=-1))  # (B, L, E)
+            moved[f"{name}.weight"] = np.eye(F, E)
+            if b is not None:
+                moved[f"{name}.bias"], widths[name] = np.zeros(F), F
+        terms = {}
+        if widths:  # a layer without q/k/v biases needs no second backward
+            kw = {**self._layer_kw(), "masked_rows": policy, "masked_row_grads": masked_row_grads}
+            grads = reference.backward(moved, *inputs, self.x.keep, cot, dtype=self.x.query.dtype, **kw)
+            terms = {f"{n}.bias": grads[key][..., :widths[n]].reshape(-1, widths[n])
+                     for n, key in (("q_proj", "query"), ("k_proj", "key"), ("v_proj", "value")) if n in widths}
+        if "out_proj.bias" in sd:
+            terms["out_proj.bias"] = cot.reshape(-1, cot.shape[-1])
+        return terms
+
+    def floors(self, policy: str, masked_row_grads: str, expected: dict) -> dict[str, float]:
+        """The 16-bit gradient floors (parity.tolerances): a true-zero gradient's, and each bias gradient's
+        bound when its sum over tokens runs in the dtype; the larger where both apply. Empty in float64/float32."""
+        floors = gradient_floors(expected, self.dtype)
+        if self.tol.three_way_k is None:
+            return floors
+        key = (policy, masked_row_grads)
+        if key not in self._terms:
+            self._terms[key] = self.bias_terms(policy, masked_row_grads)
+        for n, f in reduction_floors(self._terms[key], expected, self.dtype).items():
+            floors[n] = max(f, floors.get(n, 0.0))
+        return floors
 
     def runner(self, impl: Implementation):
         return self.runners[impl.framework]
@@ -432,7 +474,7 @@ def check_gradient(unit: Unit, impls) -> list[Row]:
             continue
         policy = impl.policy(unit.case.masked_rows)
         expected, yard_err = unit.oracle_grads(policy, impl.masked_row_grads)
-        floors = gradient_floors(expected, unit.dtype)
+        floors = unit.floors(policy, impl.masked_row_grads, expected)
         try:
             out, w, got = unit.runner(impl).vjp(unit.built(impl, policy), *unit.inputs(), unit.x.cotangent)
         except Exception as e:
@@ -577,7 +619,7 @@ def _peer_autodiff_rows(unit: Unit, peer: Implementation, policy: str, table, no
     missing = sorted(n for n in expected if got.get(n) is None)
     if missing:
         raise ValueError(f"{peer.name} gave no gradient for {', '.join(missing)}")
-    floors = gradient_floors(expected, unit.dtype)
+    floors = unit.floors(policy, peer.masked_row_grads, expected)
     note = f"{note}; masked_row_grads={peer.masked_row_grads}"
     rows = []
     for group in GRAD_GROUPS:
@@ -597,7 +639,7 @@ def _peer_grad_rows(unit: Unit, peer: Implementation, policy: str, vjp, table, n
     expected = dict(expected, input=sum(reference.as_float64(expected[n]) for n in GRAD_GROUPS["d_inputs"]))
     if yard is not None:  # the sum's error is at most the sum of the three errors
         yard = dict(yard, input=sum(yard[n] for n in GRAD_GROUPS["d_inputs"]))
-    floors = gradient_floors(expected, unit.dtype)
+    floors = unit.floors(policy, peer.masked_row_grads, expected)
     note = f"{note}; masked_row_grads={peer.masked_row_grads}"
     rows = []
     for quantity, names in (("d_input", ("input",)), ("d_params", _group("d_params", expected))):
