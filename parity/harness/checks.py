@@ -34,19 +34,13 @@ OPTIMIZERS = {
     "sgd": {"lr": 1e-1, "momentum": 0.9},
 }
 
-# A peer that computes in a lower precision than its inputs' dtype is judged with
-# the table's entry for the dtype it really computes in, and the row says so.
-# Measured (seed 0, default matrix): jax.nn.dot_product_attention's float64 output
-# is off the float64 oracle by ~1e-8 because its softmax always runs in float32.
-# Keras 3's default call runs jax.nn.dot_product_attention too: 2.2e-7 off in float64.
-# jax-dpa-gqa and keras-gqa (Keras's GroupQueryAttention) are the same kernel with K heads. HF Llama (eager) computes RoPE's cos/sin and its
-# softmax in float32 for float64 models: 2e-8..5e-8 off (tests/test_modern_peers.py measures it).
-PEER_EFFECTIVE_DTYPE = {("jax-dpa-core", "float64"): "float32", ("keras-mha", "float64"): "float32",
-                        ("jax-dpa-gqa", "float64"): "float32", ("keras-gqa", "float64"): "float32",
-                        ("hf-llama", "float64"): "float32"}
+# An implementation that computes in a lower precision than its inputs' dtype (`computes_in`, declared
+# in the registry: the peers that run jax.nn.dot_product_attention or HF Llama's float32 softmax) is
+# judged with the table's entry for the dtype it really computes in, and the row says so.
 
 GRAD_GROUPS = {
-    "d_inputs": ("query", "key", "value"),
+    # "x": a one-input layer's (inputs="self") gradient, judged against d_query + d_key + d_value
+    "d_inputs": ("query", "key", "value", "x"),
     "d_params": tuple(f"{p}.{w}" for p in ("q_proj", "k_proj", "v_proj", "out_proj") for w in ("weight", "bias")),
 }
 
@@ -73,6 +67,7 @@ class Unit:
     _grads: dict = field(default_factory=dict)
     _built: dict = field(default_factory=dict)
     _terms: dict = field(default_factory=dict)
+    results: dict = field(default_factory=dict)  # (check, impl name) -> what it returned: for check_pairs
 
     @property
     def tol(self):
@@ -167,8 +162,16 @@ class Unit:
         return dataclasses.replace(self.case.problem, config=dataclasses.replace(self.case.config, masked_rows=policy))
 
     def unsupported(self, impl: Implementation) -> str | None:
-        """Why impl does not run this unit, by its declarations (dtypes, variants)."""
-        return impl.unsupported(self.dtype, self.case.config)
+        """Why impl does not run this unit, by its declarations (dtypes, variants, requires, inputs, runs_on)."""
+        return impl.unsupported(self.dtype, self.case.config, cross=self.case.shape.cross, mask=self.case.mask)
+
+    def table(self, impl: Implementation):
+        """The tolerance entry `impl` is judged with here: its `computes_in` where that is coarser."""
+        return TOLERANCES[impl.judged_at(self.dtype)]
+
+    def judged_note(self, impl: Implementation) -> str:
+        at = impl.judged_at(self.dtype)
+        return "" if at == self.dtype else f"judged at the {at} bound ({impl.name} declares computes_in={impl.computes_in})"
 
     def built(self, impl: Implementation, policy: str):
         key = (impl.name, policy)
@@ -264,7 +267,8 @@ def divergence(unit: Unit, impl: Implementation, policy: str) -> dict:
         actual, expected, yard = views[stage]
         if np.shape(actual) != np.shape(expected):
             return {"stage": stage, "message": f"{stage} has shape {np.shape(actual)}, the oracle's is {np.shape(expected)}"}
-        if not judge(actual, expected, unit.tol.forward, unit.tol.three_way_k, yard).passed:
+        table = unit.table(impl)
+        if not judge(actual, expected, table.forward, table.three_way_k, yard).passed:
             return {"stage": stage}
     return {"stage": "output"}
 
@@ -308,7 +312,8 @@ def _disagreement(c: Comparison, actual, expected) -> str:
 
 def _judge_forward(unit: Unit, impl: Implementation, policy: str, out, w, check: str = "forward", note: str = "") -> list[Row]:
     exact, low = unit.oracle(policy)
-    tol, k = unit.tol.forward, unit.tol.three_way_k
+    tol, k = unit.table(impl).forward, unit.table(impl).three_way_k
+    note = "; ".join(n for n in (note, unit.judged_note(impl)) if n)
     quantities = [("output", out)] + ([] if w is None else [("weights", w)])
     cmps = [(q, a, judge(a, getattr(exact, q), tol, k, None if low is None else getattr(low, q))) for q, a in quantities]
     extra = divergence(unit, impl, policy) if any(not c.passed for *_, c in cmps) else {}
@@ -357,9 +362,10 @@ def _forward_vs_torch(unit: Unit, impl: Implementation, policy: str, got: dict) 
         if a is None or base[q] is None:
             continue
         yard_err = None if low is None else errors(getattr(low, q), getattr(exact, q))[0]
-        c = judge(a, base[q], unit.tol.forward, unit.tol.three_way_k, yard_err=yard_err)
-        rows.append(unit.row("forward", impl, ref, status(c), q, c,
-                             message="" if c.passed else _disagreement(c, a, base[q])))
+        table = unit.table(impl)
+        c = judge(a, base[q], table.forward, table.three_way_k, yard_err=yard_err)
+        message = [unit.judged_note(impl)] + ([] if c.passed else [_disagreement(c, a, base[q])])
+        rows.append(unit.row("forward", impl, ref, status(c), q, c, message="; ".join(m for m in message if m)))
     return rows
 
 
@@ -390,6 +396,7 @@ def check_forward(unit: Unit, impls) -> list[Row]:
             rows.append(_error_row(unit, "forward", impl, "oracle", e))
             continue
         rows += _changed_rows(unit, impl, "forward", policy)
+        unit.results[("forward", impl.name)] = {"output": out, "weights": w}
         rows += _judge_forward(unit, impl, policy, out, w)
         if _versus_torch(impl):
             rows += _forward_vs_torch(unit, impl, policy, {"output": out, "weights": w})
@@ -436,7 +443,7 @@ def _masked_row_note(unit: Unit, got: dict, expected: dict, failing) -> str:
 def _grad_rows(unit: Unit, impl: Implementation, ref: str, got: dict, expected: dict, yard_err, floors,
                extra=None, explain=None) -> list[Row]:
     rows = []
-    tol, k = unit.tol.gradient, unit.tol.three_way_k
+    tol, k = unit.table(impl).gradient, unit.table(impl).three_way_k
     for group in GRAD_GROUPS:
         names = _group(group, expected)
         if group == "d_params" and not impl.uses_params:
@@ -448,7 +455,9 @@ def _grad_rows(unit: Unit, impl: Implementation, ref: str, got: dict, expected: 
         filled = {n: np.zeros_like(reference.as_float64(expected[n])) if got.get(n) is None else got[n] for n in names}
         c, note = judge_grads(filled, expected, tol, names, k, yard_err, floors)
         kw = dict(extra or {}) if not c.passed else {}
-        message = []
+        message = [unit.judged_note(impl)]
+        if names == ("x",):
+            message.append("one input (inputs='self'): d_x judged against d_query + d_key + d_value")
         if missing:
             message.append(f"no gradient for {', '.join(missing)} (judged as zero)")
         message.append(note)
@@ -463,6 +472,20 @@ def _grad_rows(unit: Unit, impl: Implementation, ref: str, got: dict, expected: 
         kw["message"] = "; ".join(m for m in message if m)
         rows.append(unit.row("gradient", impl, ref, status(c), group, c, **kw))
     return rows
+
+
+def one_input(grads: dict | None) -> dict | None:
+    """Gradients (or their yardstick errors) as a one-input layer has them: "x" for query, key and value
+    (their sum: the errors of a sum add up at most); the parameters' as they are."""
+    if grads is None:
+        return None
+    parts = [grads.get(n) for n in ("query", "key", "value")]
+    rest = {n: g for n, g in grads.items() if n not in ("query", "key", "value")}
+    if all(g is None for g in parts):
+        return rest
+    if isinstance(parts[0], float):
+        return {**rest, "x": float(sum(g for g in parts if g is not None))}
+    return {**rest, "x": sum(reference.as_float64(g) for g in parts if g is not None)}
 
 
 def check_gradient(unit: Unit, impls) -> list[Row]:
@@ -480,6 +503,9 @@ def check_gradient(unit: Unit, impls) -> list[Row]:
         except Exception as e:
             rows.append(_error_row(unit, "gradient", impl, "oracle", e))
             continue
+        if impl.inputs == "self":
+            got, expected, yard_err = one_input(got), one_input(expected), one_input(yard_err)
+        unit.results[("gradient", impl.name)] = got
         rows += _changed_rows(unit, impl, "gradient", policy)
         # The call autograd differentiated is judged too: its output may differ from the forward check's.
         rows += _judge_forward(unit, impl, policy, out, w, check="gradient",
@@ -509,6 +535,8 @@ def check_gradient(unit: Unit, impls) -> list[Row]:
             except Exception as e:
                 rows.append(_error_row(unit, "gradient", impl, ref, e))
                 continue
+            if impl.inputs == "self":
+                base = one_input(base)
             rows += _grad_rows(unit, impl, ref, got, base, yard_err, floors)
         rows += _changed_rows(unit, impl, "gradient", policy)
     return rows
@@ -553,11 +581,6 @@ def check_training(unit: Unit) -> list[Row]:
 # ---------------------------------------------------------------- peers
 
 
-def _unit_kind(unit: Unit) -> str:
-    """The unit's kind, "<self|cross>/<mask kind>/<dtype>", which an implementation's `runs_on` patterns match."""
-    return f"{'cross' if unit.case.shape.cross else 'self'}/{unit.case.mask}/{unit.dtype}"
-
-
 def check_peers(unit: Unit, peers) -> list[Row]:
     rows = []
     for peer in peers:
@@ -565,13 +588,8 @@ def check_peers(unit: Unit, peers) -> list[Row]:
         if why:
             rows.append(unit.row("peers", peer, "oracle", "skip", message=why))
             continue
-        if not peer.runs(_unit_kind(unit)):
-            rows.append(unit.row("peers", peer, "oracle", "skip", message=(
-                f"{peer.name} runs only where its runs_on matches the <self|cross>/<mask>/<dtype> of the unit: "
-                f"{', '.join(peer.runs_on)}")))
-            continue
         policy = peer.policy(unit.case.masked_rows)
-        effective = PEER_EFFECTIVE_DTYPE.get((peer.name, unit.dtype), unit.dtype)
+        effective = peer.judged_at(unit.dtype)
         table = TOLERANCES[effective]
         tol, k = table.forward, table.three_way_k
         exact, low = unit.oracle(policy)
@@ -636,9 +654,9 @@ def _peer_grad_rows(unit: Unit, peer: Implementation, policy: str, vjp, table, n
     x = unit.x
     got = vjp(x.query, mask_for(peer, x.keep, unit.case.shape.N, x.query.dtype), x.cotangent,
               **(x.position_kw if peer.takes_problem else {}))
-    expected = dict(expected, input=sum(reference.as_float64(expected[n]) for n in GRAD_GROUPS["d_inputs"]))
+    expected = dict(expected, input=sum(reference.as_float64(expected[n]) for n in ("query", "key", "value")))
     if yard is not None:  # the sum's error is at most the sum of the three errors
-        yard = dict(yard, input=sum(yard[n] for n in GRAD_GROUPS["d_inputs"]))
+        yard = dict(yard, input=sum(yard[n] for n in ("query", "key", "value")))
     floors = unit.floors(policy, peer.masked_row_grads, expected)
     note = f"{note}; masked_row_grads={peer.masked_row_grads}"
     rows = []
@@ -648,12 +666,57 @@ def _peer_grad_rows(unit: Unit, peer: Implementation, policy: str, vjp, table, n
     return rows
 
 
+def check_pairs(unit: Unit, impls) -> list[Row]:
+    """The user's layers of different frameworks (a torch layer and its JAX port) judged against each
+    other, beside each against the oracle: the same bound as implementation-vs-implementation rows
+    (each may be off the oracle by it), at the coarser of the two's `computes_in`."""
+    users = [i for i in impls if i.role == "user"]
+    rows = []
+    for n, a in enumerate(users):
+        for b in users[n + 1:]:
+            if a.framework == b.framework:
+                continue
+            judged = a if TOLERANCES[a.judged_at(unit.dtype)].forward.atol >= TOLERANCES[b.judged_at(unit.dtype)].forward.atol else b
+            table = unit.table(judged)
+            policy = a.policy(unit.case.masked_rows)
+            if policy != b.policy(unit.case.masked_rows):
+                continue  # fully masked rows differ by their declarations; each is judged against the oracle
+            exact, low = unit.oracle(policy)
+            for check in ("forward", "gradient"):
+                ra, rb = unit.results.get((check, a.name)), unit.results.get((check, b.name))
+                if ra is None or rb is None:
+                    continue
+                if check == "forward":
+                    for q in ("output", "weights"):
+                        if ra.get(q) is None or rb.get(q) is None:
+                            continue
+                        yard = None if low is None else errors(getattr(low, q), getattr(exact, q))[0]
+                        c = judge(ra[q], rb[q], table.forward, table.three_way_k, yard_err=yard)
+                        rows.append(unit.row(check, a, b.name, status(c), q, c,
+                                             message="" if c.passed else _disagreement(c, ra[q], rb[q])))
+                    continue
+                if a.masked_row_grads != b.masked_row_grads and _fully_masked_rows(unit):
+                    continue
+                if "x" in ra or "x" in rb:
+                    ra, rb = one_input(ra), one_input(rb)
+                _, yard = unit.oracle_grads(policy, a.masked_row_grads)
+                yard = one_input(yard) if "x" in ra else yard
+                for group in GRAD_GROUPS:
+                    names = tuple(n for n in _group(group, ra) if rb.get(n) is not None and ra[n] is not None)
+                    if names:
+                        c, note = judge_grads(ra, rb, table.gradient, names, table.three_way_k,
+                                              None if yard is None else yard)
+                        rows.append(unit.row(check, a, b.name, status(c), group, c, message=note))
+    return rows
+
+
 def run_unit(unit: Unit, impls, peers) -> list[Row]:
     rows = []
     if "forward" in unit.checks:
         rows += check_forward(unit, impls)
     if "gradient" in unit.checks:
         rows += check_gradient(unit, impls)
+    rows += check_pairs(unit, impls)
     if "training" in unit.checks and unit.case.train:
         rows += check_training(unit)
     if "peers" in unit.checks and unit.case.peers:

@@ -210,8 +210,8 @@ def _plan(cases, case_filter, dtypes, checks, impls, device, quick, compile, pat
     cases = tuple(cases) if given else (quick_matrix() if quick else default_matrix())
     cases = _select_cases(cases, case_filter, pool=cases if given or quick else all_cases())
     chosen = select_impls(impls, compile)
-    cases += own_cases([i for i in chosen if i.role == "user"], cases, dtypes, quick,
-                       whole=not (given or case_filter))
+    if not given and all(pattern in CASE_SETS for pattern in case_filter):  # whole sets, not cases picked by name
+        cases += own_cases([i for i in chosen if i.role == "user"], cases, dtypes, quick, whole=not case_filter)
     units = tuple((c, d) for c in cases for d in dtypes if d in c.dtypes)
     peers = tuple(p for p in select("peer") if p.harness)
     user = [i.name for i in chosen if i.role == "user"]
@@ -228,15 +228,17 @@ def _runs_in(impl: Implementation, case: Case, dtypes) -> set:
 
 
 def own_cases(users, cases, dtypes, quick: bool, whole: bool) -> tuple[Case, ...]:
-    """The cases of each user layer's declared layer (`requires`, `inputs`) that `cases` lacks.
+    """The cases of each user layer's declared layer (`requires`, `inputs="self"`) that a case set lacks.
 
-    A correct layer is never red or unchecked because of the case set: when the selection holds
-    no case it runs (or, for the default or quick set, `whole`, none it runs in every dtype it
-    declares), its own layer's cases are added at the sizes of the selection's first case
+    A correct layer is never red or unchecked because of the case set: when the set holds no case
+    it runs (or, for the default or quick set, `whole`, none it runs in every dtype it declares),
+    its own layer's cases are added at the sizes of the selection's first case
     (self-attention for a one-input layer): quick, one causal case; else causal, padding and random
     masks in every dtype it declares (`matrix.layer_cases`)."""
     out, names = [], {c.name for c in cases}
     for impl in users:
+        if not impl.requires and impl.inputs == "qkv":  # the classic layer: every set holds its cases
+            continue
         wanted = set(dtypes) & set(impl.dtypes or DTYPES)
         ran = set().union(*(_runs_in(impl, c, dtypes) for c in cases)) if cases else set()
         if not wanted or (ran >= wanted if whole else ran):

@@ -432,6 +432,12 @@ def layer_kwargs(state_dict: dict, num_heads: int, problem: Problem | None) -> d
 
 # ---------------------------------------------------------------- built-ins
 
+# computes_in="float32" (measured, seed 0, default matrix): jax.nn.dot_product_attention's float64
+# output is ~1e-8 off the float64 oracle (its softmax always runs in float32), Keras 3's default call
+# runs it too (2.2e-7 off), jax-dpa-gqa and keras-gqa are the same kernel with K heads; HF Llama (eager)
+# computes RoPE's cos/sin and its softmax in float32 for float64 models (2e-8..5e-8 off,
+# tests/test_modern_peers.py).
+
 # The default matrix's causal self-attention case has peers=True for GPT-2 (causal only); the
 # framework peers skip it to keep the default run within a minute (~3 s of CPU, measured).
 _FRAMEWORK_PEER_CASES = ("cross/*/*", "self/none/*", "self/padding/*", "self/random/*")
@@ -475,8 +481,8 @@ BUILTIN = (
                    doc="flax.nnx.MultiHeadAttention, sow_weights=True; mask True = attend; empty rows uniform"),
     Implementation("flax-nnx-mha-fused", "jax", f"{_J}:flax_nnx_fused", "jit", False, masked_rows="uniform", role="peer",
                    family="flax-nnx-mha", harness=False, materializes=True, doc="flax.nnx.MultiHeadAttention without weights"),
-    Implementation("jax-dpa-core", "jax", f"{_J}:dpa_core", "jit", False, masked_rows="uniform", role="peer", runs_on=_FRAMEWORK_PEER_CASES,
-                   materializes=True,
+    Implementation("jax-dpa-core", "jax", f"{_J}:dpa_core", "jit", False, masked_rows="uniform", computes_in="float32",
+                   role="peer", runs_on=_FRAMEWORK_PEER_CASES, materializes=True,
                    doc="the same projections around jax.nn.dot_product_attention (XLA); mask True = attend; "
                    "softmax always in float32 (also for float64 inputs)"),
     # The real libraries (the optional `.[ecosystem]` extra; absent: a skip row). Forward only:
@@ -492,7 +498,7 @@ BUILTIN = (
     # Keras and Equinox run op by op: each new dtype costs ~0.5 s of compiles (measured), so
     # the default run checks them in float64/float32 (16-bit measured at 1.3-1.5x the yardstick).
     Implementation("keras-mha", "jax", f"{_E}:keras_mha", masked_rows="uniform", mask_shape="BTS",
-                   uses_params=False, role="peer", bench=False, runs_on=("*/*/float64", "*/*/float32"),
+                   uses_params=False, computes_in="float32", role="peer", bench=False, runs_on=("*/*/float64", "*/*/float32"),
                    doc="keras.layers.MultiHeadAttention (JAX backend), default call = jax.nn.dot_product_attention; "
                    "bool mask True = attend; empty rows uniform; float32 softmax in float64 runs"),
     Implementation("equinox-mha", "jax", f"{_E}:equinox_mha", masked_rows="uniform", mask_shape="BTS",
@@ -508,7 +514,7 @@ BUILTIN = (
     # Each unit of jax-dpa-gqa is two XLA compiles (forward, gradients): it runs on the masks and
     # attention kinds the default matrix's classic peer cases lack (there it is jax-dpa-core's kernel).
     Implementation("jax-dpa-gqa", "jax", "parity.impls.gqa_jax:dpa_gqa", "jit", False, masked_rows="uniform",
-                   role="peer", bench=True, materializes=True,
+                   computes_in="float32", role="peer", bench=True, materializes=True,
                    runs_on=("cross/*/float64", "cross/*/float32", "self/padding/float64", "self/padding/float32"),
                    variants=VARIANT_FEATURES,
                    doc="our projections around jax.nn.dot_product_attention with K key/value heads, RoPE as complex "
@@ -516,7 +522,7 @@ BUILTIN = (
     # Keras's GroupQueryAttention has no RoPE and one use_bias for all four projections: it runs
     # grouped layers with every bias (a bias-free one skips: "no-qkv-bias" alone is not its layer).
     Implementation("keras-gqa", "jax", f"{_E}:keras_gqa", "jit", False, masked_rows="uniform", mask_shape="BTS",
-                   role="peer", bench=True, materializes=True, runs_on=("*/*/float64", "*/*/float32"),
+                   computes_in="float32", role="peer", bench=True, materializes=True, runs_on=("*/*/float64", "*/*/float32"),
                    variants=("grouped",), classic=False,
                    doc="keras.layers.GroupQueryAttention (JAX backend) on the canonical parameters via stateless_call; "
                    "key/value heads repeated per group (ops.repeat), then jax.nn.dot_product_attention: bool mask "
@@ -524,7 +530,7 @@ BUILTIN = (
     # HF Llama in float64: a fully masked row is NaN there (finfo(float64).min is -inf in its float32
     # softmax), uniform elsewhere; so float64 runs only the masks without one (none, causal self-attention).
     Implementation("hf-llama", "torch", f"{_E}:hf_llama", masked_rows="uniform", mask_shape="BTS", uses_params=False,
-                   role="peer", bench=False, masked_row_grads="flow", variants=VARIANT_FEATURES,
+                   computes_in="float32", role="peer", bench=False, masked_row_grads="flow", variants=VARIANT_FEATURES,
                    runs_on=("self/none/*", "self/causal/*", "self/*/float32", "self/*/bfloat16", "self/*/float16"),
                    doc="transformers LlamaAttention (eager) with LlamaRotaryEmbedding, position_ids = the positions; "
                    "additive mask 0 / finfo.min, so empty rows are uniform and their gradient flows; cos/sin and softmax "
