@@ -170,3 +170,64 @@ class TestVerdictInWords:
         lines = [line for line in table.splitlines() if "fwd" in line]
         assert len(lines) == 2 and "llama-jax-port-tile-bug" in lines[1] and "12/12" not in table and "6/6" in lines[1]
         assert max(len(line) for line in table.splitlines()) <= 80
+
+
+class TestEndToEnd:
+    """The HF-style layer and its JAX port through the harness: green as written, the planted bugs red."""
+
+    def test_quick_adds_the_layers_own_case_and_both_layers_are_green_with_direct_rows(self, capsys):
+        from parity.cli import main
+
+        code = main(["--no-progress", "--quick", "--impls", "torch", "--checks", "forward,gradient",
+                     "--impl", "parity.examples.llama_torch:layer", "--impl", "parity.examples.llama_jax:hf_port"])
+        out = " ".join(capsys.readouterr().out.split())
+        assert code == 0, out
+        assert ("llama-torch-layer: forward and gradients match the float64 oracle within float32 bounds on 2 cases, "
+                "1 skipped: declares inputs='self'") in out
+        assert "llama-jax-hf-port: forward and gradients match" in out
+
+    def test_computes_in_judges_float64_at_float32_and_direct_rows_compare_the_two(self):
+        from parity.examples.llama_jax import hf_port, hf_port_with_rope_on_v
+        from parity.examples.llama_torch import layer
+        from parity.harness import run
+        from parity.harness.matrix import Shape, layer_cases
+
+        shape = Shape.of("hf", Problem(CONFIG, 2, 5, 5), cross=False)
+        report = run(cases=layer_cases(shape, quick=True, dtypes=("float64", "float32")), checks=("forward", "gradient"),
+                     impls=("torch", layer, hf_port, hf_port_with_rope_on_v), device="cpu")
+        rows = report.rows
+        good = ("llama-torch-layer", "llama-jax-hf-port")
+        ok = [r for r in rows if r.impl in good and r.reference in ("oracle", "torch", *good)]
+        assert ok and all(r.status == "pass" for r in ok), [r for r in ok if r.status != "pass"]
+        f64 = [r for r in ok if r.dtype == "float64" and r.reference == "oracle"]
+        assert f64 and all(r.atol == 1e-6 or r.atol == 1e-5 for r in f64)  # float32's bounds (forward, gradient)
+        assert all("judged at the float32 bound" in r.message for r in f64)
+        direct = {(r.check, r.quantity) for r in ok if r.reference == "llama-jax-hf-port"}
+        assert direct == {("forward", "output"), ("forward", "weights"), ("gradient", "d_inputs"), ("gradient", "d_params")}
+        x_rows = [r for r in ok if r.check == "gradient" and r.quantity == "d_inputs" and r.reference == "oracle"]
+        assert all("d_x judged against d_query + d_key + d_value" in r.message for r in x_rows)
+        bug = [r for r in rows if r.impl == "llama-jax-hf-port-rope-on-v" and r.reference == "oracle" and r.check == "forward"]
+        assert {r.dtype for r in bug if r.quantity == "output" and r.status == "fail" and r.stage == "context"} == \
+               {"float64", "float32"}  # the stage named at float32's bound in float64 too
+        assert all(r.status == "pass" for r in bug if r.quantity == "weights")  # right up to the weights
+
+    def test_a_checkpoint_with_zero_biases_is_redrawn_so_ignoring_them_is_red(self, tmp_path, capsys):
+        import torch
+        import transformers
+
+        from parity.cli import main
+
+        torch.manual_seed(0)
+        config = transformers.Qwen2Config(hidden_size=24, num_attention_heads=6, num_key_value_heads=2,
+                                          num_hidden_layers=1, intermediate_size=16, vocab_size=11, rope_theta=500.0,
+                                          max_position_embeddings=64, use_sliding_window=False)
+        transformers.Qwen2ForCausalLM(config).save_pretrained(tmp_path)
+        argv = ["--no-progress", "--checkpoint", str(tmp_path), "--prefix", "model.layers.0.self_attn.", "--impls", "torch",
+                "--checks", "forward", "--dtypes", "float32"]
+        assert main([*argv, "--impl", "parity.examples.llama_jax:hf_port"]) == 0
+        out = " ".join(capsys.readouterr().out.split())
+        assert "warning: q_proj.bias, k_proj.bias, v_proj.bias hold one value throughout" in out
+        assert main([*argv, "--impl", "parity.examples.llama_jax:hf_port_ignoring_biases"]) == 1
+        out = " ".join(capsys.readouterr().out.split())
+        assert "fail checkpoint-redrawn/causal/nan forward llama-jax-hf-port-no-biases vs oracle float32 output" in out
+        assert "stage=q" in out and "FAILS forward on 1 of 3 cases" in out
