@@ -71,7 +71,7 @@ def real_run(tmp_path_factory):
             ["--seq", "16", "--batch", "1", "--embed", "32", "--heads", "2", "--budget", "0.02",
              "--peak-sizes", "256", "--no-progress", "--impls", ",".join(REAL_IMPLS),
              *(f"--impl=bench_planted:{name.replace('-', '_')}" for name in PLANTED_IMPLS),
-             "--passes", "fwd", "--threads", "1", "--isolation", "run",
+             "--passes", "fwd", "--threads", "1", "--isolation", "run", "--processes", "1",  # two: the fake-worker tests
              "--json", str(out), "--markdown", str(tmp / "b.md"), "--plot", str(tmp / "b.png")],
             console=console,
         )

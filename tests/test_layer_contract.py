@@ -222,12 +222,12 @@ class TestEndToEnd:
                                           num_hidden_layers=1, intermediate_size=16, vocab_size=11, rope_theta=500.0,
                                           max_position_embeddings=64, use_sliding_window=False)
         transformers.Qwen2ForCausalLM(config).save_pretrained(tmp_path)
-        argv = ["--no-progress", "--checkpoint", str(tmp_path), "--prefix", "model.layers.0.self_attn.", "--impls", "torch",
-                "--checks", "forward", "--dtypes", "float32"]
-        assert main([*argv, "--impl", "parity.examples.llama_jax:hf_port"]) == 0
+        assert main(["--no-progress", "--checkpoint", str(tmp_path), "--prefix", "model.layers.0.self_attn.",
+                     "--impls", "torch", "--checks", "forward", "--dtypes", "float32", "--cases", "checkpoint-redrawn,"
+                     "checkpoint/causal", "--impl", "parity.examples.llama_jax:hf_port",
+                     "--impl", "parity.examples.llama_jax:hf_port_ignoring_biases"]) == 1
         out = " ".join(capsys.readouterr().out.split())
         assert "warning: q_proj.bias, k_proj.bias, v_proj.bias hold one value throughout" in out
-        assert main([*argv, "--impl", "parity.examples.llama_jax:hf_port_ignoring_biases"]) == 1
-        out = " ".join(capsys.readouterr().out.split())
         assert "fail checkpoint-redrawn/causal/nan forward llama-jax-hf-port-no-biases vs oracle float32 output" in out
-        assert "stage=q" in out and "FAILS forward on 1 of 3 cases" in out
+        assert "stage=q" in out and "llama-jax-hf-port-no-biases: FAILS forward on 1 of 2 cases" in out
+        assert "llama-jax-hf-port: forward matches the float64 oracle within float32 bounds on 2 cases" in out

@@ -220,7 +220,8 @@ def verdict_lines(report: Report) -> list[tuple[str, str]]:
             at = f" ({', '.join(d for d in dtypes if impl.judged_at(d) != d)} at the {impl.computes_in} bound: computes_in)"
         if not bad:
             what = " and ".join({"forward": "forward", "gradient": "gradients"}.get(c, c) for c in checks)
-            out.append(("green", f"{impl.name}: {what} match the float64 oracle within {', '.join(dtypes)} bounds{at} "
+            verb = "matches" if checks == ["forward"] else "match"
+            out.append(("green", f"{impl.name}: {what} {verb} the float64 oracle within {', '.join(dtypes)} bounds{at} "
                                  f"on {len(cases)} case{'s' if len(cases) != 1 else ''}{tail}"))
             continue
         parts = []
