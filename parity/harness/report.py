@@ -236,40 +236,30 @@ def verdict_lines(report: Report) -> list[tuple[str, str]]:
     return out
 
 
-def print_report(report: Report, console, all_rows: bool = False, all_columns: bool = False,
-                 details: bool = False) -> None:
-    """The summary table (one line per implementation, check and dtype; readable at 80 columns), failures
-    with their stage, the skip reasons, the counts and one line in words per user implementation.
-    details: one line per (check, implementation, reference, dtype, quantity) instead, and every skip
-    reason; all_rows: every row."""
+def _table(report: Report, all_rows: bool, all_columns: bool, details: bool):
+    """The console table: the summary (default), every row (all_rows), or the per-group one (details)."""
     from rich import box
     from rich.markup import escape
     from rich.table import Table
 
-    env = report.environment
-    console.print(
-        f"[bold]mha-parity[/] seed={env.get('seed')} device={env.get('device')} x64={env.get('jax_enable_x64')} "
-        f"precision: jax={env.get('jax_default_matmul_precision')} torch={env.get('torch_float32_matmul_precision')}"
-    )
+    def styled(cells, columns, st):
+        cells = [escape(c) for c in cells]
+        cells[columns.index("status")] = f"[{_STYLE[st]}]{st}[/]"
+        return cells
+
     if not all_rows and not details and not all_columns:
         table = Table(title="per implementation, check, dtype; margin = worst error ÷ bound (< 1 passes)",
                       box=box.SIMPLE_HEAD, pad_edge=False, title_justify="left")
         for c in SUMMARY_COLUMNS:
             table.add_column(c, justify="right" if c in ("rows", "margin") else "left", no_wrap=True)
         for cells, st in summary_cells(report.rows):
-            cells = [escape(c) for c in cells]
-            cells[SUMMARY_COLUMNS.index("status")] = f"[{_STYLE[st]}]{st}[/]"
-            table.add_row(*cells)
-        console.print(table)
+            table.add_row(*styled(cells, SUMMARY_COLUMNS, st))
     elif all_rows:
         table = Table(title="mha-parity: every row", box=box.SIMPLE_HEAD)
         for c in COLUMNS:
             table.add_column(c, overflow="fold")
         for r in report.rows:
-            cells = [escape(fmt(getattr(r, c))) for c in COLUMNS]
-            cells[COLUMNS.index("status")] = f"[{_STYLE[r.status]}]{r.status}[/]"
-            table.add_row(*cells)
-        console.print(table)
+            table.add_row(*styled([fmt(getattr(r, c)) for c in COLUMNS], COLUMNS, r.status))
     else:
         table = Table(title="worst row of each group; margin = error ÷ bound (< 1 passes)", box=box.SIMPLE_HEAD,
                       pad_edge=False, title_justify="left")
@@ -278,10 +268,24 @@ def print_report(report: Report, console, all_rows: bool = False, all_columns: b
             # Only the names may fold; numbers and short fields never do.
             table.add_column(c, justify="right" if numeric else "left", no_wrap=c not in ("impl", "vs"), overflow="fold")
         for cells, st in group_cells(report.rows, wide=all_columns):
-            cells = [escape(c) for c in cells]
-            cells[GROUP_COLUMNS.index("status")] = f"[{_STYLE[st]}]{st}[/]"
-            table.add_row(*cells)
-        console.print(table)
+            table.add_row(*styled(cells, GROUP_COLUMNS + (WIDE_COLUMNS if all_columns else ()), st))
+    return table
+
+
+def print_report(report: Report, console, all_rows: bool = False, all_columns: bool = False,
+                 details: bool = False) -> None:
+    """The summary table (one line per implementation, check and dtype; readable at 80 columns), failures
+    with their stage, the skip reasons, the counts and one line in words per user implementation.
+    details: one line per (check, implementation, reference, dtype, quantity) instead, and every skip
+    reason; all_rows: every row."""
+    from rich.markup import escape
+
+    env = report.environment
+    console.print(
+        f"[bold]mha-parity[/] seed={env.get('seed')} device={env.get('device')} x64={env.get('jax_enable_x64')} "
+        f"precision: jax={env.get('jax_default_matmul_precision')} torch={env.get('torch_float32_matmul_precision')}"
+    )
+    console.print(_table(report, all_rows, all_columns, details))
     _print_failures(report, console, all_rows)
     skips = sorted({r.message for r in report.rows if r.status == "skip" and r.message})
     if details or all_rows or len(skips) <= MAX_SKIP_LINES:
