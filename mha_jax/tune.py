@@ -182,24 +182,23 @@ def _passes(text: str) -> tuple[str, ...]:
     return items
 
 
-def _reps(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+def _number(convert, ok, what: str):
+    """An argparse `type`: `convert(text)`, refused as "expected <what>" unless `ok(value)`."""
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            value = None
+        if value is None or not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+
+    return parse
 
 
-def _budget(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value >= 0):  # 0: --reps repeats; NaN or inf: no repeat count at all
-        raise argparse.ArgumentTypeError(f"expected a finite number of seconds >= 0, got {text!r}")
-    return value
+_reps = _number(int, lambda v: v >= 1, "a positive integer")
+# 0: --reps repeats; NaN or inf: no repeat count at all
+_budget = _number(float, lambda v: math.isfinite(v) and v >= 0, "a finite number of seconds >= 0")
 
 
 def _dtype(text: str) -> str:
