@@ -45,6 +45,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from mha_spec.files import writable_problem
 from parity.bench import report, sweep, verdict
+from parity.bench.measure import CALIBRATION_DRIFT, OTHERS_CPU, OthersCpu
 from parity.bench.spec import BIASES, DTYPES, IMPLS, MASKS, MEASURED, PASSES, PRESETS, BenchCase, select_impls
 from mha_spec import ROPE_CONVENTIONS
 from parity.impls import load_user_impl
@@ -202,17 +203,24 @@ def _warn(console: Console, text: str) -> None:
     console.print(text, style="yellow", markup=False, width=min(console.width, report.CONSOLE_WIDTH))
 
 
-def load_warning(when: str, load, cores: int | None, own: int = 0) -> str | None:
-    """Interference: the 1-minute load average, less `own` (the threads of the run's own workers,
-    whose load it still holds at the end), at or above half the cores."""
+def load_note(when: str, load, cores: int | None, own: int = 0) -> str | None:
+    """The 1-minute load average, less `own` (the threads of the run's own workers, whose load it still
+    holds at the end), at or above half the cores. Reported, never a veto: it decays over minutes, so
+    it still holds a run that ended before this one started (`others_warning` measures what is now)."""
     if not load or not cores or load[0] - own < cores / 2:
         return None
     less = f", less the workers' {own} thread(s)," if own else ""
-    return (f"interference: load average {load[0]:.2f} at the {when} of the run{less} is at or above half the "
-            f"{cores} cores: other processes compete for the CPU; verdicts are inconclusive")
+    return (f"note: load average {load[0]:.2f} at the {when} of the run{less} is at or above half the {cores} cores "
+            "(it lags by minutes; the other processes' CPU, measured, decides interference)")
 
 
-CALIBRATION_DRIFT = 0.25  # the calibration loop slowing or speeding by more than this is interference
+def others_warning(others: float | None) -> str | None:
+    """Interference: other processes used OTHERS_CPU cores or more on average over the whole run
+    (`measure.OthersCpu`: compiles and warm-ups included, which the rounds' probes do not see)."""
+    if others is None or others < OTHERS_CPU:
+        return None
+    return (f"interference: other processes used {others:.2f} cores on average over the run: they competed for "
+            "the CPU; verdicts are inconclusive")
 
 
 def calibrate(repeats: int = 5) -> float:
@@ -310,12 +318,10 @@ def run(argv, console: Console, spawn=None) -> int:
         return EXIT_OK
     if cfg.plan.skip_reason:
         _warn(console, f"mha-bench: {cfg.plan.skip_reason}: every item is a skip row")
-    load_start, calib_start = _loadavg(), calibrate()
     cores = os.cpu_count()
-    start_text = load_warning("start", load_start, cores)
-    if start_text:
-        _warn(console, start_text)
+    load_start, calib_start, others = _loadavg(), calibrate(), OthersCpu()
     collected = _execute(cfg, items, args.no_progress, console, spawn)
+    others_cpu = others()  # the workers have been waited for: their CPU is this process's children's
     if collected.interrupted:
         _warn(console, "mha-bench: interrupted: the worker was ended; the items not run are reported as such")
         load_end, calib_end = _loadavg(), None
@@ -323,17 +329,21 @@ def run(argv, console: Console, spawn=None) -> int:
         load_end, calib_end = _loadavg(), calibrate()
     rows = sweep.finish(items, collected, cfg.baseline)
     own = max((len(e.get("cpus") or ()) for e in collected.envs.values()), default=0)
-    end_texts = [t for t in (load_warning("end", load_end, cores, own), calibration_warning(calib_start, calib_end)) if t]
-    interference = [t for t in (start_text, *end_texts) if t]
+    interference = [t for t in (others_warning(others_cpu), calibration_warning(calib_start, calib_end)) if t]
     vs = sweep.finish_verdicts(cfg, items, rows, collected, interference, cores)
     interference += list(dict.fromkeys(t for v in vs for t in v["interference"] if t not in interference))
+    notes = [t for t in (load_note("start", load_start, cores), load_note("end", load_end, cores, own)) if t]
+    notes += sweep.run_notes(collected, cores)
     env = {"loadavg_start": load_start, **sweep.bench_environment(cfg, collected), "loadavg_end": load_end,
-           "calibration_s": [calib_start, calib_end], "interference": interference, "interrupted": collected.interrupted}
+           "calibration_s": [calib_start, calib_end], "others_cpu": others_cpu,
+           "interference": interference, "interference_notes": notes, "probes": collected.probes,
+           "interrupted": collected.interrupted}
     report.print_table(rows, console)
     report.print_verdicts(vs, rows, console)
     for text in interference:
-        if text != start_text:
-            _warn(console, text if text.startswith("interference") else f"interference: {text}")
+        _warn(console, text if text.startswith("interference") else f"interference: {text}")
+    for text in notes:
+        _warn(console, text if text.startswith("note") else f"note: {text}")
     written = write_outputs(outputs, rows, env, console, verdicts=vs)
     if collected.interrupted:
         return EXIT_INTERRUPTED

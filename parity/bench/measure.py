@@ -197,7 +197,7 @@ def flat(rounds) -> list[float]:
 
 CALIBRATION_LOOP = 20_000  # iterations of the probe's pure-Python loop: about a millisecond
 CALIBRATION_DRIFT = 0.25  # a calibration loop this much slower than the run's fastest was slowed down
-OTHERS_CPU = 0.5  # other processes using this many cores on average during the rounds is interference
+OTHERS_CPU = 0.5  # other processes using this many cores on average (rounds, or the start/end window) is interference
 
 
 def calibration_loop(n: int = CALIBRATION_LOOP, clock: Clock = time.perf_counter) -> float:
@@ -249,12 +249,22 @@ class InterferenceProbe:
 
 
 def interference(probes: list[dict], cores: int | None, own_threads: int) -> list[str]:
-    """What the probes of one worker process's rounds say disturbed them (empty: nothing):
+    """What the probes of one worker process's rounds say disturbed them (empty: nothing): other
+    processes used OTHERS_CPU cores or more on average. This is the one per-round signal that vetoes a
+    verdict: it counts the CPU time others actually took, while the load average lags by minutes (a
+    previous run's load lingers) and a ~1 ms loop jitters by a scheduler tick (`interference_notes`)."""
+    others = [p["others_cpu"] for p in probes if p.get("others_cpu") is not None]
+    if others and sum(others) / len(others) >= OTHERS_CPU:
+        return [f"other processes used {sum(others) / len(others):.2f} cores on average during the rounds"]
+    return []
+
+
+def interference_notes(probes: list[dict], cores: int | None, own_threads: int) -> list[str]:
+    """What the probes saw that is reported but does not veto (see `interference`):
 
     - more than a quarter of the rounds' calibration loops ran CALIBRATION_DRIFT slower than the
-      fastest of them: the core was shared or its clock changed;
-    - other processes used OTHERS_CPU cores or more on average;
-    - the 1-minute load average minus the worker's own threads (its load) reached half the cores.
+      fastest of them: the core may have been shared or its clock changed;
+    - the 1-minute load average minus the worker's own threads reached half the cores.
     """
     out = []
     calib = [p["calib_s"] for p in probes if p.get("calib_s")]
@@ -263,14 +273,38 @@ def interference(probes: list[dict], cores: int | None, own_threads: int) -> lis
         if slow * 4 > len(calib):
             out.append(f"the calibration loop ran more than {CALIBRATION_DRIFT:.0%} slower than its fastest in "
                        f"{slow} of {len(calib)} rounds")
-    others = [p["others_cpu"] for p in probes if p.get("others_cpu") is not None]
-    if others and sum(others) / len(others) >= OTHERS_CPU:
-        out.append(f"other processes used {sum(others) / len(others):.2f} cores on average during the rounds")
     loads = [p["loadavg"] for p in probes if p.get("loadavg") is not None]
     if loads and cores and max(loads) - own_threads >= cores / 2:
         out.append(f"load average {max(loads):.2f} during the rounds, less the worker's {own_threads} thread(s), "
                    f"is at or above half the {cores} cores")
     return out
+
+
+def _own_and_children_cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+class OthersCpu:
+    """Cores the machine's other processes used since this was made: the system's busy CPU time less
+    this process's and its waited-for children's (the run's workers), over the wall time. Read it after
+    the workers have been waited for, or their CPU counts as others'. None where unreadable."""
+
+    def __init__(self, clock: Clock = time.perf_counter, busy=_system_busy_s, own=_own_and_children_cpu_s):
+        self.clock, self.busy, self.own = clock, busy, own
+        self.start = self._read()
+
+    def _read(self):
+        try:
+            return self.clock(), self.busy(), self.own()
+        except (ImportError, OSError):
+            return None
+
+    def __call__(self) -> float | None:
+        now = self._read()
+        if now is None or self.start is None or now[0] <= self.start[0]:
+            return None
+        return max((now[1] - self.start[1]) - (now[2] - self.start[2]), 0.0) / (now[0] - self.start[0])
 
 
 def time_group(

@@ -165,7 +165,7 @@ def markdown(rows, env: dict, verdicts_=()) -> str:
         f"- measured matmul peak (best square matmul of either framework, any worker): {peaks or 'n/a'}; "
         f"{sum('remeasured_for' in p for p in env.get('peak_measurements', []))} re-measured because a row beat it",
         f"- load average at the start: {env.get('loadavg_start')}, at the end: {env.get('loadavg_end')} "
-        f"on {env.get('cpu_count')} cores (other processes on the machine make timings noisy)",
+        f"on {env.get('cpu_count')} cores; cores other processes used on average over the run: {env.get('others_cpu')}",
         f"- FLOPs: {env.get('flops_formula')}; ratio to baseline = median / the baseline's median in the same case "
         "and pass; numbers marked (error) were measured but rejected (see the status column)",
         f"- baselines: {'; '.join(bases) or 'none'}",
@@ -175,6 +175,7 @@ def markdown(rows, env: dict, verdicts_=()) -> str:
         f"it excludes 1, with at least {verdicts.MIN_PROCESSES} worker processes and {verdicts.MIN_ROUNDS} rounds, both "
         "rows measured and no interference",
         *(f"- **{w}**" for w in env.get("interference") or ()),
+        *(f"- {w}" for w in env.get("interference_notes") or ()),
         "",
         "## Rows",
         "",
@@ -491,9 +492,10 @@ def _environment_problem(env) -> str | None:
             return f"a peak's gflops = {_short(p['gflops'])} is not a finite non-negative number"
         if p.get("gflops") and not isinstance(p.get("dtype"), str):
             return f"a peak's dtype = {_short(p.get('dtype'))} is not a string"
-    interference = env.get("interference")
-    if interference is not None and not (isinstance(interference, list) and all(isinstance(w, str) for w in interference)):
-        return f"interference must be null or a list of strings, got {_short(interference)}"
+    for name in ("interference", "interference_notes"):
+        texts = env.get(name)
+        if texts is not None and not (isinstance(texts, list) and all(isinstance(w, str) for w in texts)):
+            return f"{name} must be null or a list of strings, got {_short(texts)}"
     return None
 
 

@@ -36,6 +36,7 @@ import psutil
 from parity.bench import verdict as verdicts
 from parity.bench.measure import apply_peak, summarize
 from parity.bench.measure import interference as measure_interference
+from parity.bench.measure import interference_notes
 from parity.bench.spec import (
     FLOPS_FORMULA, MEASURED, NOISY_IQR, BenchCase, Preset, Timing, empty_row, estimate_bytes, framework_device, pass_flops,
     row_key, unsupported,
@@ -410,6 +411,13 @@ def group_interference(out: Collected, ids: set, cores: int | None) -> list[str]
         if ids & set(rec["items"]):
             texts += [f"worker process {rec['process'] + 1}: {t}"
                       for t in measure_interference(rec["probes"], cores, rec.get("threads") or 1)]
+    return list(dict.fromkeys(texts))
+
+
+def run_notes(out: Collected, cores: int | None) -> list[str]:
+    """What the worker processes' probes saw that is reported without vetoing (`measure.interference_notes`)."""
+    texts = [f"worker process {rec['process'] + 1}: {t}" for rec in out.probes
+             for t in interference_notes(rec["probes"], cores, rec.get("threads") or 1)]
     return list(dict.fromkeys(texts))
 
 
