@@ -1,9 +1,9 @@
 """The JAX implementations under test, from the registry. Imports jax, never torch.
 
-Every registered implementation is a pure function of (params, q, k, v) under jax.jit
-(our module is split/merged inside the program rather than called through nnx.jit: the
-same XLA program without nnx.jit's per-call Python graph traversal, which would be
-timed as framework overhead).
+Every registered implementation is a pure function of (params, q, k, v) under jax.jit, of
+(params, x) on a self-attention case (our module is split/merged inside the program rather
+than called through nnx.jit: the same XLA program without nnx.jit's per-call Python graph
+traversal, which would be timed as framework overhead).
 """
 
 from __future__ import annotations
@@ -46,28 +46,35 @@ def sync(out):
     jax.block_until_ready(out)
 
 
-def _program(runner: JaxRunner, built, pass_: str):
-    """The registered implementation (the harness's adapter) as a jitted f(params, q, k, v, mask); the
-    mask (the case's keep-mask in the implementation's convention, or None) is an argument, not a constant."""
+def _program(runner: JaxRunner, built, pass_: str, self_attention: bool):
+    """The registered implementation (the harness's adapter) as a jitted program of the mask (the case's
+    keep-mask in the implementation's convention, or None: an argument, not a constant) and of the
+    inputs: f(params, q, k, v, mask), or f(params, x, mask) on a self-attention case, x given as
+    query, key and value (`BenchCase.self_attention`)."""
 
-    def f(params, q, k, v, mask):
-        return runner.call(built, q, k, v, mask, params=params)
+    if self_attention:
+        def f(params, x, mask):
+            return runner.call(built, x, x, x, mask, params=params)
+    else:
+        def f(params, q, k, v, mask):
+            return runner.call(built, q, k, v, mask, params=params)
 
     if pass_ == "fwd":
         return jax.jit(f)
 
-    def loss(params, q, k, v, mask):
-        out, _ = f(params, q, k, v, mask)
+    def loss(params, *inputs):
+        out, _ = f(params, *inputs)
         return out.astype(jnp.float32).sum()
 
-    # Gradient w.r.t. parameters and all three inputs.
-    return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+    # Gradient w.r.t. parameters and every input: x once, or query, key and value.
+    return jax.jit(jax.grad(loss, argnums=(0, 1) if self_attention else (0, 1, 2, 3)))
 
 
 def _args(built, case: BenchCase, seed: int, dev) -> tuple:
-    """(params, q, k, v, mask) on the device for one case."""
+    """(params, q, k, v, mask), or (params, x, mask) on a self-attention case, on the device."""
     mask = mask_for(built.impl, keep_mask(case), case.heads, DTYPES[case.dtype])
-    return (built.params, *jax.device_put(make_inputs(case, seed), dev), None if mask is None else jax.device_put(mask, dev))
+    inputs = make_inputs(case, seed)[:1 if case.self_attention else 3]
+    return (built.params, *jax.device_put(inputs, dev), None if mask is None else jax.device_put(mask, dev))
 
 
 def build(impl: Implementation, case: BenchCase, pass_: str, device: str, seed: int) -> Bench:
@@ -82,7 +89,7 @@ def build(impl: Implementation, case: BenchCase, pass_: str, device: str, seed: 
 
     built = built_for(case)
     args = _args(built, case, seed, dev)
-    program = _program(runner, built, pass_)
+    program = _program(runner, built, pass_, case.self_attention)
     holder = {}
 
     def aot_compile():
@@ -94,14 +101,15 @@ def build(impl: Implementation, case: BenchCase, pass_: str, device: str, seed: 
     shrunk = case.shrunk()
     args2 = _args(built, shrunk, seed, dev)
     # RoPE: the positions (constants of the program) have the new lengths, so it is built anew.
-    program2 = _program(runner, built_for(shrunk), pass_) if case.config.rope else program
+    program2 = _program(runner, built_for(shrunk), pass_, shrunk.self_attention) if case.config.rope else program
 
     def recompile(clock):
         t0 = clock()
         program2.lower(*args2).compile()
         return clock() - t0
 
-    forward = None if pass_ == "fwd" else _program(runner, built, "fwd")  # fwd+bwd: its forward, for the check
+    # fwd+bwd: its forward, for the check
+    forward = None if pass_ == "fwd" else _program(runner, built, "fwd", case.self_attention)
 
     def output():
         out = holder["compiled"](*args) if forward is None else forward(*args)

@@ -120,6 +120,12 @@ class BenchCase:
         return bias_name(self.config.qkv_bias, self.config.out_bias)
 
     @property
+    def self_attention(self) -> bool:
+        """T == S: self-attention, one input (B, T, E) for query, key and value (`make_inputs`), whose
+        gradient fwd+bwd takes once; T != S: cross-attention, three inputs. The one place this is decided."""
+        return self.seq_q == self.seq_k
+
+    @property
     def label(self) -> str:
         """B, T, S, E, N and the dtype; then only what differs from the classic layer (K, RoPE, biases)."""
         return case_label(self.fields())
@@ -163,11 +169,20 @@ GROUPED_BASELINES = ("torch-sdpa-gqa", "jax-dpa-gqa", "keras-gqa")
 
 def unsupported(impl: Implementation, case: BenchCase) -> str | None:
     """Why `impl` does not run `case`, by its own declarations (dtypes, attention variants, where it
-    runs: the benchmark's query, keys and values are three arrays, so every case is cross-attention
-    in the registry's terms); None: it runs."""
+    runs); None: it runs. A T != S case is cross-attention (an inputs="self" layer skips it); a T == S
+    case self-attention (`BenchCase.self_attention`).
+
+    A layer that takes query, key and value apart runs a self-attention case too where its `runs_on`
+    admits cross-attention of that mask and dtype: equal inputs are among the ones it takes. (The
+    built-in peers declare some self-attention kinds away to keep the harness's default run short,
+    not because they cannot run them.)"""
     if impl.name in GROUPED_BASELINES and not case.config.features:
         return f"{impl.name} is a grouped-layer baseline: the classic layer's is torch-sdpa-core / jax-dpa-core"
-    return impl.unsupported(case.dtype, case.config, cross=True, mask=case.mask)
+    why = impl.unsupported(case.dtype, case.config, cross=not case.self_attention, mask=case.mask)
+    if why is not None and case.self_attention and impl.inputs == "qkv":
+        if impl.unsupported(case.dtype, case.config, cross=True, mask=case.mask) is None:
+            return None
+    return why
 
 
 # The implementations come from the one registry (parity.impls), which the harness uses too;
@@ -340,11 +355,15 @@ def canonical_weights(config: AttentionConfig, dtype: str, seed: int) -> dict[st
 
 
 def make_inputs(case: BenchCase, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """query (B, T, E), key and value (B, S, E), standard normal, in the case dtype.
-    No positions: RoPE cases run at the default positions, arange(T) and arange(S)."""
+    """query (B, T, E), key and value (B, S, E), standard normal, in the case dtype. A self-attention
+    case (`BenchCase.self_attention`) gets one array x (B, T, E) as all three (`q is k is v`), for every
+    implementation, so all its rows time the same call. No positions: RoPE cases run at the default
+    positions, arange(T) and arange(S)."""
     rng = np.random.default_rng(seed + 1)
     dt = DTYPES[case.dtype]
     q = rng.standard_normal((case.batch, case.seq_q, case.embed), np.float32).astype(dt)  # (B, T, E)
+    if case.self_attention:
+        return q, q, q
     k = rng.standard_normal((case.batch, case.seq_k, case.embed), np.float32).astype(dt)  # (B, S, E)
     v = rng.standard_normal((case.batch, case.seq_k, case.embed), np.float32).astype(dt)  # (B, S, E)
     return q, k, v

@@ -81,9 +81,13 @@ def _memory_probe(device: str, step, sync):
 
 
 def _tensors(case: BenchCase, device: str, seed: int, requires_grad: bool):
-    return [
-        convert.numpy_to_tensor(a, device).requires_grad_(requires_grad) for a in make_inputs(case, seed)
-    ]
+    """[query, key, value] on the device; on a self-attention case one leaf tensor, three times (so a
+    layer that treats `query is key is value` as self-attention does so here, as in a model)."""
+    q, k, v = make_inputs(case, seed)
+    if case.self_attention:
+        x = convert.numpy_to_tensor(q, device).requires_grad_(requires_grad)
+        return [x, x, x]
+    return [convert.numpy_to_tensor(a, device).requires_grad_(requires_grad) for a in (q, k, v)]
 
 
 def _mask(runner: TorchRunner, built, case: BenchCase):
@@ -103,6 +107,7 @@ def _step(runner: TorchRunner, built, case: BenchCase, pass_: str, device: str, 
 
         return step
     q, k, v = _tensors(case, device, seed, requires_grad=True)
+    inputs = [q] if case.self_attention else [q, k, v]  # self-attention: d_x, one gradient (all three uses summed)
     params = list(built.params.values()) if built.impl.uses_params else []
     for p in params:
         p.requires_grad_(True)
@@ -111,7 +116,7 @@ def _step(runner: TorchRunner, built, case: BenchCase, pass_: str, device: str, 
         out, _ = runner.call(built, q, k, v, mask)
         loss = out.float().sum()
         # autograd.grad, not .backward(): nothing accumulates between repeats.
-        return torch.autograd.grad(loss, [q, k, v, *params])
+        return torch.autograd.grad(loss, [*inputs, *params])
 
     return step
 
