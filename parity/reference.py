@@ -178,7 +178,8 @@ def forward(sd, query, key, value, mask=None, *, num_heads: int, masked_rows: st
 
 def backward(sd, query, key, value, mask, cotangent, *, num_heads: int, masked_rows: str = "nan", dtype=np.float64,
              num_kv_heads: int | None = None, rope: str | None = None, rope_theta: float = 10000.0,
-             positions=None, key_positions=None, masked_row_grads: str = "stop") -> dict[str, np.ndarray]:
+             positions=None, key_positions=None, masked_row_grads: str = "stop",
+             per_query_head: bool = False) -> dict[str, np.ndarray]:
     """Gradients of sum(output * cotangent) w.r.t. query, key, value and every weight.
 
     Keys: "query", "key", "value" and the state dict's own names. A fully masked
@@ -193,6 +194,10 @@ def backward(sd, query, key, value, mask, cotangent, *, num_heads: int, masked_r
     With a low `dtype` it is the same maths with each stored result rounded as the
     modules store it (activations and gradients in the dtype, the softmax backward in
     float32 as its forward): the yardstick of the three-way judge for gradients.
+    per_query_head=True adds "key.per_query_head" and "value.per_query_head" (B, K, G, S, H): each
+    query head's share of a key/value head's gradient, stored in the dtype before the sum over its
+    group -- as the autodiff of repeat_kv stores them, and what XLA sums in one reduction with the
+    k/v bias gradient's sum over tokens when it fuses the two.
     """
     acc = _accumulation_dtype(dtype)
     if masked_row_grads not in ("stop", "flow"):
@@ -229,11 +234,18 @@ def backward(sd, query, key, value, mask, cotangent, *, num_heads: int, masked_r
     d_scores = r(np.where(row_any | flow, d_scores, 0.0) / np.sqrt(H), acc).reshape(B, K, G, T, S)
     d_q = r(np.einsum("BKGTS,BKSH->BKGTH", d_scores, ks)).reshape(B, N, T, H)
     d_k = r(np.einsum("BKGTS,BKGTH->BKSH", d_scores, qs.reshape(B, K, G, T, H)))
+    shares = {}
+    if per_query_head:
+        shares["key"] = r(np.einsum("BKGTS,BKGTH->BKGSH", d_scores, qs.reshape(B, K, G, T, H)))
+        shares["value"] = r(np.einsum("BKGTS,BKGTH->BKGSH", w, d_context))
     if rope is not None:  # the transpose of a rotation is the rotation by minus the angle
         (cq, sq), (ck, sk) = _rope_cos_sin(positions, key_positions, B, T, S, H, rope_theta, acc)
         d_q, d_k = r(rotate(d_q, cq, -sq, rope)), r(rotate(d_k, ck, -sk, rope))
+        if per_query_head:
+            shares["key"] = r(rotate(shares["key"], ck[:, :, None], -sk[:, :, None], rope))
     for name, d_heads, x, grad_key in (("q_proj", d_q, xq, "query"), ("k_proj", d_k, xk, "key"), ("v_proj", d_v, xv, "value")):
         grads.update(_projection_grads(name, grad_key, d_heads, x, W, r))
+    grads.update({f"{n}.per_query_head": a for n, a in shares.items()})
     return grads
 
 

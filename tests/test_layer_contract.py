@@ -231,3 +231,4 @@ class TestEndToEnd:
         assert "fail checkpoint-redrawn/causal/nan forward llama-jax-hf-port-no-biases vs oracle float32 output" in out
         assert "stage=q" in out and "llama-jax-hf-port-no-biases: FAILS forward on 1 of 2 cases" in out
         assert "llama-jax-hf-port: forward matches the float64 oracle within float32 bounds on 2 cases" in out
+

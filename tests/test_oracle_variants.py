@@ -221,3 +221,22 @@ def test_config_describes_the_weights():
     with pytest.raises(ValueError, match="S=0"):
         Problem(cfg, 3, 5, 0)
     assert Problem(cfg, 0, 0, 7).B == 0
+
+
+# ---------------------------------------------------------------- each query head's share of a k/v gradient
+
+
+def test_per_query_head_shares_sum_to_the_key_and_value_gradients():
+    """In float64 each query head's share of a key/value head's gradient sums, over its group, to the
+    gradient itself (what the k/v bias floor of a fused float16 reduction is built on)."""
+    rng = np.random.default_rng(6)
+    sd = _sd(rng, K)
+    q, k, v, keep, pos, kpos = _inputs(rng)
+    cot = rng.standard_normal((B, T, E))
+    g = reference.backward(sd, q, k, v, keep, cot, num_heads=N, num_kv_heads=K, rope="interleaved", rope_theta=THETA,
+                           positions=pos, key_positions=kpos, masked_rows="zero", per_query_head=True)
+    for name, proj in (("key", "k_proj"), ("value", "v_proj")):
+        shares = g[f"{name}.per_query_head"]
+        assert shares.shape == (B, K, N // K, S, H)
+        bias = shares.sum(axis=2).transpose(0, 2, 1, 3).reshape(B * S, K * H).sum(axis=0)
+        np.testing.assert_allclose(bias, g[f"{proj}.bias"], rtol=1e-12, atol=1e-12)

@@ -113,13 +113,15 @@ class Unit:
             self._grads[key] = (exact, yard)
         return self._grads[key]
 
-    def bias_terms(self, policy: str, masked_row_grads: str = "stop") -> dict[str, np.ndarray]:
+    def bias_terms(self, policy: str, masked_row_grads: str = "stop", per_query_head: bool = False) -> dict[str, np.ndarray]:
         """{bias gradient: its per-token terms (B·L, F), float64}: the gradient of that projection's output
         at each token, which the bias gradient sums (out_proj's: the cotangent), as the oracle's own maths in
         the run dtype stores it (`reference.backward(dtype=...)`). Read off the oracle with each input
         projection moved into its input -- x·Wᵀ + b fed as the input (zero-padded to E columns; F ≤ E), weight
         [I | 0], bias 0: the same layer and the same stored values, whose input gradient is then the
-        projection's output gradient."""
+        projection's output gradient. per_query_head=True: on a grouped layer, k_proj's and v_proj's terms
+        are each query head's share (B·G·S, F) before the sum over its group, which XLA folds into the
+        same float16 reduction when it fuses repeat_kv's transpose with the bias gradient's sum."""
         sd, *xs = self._args64()
         cot = reference.as_float64(self.x.cotangent)
         moved, inputs, widths = dict(sd), [], {}
@@ -134,24 +136,33 @@ class Unit:
         terms = {}
         if widths:  # a layer without q/k/v biases needs no second backward
             kw = {**self._layer_kw(), "masked_rows": policy, "masked_row_grads": masked_row_grads}
-            grads = reference.backward(moved, *inputs, self.x.keep, cot, dtype=self.x.query.dtype, **kw)
+            grads = reference.backward(moved, *inputs, self.x.keep, cot, dtype=self.x.query.dtype,
+                                       per_query_head=per_query_head, **kw)
             terms = {f"{n}.bias": grads[key][..., :widths[n]].reshape(-1, widths[n])
                      for n, key in (("q_proj", "query"), ("k_proj", "key"), ("v_proj", "value")) if n in widths}
+            for n, key in (("k_proj", "key"), ("v_proj", "value")):
+                shares = grads.get(f"{key}.per_query_head")  # (B, K, G, S, H)
+                if n in widths and shares is not None and shares.shape[2] > 1:
+                    terms[f"{n}.bias"] = shares.transpose(0, 2, 3, 1, 4).reshape(-1, widths[n])  # (B·G·S, K·H)
         if "out_proj.bias" in sd:
             terms["out_proj.bias"] = cot.reshape(-1, cot.shape[-1])
         return terms
 
     def floors(self, policy: str, masked_row_grads: str, expected: dict) -> dict[str, float]:
         """The 16-bit gradient floors (parity.tolerances): a true-zero gradient's, and each bias gradient's
-        bound when its sum over tokens runs in the dtype; the larger where both apply. Empty in float64/float32."""
+        bound when its sum over tokens runs in the dtype -- over the tokens, or on a grouped layer's k/v
+        biases over each query head's share of them (`bias_terms(per_query_head=True)`) -- the largest
+        where several apply. Empty in float64/float32."""
         floors = gradient_floors(expected, self.dtype)
         if self.tol.three_way_k is None:
             return floors
-        key = (policy, masked_row_grads)
-        if key not in self._terms:
-            self._terms[key] = self.bias_terms(policy, masked_row_grads)
-        for n, f in reduction_floors(self._terms[key], expected, self.dtype).items():
-            floors[n] = max(f, floors.get(n, 0.0))
+        grouped = (self.case.shape.num_kv_heads or self.case.shape.N) < self.case.shape.N
+        for per_query_head in (False, True) if grouped else (False,):
+            key = (policy, masked_row_grads, per_query_head)
+            if key not in self._terms:
+                self._terms[key] = self.bias_terms(policy, masked_row_grads, per_query_head)
+            for n, f in reduction_floors(self._terms[key], expected, self.dtype).items():
+                floors[n] = max(f, floors.get(n, 0.0))
         return floors
 
     def runner(self, impl: Implementation):
@@ -669,7 +680,7 @@ def _peer_grad_rows(unit: Unit, peer: Implementation, policy: str, vjp, table, n
 def check_pairs(unit: Unit, impls) -> list[Row]:
     """The user's layers of different frameworks (a torch layer and its JAX port) judged against each
     other, beside each against the oracle: the same bound as implementation-vs-implementation rows
-    (each may be off the oracle by it), at the coarser of the two's `computes_in`."""
+    (each may be off the oracle by it, bias floors included), at the coarser of the two's `computes_in`."""
     users = [i for i in impls if i.role == "user"]
     rows = []
     for n, a in enumerate(users):
@@ -699,13 +710,13 @@ def check_pairs(unit: Unit, impls) -> list[Row]:
                     continue
                 if "x" in ra or "x" in rb:
                     ra, rb = one_input(ra), one_input(rb)
-                _, yard = unit.oracle_grads(policy, a.masked_row_grads)
+                expected, yard = unit.oracle_grads(policy, a.masked_row_grads)
+                floors = unit.floors(policy, a.masked_row_grads, expected)
                 yard = one_input(yard) if "x" in ra else yard
                 for group in GRAD_GROUPS:
                     names = tuple(n for n in _group(group, ra) if rb.get(n) is not None and ra[n] is not None)
                     if names:
-                        c, note = judge_grads(ra, rb, table.gradient, names, table.three_way_k,
-                                              None if yard is None else yard)
+                        c, note = judge_grads(ra, rb, table.gradient, names, table.three_way_k, yard, floors)
                         rows.append(unit.row(check, a, b.name, status(c), group, c, message=note))
     return rows
 
