@@ -2,7 +2,7 @@
 # The benchmark's run-to-run check: the grouped RoPE bias-free layer at B=1 T=1024 three times on a
 # quiet machine and once beside a process that keeps one core busy, then the classic layer with a
 # causal mask at B=4 T=2048. Writes docs/results/bench-stability-*.{json,md,png,log}; prints the
-# verdicts of every run side by side. Run it with nothing else on the machine (about 20 minutes on
+# verdicts of every run side by side. Run it with nothing else on the machine (about 15 minutes on
 # 2 cores).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,7 +21,8 @@ python3 -c 'while True: pass' & BUSY=$!
 trap 'kill $BUSY 2>/dev/null || true' EXIT
 run gqa-busy "${GQA[@]}"
 kill $BUSY; trap - EXIT
-run causal-quiet --batch 4 --embed 512 --heads 8 --seq 2048 --mask causal --dtypes float32 --passes fwd,fwd+bwd
+run causal-quiet --batch 4 --embed 512 --heads 8 --seq 2048 --mask causal --dtypes float32 --passes fwd,fwd+bwd \
+    --impls 'ours-torch:eager:fused,ours-jax:jit:fused,torch-sdpa-core:*,jax-dpa-core:*'
 .venv/bin/python - "$OUT" <<'EOF'
 import json, sys
 out = sys.argv[1]
