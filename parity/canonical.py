@@ -5,7 +5,8 @@ layout (a Linear ``weight`` is (out, in)):
 
     q_proj.weight (E, E)  q_proj.bias (E,)   ... k_proj, v_proj, out_proj likewise
 
-parity.convert and parity.layouts both build on this module; it imports neither.
+parity.convert, parity.layouts and the peers (parity.peers) build on this module; it imports
+none of them. torch and jax are imported only inside the functions that need them.
 """
 
 from __future__ import annotations
@@ -82,6 +83,45 @@ def numpy_to_tensor(a: np.ndarray, device=None):
     else:
         t = torch.from_numpy(a.copy())
     return t if device is None else t.to(device)
+
+
+def torch_dtype_of(dtype: np.dtype):
+    """A NumPy dtype (bfloat16 as ml_dtypes.bfloat16) -> the torch dtype of the same name."""
+    import torch
+
+    return {
+        np.dtype(np.float16): torch.float16,
+        np.dtype(ml_dtypes.bfloat16): torch.bfloat16,
+        np.dtype(np.float32): torch.float32,
+        np.dtype(np.float64): torch.float64,
+    }[np.dtype(dtype)]
+
+
+def numpy_dtype_of_torch(torch_dtype) -> np.dtype:
+    """A torch dtype -> its NumPy dtype (bfloat16 as ml_dtypes.bfloat16); a TypeError for any other."""
+    import torch
+
+    table = {torch.float16: np.float16, torch.bfloat16: ml_dtypes.bfloat16, torch.float32: np.float32, torch.float64: np.float64}
+    if torch_dtype not in table:
+        raise TypeError(f"unsupported torch dtype {torch_dtype}")
+    return np.dtype(table[torch_dtype])
+
+
+def refuse_dtype_change(kwargs: dict, key: str, dtype: np.dtype, as_numpy) -> None:
+    """Pop `key` from a module's keyword arguments; a TypeError if it asks for another dtype than the
+    weights' (a converter never casts silently). `as_numpy` maps the asked value to a NumPy dtype."""
+    if key in kwargs:
+        asked = kwargs.pop(key)
+        if asked is not None and np.dtype(as_numpy(asked)) != dtype:
+            raise TypeError(f"{key}={asked} differs from the weights' dtype {dtype}; convert the state dict explicitly")
+
+
+def check_jax_dtype(dtype: np.dtype) -> None:
+    """float64 weights for a JAX module need jax_enable_x64: without it jax would store float32, silently."""
+    import jax
+
+    if dtype == np.float64 and not jax.config.jax_enable_x64:
+        raise TypeError("float64 weights need jax_enable_x64, or jax would silently store float32")
 
 
 _BIAS_SETS = {  # the bias keys a layer may have -> (qkv_bias, out_bias)

@@ -2,8 +2,8 @@
 
     .venv/bin/python scripts/measure_ecosystem.py            # ~17 s of CPU; prints a Markdown table
 
-Every library runs through its peer adapter in parity/ecosystem.py on the same random
-weights (E=12, N=3, B=3, T=5, S=7 for cross-attention, seeds fixed) and is compared with
+Every library runs through its peer adapter in parity/peers/ (hf.py, keras.py, equinox.py) on the
+same random weights (E=12, N=3, B=3, T=5, S=7 for cross-attention, seeds fixed) and is compared with
 the float64 oracle (parity/reference.py):
 
 - polarity: the keep-mask as the adapter translates it (its own convention) vs the same
@@ -27,7 +27,9 @@ jax.config.update("jax_enable_x64", True)
 
 import numpy as np  # noqa: E402
 
-from parity import convert, ecosystem, reference  # noqa: E402
+from parity import convert, reference  # noqa: E402
+from parity.peers import equinox, hf, keras  # noqa: E402
+from parity.peers.common import np_dtype  # noqa: E402
 from parity.tolerances import errors  # noqa: E402
 
 E, N, B, T, S = 12, 3, 3, 5, 7
@@ -35,12 +37,12 @@ MASKED = (0, 1)  # (batch, query) of the fully masked row
 
 # name -> (adapter, cross-attention?)
 LIBRARIES = {
-    "HF BERT (BertSelfAttention + output.dense, eager)": (ecosystem.hf_bert_attention_forward, False),
-    "HF ViT (ViTAttention, eager)": (ecosystem.hf_vit_attention_forward, False),
-    "HF GPT-2 (GPT2Attention, eager)": (ecosystem.hf_gpt2_attention_forward, False),
-    "Keras 3 MultiHeadAttention (JAX backend), default call": (ecosystem.keras_mha_forward, True),
-    "Keras 3, return_attention_scores=True": (functools.partial(ecosystem.keras_mha_forward, return_attention_scores=True), True),
-    "Equinox MultiheadAttention": (ecosystem.equinox_mha_forward, True),
+    "HF BERT (BertSelfAttention + output.dense, eager)": (hf.hf_bert_attention_forward, False),
+    "HF ViT (ViTAttention, eager)": (hf.hf_vit_attention_forward, False),
+    "HF GPT-2 (GPT2Attention, eager)": (hf.hf_gpt2_attention_forward, False),
+    "Keras 3 MultiHeadAttention (JAX backend), default call": (keras.keras_mha_forward, True),
+    "Keras 3, return_attention_scores=True": (functools.partial(keras.keras_mha_forward, return_attention_scores=True), True),
+    "Equinox MultiheadAttention": (equinox.equinox_mha_forward, True),
 }
 
 
@@ -62,7 +64,7 @@ def _keep(rng, name, cross):
     if "GPT-2" in name:
         pad = np.ones((B, T), bool)
         pad[MASKED[0], : MASKED[1] + 1] = False  # query MASKED[1] sees only padded keys
-        return ecosystem.gpt2_keep_mask(pad)
+        return hf.gpt2_keep_mask(pad)
     keep = rng.random((B, T, S if cross else T)) > 0.4
     keep[..., 0] = True
     keep[MASKED[0], MASKED[1], :] = False
@@ -83,7 +85,7 @@ def measure(name, fn, cross, seed=0) -> dict:
     k, v = (k, v) if cross else (q, q)
     keep = _keep(rng, name, cross)
     gpt2 = "GPT-2" in name
-    unmasked = ecosystem.gpt2_keep_mask(np.ones((B, T), bool)) if gpt2 else None  # GPT-2 is never unmasked: plain causal
+    unmasked = hf.gpt2_keep_mask(np.ones((B, T), bool)) if gpt2 else None  # GPT-2 is never unmasked: plain causal
 
     def oracle(keep, policy="uniform", dtype=np.float64):
         return reference.forward(sd, q, k, v, keep, num_heads=N, masked_rows=policy, dtype=dtype).output
@@ -104,7 +106,7 @@ def measure(name, fn, cross, seed=0) -> dict:
     row["float64 err"] = errors(_call(fn, cross, sd, q, k, v, unmasked, "float64"), exact)[0]
     row["float32 err"] = errors(_call(fn, cross, sd, q, k, v, unmasked, "float32"), exact)[0]
     for dt in ("bfloat16", "float16"):
-        yard = errors(oracle(unmasked, dtype=ecosystem._np_dtype(dt)), exact)[0]
+        yard = errors(oracle(unmasked, dtype=np_dtype(dt)), exact)[0]
         row[f"{dt} err / yardstick"] = errors(_call(fn, cross, sd, q, k, v, unmasked, dt), exact)[0] / yard
     return row
 

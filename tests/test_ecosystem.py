@@ -1,6 +1,6 @@
 """The other libraries' attention against ours on converted weights: torch.nn.MultiheadAttention, SDPA,
 flax (linen, nnx), jax.nn.dot_product_attention, Keras 3 (MultiHeadAttention, GroupQueryAttention),
-Equinox, and the peer adapters of parity.ecosystem -- each library's masked-row policy included."""
+Equinox, and the peer adapters of parity.peers -- each library's masked-row policy included."""
 
 from __future__ import annotations
 
@@ -17,10 +17,13 @@ from flax import linen
 
 from conftest import SIZES, make_inputs, random_keep_mask
 from helpers import DTYPES, build, cast_sd, np_dtype, run
-from parity import convert, ecosystem, reference
+from parity import convert, reference
+from parity.peers import equinox as eqx_peer
+from parity.peers import hf
+from parity.peers.keras import keras_backend, keras_mha_forward
 from parity.tolerances import compare, tolerance_for
 
-keras = convert._keras()  # sets KERAS_BACKEND=jax before keras's first import
+keras = keras_backend()  # sets KERAS_BACKEND=jax before keras's first import
 
 S = SIZES
 
@@ -366,14 +369,14 @@ def test_peer_adapters_follow_their_measured_policy(sd64, rng):
     oracle = lambda q, k, v, keep: reference.forward(sd64, q, k, v, keep, num_heads=S.N, masked_rows="uniform").output  # noqa: E731
     f64, f32 = tolerance_for("float64").forward, tolerance_for("float32").forward
     cases = {
-        "hf-bert": (ecosystem.hf_bert_attention_forward(sd64, S.N, q, self_keep, "float64"), oracle(q, q, q, self_keep), f64),
-        "equinox": (ecosystem.equinox_mha_forward(sd64, S.N, q, k, v, cross_keep, "float64"), oracle(q, k, v, cross_keep), f64),
-        "keras": (ecosystem.keras_mha_forward(sd64, S.N, q, k, v, cross_keep, "float32"), oracle(q, k, v, cross_keep), f32),
+        "hf-bert": (hf.hf_bert_attention_forward(sd64, S.N, q, self_keep, "float64"), oracle(q, q, q, self_keep), f64),
+        "equinox": (eqx_peer.equinox_mha_forward(sd64, S.N, q, k, v, cross_keep, "float64"), oracle(q, k, v, cross_keep), f64),
+        "keras": (keras_mha_forward(sd64, S.N, q, k, v, cross_keep, "float32"), oracle(q, k, v, cross_keep), f32),
     }
     pad = np.ones((S.B, S.T), bool)
     pad[2, :2] = False  # left padding: query 0 of batch 2 attends to nothing
-    causal = ecosystem.gpt2_keep_mask(pad)
-    cases["hf-gpt2"] = (ecosystem.hf_gpt2_attention_forward(sd64, S.N, q, causal, "float64"), oracle(q, q, q, causal), f64)
+    causal = hf.gpt2_keep_mask(pad)
+    cases["hf-gpt2"] = (hf.hf_gpt2_attention_forward(sd64, S.N, q, causal, "float64"), oracle(q, q, q, causal), f64)
     for name, (out, expected, tol) in cases.items():
         c = compare(out, expected, tol)
         assert c.passed, (name, c)
@@ -383,4 +386,4 @@ def test_gpt2_adapter_refuses_a_non_causal_mask(sd64, rng):
     q = make_inputs(rng)[0]
     keep = np.ones((S.B, S.T, S.T), bool)
     with pytest.raises(ValueError, match="GPT-2 attention is causal"):
-        ecosystem.hf_gpt2_attention_forward(sd64, S.N, q, keep)
+        hf.hf_gpt2_attention_forward(sd64, S.N, q, keep)

@@ -15,7 +15,7 @@ import pytest
 from parity.harness import Case, Shape, run
 from parity.harness import runner as harness_runner
 from parity.impls import Implementation
-from parity.impls import ecosystem_impls as eco
+from parity.peers import hf, keras
 
 NEW = ("hf-bert", "hf-gpt2", "keras-mha", "equinox-mha")
 REF = {"hf-bert": "torch[uniform]", "hf-gpt2": "torch[uniform]",
@@ -100,9 +100,9 @@ def _flipped(factory):
     return planted
 
 
-@pytest.mark.parametrize("name, attr", [("hf-bert", "hf_bert"), ("keras-mha", "keras_mha")])
-def test_wrong_mask_polarity_in_an_adapter_fails(monkeypatch, name, attr):
-    monkeypatch.setattr(eco, attr, _flipped(getattr(eco, attr)))
+@pytest.mark.parametrize("name, module, attr", [("hf-bert", hf, "hf_bert"), ("keras-mha", keras, "keras_mha")])
+def test_wrong_mask_polarity_in_an_adapter_fails(monkeypatch, name, module, attr):
+    monkeypatch.setattr(module, attr, _flipped(getattr(module, attr)))
     report = _peers_run([RANDOM], ("float32",))
     failed = {r.reference for r in _rows(report, name, status="fail")}
     assert failed == {"oracle", REF[name]}, [(r.reference, r.status) for r in _rows(report, name)]
@@ -138,7 +138,7 @@ def test_a_broken_adapter_import_stays_an_error(monkeypatch):
     def broken(sd, num_heads, **kw):
         raise ImportError("cannot import name 'Nope' from 'transformers'")
 
-    monkeypatch.setattr(eco, "hf_bert", broken)
+    monkeypatch.setattr(hf, "hf_bert", broken)
     report = _peers_run([RANDOM], ("float32",))
     assert [r.status for r in _rows(report, "hf-bert")] == ["error"]
 
@@ -159,7 +159,7 @@ def test_hf_adapter_refuses_cross_attention_inputs():
     rng = np.random.default_rng(0)
     sd = {f"{p}.{w}": rng.standard_normal((12, 12) if w == "weight" else (12,))
           for p in ("q_proj", "k_proj", "v_proj", "out_proj") for w in ("weight", "bias")}
-    fn = eco.hf_bert(sd, 3, dtype="float64", device=torch.device("cpu"))
+    fn = hf.hf_bert(sd, 3, dtype="float64", device=torch.device("cpu"))
     q, k = torch.from_numpy(rng.standard_normal((3, 5, 12))), torch.from_numpy(rng.standard_normal((3, 7, 12)))
     with pytest.raises(ValueError, match="self-attention"):
         fn(q, k, k, None)

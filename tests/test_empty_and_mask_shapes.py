@@ -178,7 +178,7 @@ def test_a_mask_that_fits_no_documented_shape_is_named():
 def test_the_oracle_and_the_rope_peers_take_empty_queries_with_positions(pos_shape):
     from mha_spec import AttentionConfig
     from parity import reference
-    from parity.impls.gqa_torch import rope_cos_sin
+    from parity.peers.sdpa import rope_cos_sin
 
     c = AttentionConfig(12, 3, num_kv_heads=1, rope="half")
     sd = {k: np.ones(s) for k, s in c.weight_shapes().items()}

@@ -19,7 +19,8 @@ from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotary
 from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention, Qwen2RotaryEmbedding
 
 from mha_spec import AttentionConfig
-from parity import convert, ecosystem, layouts, reference
+from parity import convert, layouts, reference
+from parity.peers import hf
 from parity.tolerances import compare, tolerance_for
 
 B, T, E, N, K, H = 3, 5, 24, 6, 2, 4
@@ -86,7 +87,7 @@ def _hf_block(kind, inputs):
         emb = rotary(config)(xt, torch.from_numpy(positions))
         out = att(xt, position_embeddings=emb, attention_mask=mask)[0].numpy()
     keep = np.tril(np.ones((T, T), bool))[None] & pad[:, None, :]
-    np.testing.assert_array_equal(ecosystem.additive_mask(keep, np.float64), mask.numpy())  # the same mask
+    np.testing.assert_array_equal(hf.additive_mask(keep, np.float64), mask.numpy())  # the same mask
     assert not keep[2, 0].any()
     return {PREFIX + k: v for k, v in att.state_dict().items()}, out, keep
 

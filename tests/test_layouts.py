@@ -18,7 +18,8 @@ from transformers.masking_utils import create_bidirectional_mask, create_causal_
 
 from conftest import SIZES
 from helpers import DTYPES, cast_sd, np_dtype, run
-from parity import convert, ecosystem
+from parity import convert
+from parity.peers import hf
 from parity.tolerances import compare, tolerance_for
 
 S = SIZES
@@ -43,12 +44,12 @@ def _hf_random_init(model):
 
 @pytest.fixture(scope="module")
 def bert():
-    return _hf_random_init(transformers.BertModel(ecosystem.hf_bert_config(S.E, S.N)).double())
+    return _hf_random_init(transformers.BertModel(hf.hf_bert_config(S.E, S.N)).double())
 
 
 @pytest.fixture(scope="module")
 def gpt2():
-    return _hf_random_init(transformers.GPT2Model(ecosystem.hf_gpt2_config(S.E, S.N)).double())
+    return _hf_random_init(transformers.GPT2Model(hf.hf_gpt2_config(S.E, S.N)).double())
 
 
 @pytest.fixture(scope="module")
@@ -99,13 +100,13 @@ def test_bert_attention_matches_ours(bert, rng):
         c = compare(out, expected, tolerance_for("float64").forward)
         assert c.passed, (framework, c)
     # ... and the peer adapter's mask translation is the library's own.
-    np.testing.assert_array_equal(ecosystem.additive_mask(keep, np.float64), mask.numpy())
+    np.testing.assert_array_equal(hf.additive_mask(keep, np.float64), mask.numpy())
 
 
 def test_bert_round_trip_into_the_real_module_is_bit_exact(bert):
     prefix = "encoder.layer.0.attention."
     sd = convert.from_layout(bert.state_dict(), "hf-bert", prefix=prefix)
-    fresh = transformers.BertModel(ecosystem.hf_bert_config(S.E, S.N)).double()
+    fresh = transformers.BertModel(hf.hf_bert_config(S.E, S.N)).double()
     missing, unexpected = fresh.load_state_dict({k: torch.from_numpy(v) for k, v in convert.to_layout(sd, "hf-bert", prefix=prefix).items()}, strict=False)
     assert not unexpected and all(not k.startswith(prefix) or "LayerNorm" in k for k in missing)
     for k, v in fresh.state_dict().items():
@@ -127,7 +128,7 @@ def test_bert_through_a_save_pretrained_file(bert, tmp_path, rng):
 
 
 def test_bfloat16_file_and_torch_tensors_keep_their_dtype(bert, tmp_path):
-    m16 = transformers.BertModel(ecosystem.hf_bert_config(S.E, S.N))
+    m16 = transformers.BertModel(hf.hf_bert_config(S.E, S.N))
     m16.load_state_dict(bert.state_dict())
     m16 = m16.to(torch.bfloat16)
     m16.save_pretrained(tmp_path)
@@ -157,7 +158,7 @@ def test_vit_reads_both_spellings_and_writes_the_file_one(vit, tmp_path, rng):
     x = rng.standard_normal((S.B, T, S.E)).astype(np.float32)
     keep = np.broadcast_to(_padding(rng)[:, None, :], (S.B, T, T)).copy()
     with torch.no_grad():
-        expected = vit.layers[0].attention(torch.from_numpy(x), attention_mask=torch.from_numpy(ecosystem.additive_mask(keep, np.float32)))[0].numpy()
+        expected = vit.layers[0].attention(torch.from_numpy(x), attention_mask=torch.from_numpy(hf.additive_mask(keep, np.float32)))[0].numpy()
     for framework, out in _ours_both(in_memory, keep, x, "nan"):
         c = compare(out, expected, tolerance_for("float32").forward)
         assert c.passed, (framework, c)
@@ -178,12 +179,12 @@ def test_gpt2_attention_is_ours_with_a_causal_keep_mask(gpt2, rng):
         mask = create_causal_mask(config=gpt2.config, inputs_embeds=xt, attention_mask=torch.from_numpy(pad.astype(np.int64)),
                                   past_key_values=None, position_ids=torch.arange(T)[None].expand(S.B, T))
         expected = gpt2.h[0].attn(xt, attention_mask=mask)[0].numpy()
-    keep = ecosystem.gpt2_keep_mask(pad)
+    keep = hf.gpt2_keep_mask(pad)
     assert not keep[2, 0].any()  # the fully masked row is really there
     for framework, out in _ours_both(sd, keep, x, "uniform"):
         c = compare(out, expected, tolerance_for("float64").forward)
         assert c.passed, (framework, c)
-    np.testing.assert_array_equal(ecosystem.gpt2_padding_of(keep), pad)
+    np.testing.assert_array_equal(hf.gpt2_padding_of(keep), pad)
 
 
 def test_gpt2_conv1d_columns_are_q_k_v(gpt2):
@@ -193,7 +194,7 @@ def test_gpt2_conv1d_columns_are_q_k_v(gpt2):
     E = S.E
     np.testing.assert_array_equal(sd["k_proj.weight"], w[:, E : 2 * E].T)
     np.testing.assert_array_equal(sd["out_proj.weight"], gpt2.state_dict()["h.0.attn.c_proj.weight"].numpy().T)
-    fresh = transformers.GPT2Model(ecosystem.hf_gpt2_config(S.E, S.N)).double()
+    fresh = transformers.GPT2Model(hf.hf_gpt2_config(S.E, S.N)).double()
     fresh.h[0].attn.load_state_dict({k: torch.from_numpy(v) for k, v in convert.to_layout(sd, "hf-gpt2").items()}, strict=True)
     for k, v in fresh.h[0].attn.state_dict().items():
         assert torch.equal(v, gpt2.h[0].attn.state_dict()[k]), k

@@ -122,7 +122,7 @@ def test_keras_gqa_skips_what_it_cannot_hold_saying_why(keras_report):
 def _hf_llama(config, B, T, dtype):
     import torch
 
-    from parity.impls.ecosystem_impls import hf_llama
+    from parity.peers.hf import hf_llama
 
     rng = np.random.default_rng(7)
     sd = {k: rng.uniform(-0.3, 0.3, s) for k, s in config.weight_shapes().items()}

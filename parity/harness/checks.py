@@ -21,7 +21,7 @@ from parity.harness.judge import NOTHING_COMPARED, judge, judge_grads, nan_note,
 from parity.harness.matrix import Case, Inputs
 from parity.harness.report import Row
 from parity.impls import Implementation, builtin, mask_for
-from parity.impls.ecosystem_impls import MissingPackage
+from parity.peers.common import MissingPackage
 from parity.tolerances import TOLERANCES, Comparison, errors, gradient_floors, reduction_floors
 
 TRAIN_STEPS = 5
@@ -35,8 +35,8 @@ OPTIMIZERS = {
 }
 
 # An implementation that computes in a lower precision than its inputs' dtype (`computes_in`, declared
-# in the registry: the peers that run jax.nn.dot_product_attention or HF Llama's float32 softmax) is
-# judged with the table's entry for the dtype it really computes in, and the row says so.
+# by its peer module in parity/peers: those running jax.nn.dot_product_attention, HF Llama's float32
+# softmax) is judged with the table's entry for the dtype it really computes in, and the row says so.
 
 GRAD_GROUPS = {
     # "x": a one-input layer's (inputs="self") gradient, judged against d_query + d_key + d_value

@@ -1,6 +1,7 @@
-"""The JAX implementations, and how JAX runs any registered implementation.
+"""Our JAX module's factories, and how JAX runs any registered implementation.
 
-Imports jax (and flax, optax), never torch. Every factory follows the contract in
+Imports jax (and flax, optax), never torch. The JAX peers' factories live with their
+libraries (parity.peers). Every factory follows the contract in
 `parity.impls.registry`: `factory(state_dict, num_heads, *, dtype, device[, masked_rows][, problem])
 -> fn(params, q, k, v, mask)`, a pure function of the canonical parameters, so that
 `jax.grad` and `jax.jit` apply to any of them alike.
@@ -10,7 +11,6 @@ Legend (see mha_spec): B T S N H E, K key/value heads.
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass, field
 
 import jax
@@ -21,35 +21,9 @@ from flax import nnx
 from parity import convert
 from parity.impls.registry import Implementation, layer_kwargs, mask_for
 from parity.impls.validate import check_result, stages_dict
+from parity.peers.common import linear_leaves, merged
 
 # ---------------------------------------------------------------- factories
-
-
-def _linear_leaves(params, p: str, kernel_shape=None) -> dict:
-    """Canonical (out, in) weight and bias as a flax layer's (in, out) kernel and bias, reshaped if asked.
-    A projection without bias (no key) has only a kernel."""
-    kernel = params[f"{p}.weight"].T  # (E_in, E_out)
-    if kernel_shape is not None:
-        kernel = kernel.reshape(kernel_shape)
-    if f"{p}.bias" not in params:
-        return {"kernel": kernel}
-    bias = params[f"{p}.bias"]
-    if kernel_shape is not None:
-        bias = bias if p == "out_proj" else bias.reshape(kernel_shape[1:])
-    return {"kernel": kernel, "bias": bias}
-
-
-def _merged(graphdef, state, layers: dict):
-    """The module with `layers` ({submodule: {"kernel", "bias"}}) as its parameters, traceable.
-
-    Works on copies: Variables created outside a jax transformation cannot be mutated inside it.
-    """
-    pure = jax.tree.map(lambda a: a, nnx.to_pure_dict(state))
-    for name, leaves in layers.items():
-        pure[name].update(leaves)
-    fresh = jax.tree.map(lambda a: a, state)
-    nnx.replace_by_pure_dict(fresh, pure)
-    return nnx.merge(graphdef, fresh)
 
 
 def _ours(sd, num_heads, *, dtype, device, masked_rows, need_weights, problem=None):
@@ -60,7 +34,7 @@ def _ours(sd, num_heads, *, dtype, device, masked_rows, need_weights, problem=No
         graphdef, state = nnx.split(convert.to_jax(sd, num_heads, masked_rows=masked_rows, **layer))
 
     def module(params):
-        return _merged(graphdef, state, {p: _linear_leaves(params, p) for p in convert.PROJECTIONS})
+        return merged(graphdef, state, {p: linear_leaves(params, p) for p in convert.PROJECTIONS})
 
     def fn(params, query, key, value, mask, **positions):
         return module(params)(query, key, value, mask, need_weights=need_weights, **positions)
@@ -76,65 +50,6 @@ def _ours(sd, num_heads, *, dtype, device, masked_rows, need_weights, problem=No
 
 ours_weights = functools.partial(_ours, need_weights=True)
 ours_fused = functools.partial(_ours, need_weights=False)
-
-
-def _flax_shapes(E: int, N: int) -> dict:
-    """flax's MultiHeadAttention layout: q/k/v kernels (E, N, H), out kernel (N, H, E)."""
-    H = E // N
-    return {"q_proj": (E, N, H), "k_proj": (E, N, H), "v_proj": (E, N, H), "out_proj": (N, H, E)}
-
-
-def flax_linen(sd, num_heads, *, dtype, device):
-    import flax.linen as nn
-
-    E = sd["q_proj.weight"].shape[0]
-    m = nn.MultiHeadDotProductAttention(num_heads=num_heads, qkv_features=E, out_features=E, dtype=dtype,
-                                        param_dtype=dtype, deterministic=True)
-    shapes = _flax_shapes(E, num_heads)
-
-    def fn(params, query, key, value, keep):
-        tree = {flax_name: _linear_leaves(params, p, shapes[p]) for p, flax_name in convert.FLAX_NAMES.items()}
-        out, state = m.apply({"params": tree}, query, key, value, mask=keep, sow_weights=True, mutable=["intermediates"])
-        (w,) = state["intermediates"]["attention_weights"]
-        return out, w
-
-    return fn
-
-
-def _flax_nnx(sd, num_heads, *, dtype, device, need_weights):
-    E = sd["q_proj.weight"].shape[0]
-    with jax.default_device(device):
-        graphdef, state = nnx.split(convert.to_flax_nnx(sd, num_heads, dtype=jnp.dtype(dtype)))
-    shapes = _flax_shapes(E, num_heads)
-
-    def fn(params, query, key, value, keep):
-        m = _merged(graphdef, state, {f: _linear_leaves(params, p, shapes[p]) for p, f in convert.FLAX_NAMES.items()})
-        if not need_weights:
-            return m(query, key, value, mask=keep, deterministic=True)
-        out, inter = nnx.capture(m, nnx.Intermediate)(query, key, value, mask=keep, deterministic=True, sow_weights=True)
-        (w,) = inter["attention_weights"].get_value()
-        return out, w
-
-    return fn
-
-
-flax_nnx_weights = functools.partial(_flax_nnx, need_weights=True)
-flax_nnx_fused = functools.partial(_flax_nnx, need_weights=False)
-
-
-def dpa_core(sd, num_heads, *, dtype, device):
-    def fn(params, query, key, value, keep):
-        B, T, E = query.shape
-        S, N, H = key.shape[1], num_heads, E // num_heads
-
-        def proj(x, p, L):  # (B, L, E) -> (B, L, N, H); canonical (out, in) weights: x Wᵀ + b
-            return (jnp.einsum("BLE,FE->BLF", x, params[f"{p}.weight"]) + params[f"{p}.bias"]).reshape(B, L, N, H)
-
-        ctx = jax.nn.dot_product_attention(proj(query, "q_proj", T), proj(key, "k_proj", S), proj(value, "v_proj", S),
-                                           mask=keep, scale=1.0 / math.sqrt(H), implementation="xla")  # (B, T, N, H)
-        return jnp.einsum("BTF,EF->BTE", ctx.reshape(B, T, E), params["out_proj.weight"]) + params["out_proj.bias"]
-
-    return fn
 
 
 # ---------------------------------------------------------------- running any implementation

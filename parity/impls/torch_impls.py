@@ -1,6 +1,7 @@
-"""The torch implementations, and how torch runs any registered implementation.
+"""Our torch module's factories, and how torch runs any registered implementation.
 
-Imports torch, never jax. Every factory follows the contract in `parity.impls.registry`:
+Imports torch, never jax. The torch peers' factories live with their libraries (parity.peers).
+Every factory follows the contract in `parity.impls.registry`:
 `factory(state_dict, num_heads, *, dtype, device[, masked_rows][, problem]) -> fn(params, q, k, v, mask)`.
 Legend (see mha_spec): B T S N H E, K key/value heads.
 """
@@ -8,12 +9,10 @@ Legend (see mha_spec): B T S N H E, K key/value heads.
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch.func import functional_call
 
 from parity import convert
@@ -43,43 +42,6 @@ def _ours(sd, num_heads, *, dtype, device, masked_rows, need_weights, problem=No
 
 ours_weights = functools.partial(_ours, need_weights=True)
 ours_fused = functools.partial(_ours, need_weights=False)
-
-
-def _torch_mha(sd, num_heads, *, dtype, device, need_weights):
-    m = convert.to_torch_mha(sd, num_heads).to(device).eval()
-
-    def fn(params, query, key, value, drop):
-        B, T, S, N = query.shape[0], query.shape[1], key.shape[1], num_heads
-        # Packed in_proj = [q; k; v] rows; its bool mask is True = masked out, 3-D as (B*N, T, S).
-        packed = {
-            "in_proj_weight": torch.cat([params[f"{p}.weight"] for p in ("q_proj", "k_proj", "v_proj")]),
-            "in_proj_bias": torch.cat([params[f"{p}.bias"] for p in ("q_proj", "k_proj", "v_proj")]),
-            "out_proj.weight": params["out_proj.weight"], "out_proj.bias": params["out_proj.bias"],
-        }
-        attn_mask = None if drop is None else drop.expand(B, N, T, S).reshape(B * N, T, S)
-        kw = {"attn_mask": attn_mask, "need_weights": need_weights, "average_attn_weights": False}
-        return functional_call(m, packed, (query, key, value), kw)
-
-    return fn
-
-
-torch_mha_weights = functools.partial(_torch_mha, need_weights=True)
-torch_mha_fused = functools.partial(_torch_mha, need_weights=False)
-
-
-def sdpa_core(sd, num_heads, *, dtype, device):
-    def fn(params, query, key, value, keep):
-        B, T, E = query.shape
-        S, N, H = key.shape[1], num_heads, E // num_heads
-
-        def proj(x, p, L):  # (B, L, E) -> (B, N, L, H)
-            return F.linear(x, params[f"{p}.weight"], params[f"{p}.bias"]).view(B, L, N, H).transpose(1, 2)
-
-        ctx = F.scaled_dot_product_attention(proj(query, "q_proj", T), proj(key, "k_proj", S), proj(value, "v_proj", S),
-                                             attn_mask=keep, scale=1.0 / math.sqrt(H))  # (B, N, T, H)
-        return F.linear(ctx.transpose(1, 2).reshape(B, T, E), params["out_proj.weight"], params["out_proj.bias"])
-
-    return fn
 
 
 # ---------------------------------------------------------------- running any implementation

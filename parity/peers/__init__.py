@@ -1,0 +1,23 @@
+"""The peers: one module per library whose attention `mha-parity` checks ours against.
+
+    torch_mha   torch.nn.MultiheadAttention                      torch-mha, torch-mha-fused
+    sdpa        torch's F.scaled_dot_product_attention           torch-sdpa-core, torch-sdpa-gqa
+    flax        flax.linen / flax.nnx MultiHeadAttention         flax-linen-mha, flax-nnx-mha, flax-nnx-mha-fused
+    jax_dpa     jax.nn.dot_product_attention                     jax-dpa-core, jax-dpa-gqa
+    hf          Hugging Face transformers: BERT, GPT-2, Llama    hf-bert, hf-gpt2, hf-llama
+    keras       Keras 3 MultiHeadAttention, GroupQueryAttention  keras-mha, keras-gqa
+    equinox     equinox.nn.MultiheadAttention                    equinox-mha
+
+Each module holds everything about its library: the weight converters to and from the
+canonical state dict (`parity.convert` re-exports the public ones), the factories of the
+registry's contract (`parity.impls.registry`), and `IMPLEMENTATIONS`, the `Implementation`
+declarations -- what the library supports and computes in (`runs_on`, `masked_rows`,
+`computes_in`, ...). `OWNS` names the library's entry points (an import or a call) that no
+other file of `parity/` may use (tests/test_house.py). What several peers share is public in
+`parity.peers.common`. The registry lists one line per module; docs/adding-a-peer.md says how
+to add one.
+
+Every module is framework-free at import: the library (and torch or jax) is imported on
+first use, so the registry lists all of them without loading a framework, and a missing
+optional library is a skip row, not an import error.
+"""

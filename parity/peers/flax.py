@@ -1,0 +1,165 @@
+"""flax's attention as a peer: linen's MultiHeadDotProductAttention and nnx's MultiHeadAttention.
+
+    from_flax_linen / to_flax_linen   linen variables {"params": {query|key|value|out: {kernel, bias}}}
+    from_flax_nnx / to_flax_nnx       a flax.nnx.MultiHeadAttention module
+    flax-linen-mha                    linen, sow_weights=True: its weights too (not benchmarked)
+    flax-nnx-mha                      nnx, sow_weights=True
+    flax-nnx-mha-fused                nnx without weights, benchmark only
+
+Both store q/k/v kernels (E, N, H), biases (N, H), the output kernel (N, H, E)
+(`parity.peers.common.to_flax_tree`). Mask True = attend; masked scores are finfo.min, so a
+fully masked row is uniform (the "uniform" policy). Each factory computes with the harness's
+canonical parameters (plugged into the module), so its gradients are checked too. jax and
+flax are imported on first use.
+Legend (see mha_spec): B T S N H E.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Mapping
+
+import numpy as np
+
+from parity.canonical import PROJECTIONS, check_jax_dtype, check_keys, check_state_dict, refuse_dtype_change
+from parity.implementation import Implementation
+from parity.peers.common import (
+    FLAX_NAMES,
+    FRAMEWORK_PEER_CASES,
+    classic_only,
+    from_flax_tree,
+    linear_leaves,
+    merged,
+    to_flax_tree,
+)
+
+
+# What no other file of parity/ uses (tests/test_house.py): flax's attention modules. flax itself
+# (nnx) is our JAX module's framework too, so importing it is not the flax peer's alone.
+OWNS = ("import flax.linen", "nn.MultiHeadDotProductAttention", "nnx.MultiHeadAttention")
+
+# ---------------------------------------------------------------- converters
+
+
+def is_nnx_mha(obj) -> bool:
+    """Whether obj is a flax.nnx.MultiHeadAttention (False without importing flax when flax.nnx is not loaded)."""
+    nnx = sys.modules.get("flax.nnx")
+    return nnx is not None and isinstance(obj, nnx.MultiHeadAttention)
+
+
+def from_flax_linen(variables) -> dict[str, np.ndarray]:
+    """Variables of flax.linen.MultiHeadDotProductAttention ({"params": ...}) -> canonical."""
+    if not isinstance(variables, Mapping):
+        raise TypeError(f"expected a mapping {{'params': ...}}, got {type(variables).__name__}")
+    check_keys(variables.keys(), ("params",), "flax.linen variables")
+    return from_flax_tree(variables["params"], "flax.linen params")
+
+
+def to_flax_linen(sd, num_heads: int) -> dict:
+    """Canonical -> {"params": ...} for flax.linen.MultiHeadDotProductAttention(num_heads, ...).apply."""
+    return {"params": to_flax_tree(sd, num_heads)}
+
+
+def from_flax_nnx(m) -> dict[str, np.ndarray]:
+    """flax.nnx.MultiHeadAttention (bias, no qk-norm, no GQA, qkv_features = in = out) -> canonical."""
+    from flax import nnx
+
+    if not isinstance(m, nnx.MultiHeadAttention):
+        raise TypeError(f"expected flax.nnx.MultiHeadAttention, got {type(m).__name__}")
+    if not m.use_bias or m.normalize_qk:
+        raise ValueError("flax.nnx.MultiHeadAttention must have use_bias=True and normalize_qk=False")
+    if m.num_kv_heads != m.num_heads:
+        raise ValueError(f"grouped heads (num_kv_heads={m.num_kv_heads} != num_heads={m.num_heads}) are not supported")
+    tree = {
+        FLAX_NAMES[p]: {"kernel": np.asarray(getattr(m, FLAX_NAMES[p]).kernel[...]), "bias": np.asarray(getattr(m, FLAX_NAMES[p]).bias[...])}
+        for p in PROJECTIONS
+    }
+    return from_flax_tree(tree, "flax.nnx.MultiHeadAttention")
+
+
+def to_flax_nnx(sd, num_heads: int, **module_kwargs):
+    """Canonical -> flax.nnx.MultiHeadAttention(num_heads, E) with param_dtype = the weights' dtype."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    # flax.nnx.MultiHeadAttention has a num_kv_heads of its own; this converter builds the classic layer.
+    classic_only(sd, "to_flax_nnx's flax.nnx.MultiHeadAttention (built without num_kv_heads)")
+    E, dtype = check_state_dict(sd)
+    check_jax_dtype(dtype)
+    refuse_dtype_change(module_kwargs, "param_dtype", dtype, np.dtype)
+    rngs = module_kwargs.pop("rngs", None) or nnx.Rngs(0)
+    module_kwargs.setdefault("decode", False)
+    m = nnx.MultiHeadAttention(num_heads, E, param_dtype=dtype, rngs=rngs, **module_kwargs)
+    for name, params in to_flax_tree(sd, num_heads).items():
+        layer = getattr(m, name)
+        layer.kernel[...] = jnp.asarray(params["kernel"])
+        layer.bias[...] = jnp.asarray(params["bias"])
+    return m
+
+
+# ---------------------------------------------------------------- factories (parity.impls.registry's contract)
+
+
+def _flax_shapes(E: int, N: int) -> dict:
+    """flax's MultiHeadAttention layout: q/k/v kernels (E, N, H), out kernel (N, H, E)."""
+    H = E // N
+    return {"q_proj": (E, N, H), "k_proj": (E, N, H), "v_proj": (E, N, H), "out_proj": (N, H, E)}
+
+
+def flax_linen(sd, num_heads, *, dtype, device):
+    import flax.linen as nn
+
+    E = sd["q_proj.weight"].shape[0]
+    m = nn.MultiHeadDotProductAttention(num_heads=num_heads, qkv_features=E, out_features=E, dtype=dtype,
+                                        param_dtype=dtype, deterministic=True)
+    shapes = _flax_shapes(E, num_heads)
+
+    def fn(params, query, key, value, keep):
+        tree = {flax_name: linear_leaves(params, p, shapes[p]) for p, flax_name in FLAX_NAMES.items()}
+        out, state = m.apply({"params": tree}, query, key, value, mask=keep, sow_weights=True, mutable=["intermediates"])
+        (w,) = state["intermediates"]["attention_weights"]
+        return out, w
+
+    return fn
+
+
+def _flax_nnx(sd, num_heads, *, dtype, device, need_weights):
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    E = sd["q_proj.weight"].shape[0]
+    with jax.default_device(device):
+        graphdef, state = nnx.split(to_flax_nnx(sd, num_heads, dtype=jnp.dtype(dtype)))
+    shapes = _flax_shapes(E, num_heads)
+
+    def fn(params, query, key, value, keep):
+        m = merged(graphdef, state, {f: linear_leaves(params, p, shapes[p]) for p, f in FLAX_NAMES.items()})
+        if not need_weights:
+            return m(query, key, value, mask=keep, deterministic=True)
+        out, inter = nnx.capture(m, nnx.Intermediate)(query, key, value, mask=keep, deterministic=True, sow_weights=True)
+        (w,) = inter["attention_weights"].get_value()
+        return out, w
+
+    return fn
+
+
+flax_nnx_weights = functools.partial(_flax_nnx, need_weights=True)
+flax_nnx_fused = functools.partial(_flax_nnx, need_weights=False)
+
+
+# ---------------------------------------------------------------- declarations
+
+IMPLEMENTATIONS = (
+    Implementation("flax-linen-mha", "jax", f"{__name__}:flax_linen", "jit", True, masked_rows="uniform", role="peer",
+                   runs_on=FRAMEWORK_PEER_CASES, bench=False,
+                   doc="flax.linen.MultiHeadDotProductAttention; mask True = attend; masked scores are finfo.min, "
+                   "so empty rows are uniform"),
+    Implementation("flax-nnx-mha", "jax", f"{__name__}:flax_nnx_weights", "jit", True, masked_rows="uniform", role="peer",
+                   runs_on=FRAMEWORK_PEER_CASES,
+                   doc="flax.nnx.MultiHeadAttention, sow_weights=True; mask True = attend; empty rows uniform"),
+    Implementation("flax-nnx-mha-fused", "jax", f"{__name__}:flax_nnx_fused", "jit", False, masked_rows="uniform",
+                   role="peer", family="flax-nnx-mha", harness=False, materializes=True,
+                   doc="flax.nnx.MultiHeadAttention without weights"),
+)

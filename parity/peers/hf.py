@@ -1,0 +1,431 @@
+"""Hugging Face transformers as a peer: BERT, ViT, GPT-2 and Llama attention, run on canonical weights.
+
+    hf-bert    BertAttention (BertSelfAttention + output.dense), eager; self-attention
+    hf-gpt2    GPT2Attention, eager; causal self-attention (its mask comes from create_causal_mask)
+    hf-llama   LlamaAttention (eager) with LlamaRotaryEmbedding: grouped heads, RoPE, any bias set
+
+The weights reach each module through its checkpoint layout (`parity.layouts`: "hf-bert",
+"hf-vit", "hf-gpt2", "hf-llama"); the pure functions below take a canonical state dict,
+NumPy inputs and a keep-mask in OUR polarity (bool, True = attend), translate the mask to
+the library's own convention, run the module in `dtype` (weights and inputs cast to it,
+explicitly) and return NumPy arrays. The factories wrap them in the registry's contract
+with `uses_params=False` (the modules hold their own weights) and add
+`fn.vjp(query, keep, cotangent)`, the library's own autograd gradients w.r.t. the input and
+the weights (canonical names), which the peers check judges.
+
+What each does (measured by scripts/measure_ecosystem.py and tests/test_modern_peers.py; docs/conversion.md):
+
+    module              mask it takes                               fully masked row           softmax
+    BERT (eager)        additive (B, 1, T, S): 0 / finfo.min        uniform (mean of V)        input dtype
+    ViT (eager)         additive, as BERT (ViT itself never masks)  float32: uniform;          float32, cast back
+                                                                    float64: NaN
+    GPT-2 (eager)       additive, from create_causal_mask(padding)  uniform over ALL keys      input dtype
+    Llama (eager)       additive, as BERT                           uniform in float32 and     float32, cast back
+                                                                    16-bit; NaN in float64     (cos/sin too)
+
+Llama's cos/sin come from LlamaRotaryEmbedding in float32, cast to the model dtype, and its
+softmax is softmax(dtype=float32), cast back: a float64 run computes in float32
+(computes_in="float32", 2e-8..5e-8 off the oracle) and is judged at the float32 entry. Its
+eager mask is additive 0 / finfo(dtype).min, and finfo(float64).min becomes -inf in the
+float32 softmax, so in float64 it runs only where no row is fully masked (unmasked and
+causal self-attention). torch and transformers are imported on first use (transformers takes ~3 s);
+a missing transformers is a `MissingPackage` when a peer is built.
+Legend (see mha_spec): B T S N K H E.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from mha_spec import VARIANT_FEATURES
+from parity.canonical import check_state_dict, numpy_to_tensor, tensor_to_numpy, torch_dtype_of
+from parity.implementation import Implementation
+from parity.layouts import from_layout, to_layout
+from parity.peers.common import cast_state_dict, np_dtype, require
+
+SMALL_VOCAB = 11  # the models are built only for their attention block; the vocabulary is never used
+
+
+def _torch_inputs(x, dtype):
+    return numpy_to_tensor(np.asarray(x).astype(dtype))
+
+
+
+# What no other file of parity/ imports (tests/test_house.py).
+OWNS = ("import transformers",)
+
+# ---------------------------------------------------------------- configs and masks
+
+
+def hf_bert_config(embed_dim: int, num_heads: int):
+    """A one-layer BertConfig whose attention block is E x E with N heads, eager attention, no dropout."""
+    from transformers import BertConfig
+
+    return BertConfig(
+        hidden_size=embed_dim, num_attention_heads=num_heads, num_hidden_layers=1, intermediate_size=2 * embed_dim,
+        vocab_size=SMALL_VOCAB, attention_probs_dropout_prob=0.0, hidden_dropout_prob=0.0, attn_implementation="eager",
+    )
+
+
+def hf_gpt2_config(embed_dim: int, num_heads: int, n_positions: int = 64):
+    from transformers import GPT2Config
+
+    return GPT2Config(
+        n_embd=embed_dim, n_head=num_heads, n_layer=1, vocab_size=SMALL_VOCAB, n_positions=n_positions,
+        attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=None, eos_token_id=None, attn_implementation="eager",
+    )
+
+
+def additive_mask(keep, dtype) -> np.ndarray:
+    """Our keep-mask (B, T, S) -> HF's eager mask (B, 1, T, S): 0 where kept, finfo(dtype).min where masked.
+
+    This is what transformers' create_bidirectional_mask builds for eager attention
+    (tests/test_layouts.py checks it against the library's own function).
+    """
+    keep = np.asarray(keep)
+    if keep.dtype != bool or keep.ndim != 3:
+        raise ValueError(f"keep must be a bool (B, T, S) keep-mask, got {keep.dtype} {keep.shape}")
+    import ml_dtypes
+
+    dt = np_dtype(dtype)
+    return np.where(keep[:, None], np.zeros((), dt), ml_dtypes.finfo(dt).min).astype(dt)
+
+
+def gpt2_padding_of(keep) -> np.ndarray:
+    """The (B, S) padding mask behind a GPT-2 keep-mask; ValueError unless keep == causal AND padding.
+
+    GPT-2's causality is not in GPT2Attention: GPT2Model builds it into the attention mask
+    (create_causal_mask). So the only keep-masks GPT-2 can express are tril(T, T) & padding[:, None, :].
+    """
+    keep = np.asarray(keep)
+    if keep.dtype != bool or keep.ndim != 3 or keep.shape[1] != keep.shape[2]:
+        raise ValueError(f"GPT-2 self-attention takes a bool (B, T, T) keep-mask, got {keep.dtype} {keep.shape}")
+    padding = keep[:, -1, :]  # the last query sees every key that is not padding
+    if not np.array_equal(keep, gpt2_keep_mask(padding)):
+        raise ValueError("GPT-2 attention is causal: the keep-mask must be tril(T, T) & padding[:, None, :]")
+    return padding
+
+
+def gpt2_keep_mask(padding) -> np.ndarray:
+    """Our keep-mask (B, T, T) equivalent to GPT-2 with this (B, T) padding mask (True = real token)."""
+    padding = np.asarray(padding, bool)
+    T = padding.shape[-1]
+    return np.tril(np.ones((T, T), bool))[None] & padding[:, None, :]
+
+
+# ---------------------------------------------------------------- BERT, ViT, GPT-2
+
+
+def hf_bert_attention(sd, num_heads: int, dtype="float64"):
+    """A transformers BertAttention (eval, dropout 0) holding `sd` (cast to dtype) via the hf-bert layout."""
+    from transformers.models.bert.modeling_bert import BertAttention
+
+    sd = cast_state_dict(sd, np_dtype(dtype))
+    E, _ = check_state_dict(sd)
+    att = BertAttention(hf_bert_config(E, num_heads)).to(torch_dtype_of(np_dtype(dtype))).eval()
+    tensors = {k: numpy_to_tensor(v) for k, v in to_layout(sd, "hf-bert").items()}
+    missing, unexpected = att.load_state_dict(tensors, strict=False)
+    if unexpected or set(missing) != {"output.LayerNorm.weight", "output.LayerNorm.bias"}:
+        raise RuntimeError(f"BertAttention did not take the hf-bert layout: missing {missing}, unexpected {unexpected}")
+    return att
+
+
+def hf_bert_attention_forward(sd, num_heads: int, query, keep=None, dtype="float64") -> np.ndarray:
+    """HF BERT self-attention (BertSelfAttention, then output.dense) on `query` (B, T, E).
+
+    BertSelfOutput follows output.dense with dropout, LayerNorm and the residual: those are
+    not attention and are left out -- the output is `output.dense(self(...))`.
+    Mask: our keep (B, T, T) -> additive (B, 1, T, T), 0 kept / finfo(dtype).min masked.
+    """
+    import torch
+
+    _, call = _hf_bert(sd, num_heads, keep, dtype)
+    with torch.no_grad():
+        return tensor_to_numpy(call(_torch_inputs(query, np_dtype(dtype))))
+
+
+def _hf_bert(sd, num_heads: int, keep, dtype):
+    """(BertAttention, call(x) -> output.dense(self(x))) with our keep-mask as BERT's additive mask."""
+    att = hf_bert_attention(sd, num_heads, dtype)
+    mask = None if keep is None else numpy_to_tensor(additive_mask(keep, np_dtype(dtype)))
+
+    def call(x):
+        ctx, _ = att.self(x, attention_mask=mask)
+        return att.output.dense(ctx)
+
+    return att, call
+
+
+def hf_vit_config(embed_dim: int, num_heads: int):
+    from transformers import ViTConfig
+
+    return ViTConfig(
+        hidden_size=embed_dim, num_attention_heads=num_heads, num_hidden_layers=1, intermediate_size=2 * embed_dim,
+        image_size=8, patch_size=4, attention_probs_dropout_prob=0.0, hidden_dropout_prob=0.0, attn_implementation="eager",
+    )
+
+
+def hf_vit_attention_forward(sd, num_heads: int, query, keep=None, dtype="float32") -> np.ndarray:
+    """HF ViT attention (transformers 5.x ViTAttention: {q,k,v,o}_proj) on `query` (B, T, E).
+
+    Its eager softmax runs in float32 and is cast back (even for float64 inputs). ViT itself
+    never masks; a keep-mask is passed the BERT way (additive) to measure what the module does.
+    """
+    import torch
+    from transformers.models.vit.modeling_vit import ViTAttention
+
+    dt = np_dtype(dtype)
+    sd = cast_state_dict(sd, dt)
+    E, _ = check_state_dict(sd)
+    att = ViTAttention(hf_vit_config(E, num_heads)).to(torch_dtype_of(dt)).eval()
+    tensors = to_layout(sd, "hf-vit", spelling=1)  # the module's own {q,k,v,o}_proj names
+    att.load_state_dict({k: numpy_to_tensor(v) for k, v in tensors.items()}, strict=True)
+    mask = None if keep is None else numpy_to_tensor(additive_mask(keep, dt))
+    with torch.no_grad():
+        out, _ = att(_torch_inputs(query, dt), attention_mask=mask)
+    return tensor_to_numpy(out)
+
+
+def hf_gpt2_attention_forward(sd, num_heads: int, query, keep=None, dtype="float64") -> np.ndarray:
+    """HF GPT-2 attention (GPT2Attention: c_attn, eager attention, c_proj) on `query` (B, T, E).
+
+    keep: None (plain causal) or a causal keep-mask (B, T, T) = gpt2_keep_mask(padding); the
+    library's own create_causal_mask turns the padding into GPT-2's additive mask, as GPT2Model does.
+    """
+    import torch
+
+    _, call = _hf_gpt2(sd, num_heads, np.shape(query), keep, dtype)
+    with torch.no_grad():
+        return tensor_to_numpy(call(_torch_inputs(query, np_dtype(dtype))))
+
+
+def _hf_gpt2(sd, num_heads: int, shape, keep, dtype):
+    """(GPT2Attention, call(x) -> output) with GPT-2's own causal mask for this padding."""
+    import torch
+    from transformers.masking_utils import create_causal_mask
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
+
+    dt = np_dtype(dtype)
+    sd = cast_state_dict(sd, dt)
+    E, _ = check_state_dict(sd)
+    B, T = shape[:2]
+    config = hf_gpt2_config(E, num_heads, n_positions=max(T, 1))
+    att = GPT2Attention(config, layer_idx=0).to(torch_dtype_of(dt)).eval()
+    att.load_state_dict({k: numpy_to_tensor(v) for k, v in to_layout(sd, "hf-gpt2").items()}, strict=True)
+    padding = None if keep is None else torch.from_numpy(gpt2_padding_of(keep).astype(np.int64))
+    position_ids = torch.arange(T)[None].expand(B, T)
+
+    def call(x):
+        mask = create_causal_mask(config=config, inputs_embeds=x, attention_mask=padding, past_key_values=None,
+                                  position_ids=position_ids)
+        out, _ = att(x, attention_mask=mask)
+        return out
+
+    return att, call
+
+
+def hf_attention_vjp(library: str, sd, num_heads: int, query, keep, cotangent, dtype="float64") -> dict[str, np.ndarray]:
+    """HF BERT or GPT-2 attention's gradients of sum(output * cotangent), as NumPy arrays.
+
+    library: "hf-bert" | "hf-gpt2" (its layout's name). Keys: "input" -- the gradient
+    w.r.t. its one input x (B, T, E), which as self-attention is the query, key and value
+    at once -- and the canonical weight names (parity.convert), mapped back from the
+    library's own parameters through the layout. A fully masked query row is uniform
+    because finfo.min is ADDED to its scores, so its softmax is differentiated like any
+    other: its gradient reaches the query and key gradients (reference.backward's
+    masked_row_grads="flow").
+    """
+    import torch
+
+    dt = np_dtype(dtype)
+    if library == "hf-bert":
+        att, call = _hf_bert(sd, num_heads, keep, dtype)
+    elif library == "hf-gpt2":
+        att, call = _hf_gpt2(sd, num_heads, np.shape(query), keep, dtype)
+    else:
+        raise ValueError(f"library must be 'hf-bert' or 'hf-gpt2', got {library!r}")
+    x = _torch_inputs(query, dt).requires_grad_(True)
+    with torch.enable_grad():
+        (call(x) * _torch_inputs(cotangent, dt)).sum().backward()
+    names = set(to_layout(cast_state_dict(sd, dt), library))
+    grads = {n: tensor_to_numpy(p.grad) for n, p in att.named_parameters() if n in names}
+    return {"input": tensor_to_numpy(x.grad), **from_layout(grads, library)}
+
+
+# ---------------------------------------------------------------- Llama
+
+
+_LLAMA_HEADROOM = 4096  # max_position_embeddings: the rotary cache is rebuilt past it, never truncated; any size works
+
+
+def _llama_parts(sd, config, dtype):
+    """(LlamaAttention holding sd, LlamaRotaryEmbedding, the canonical names sd has).
+
+    An absent bias is a zero bias of LlamaAttention(attention_bias=True) (exactly no bias; its
+    gradient is not reported); no bias at all is attention_bias=False. rope="interleaved"
+    weights are Meta-style: HF runs them after its own conversion's q/k row permutation
+    (`convert.permute_rope(to="half")`).
+    """
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
+
+    from parity.convert import permute_rope
+
+    dt = np_dtype(dtype)
+    sd = {k: np.asarray(v).astype(dt) for k, v in sd.items()}
+    names = tuple(sorted(sd))
+    N, K, H, E = config.num_heads, config.kv_heads, config.head_size, config.embed_dim
+    if config.rope == "interleaved":
+        sd = permute_rope(sd, num_heads=N, num_kv_heads=K, to="half")
+    any_bias = any(k.endswith(".bias") for k in sd)
+    if any_bias:
+        every = dataclasses.replace(config, qkv_bias=True, out_bias=True).weight_shapes()
+        sd = {**{k: np.zeros(s, dt) for k, s in every.items() if k.endswith(".bias")}, **sd}
+    hf = LlamaConfig(hidden_size=E, num_attention_heads=N, num_key_value_heads=K, head_dim=H, attention_bias=any_bias,
+                     rope_theta=float(config.rope_theta), num_hidden_layers=1, intermediate_size=2 * E,
+                     vocab_size=SMALL_VOCAB, max_position_embeddings=_LLAMA_HEADROOM, attention_dropout=0.0,
+                     attn_implementation="eager")
+    att = LlamaAttention(hf, layer_idx=0).to(torch_dtype_of(dt)).eval()
+    tensors = {k: numpy_to_tensor(v) for k, v in to_layout(sd, "hf-llama").items()}
+    att.load_state_dict(tensors, strict=True)
+    return att, LlamaRotaryEmbedding(hf), names
+
+
+def _llama_position_ids(positions, key_positions, B: int, T: int):
+    """HF's one position list (B, T) int64: LlamaAttention rotates queries and keys by the same position_ids."""
+    import torch
+
+    def as_np(p):
+        return None if p is None else np.asarray(tensor_to_numpy(p) if hasattr(p, "detach") else p)
+
+    pos, kpos = as_np(positions), as_np(key_positions)
+    full = [np.broadcast_to(np.arange(T) if p is None else p, (B, T)) for p in (pos, kpos)]
+    if not np.array_equal(full[0], full[1]):
+        raise ValueError("HF LlamaAttention rotates queries and keys with one position list (position_ids): "
+                         f"key_positions must equal positions, got {full[1].tolist()} and {full[0].tolist()}")
+    return torch.from_numpy(np.ascontiguousarray(full[0]).astype(np.int64))
+
+
+def _llama_call(att, rotary, config, keep, position_ids, dtype):
+    """call(x) -> LlamaAttention(x) with HF's rotary cos/sin (identity when config.rope is None) and
+    our keep-mask as its eager additive mask (0 kept / finfo(dtype).min)."""
+    import torch
+
+    dt = np_dtype(dtype)
+    mask = None if keep is None else numpy_to_tensor(additive_mask(np.asarray(keep, bool), dt))
+
+    def call(x):
+        if config.rope is None:  # no rotary embedding: the identity rotation, cos 1, sin 0
+            cos = torch.ones(*x.shape[:2], config.head_size, dtype=x.dtype)
+            emb = (cos, torch.zeros_like(cos))
+        else:
+            emb = rotary(x, position_ids)
+        out, _ = att(x, position_embeddings=emb, attention_mask=mask)
+        return out
+
+    return call
+
+
+# ---------------------------------------------------------------- factories (parity.impls.registry's contract)
+
+
+def _self_attention(query, key, value, library: str) -> None:
+    """The HF modules are self-attention: refuse (clearly) a key or value that is not the query."""
+    if not (np.array_equal(key, query) and np.array_equal(value, query)):
+        raise ValueError(f"{library} attention is self-attention: key and value must equal query "
+                         f"(got query {np.shape(query)}, key {np.shape(key)}, value {np.shape(value)})")
+
+
+def _torch_peer(forward, library: str, sd, num_heads, *, dtype, device, layout: str):
+    """fn(query, key, value, keep) of a uses_params=False HF peer (NumPy to the pure function and back), with fn.vjp."""
+    require("transformers")
+
+    def fn(query, key, value, keep):
+        q, k, v = (tensor_to_numpy(x) for x in (query, key, value))
+        _self_attention(q, k, v, library)
+        keep = None if keep is None else tensor_to_numpy(keep)
+        return numpy_to_tensor(forward(sd, num_heads, q, keep, dtype), device)
+
+    def vjp(query, keep, cotangent):
+        """NumPy in and out: {"input": d x, canonical weight name: gradient} (hf_attention_vjp)."""
+        return hf_attention_vjp(layout, sd, num_heads, query, keep, cotangent, dtype)
+
+    fn.vjp = vjp
+    return fn
+
+
+def hf_bert(sd, num_heads, *, dtype, device):
+    """transformers BertAttention (BertSelfAttention + output.dense), eager; keep -> additive 0 / finfo.min."""
+    return _torch_peer(hf_bert_attention_forward, "HF BERT", sd, num_heads, dtype=dtype, device=device, layout="hf-bert")
+
+
+def hf_gpt2(sd, num_heads, *, dtype, device):
+    """transformers GPT2Attention, eager; keep must be tril(T, T) & padding (its mask comes from create_causal_mask)."""
+    return _torch_peer(hf_gpt2_attention_forward, "HF GPT-2", sd, num_heads, dtype=dtype, device=device, layout="hf-gpt2")
+
+
+def hf_llama(sd, num_heads, *, dtype, device, problem):
+    """transformers LlamaAttention (eager) with LlamaRotaryEmbedding; self-attention with one position list."""
+    require("transformers")
+
+    config = problem.config
+    if config.num_heads != num_heads:
+        raise ValueError(f"hf-llama: num_heads={num_heads} but the problem's config has {config.num_heads}")
+
+    def fn(query, key, value, keep, *, positions=None, key_positions=None):
+        import torch
+
+        q, k, v = (tensor_to_numpy(x) for x in (query, key, value))
+        _self_attention(q, k, v, "HF Llama")
+        keep = None if keep is None else tensor_to_numpy(keep)
+        ids = _llama_position_ids(positions, key_positions, *q.shape[:2])
+        att, rotary, _ = _llama_parts(sd, config, dtype)
+        call = _llama_call(att, rotary, config, keep, ids, dtype)
+        with torch.no_grad():
+            out = call(_torch_inputs(q, np_dtype(dtype)))
+        return numpy_to_tensor(tensor_to_numpy(out), device)
+
+    def vjp(query, keep, cotangent, *, positions=None, key_positions=None):
+        """NumPy in and out: {"input": d x, canonical weight name: gradient} of sum(output * cotangent)."""
+        import torch
+
+        from parity.convert import permute_rope
+
+        dt = np_dtype(dtype)
+        query = np.asarray(query)
+        att, rotary, names = _llama_parts(sd, config, dtype)
+        ids = _llama_position_ids(positions, key_positions, *query.shape[:2])
+        call = _llama_call(att, rotary, config, None if keep is None else np.asarray(keep), ids, dtype)
+        x = _torch_inputs(query, dt).requires_grad_(True)
+        with torch.enable_grad():
+            (call(x) * _torch_inputs(cotangent, dt)).sum().backward()
+        grads = from_layout({n: tensor_to_numpy(p.grad) for n, p in att.named_parameters()}, "hf-llama")
+        if config.rope == "interleaved":  # a row permutation: the gradient's rows go back the same way
+            grads = permute_rope(grads, num_heads=config.num_heads, num_kv_heads=config.kv_heads, to="interleaved")
+        return {"input": tensor_to_numpy(x.grad), **{n: grads[n] for n in names}}
+
+    fn.vjp = vjp
+    return fn
+
+
+# ---------------------------------------------------------------- declarations
+
+IMPLEMENTATIONS = (
+    Implementation("hf-bert", "torch", f"{__name__}:hf_bert", masked_rows="uniform", mask_shape="BTS",
+                   uses_params=False, role="peer", bench=False, runs_on=("self/*/*",), masked_row_grads="flow",
+                   doc="transformers BertAttention (self + output.dense), eager; additive mask 0 / finfo.min, "
+                   "so empty rows are uniform, and their gradient flows into the query and key gradients"),
+    Implementation("hf-gpt2", "torch", f"{__name__}:hf_gpt2", masked_rows="uniform", mask_shape="BTS",
+                   uses_params=False, role="peer", bench=False, runs_on=("self/causal/*",), masked_row_grads="flow",
+                   doc="transformers GPT2Attention, eager; causal by its mask (create_causal_mask), "
+                   "a query with only padding is uniform over all keys"),
+    # float64 only where no row is fully masked (none, causal self-attention): see the module docstring.
+    Implementation("hf-llama", "torch", f"{__name__}:hf_llama", masked_rows="uniform", mask_shape="BTS", uses_params=False,
+                   computes_in="float32", role="peer", bench=False, masked_row_grads="flow", variants=VARIANT_FEATURES,
+                   runs_on=("self/none/*", "self/causal/*", "self/*/float32", "self/*/bfloat16", "self/*/float16"),
+                   doc="transformers LlamaAttention (eager) with LlamaRotaryEmbedding, position_ids = the positions; "
+                   "additive mask 0 / finfo.min, so empty rows are uniform and their gradient flows; cos/sin and softmax "
+                   "in float32 (also for float64); interleaved RoPE via HF's q/k row permutation, absent biases as zeros"),
+)
