@@ -1,149 +1,25 @@
-"""The other libraries' attention against ours on converted weights: torch.nn.MultiheadAttention, SDPA,
-flax (linen, nnx), jax.nn.dot_product_attention, Keras 3 (MultiHeadAttention, GroupQueryAttention),
-Equinox, and the peer adapters of parity.peers -- each library's masked-row policy included."""
+"""Keras 3 (parity.peers.keras, JAX backend) against ours on converted weights: MultiHeadAttention
+(its two paths and their masked-row policies) and GroupQueryAttention, the converters' round trips
+and refusals (with the other classic-only peers' refusals of a grouped layer), the backend check,
+and the keras-mha adapter against the oracle."""
 
 from __future__ import annotations
 
 import sys
 
-import equinox as eqx
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
-import torch.nn.functional as F
-from flax import linen
 
 from conftest import SIZES, make_inputs, random_keep_mask
-from helpers import DTYPES, build, cast_sd, np_dtype, run
+from helpers import DTYPES, cast_sd, np_dtype, run
 from parity import convert, reference
-from parity.peers import equinox as eqx_peer
-from parity.peers import hf
 from parity.peers.keras import keras_backend, keras_mha_forward
 from parity.tolerances import compare, tolerance_for
+from peer_helpers import assert_bit_identical, ours_both
 
 keras = keras_backend()  # sets KERAS_BACKEND=jax before keras's first import
 
 S = SIZES
-
-
-def assert_bit_identical(a: dict, b: dict):
-    assert sorted(a) == sorted(b)
-    for name in a:
-        assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape, name
-        assert a[name].tobytes() == b[name].tobytes(), name
-
-
-def _ours_both(sd, policy, q, k, v, keep):
-    for framework in ("torch", "jax"):
-        m = (convert.to_torch if framework == "torch" else convert.to_jax)(sd, S.N, masked_rows=policy)
-        yield framework, run(framework, m, q, k, v, keep)[0]
-
-
-# ------------------------------------------------------------- torch, flax and jax peers fed converted weights
-
-
-def _ours(sd, policy, q, k, v, keep, framework="torch"):
-    out, w = run(framework, build(framework, sd, S.N, masked_rows=policy), q, k, v, keep)
-    return out, w
-
-
-@pytest.mark.parametrize("need_weights", [True, False])
-def test_torch_mha_peer(need_weights, sd64, rng):
-    """torch.nn.MultiheadAttention masks where True: pass ~keep, per batch*head for a 3-D mask.
-
-    With need_weights=True a fully masked row is NaN (our "nan"); with need_weights=False it
-    takes SDPA's fast path and gives a zero context (our "zero").
-    """
-    q, k, v = make_inputs(rng)
-    keep = random_keep_mask(rng, (S.B, S.T, S.S))
-    peer = convert.to_torch_mha(sd64, S.N)
-    attn_mask = torch.from_numpy(~np.repeat(keep, S.N, axis=0))  # (B*N, T, S), True = masked
-    with torch.no_grad():
-        out, w = peer(*(torch.from_numpy(x) for x in (q, k, v)), attn_mask=attn_mask, need_weights=need_weights, average_attn_weights=False)
-    policy = "nan" if need_weights else "zero"
-    ours_out, ours_w = _ours(sd64, policy, q, k, v, keep)
-    tol = tolerance_for("float64").forward
-    c = compare(out.numpy(), ours_out, tol)
-    assert c.passed, c
-    if need_weights:
-        c = compare(w.numpy(), ours_w, tol)
-        assert c.passed, c
-
-
-def test_from_torch_mha_accepts_batch_first_false(sd64, rng):
-    """The weights do not depend on batch_first: the same sd gives the same attention, sequence-first."""
-    seq_first = convert.to_torch_mha(sd64, S.N, batch_first=False)
-    assert seq_first.batch_first is False
-    assert_bit_identical(convert.from_torch_mha(seq_first), sd64)
-    q, k, v = make_inputs(rng)
-    with torch.no_grad():
-        out, _ = seq_first(*(torch.from_numpy(x.transpose(1, 0, 2)) for x in (q, k, v)))
-    ours = _ours(sd64, "nan", q, k, v, None)[0]
-    c = compare(out.numpy().transpose(1, 0, 2), ours, tolerance_for("float64").forward)
-    assert c.passed, c
-
-
-def test_sdpa_peer_is_the_zero_policy(sd64, rng):
-    q, k, v = make_inputs(rng)
-    keep = random_keep_mask(rng, (S.B, S.T, S.S))
-    H = S.E // S.N
-
-    def proj(x, p):
-        y = x @ sd64[f"{p}.weight"].T + sd64[f"{p}.bias"]
-        return torch.from_numpy(y.reshape(*y.shape[:2], S.N, H).transpose(0, 2, 1, 3))
-
-    ctx = F.scaled_dot_product_attention(proj(q, "q_proj"), proj(k, "k_proj"), proj(v, "v_proj"), attn_mask=torch.from_numpy(keep[:, None]))
-    ctx = ctx.numpy().transpose(0, 2, 1, 3).reshape(S.B, S.T, S.E)
-    out = ctx @ sd64["out_proj.weight"].T + sd64["out_proj.bias"]
-    c = compare(out, _ours(sd64, "zero", q, k, v, keep)[0], tolerance_for("float64").forward)
-    assert c.passed, c
-
-
-@pytest.mark.parametrize("peer_kind", ["linen", "nnx"])
-def test_flax_peers_are_the_uniform_policy(peer_kind, sd64, rng):
-    """flax masks where False (same polarity as ours) and gives fully masked rows uniform weights.
-
-    flax computes its softmax in float32 even for float64 inputs, so it is compared in
-    float32 with the float32 tolerance (its float64 deviation is the harness's to report).
-    """
-    sd = cast_sd(sd64, np.float32)
-    q, k, v = (x.astype(np.float32) for x in make_inputs(rng))
-    keep = random_keep_mask(rng, (S.B, S.T, S.S))
-    if peer_kind == "linen":
-        variables = convert.to_flax_linen(sd, S.N)
-        out = linen.MultiHeadDotProductAttention(num_heads=S.N).apply(variables, q, k, v, mask=keep[:, None])
-    else:
-        out = convert.to_flax_nnx(sd, S.N)(q, k, v, mask=jnp.asarray(keep[:, None]))
-    ours = _ours(sd, "uniform", q, k, v, keep, framework="jax")[0]
-    c = compare(np.asarray(out), ours, tolerance_for("float32").forward)
-    assert c.passed, c
-    exact = reference.forward(sd64, q, k, v, keep, num_heads=S.N, masked_rows="uniform")
-    assert compare(np.asarray(out), exact.output, tolerance_for("float32").forward).passed
-
-
-
-
-def test_jax_dot_product_attention_peer_is_the_uniform_policy(sd64, rng):
-    """jax.nn.dot_product_attention (True = attend, layout BTNH) on our projections, float32."""
-    import jax
-
-    sd = cast_sd(sd64, np.float32)
-    q, k, v = (x.astype(np.float32) for x in make_inputs(rng))
-    keep = random_keep_mask(rng, (S.B, S.T, S.S))
-    H = S.E // S.N
-
-    def proj(x, p):
-        return (x @ sd[f"{p}.weight"].T + sd[f"{p}.bias"]).reshape(x.shape[0], x.shape[1], S.N, H)
-
-    ctx = jax.nn.dot_product_attention(proj(q, "q_proj"), proj(k, "k_proj"), proj(v, "v_proj"), mask=keep[:, None])
-    out = np.asarray(ctx).reshape(S.B, S.T, S.E) @ sd["out_proj.weight"].T + sd["out_proj.bias"]
-    c = compare(out, _ours(sd, "uniform", q, k, v, keep, framework="jax")[0], tolerance_for("float32").forward)
-    assert c.passed, c
-
-
-# ------------------------------------------------------------- Keras 3
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +32,6 @@ def keras_layer():
         w.assign(rng.uniform(-0.5, 0.5, w.shape).astype(np.float32))
     return layer
 
-
 def test_keras_matches_ours(keras_layer, rng):
     """Keras's attention_mask has our polarity (True = attend); call order (query, value, key).
 
@@ -168,10 +43,9 @@ def test_keras_matches_ours(keras_layer, rng):
     q, k, v = (x.astype(np.float32) for x in make_inputs(rng))
     keep = random_keep_mask(rng, (S.B, S.T, S.S))
     expected = np.asarray(keras_layer(q, v, key=k, attention_mask=keep, training=False))
-    for framework, out in _ours_both(sd, "uniform", q, k, v, keep):
+    for framework, out in ours_both(sd, "uniform", q, k, v, keep):
         c = compare(out, expected, tolerance_for("float32").forward)
         assert c.passed, (framework, c)
-
 
 def test_keras_softmax_path_zeroes_a_fully_masked_row(keras_layer, rng):
     """With return_attention_scores=True (or dropout > 0) Keras leaves jax.nn.dot_product_attention for its
@@ -181,10 +55,9 @@ def test_keras_softmax_path_zeroes_a_fully_masked_row(keras_layer, rng):
     keep = random_keep_mask(rng, (S.B, S.T, S.S))
     expected, weights = keras_layer(q, v, key=k, attention_mask=keep, training=False, return_attention_scores=True)
     assert not np.asarray(weights)[0, :, 1].any()  # the fully masked row's weights are all zero
-    for framework, out in _ours_both(sd, "zero", q, k, v, keep):
+    for framework, out in ours_both(sd, "zero", q, k, v, keep):
         c = compare(out, np.asarray(expected), tolerance_for("float32").forward)
         assert c.passed, (framework, c)
-
 
 def test_keras_round_trip_into_the_real_layer_is_bit_exact(keras_layer):
     sd = convert.from_keras(keras_layer)
@@ -193,12 +66,10 @@ def test_keras_round_trip_into_the_real_layer_is_bit_exact(keras_layer):
         assert a.path.split("/", 1)[1] == b.path.split("/", 1)[1]
         assert np.asarray(a.value).tobytes() == np.asarray(b.value).tobytes(), a.path
 
-
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_keras_and_equinox_round_trips_every_dtype(dtype, sd64):
+def test_keras_round_trips_every_dtype(dtype, sd64):
     sd = cast_sd(sd64, np_dtype(dtype))
     assert_bit_identical(convert.from_keras(convert.to_keras(sd, S.N)), sd)
-    assert_bit_identical(convert.from_equinox(convert.to_equinox(sd, S.N)), sd)
 
 
 def test_keras_unsupported_layers_are_named():
@@ -211,11 +82,10 @@ def test_keras_unsupported_layers_are_named():
     with pytest.raises(TypeError, match="expected keras.layers.MultiHeadAttention or keras.layers.GroupQueryAttention, got Dense"):
         convert.from_keras(keras.layers.Dense(3))
 
-
 # keras.layers.GroupQueryAttention: N=6 query heads, K=2 key/value heads, H=4 (sizes of tests/test_convert_variants.py)
 GN, GK, GH = 6, 2, 4
-GE = GN * GH
 
+GE = GN * GH
 
 @pytest.fixture(scope="module")
 def keras_gqa():
@@ -227,7 +97,6 @@ def keras_gqa():
     for w in layer.weights:
         w.assign(rng.uniform(-0.3, 0.3, w.shape).astype(np.float32))
     return layer
-
 
 def test_keras_gqa_matches_ours_and_the_oracle(keras_gqa, rng):
     """Keras repeats each key/value head for N/K consecutive query heads, as ours does. Float32
@@ -257,7 +126,6 @@ def test_keras_gqa_matches_ours_and_the_oracle(keras_gqa, rng):
     wrong = reference.forward(tiled, q, k, v, keep, num_heads=GN, num_kv_heads=GK, masked_rows="uniform").output
     assert np.abs(wrong - expected).max() > 1e3 * f32.atol
 
-
 @pytest.mark.parametrize("use_bias", [True, False])
 def test_keras_gqa_round_trip_is_bit_exact(use_bias, keras_gqa):
     if use_bias:
@@ -274,7 +142,6 @@ def test_keras_gqa_round_trip_is_bit_exact(use_bias, keras_gqa):
         assert a.path.split("/", 1)[1] == b.path.split("/", 1)[1]
         assert np.asarray(a.value).tobytes() == np.asarray(b.value).tobytes(), a.path
     assert_bit_identical(convert.from_keras(back), sd)
-
 
 def test_keras_gqa_and_flax_refusals_are_named(keras_gqa):
     sd = convert.from_keras(keras_gqa)
@@ -299,7 +166,6 @@ def test_keras_gqa_and_flax_refusals_are_named(keras_gqa):
     with pytest.raises(ValueError, match="sliding_window=None .* got use_gate=False, sliding_window=3"):
         convert.from_keras(windowed)
 
-
 def _classic(sd):
     """The grouped dict's key/value heads repeated to N: a classic layer of the same sizes."""
     out = dict(sd)
@@ -307,7 +173,6 @@ def _classic(sd):
         out[f"{p}.weight"] = np.repeat(sd[f"{p}.weight"].reshape(GK, GH, GE), GN // GK, axis=0).reshape(GE, GE)
         out[f"{p}.bias"] = np.repeat(sd[f"{p}.bias"].reshape(GK, GH), GN // GK, axis=0).reshape(GE)
     return out
-
 
 def test_keras_on_another_backend_is_a_clear_error(monkeypatch):
     """keras already imported with another backend, or KERAS_BACKEND set to one: said, not run elsewhere.
@@ -324,66 +189,14 @@ def test_keras_on_another_backend_is_a_clear_error(monkeypatch):
         convert.from_keras(None)
 
 
-# ------------------------------------------------------------- Equinox
+# ------------------------------------------------------------- the peer adapter vs the oracle
 
 
-@pytest.fixture(scope="module")
-def eqx_module():
-    """A real equinox MHA with all four biases, equinox's own random init, float64."""
-    biases = {f"use_{w}_bias": True for w in ("query", "key", "value", "output")}
-    return eqx.nn.MultiheadAttention(S.N, S.E, dtype=jnp.float64, key=jax.random.PRNGKey(11), **biases)
-
-
-def test_equinox_matches_ours_in_float64(eqx_module, rng):
-    """Equinox is unbatched (vmapped here); mask (T, S) True = attend; a fully masked row is the mean of V."""
-    sd = convert.from_equinox(eqx_module)
-    assert sd["q_proj.weight"].dtype == np.float64 and np.abs(sd["v_proj.bias"]).min() > 0
+def test_keras_adapter_follows_its_measured_policy(sd64, rng):
+    """keras_mha_forward (the keras-mha peer's function, the real layer inside) vs the float64 oracle
+    under the "uniform" policy, in float32 (its float64 run has a float32 stage)."""
     q, k, v = make_inputs(rng)
     keep = random_keep_mask(rng, (S.B, S.T, S.S))
-    expected = np.asarray(jax.vmap(lambda q, k, v, m: eqx_module(q, k, v, mask=m, inference=True))(q, k, v, keep))
-    for framework, out in _ours_both(sd, "uniform", q, k, v, keep):
-        c = compare(out, expected, tolerance_for("float64").forward)
-        assert c.passed, (framework, c)
-
-
-def test_equinox_round_trip_into_the_real_module_is_bit_exact(eqx_module):
-    back = convert.to_equinox(convert.from_equinox(eqx_module), S.N)
-    for a, b in zip(jax.tree.leaves(eqx_module), jax.tree.leaves(back)):
-        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
-
-
-def test_equinox_without_biases_is_an_error_not_a_zero():
-    m = eqx.nn.MultiheadAttention(S.N, S.E, use_query_bias=True, key=jax.random.PRNGKey(0))
-    with pytest.raises(ValueError, match=r"\['use_key_bias', 'use_value_bias', 'use_output_bias'\] = False"):
-        convert.from_equinox(m)
-
-
-# ------------------------------------------------------------- the peer adapters vs the oracle
-
-
-def test_peer_adapters_follow_their_measured_policy(sd64, rng):
-    """Each adapter (real library inside) vs the float64 oracle under the masked-row policy it follows."""
-    q, k, v = make_inputs(rng)
-    self_keep = random_keep_mask(rng, (S.B, S.T, S.T))
-    cross_keep = random_keep_mask(rng, (S.B, S.T, S.S))
-    oracle = lambda q, k, v, keep: reference.forward(sd64, q, k, v, keep, num_heads=S.N, masked_rows="uniform").output  # noqa: E731
-    f64, f32 = tolerance_for("float64").forward, tolerance_for("float32").forward
-    cases = {
-        "hf-bert": (hf.hf_bert_attention_forward(sd64, S.N, q, self_keep, "float64"), oracle(q, q, q, self_keep), f64),
-        "equinox": (eqx_peer.equinox_mha_forward(sd64, S.N, q, k, v, cross_keep, "float64"), oracle(q, k, v, cross_keep), f64),
-        "keras": (keras_mha_forward(sd64, S.N, q, k, v, cross_keep, "float32"), oracle(q, k, v, cross_keep), f32),
-    }
-    pad = np.ones((S.B, S.T), bool)
-    pad[2, :2] = False  # left padding: query 0 of batch 2 attends to nothing
-    causal = hf.gpt2_keep_mask(pad)
-    cases["hf-gpt2"] = (hf.hf_gpt2_attention_forward(sd64, S.N, q, causal, "float64"), oracle(q, q, q, causal), f64)
-    for name, (out, expected, tol) in cases.items():
-        c = compare(out, expected, tol)
-        assert c.passed, (name, c)
-
-
-def test_gpt2_adapter_refuses_a_non_causal_mask(sd64, rng):
-    q = make_inputs(rng)[0]
-    keep = np.ones((S.B, S.T, S.T), bool)
-    with pytest.raises(ValueError, match="GPT-2 attention is causal"):
-        hf.hf_gpt2_attention_forward(sd64, S.N, q, keep)
+    expected = reference.forward(sd64, q, k, v, keep, num_heads=S.N, masked_rows="uniform").output
+    c = compare(keras_mha_forward(sd64, S.N, q, k, v, keep, "float32"), expected, tolerance_for("float32").forward)
+    assert c.passed, c
