@@ -1,4 +1,5 @@
-"""parity.convert's converters: bit-exact round trips, the flax and torch-MHA layout tables, strictness, the public API."""
+"""parity.convert's converters of our modules: bit-exact round trips, strictness, the public API. The peers'
+converters (re-exported here) are tested with their modules: tests/test_peer_*.py."""
 
 from __future__ import annotations
 
@@ -39,37 +40,6 @@ def test_torch_jax_torch_is_bit_identical(dtype, sd64):
     assert jm.q_proj.kernel[...].dtype == np_dtype(dtype)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("fmt", ["torch_mha", "flax_nnx"])
-def test_ecosystem_round_trips_are_bit_identical(dtype, fmt, sd64):
-    sd = cast_sd(sd64, np_dtype(dtype))
-    to, frm = getattr(convert, f"to_{fmt}"), getattr(convert, f"from_{fmt}")
-    assert_bit_identical(frm(to(sd, S.N)), sd)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_flax_linen_round_trip_is_bit_identical(dtype, sd64):
-    sd = cast_sd(sd64, np_dtype(dtype))
-    assert_bit_identical(convert.from_flax_linen(convert.to_flax_linen(sd, S.N)), sd)
-
-
-def test_flax_layout_table(sd64):
-    """Head n owns features n*H .. n*H+H-1 of the classic layout; flax's kernel axes are (E, N, H) and (N, H, E)."""
-    H = S.E // S.N
-    p = convert.to_flax_linen(sd64, S.N)["params"]
-    n, h, e = 2, 1, 5
-    assert p["query"]["kernel"][e, n, h] == sd64["q_proj.weight"][n * H + h, e]
-    assert p["value"]["bias"][n, h] == sd64["v_proj.bias"][n * H + h]
-    assert p["out"]["kernel"][n, h, e] == sd64["out_proj.weight"][e, n * H + h]
-
-
-def test_torch_mha_packing(sd64):
-    m = convert.to_torch_mha(sd64, S.N)
-    E = S.E
-    np.testing.assert_array_equal(m.in_proj_weight.detach().numpy()[E : 2 * E], sd64["k_proj.weight"])
-    np.testing.assert_array_equal(m.in_proj_bias.detach().numpy()[2 * E :], sd64["v_proj.bias"])
-
-
 # ------------------------------------------------------------- strictness
 
 
@@ -108,38 +78,11 @@ def test_no_silent_dtype_change(sd64):
             convert.to_jax(sd64, S.N)
 
 
-def test_flax_linen_bad_tree(sd64):
-    variables = convert.to_flax_linen(sd64, S.N)
-    with pytest.raises(ValueError, match=r"missing keys \['params'\]"):
-        convert.from_flax_linen(variables["params"])
-    del variables["params"]["out"]["bias"]
-    with pytest.raises(ValueError, match=r"\['out'\]: missing keys \['bias'\]"):
-        convert.from_flax_linen(variables)
-
-
-def test_flax_linen_malformed_trees_are_clear_errors(sd64):
-    """Not AttributeError: a non-mapping level or a non-array leaf is a TypeError naming where."""
-    good = convert.to_flax_linen(sd64, S.N)["params"]
-    with pytest.raises(TypeError, match=r"flax.linen params must be a mapping, got int"):
-        convert.from_flax_linen({"params": 5})
-    with pytest.raises(TypeError, match=r"\['key'\] must be a mapping, got list"):
-        convert.from_flax_linen({"params": dict(good, key=[1, 2])})
-    with pytest.raises(TypeError, match=r"\['out'\]\['kernel'\] must be an array, got str"):
-        convert.from_flax_linen({"params": dict(good, out={"kernel": "w", "bias": good["out"]["bias"]})})
-
-
 def test_torch_to_jax_of_a_torch_mha_points_to_from_torch_mha():
     with pytest.raises(TypeError, match=r"got MultiheadAttention; for torch.nn.MultiheadAttention use sd = convert.from_torch_mha\(m\)"):
         convert.torch_to_jax(torch.nn.MultiheadAttention(12, 3, batch_first=True))
     with pytest.raises(TypeError, match=r"convert.from_flax_nnx\(m\)"):
         convert.jax_to_torch(nnx.MultiHeadAttention(3, 12, rngs=nnx.Rngs(0), decode=False))
-
-
-def test_torch_mha_unsupported_configs_are_named():
-    with pytest.raises(ValueError, match="packed in_proj_weight"):
-        convert.from_torch_mha(torch.nn.MultiheadAttention(12, 3, batch_first=True, kdim=8, vdim=8))
-    with pytest.raises(ValueError, match="GQA|grouped"):
-        convert.from_flax_nnx(nnx.MultiHeadAttention(4, 12, num_kv_heads=2, rngs=nnx.Rngs(0), decode=False))
 
 
 def test_the_public_api_is_one_definition_each():

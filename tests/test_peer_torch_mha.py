@@ -1,5 +1,6 @@
-"""torch.nn.MultiheadAttention (parity.peers.torch_mha) against ours on converted weights: its mask
-polarity and its masked-row policy, with and without weights."""
+"""torch.nn.MultiheadAttention (parity.peers.torch_mha): its converters (the packed in_proj table, round
+trips, refusals) and the module against ours on converted weights: its mask polarity and its
+masked-row policy, with and without weights."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from conftest import SIZES, make_inputs, random_keep_mask
+from helpers import DTYPES, cast_sd, np_dtype
 from parity import convert
 from parity.tolerances import compare, tolerance_for
 from peer_helpers import assert_bit_identical, ours
@@ -48,3 +50,21 @@ def test_from_torch_mha_accepts_batch_first_false(sd64, rng):
     mine = ours(sd64, "nan", q, k, v, None)[0]
     c = compare(out.numpy().transpose(1, 0, 2), mine, tolerance_for("float64").forward)
     assert c.passed, c
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_torch_mha_round_trip_is_bit_identical(dtype, sd64):
+    sd = cast_sd(sd64, np_dtype(dtype))
+    assert_bit_identical(convert.from_torch_mha(convert.to_torch_mha(sd, S.N)), sd)
+
+
+def test_torch_mha_packing(sd64):
+    m = convert.to_torch_mha(sd64, S.N)
+    E = S.E
+    np.testing.assert_array_equal(m.in_proj_weight.detach().numpy()[E : 2 * E], sd64["k_proj.weight"])
+    np.testing.assert_array_equal(m.in_proj_bias.detach().numpy()[2 * E :], sd64["v_proj.bias"])
+
+
+def test_torch_mha_unsupported_configs_are_named():
+    with pytest.raises(ValueError, match="packed in_proj_weight"):
+        convert.from_torch_mha(torch.nn.MultiheadAttention(12, 3, batch_first=True, kdim=8, vdim=8))
