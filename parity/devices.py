@@ -25,6 +25,25 @@ class DevicePlan:
     note: str = ""  # e.g. torch runs on the CPU as the reference beside a TPU
 
 
+def device_label(device) -> str:
+    """The one spelling of a device in every row: "<cpu|gpu|tpu>:<index>". Takes a torch.device, a
+    jax Device or a string ("cpu", "cuda:1", a DevicePlan's name), so torch's "cpu" and JAX's
+    "cpu:0" are the same device in a report."""
+    if hasattr(device, "platform") and hasattr(device, "id"):  # a jax Device
+        kind, index = device.platform, device.id
+    elif hasattr(device, "type") and hasattr(device, "index"):  # a torch.device
+        kind, index = device.type, device.index
+    elif isinstance(device, str):
+        kind, _, rest = device.lower().partition(":")
+        index = int(rest) if rest.isdigit() else None
+    else:
+        raise TypeError(f"device_label takes a torch.device, a jax Device or a string, got {type(device).__name__}")
+    kind = {"cuda": "gpu", "rocm": "gpu"}.get(kind, kind)
+    if kind not in DEVICES[1:]:
+        raise ValueError(f"device {device!r} is none of {DEVICES[1:]}")
+    return f"{kind}:{index or 0}"
+
+
 def device_nodes() -> dict[str, str | None]:
     """{device: None if a device node is present, else why not}; no framework imported."""
     found = {"cpu": None}

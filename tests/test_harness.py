@@ -136,6 +136,24 @@ def test_absent_device_skips_cleanly():
     assert not report.ok and report.checked_nothing  # a run that checked nothing is not a pass
 
 
+def test_every_row_spells_its_device_one_way():
+    """torch's device prints "cpu" and JAX's "cpu:0": a report names both the same, as the skip and
+    coverage rows do."""
+    import jax
+    import torch
+
+    from parity.devices import device_label
+
+    assert device_label(torch.device("cpu")) == device_label(jax.devices("cpu")[0]) == device_label("cpu") == "cpu:0"
+    assert device_label("cuda:1") == device_label("gpu:1") == "gpu:1"
+    with pytest.raises(ValueError, match="none of"):
+        device_label("mps")
+    with pytest.raises(TypeError, match="torch.device"):
+        device_label(0)
+    report = _run(checks=("forward", "gradient"), impls=("torch", "jax-jit"))
+    assert {r.device for r in report.rows} == {"cpu:0"}, {r.device for r in report.rows}
+
+
 def test_training_and_peers_pass():
     report = run(cases=[Case(SHAPES["self"], "random", "zero", train=True, peers=True)], dtypes=("float64",),
                  checks=("training", "peers"), device="cpu")

@@ -17,6 +17,7 @@ import numpy as np
 
 from mha_spec import Problem
 from parity import reference
+from parity.devices import device_label
 from parity.harness.judge import NOTHING_COMPARED, judge, judge_grads, nan_note, status
 from parity.harness.matrix import Case, Inputs
 from parity.harness.report import Row
@@ -226,7 +227,7 @@ class Unit:
                 st, kw["message"] = self.nonfinite_verdict(st, cmp, kw.get("message", ""))
             if cmp.nan_mismatch and "NaN" not in kw.get("message", ""):
                 kw["message"] = (kw.get("message", "") + f"; {cmp.nan_mismatch} NaN-placement mismatches").strip("; ")
-        device = str(self.runner(impl).device).lower()
+        device = device_label(self.runner(impl).device)
         return Row(self.case.name, check, impl.name, ref, self.dtype, device, st, quantity, **nums, **kw)
 
 

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 
 from mha_spec.files import check_writable, write_atomic
-from parity.devices import DevicePlan, resolve_device
+from parity.devices import DevicePlan, device_label, resolve_device
 from parity.dtypes import DTYPES, numpy_dtype
 from parity.env import environment, pinned
 from parity.harness import checks as _checks
@@ -153,7 +153,7 @@ def run(
     p = _plan(cases, case_filter, dtypes, checks, impls, device, quick, compile, (json_path, markdown_path, plot_path))
     if state_dict is not None:
         for c in p.cases:  # every case's layer checked against the weights before anything runs
-            draw_inputs(c, seed, state_dict)
+            case_inputs(c, seed, state_dict)
     extra = {**(environment or {}), "dtypes": ",".join(p.dtypes), "checks": ",".join(p.checks), "cases": len(p.cases),
              "implementations": ",".join(i.name for i in p.impls), "x64_enabled_for_run": p.x64}
     with pinned(framework_defaults, p.x64):
@@ -162,7 +162,7 @@ def run(
             on_start(len(p.units))
         try:
             if p.device.skip_reason:
-                report.rows += [Row(c.name, ch, "*", "*", d, p.device.name, "skip", message=p.device.skip_reason)
+                report.rows += [Row(c.name, ch, "*", "*", d, device_label(p.device.name), "skip", message=p.device.skip_reason)
                                 for c, d in p.units for ch in p.checks]
             else:
                 _loop(report, p, seed, _runners(p.device), on_progress, should_stop, state_dict)
@@ -173,7 +173,7 @@ def run(
             report.interrupted = True
         finally:
             if not report.interrupted:  # what an interrupted run did not reach is not a "cannot run"
-                report.rows += coverage(report.rows, p.cases, *p.coverage_of, p.impls, p.device.name)
+                report.rows += coverage(report.rows, p.cases, *p.coverage_of, p.impls, device_label(p.device.name))
                 report.unchecked = unchecked(report.rows, p.impls)
             report.users = [i for i in p.impls if i.role == "user"]
             report.elapsed_s = time.perf_counter() - started
@@ -274,14 +274,20 @@ def _sharded(devices, layouts, dtypes, checks, seed, should_stop, job_timeout_s=
     wide = tuple(d for d in dtypes if d in ("float64", "float32"))
     if devices < 2 or not wide:
         why = "--devices must be at least 2" if devices < 2 else "sharded layouts are checked in float64/float32 only"
-        return [Row("*", "sharded", "*", "*", "*", "cpu", "skip", message=why)]
+        return [Row("*", "sharded", "*", "*", "*", device_label("cpu"), "skip", message=why)]
     timeout = {} if job_timeout_s is None else {"job_timeout_s": job_timeout_s}
     return run_sharded(devices=devices, layouts=tuple(layouts or LAYOUTS), dtypes=wide, seed=seed, should_stop=should_stop, **timeout)
 
 
+def case_inputs(case, seed: int, state_dict=None):
+    """A case's inputs: its own draw where it has one (`checkpoint.DecoderCase`), else the matrix's."""
+    own = getattr(case, "draw_inputs", None)
+    return own(seed, state_dict) if own is not None else draw_inputs(case, seed, state_dict)
+
+
 def _run_unit(case, dtype, seed, checks, impls, peers, runners, state_dict=None) -> list[Row]:
     try:
-        x = draw_inputs(case, seed, state_dict).in_dtype(numpy_dtype(dtype))
+        x = case_inputs(case, seed, state_dict).in_dtype(numpy_dtype(dtype))
         return _checks.run_unit(_checks.Unit(case, dtype, x, runners, checks), impls, peers)
     except KeyboardInterrupt:
         raise
