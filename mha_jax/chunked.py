@@ -20,7 +20,9 @@ FULL (everything kept) or PARTIAL. Forward and backward branch on it
 (`lax.switch`): an EMPTY block runs no matmul at all (for a causal mask, the
 blocks above the diagonal), a FULL block skips the mask select. One consequence:
 a NaN in V at a key that a whole block of queries cannot see does not reach those
-queries, where the materialised path's 0 × NaN spreads it to every row.
+queries, where the materialised path's 0 × NaN spreads it to every row. (A NaN key's
+0 × NaN in the query gradient is written back outside the kernel, as is the materialised
+path's zero gradient of a row that keeps no key: `_query_gradient_as_materialised`.)
 No exp2: XLA lowers it to exp(x · ln 2), one multiply more than exp. The row sums
 stay a reduction: taking them from the P·V matmul (V with a column of ones) was
 measured slower (forward 1.03x at B=1 N=8 T=S=2048 H=64, blocks 512x512).
@@ -330,6 +332,8 @@ def chunked_attention(q, k, v, keep=None, *, masked_rows="nan", q_chunk=512, k_c
     keep = keep_4d(keep, B, N, T, S)  # (B|1, N|1, T|1, S|1)
     if B == 0 or T == 0:
         return jnp.zeros((B, T, N, H), q.dtype)
+    if keep is not None:
+        q = _query_gradient_as_materialised(q, k, keep)
     ctx = _chunked(q, k, v, keep, q_chunk=q_chunk, k_chunk=k_chunk, precision=precision)  # (B, N, T, H)
     if keep is not None:
         G = N // K
@@ -338,6 +342,40 @@ def chunked_attention(q, k, v, keep=None, *, masked_rows="nan", q_chunk=512, k_c
         mean_v = (jnp.repeat(mean_v, G, axis=1) if G > 1 else mean_v)[:, :, None, :]  # (B, N, 1, H)
         ctx = fill_masked_rows(ctx, row_any, masked_rows, mean_v)
     return jnp.transpose(ctx, (0, 2, 1, 3)).astype(q.dtype)  # (B, T, N, H)
+
+
+@jax.custom_vjp
+def _nan_gradient_where(x, flags):
+    """x unchanged; in the backward, NaN replaces x's gradient wherever `flags` (broadcast) is True."""
+    return x
+
+
+def _nan_gradient_where_fwd(x, flags):
+    return x, flags
+
+
+def _nan_gradient_where_bwd(flags, g):
+    return jnp.where(flags, jnp.asarray(jnp.nan, g.dtype), g), None
+
+
+_nan_gradient_where.defvjp(_nan_gradient_where_fwd, _nan_gradient_where_bwd)
+
+
+def _query_gradient_as_materialised(q, k, keep):
+    """q (B, T, N, H), unchanged, with the gradient NaN and zeros of the materialised path.
+
+    There q's gradient is dS·K over every key, masked ones included (dS is 0 there, and 0 x NaN
+    is NaN): a NaN in a key makes it NaN at that feature on every row of the query heads reading
+    it, where this kernel skips the blocks with nothing kept. A row that keeps no key is a
+    constant there (the policy's fill), so its query gets no gradient, where this kernel's
+    backward would compute dO·Vᵀ for it, NaN with a NaN in V.
+    """
+    G = q.shape[2] // k.shape[2]
+    k_nan = jnp.isnan(k).any(axis=1)  # (B, K, H)
+    k_nan = (jnp.repeat(k_nan, G, axis=1) if G > 1 else k_nan)[:, None]  # (B, 1, N, H)
+    attends = jnp.transpose(keep.any(axis=-1, keepdims=True), (0, 2, 1, 3))  # (B|1, T|1, N|1, 1)
+    q = _nan_gradient_where(q, k_nan)  # first: the NaN reaches the rows that keep no key too
+    return jnp.where(attends, q, lax.stop_gradient(q))
 
 
 # Compiled once per shapes and blocks: run eagerly, the kernel's loops would otherwise be
