@@ -11,14 +11,16 @@ k_proj rows when not given, and checked when it is; the biases are the keys pres
 The layer runs as a decoder's self-attention at B, T, S (default 2, 5, 5): query, key and
 value are one sequence when T == S; with T < S the T queries are the newest of S tokens
 (a decoder with a cache: key/value inputs drawn apart, the causal mask bottom-right
-aligned). Two cases, the masks a decoder sees:
+aligned; with RoPE the queries' positions are the last T of the keys'). Two cases, the
+masks a decoder sees:
 
     checkpoint/causal/nan        causal (no row is fully masked, so the policy never shows)
     checkpoint/padding/uniform   padded keys, one sequence all padding: its rows are fully
                                  masked, and "uniform" is what Hugging Face's finfo.min mask gives
 
-Every case draws its inputs and RoPE positions as the matrix does (seeded by the case name);
-only the weights are the checkpoint's. The report's environment names the file, the layout
+Every case draws its inputs and RoPE positions as the matrix does (seeded by the case name),
+the query positions then taken from the key positions (`DecoderCase`); only the weights are
+the checkpoint's. The report's environment names the file, the layout
 and the prefix. A bad path, layout or prefix, or a missing flag, is a `LoadError` (exit 2)
 naming it.
 """
@@ -26,11 +28,12 @@ naming it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from dataclasses import dataclass
 
 from mha_spec import AttentionConfig, Problem
-from parity.harness.matrix import Case, Shape
+from parity.harness.matrix import Case, Inputs, Shape, draw_inputs
 from parity.impls.registry import LoadError
 
 DEFAULT_SHAPE = (2, 5, 5)
@@ -133,16 +136,29 @@ def constant_tensors(state_dict: dict) -> tuple[str, ...]:
     return tuple(out)
 
 
+class DecoderCase(Case):
+    """A checkpoint case: its T queries are the newest of its S tokens (T <= S), so with RoPE the
+    queries' positions are the last T of the keys' (query t sits at key t + S - T, where the
+    bottom-right causal mask puts it)."""
+
+    def draw_inputs(self, seed: int, state_dict: dict | None = None) -> Inputs:
+        """The matrix's draw (`draw_inputs`), the query positions then taken from the key positions."""
+        x = draw_inputs(self, seed, state_dict)
+        if x.positions is None:
+            return x
+        return dataclasses.replace(x, positions=x.key_positions[:, self.shape.S - self.shape.T:].copy())
+
+
 def cases(config: AttentionConfig, B: int, T: int, S: int, redraw: tuple = ()) -> tuple[Case, ...]:
     """The checkpoint's cases at B, T, S (see the module docstring); with `redraw` (constant
     tensors), also "checkpoint-redrawn/causal/nan": the file's weights with those tensors drawn."""
     if T > S:
         raise ValueError(f"--shape {B},{T},{S}: a decoder's queries are the newest of its tokens, so T <= S; got T > S")
     shape = Shape.of("checkpoint", Problem(config, B, T, S), cross=T != S)
-    out = tuple(Case(shape, mask, policy, peers=True, jax_eager=False) for mask, policy in MASKS)
+    out = tuple(DecoderCase(shape, mask, policy, peers=True, jax_eager=False) for mask, policy in MASKS)
     if redraw:
         redrawn = Shape.of("checkpoint-redrawn", Problem(config, B, T, S), cross=T != S)
-        out += (Case(redrawn, *MASKS[0], jax_eager=False, redraw=tuple(redraw)),)
+        out += (DecoderCase(redrawn, *MASKS[0], jax_eager=False, redraw=tuple(redraw)),)
     return out
 
 
@@ -227,5 +243,5 @@ def run_kwargs(args) -> dict:
             "dtypes": args.dtypes if args.dtypes is not None else DTYPES_DEFAULT}
 
 
-__all__ = ["CheckpointLayer", "load_layer", "cases", "run_kwargs", "describe", "add_arguments", "usage_problem", "CHECKS", "MASKS",
+__all__ = ["CheckpointLayer", "DecoderCase", "load_layer", "cases", "run_kwargs", "describe", "add_arguments", "usage_problem", "CHECKS", "MASKS",
            "DEFAULT_SHAPE", "DTYPES_DEFAULT"]
