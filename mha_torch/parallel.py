@@ -194,7 +194,11 @@ def _online_step(carry, s, vj, dtype):
     p = torch.exp(s - safe_max)
     rescale = torch.exp(run_max - safe_max)
     # A group's query heads stacked along the rows: (B, K, G·T, S) @ (B, K, S, H), K and V never repeated.
-    pv = torch.matmul(p.to(dtype).reshape(B, K, -1, S), vj).reshape(B, N, T, H).to(ctx.dtype)
+    # p rounded to the dtype (the weights path's dtype), the product summed in the accumulation
+    # dtype: the running sum is not yet normalised, so a 16-bit one overflows once the kept
+    # values add up past the dtype's largest (float16 V near 60000 over two keys).
+    acc = ctx.dtype
+    pv = torch.matmul(p.to(dtype).to(acc).reshape(B, K, -1, S), vj.to(acc)).reshape(B, N, T, H)
     return rescale * ctx + pv, new_max, rescale * run_sum + p.sum(dim=-1, keepdim=True)
 
 
