@@ -182,22 +182,18 @@ def backward(sd, query, key, value, mask, cotangent, *, num_heads: int, masked_r
              per_query_head: bool = False) -> dict[str, np.ndarray]:
     """Gradients of sum(output * cotangent) w.r.t. query, key, value and every weight.
 
-    Keys: "query", "key", "value" and the state dict's own names. A fully masked
-    row's weights are a constant of the policy, so no gradient flows through its
-    scores; under "nan" its NaN reaches V's gradients, as in the modules.
-    masked_row_grads="flow" is what a layer that ADDS its mask to the scores computes:
-    the row is differentiated as a softmax like any other, so its gradient reaches the
-    query and key gradients -- with "uniform" a large finite fill (finfo.min), with "nan"
-    -inf, whose NaN then spreads there.
+    Keys: "query", "key", "value" and the state dict's own names. A fully masked row's weights
+    are a constant of the policy, so no gradient flows through its scores; under "nan" its NaN
+    reaches V's gradients, as in the modules. masked_row_grads="flow" is what a layer that ADDS
+    its mask to the scores computes: the row is differentiated as a softmax like any other, so
+    its gradient reaches the query and key gradients -- with "uniform" a large finite fill
+    (finfo.min), with "nan" -inf, whose NaN then spreads there.
     A key/value head's gradients sum over the query heads of its group; RoPE is a
     rotation, so its backward rotates the gradient back by the same angle.
     With a low `dtype` it is the same maths with each stored result rounded as the
     modules store it (activations and gradients in the dtype, the softmax backward in
     float32 as its forward): the yardstick of the three-way judge for gradients.
-    per_query_head=True adds "key.per_query_head" and "value.per_query_head" (B, K, G, S, H): each
-    query head's share of a key/value head's gradient, stored in the dtype before the sum over its
-    group -- as the autodiff of repeat_kv stores them, and what XLA sums in one reduction with the
-    k/v bias gradient's sum over tokens when it fuses the two.
+    per_query_head=True adds each query head's share of the k/v gradients (`_per_query_head_shares`).
     """
     acc = _accumulation_dtype(dtype)
     if masked_row_grads not in ("stop", "flow"):
@@ -210,8 +206,8 @@ def backward(sd, query, key, value, mask, cotangent, *, num_heads: int, masked_r
     kw = dict(num_heads=num_heads, masked_rows=masked_rows, num_kv_heads=num_kv_heads, rope=rope,
               rope_theta=rope_theta, positions=positions, key_positions=key_positions)
     f = forward(sd, query, key, value, mask, dtype=dtype, **kw)
-    N, K, G = f.q.shape[1], f.k.shape[1], f.q.shape[1] // f.k.shape[1]
-    H = f.q.shape[-1]
+    (N, H), K = f.q.shape[1::2], f.k.shape[1]
+    G = N // K
     W = {k: r(as_float64(v)) for k, v in sd.items()}
     xq, xk, xv = (r(as_float64(x)) for x in (query, key, value))
     g = r(as_float64(cotangent))  # (B, T, E)
@@ -234,19 +230,28 @@ def backward(sd, query, key, value, mask, cotangent, *, num_heads: int, masked_r
     d_scores = r(np.where(row_any | flow, d_scores, 0.0) / np.sqrt(H), acc).reshape(B, K, G, T, S)
     d_q = r(np.einsum("BKGTS,BKSH->BKGTH", d_scores, ks)).reshape(B, N, T, H)
     d_k = r(np.einsum("BKGTS,BKGTH->BKSH", d_scores, qs.reshape(B, K, G, T, H)))
-    shares = {}
-    if per_query_head:
-        shares["key"] = r(np.einsum("BKGTS,BKGTH->BKGSH", d_scores, qs.reshape(B, K, G, T, H)))
-        shares["value"] = r(np.einsum("BKGTS,BKGTH->BKGSH", w, d_context))
+    key_angles = None
     if rope is not None:  # the transpose of a rotation is the rotation by minus the angle
-        (cq, sq), (ck, sk) = _rope_cos_sin(positions, key_positions, B, T, S, H, rope_theta, acc)
-        d_q, d_k = r(rotate(d_q, cq, -sq, rope)), r(rotate(d_k, ck, -sk, rope))
-        if per_query_head:
-            shares["key"] = r(rotate(shares["key"], ck[:, :, None], -sk[:, :, None], rope))
+        (cq, sq), key_angles = _rope_cos_sin(positions, key_positions, B, T, S, H, rope_theta, acc)
+        d_q, d_k = r(rotate(d_q, cq, -sq, rope)), r(rotate(d_k, key_angles[0], -key_angles[1], rope))
     for name, d_heads, x, grad_key in (("q_proj", d_q, xq, "query"), ("k_proj", d_k, xk, "key"), ("v_proj", d_v, xv, "value")):
         grads.update(_projection_grads(name, grad_key, d_heads, x, W, r))
-    grads.update({f"{n}.per_query_head": a for n, a in shares.items()})
+    if per_query_head:
+        grads.update(_per_query_head_shares(d_scores, qs, w, d_context, key_angles, rope, r))
     return grads
+
+
+def _per_query_head_shares(d_scores, q, w, d_context, key_angles, rope, r) -> dict[str, np.ndarray]:
+    """"key.per_query_head" and "value.per_query_head" (B, K, G, S, H): each query head's share of a
+    key/value head's gradient, stored in the dtype before the sum over its group -- as the autodiff of
+    repeat_kv stores them, and what XLA sums in one reduction with the k/v bias gradient's sum over
+    tokens when it fuses the two. d_scores, w (B, K, G, T, S); q (B, N, T, H); d_context (B, K, G, T, H)."""
+    B, K, G, T, _ = w.shape
+    key = r(np.einsum("BKGTS,BKGTH->BKGSH", d_scores, q.reshape(B, K, G, T, -1)))
+    if key_angles is not None:
+        ck, sk = key_angles  # (B|1, 1, S, H/2): one angle per key, the same for every head
+        key = r(rotate(key, ck[:, :, None], -sk[:, :, None], rope))
+    return {"key.per_query_head": key, "value.per_query_head": r(np.einsum("BKGTS,BKGTH->BKGSH", w, d_context))}
 
 
 def _projection_grads(name: str, grad_key: str, d_heads, x, W, r) -> dict[str, np.ndarray]:
