@@ -15,7 +15,7 @@ from torch import nn
 
 from mha_spec import AttentionConfig, Stages, check_mask_values, check_positions, check_qkv_shapes, mask_shape_4d
 
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
+LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 _FUNCTORCH = getattr(torch._C, "_functorch", None)  # torch.func's wrappers; private, so looked up softly
@@ -38,7 +38,7 @@ def _plain(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _keep_mask(mask: torch.Tensor, B: int, N: int, T: int, S: int) -> torch.Tensor:
+def keep_mask_4d(mask: torch.Tensor, B: int, N: int, T: int, S: int) -> torch.Tensor:
     """Any bool/int/float keep-mask (0 = masked) -> bool [B|1, N|1, T|1, S|1].
 
     A float mask's values are checked (no NaN, no negative value: an additive mask) in eager
@@ -57,7 +57,7 @@ def _keep_mask(mask: torch.Tensor, B: int, N: int, T: int, S: int) -> torch.Tens
     return keep.reshape(shape4)
 
 
-def _apply_masked_row_policy(x, row_any, masked_rows: str, uniform_value):
+def apply_masked_row_policy(x, row_any, masked_rows: str, uniform_value):
     """Overwrite the rows of x whose query may attend to nothing (row_any False).
 
     uniform_value is what such a row holds under "uniform" (1/S for weights, mean V for a
@@ -96,7 +96,7 @@ def attention_core(q, k, v, keep, *, masked_rows: str = "nan", return_scores: bo
     B, N, T, H = q.shape
     S = k.shape[-2]
     keep = _core_keep(keep, B, N, T, S)  # (B|1, N|1, T|1, S|1)
-    if dtype in _LOW_PRECISION:
+    if dtype in LOW_PRECISION:
         # Products of 16-bit numbers are exact in float32; rounding the scores to
         # 16 bits before the softmax would cost ~1e-2 relative error in the weights.
         q, k = q.float(), k.float()
@@ -118,7 +118,7 @@ def attention_core(q, k, v, keep, *, masked_rows: str = "nan", return_scores: bo
         scores.masked_fill_(~row_any, 0.0)
     weights = torch.softmax(scores, dim=-1)
     if keep is not None:
-        weights = _apply_masked_row_policy(
+        weights = apply_masked_row_policy(
             weights, row_any, masked_rows, torch.full((), 1.0 / S, dtype=weights.dtype, device=weights.device)
         )
     weights = weights.to(dtype)
@@ -185,7 +185,7 @@ def _nan_rows(q, k, keep, causal: bool = False):
     elif causal:
         keeping = _causal_rows_keeping_nan_keys(k_nan.squeeze(-1), q.shape[-2])
     else:
-        dtype = q.dtype if q.dtype in _LOW_PRECISION else torch.float32
+        dtype = q.dtype if q.dtype in LOW_PRECISION else torch.float32
         keeping = _rows_keeping_nan_keys(keep, k_nan.squeeze(-1), dtype)
     return q_nan | keeping, keeping
 
@@ -324,15 +324,15 @@ def fused_attention_core(q, k, v, keep, *, masked_rows: str = "nan"):
         if masked_rows == "zero":
             context = torch.where(row_any, context, v_nan)
         else:  # only "nan" and "uniform" rows need mean(V)
-            acc = torch.float32 if v.dtype in _LOW_PRECISION else v.dtype
+            acc = torch.float32 if v.dtype in LOW_PRECISION else v.dtype
             # (1/S)·V summed, as the weights path's uniform row computes it: a plain sum of
             # finite values near the dtype's largest could overflow before the division.
             mean_v = per_query_head((v.to(acc) * (1.0 / v.shape[-2])).sum(dim=-2, keepdim=True).to(v.dtype))  # (B, N, 1, H)
-            context = _apply_masked_row_policy(context, row_any, masked_rows, mean_v + v_nan)
+            context = apply_masked_row_policy(context, row_any, masked_rows, mean_v + v_nan)
     return context
 
 
-def _positions(pos, batch: int, length: int, name: str, device) -> torch.Tensor:
+def positions_4d(pos, batch: int, length: int, name: str, device) -> torch.Tensor:
     """Integer positions (L,) | (B, L), default arange(L) -> int64 (B|1, 1, L, 1)."""
     if pos is None:
         return torch.arange(length, device=device).reshape(1, 1, length, 1)
@@ -446,7 +446,7 @@ class MultiHeadAttention(nn.Module):
         rope = self.config.rope
         if rope is None and (positions is not None or key_positions is not None):
             raise ValueError("positions/key_positions are given but rope=None: they would be ignored")
-        keep = None if mask is None else _keep_mask(mask, B, self.num_heads, T, S)
+        keep = None if mask is None else keep_mask_4d(mask, B, self.num_heads, T, S)
 
         q_in = self._split_heads(self.q_proj(query))  # (B, N, T, H)
         k_in = self._split_heads(self.k_proj(key))  # (B, K, S, H)
@@ -454,8 +454,8 @@ class MultiHeadAttention(nn.Module):
         q, k, v = q_in, k_in, v_in
         if rope is not None:
             theta = self.config.rope_theta
-            q = rotate(q, _positions(positions, B, T, "positions", q.device), theta, rope)
-            k = rotate(k, _positions(key_positions, B, S, "key_positions", k.device), theta, rope)
+            q = rotate(q, positions_4d(positions, B, T, "positions", q.device), theta, rope)
+            k = rotate(k, positions_4d(key_positions, B, S, "key_positions", k.device), theta, rope)
         q_rot, k_rot = (q, k) if rope is not None else (None, None)  # (B, N, T, H), (B, K, S, H)
         group = q.shape[1] // k.shape[1]
         if group > 1 and need_weights:

@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from mha_torch.attention import (
-    _LOW_PRECISION, _apply_masked_row_policy, _keep_mask, _positions, attention_core, fused_attention_core, rotate,
+    LOW_PRECISION, apply_masked_row_policy, keep_mask_4d, positions_4d, attention_core, fused_attention_core, rotate,
 )
 from mha_spec import check_qkv_shapes
 
@@ -88,7 +88,7 @@ def _rotated(module, x, pos, batch: int, length: int, start: int, name: str):
     (pos: (length,) | (B, length) | None = arange); x itself without RoPE."""
     if module.config.rope is None:
         return x
-    block = _positions(pos, batch, length, name, x.device).narrow(2, start, x.shape[-2])  # (B|1, 1, L_block, 1)
+    block = positions_4d(pos, batch, length, name, x.device).narrow(2, start, x.shape[-2])  # (B|1, 1, L_block, 1)
     return rotate(x, block, module.config.rope_theta, module.config.rope)
 
 
@@ -101,7 +101,7 @@ def tp_forward(module, query, key, value, mask=None, need_weights: bool = False,
     """
     B, T, S = check_qkv_shapes(query.shape, key.shape, value.shape, module.embed_dim)
     _check_positions_used(module, positions, key_positions)
-    keep = None if mask is None else _keep_mask(mask, B, module.num_heads, T, S)
+    keep = None if mask is None else keep_mask_4d(mask, B, module.num_heads, T, S)
     q = _rotated(module, module._split_heads(module.q_proj(query)), positions, B, T, 0, "positions")  # (B, N/tp, T, H)
     k = _rotated(module, module._split_heads(module.k_proj(key)), key_positions, B, S, 0, "key_positions")  # (B, K/tp, S, H)
     v = module._split_heads(module.v_proj(value))  # (B, K/tp, S, H)
@@ -212,7 +212,7 @@ def ring_attention(q, k, v, keep=None, *, group=None, masked_rows: str = "nan", 
     """
     me, n = _require_group(group)
     dtype = q.dtype
-    acc = torch.float32 if dtype in _LOW_PRECISION else dtype
+    acc = torch.float32 if dtype in LOW_PRECISION else dtype
     B, N, Tb, H = q.shape
     K, Sb = k.shape[1], k.shape[-2]
     if N % K or tuple(k.shape) != tuple(v.shape):
@@ -241,7 +241,7 @@ def ring_attention(q, k, v, keep=None, *, group=None, masked_rows: str = "nan", 
             # near the dtype's largest could overflow before the division.
             total = _AllReduceSum.apply((v.to(acc) * (1.0 / S_total)).sum(dim=-2, keepdim=True), group)  # (B, K, 1, H)
             mean_v = total.repeat_interleave(G, dim=1) if G > 1 else total  # (B, N, 1, H)
-        ctx = _apply_masked_row_policy(ctx, row_any, masked_rows, mean_v)
+        ctx = apply_masked_row_policy(ctx, row_any, masked_rows, mean_v)
     return ctx.to(dtype)
 
 
@@ -249,7 +249,7 @@ def _local_rows(mask, B: int, N: int, T: int, S: int, start: int, length: int, b
     """The keep-mask (given for the whole problem) cut to this rank's query rows or batch rows."""
     if mask is None:
         return None
-    keep = _keep_mask(mask, B, N, T, S)
+    keep = keep_mask_4d(mask, B, N, T, S)
     if batch:
         return keep if keep.shape[0] == 1 else keep.narrow(0, start, length)
     keep = keep.expand(keep.shape[0], keep.shape[1], T, S)
@@ -284,7 +284,7 @@ def _batch_rows(pos, B: int, length: int, start: int, rows: int, name: str):
     """Positions given for the whole batch ((L,) | (B, L) | None) cut to this rank's batch rows."""
     if pos is None or not isinstance(pos, torch.Tensor) or pos.ndim != 2:
         return pos  # shared by the batch (the module checks the rest)
-    _positions(pos, B, length, name, pos.device)  # the whole batch's shape, checked
+    positions_4d(pos, B, length, name, pos.device)  # the whole batch's shape, checked
     return pos.narrow(0, start, rows)
 
 
