@@ -167,13 +167,12 @@ def _causal_rows_keeping_nan_keys(k_nan, T: int):
 
 
 def _nan_rows(q, k, keep, causal: bool = False):
-    """(bool (B, N, T|1, 1) rows that must be NaN, bool (B, N, T|1, 1) rows that keep a NaN key).
+    """(k with NaN keys zeroed when a mask is given, bool (B, N, T|1, 1) rows that must be NaN).
 
     The weights path gives NaN on a row whose query is NaN or that keeps a NaN key; a NaN key
     that the row masks out is dropped (its score is replaced by -inf). SDPA differs on both:
     on CPU a NaN query without a mask gives 0, and a masked NaN key still reaches every row
-    (the mask is added: NaN + -inf = NaN). So with a mask the NaN keys are zeroed before SDPA
-    (`_match_weights_path_nans`), and NaN is put back from these per-row flags.
+    (the mask is added: NaN + -inf = NaN). So NaN is put back here from per-row flags.
     """
     q_nan = _has_nan(q, -1)  # (B, N, T, 1)
     k_nan_kv = _has_nan(k, -1)  # (B, K, S, 1)
@@ -181,56 +180,12 @@ def _nan_rows(q, k, keep, causal: bool = False):
     # Query head h reads key head h // group: the flags (not K itself) are repeated to N heads.
     k_nan = k_nan_kv.repeat_interleave(group, dim=1) if group > 1 else k_nan_kv  # (B, N, S, 1)
     if keep is None:
-        keeping = k_nan.any(dim=-2, keepdim=True)
-    elif causal:
-        keeping = _causal_rows_keeping_nan_keys(k_nan.squeeze(-1), q.shape[-2])
-    else:
-        dtype = q.dtype if q.dtype in LOW_PRECISION else torch.float32
-        keeping = _rows_keeping_nan_keys(keep, k_nan.squeeze(-1), dtype)
-    return q_nan | keeping, keeping
-
-
-def _nan_gradient_where(x, flags):
-    """x, with its gradient NaN wherever `flags` (bool, broadcast) is True.
-
-    Plain ops, so torch.compile and torch.func take it as it is: `zero` is 0 in value and carries
-    x's gradient where flags are set; sqrt's derivative at 0 is inf, and inf times the zero
-    cotangent of `0 * sqrt(zero)` is NaN. nan_to_num keeps an infinite x's value as it is.
-    """
-    zero = torch.where(flags, x - x.detach(), 0.0).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
-    return x + 0.0 * torch.sqrt(zero)
-
-
-def _match_weights_path_nans(q, k, v, keep, keeping, causal: bool):
-    """(q, k with its NaN keys zeroed, v) for SDPA under a mask, with gradients NaN where the
-    weights path's (and the oracle's) are; keeping: `_nan_rows`'s rows that keep a NaN key.
-
-    The weights path's dQ = dS·K and dK = dSᵀ·Q sum over every key and row, the masked ones too
-    (dS is 0 there, and 0 x NaN is NaN). SDPA sees neither a NaN key nor the query of a row that
-    keeps no key (zeroed here: SDPA's backward would otherwise give V the NaN of that query), so
-    these NaNs of the weights path are written into the gradients:
-    - q: a NaN in a key, kept or not, makes q's gradient NaN at that feature on every row of the
-      query heads reading it;
-    - k: a NaN in a query, on a row that keeps keys or none, makes k's gradient NaN at that
-      feature on every key of its key/value head;
-    - k and v: a row that keeps a NaN key has NaN weights on every key, so K's and V's gradients
-      are NaN on every key of its key/value head.
-    A row that keeps no key is the policy's constant, so its query gets no gradient (SDPA's
-    backward would compute dO·Vᵀ for it, NaN with a NaN in V).
-    """
-    B, N, K = q.shape[0], q.shape[1], k.shape[1]
-    group = N // K
-    k_nan_features = _has_nan(k, -2)  # (B, K, 1, H)
-    H, T = q.shape[-1], q.shape[-2]
-    q_nan = _has_nan(q, -2) if T else torch.zeros(B, N, 1, H, dtype=torch.bool, device=q.device)  # amax needs a row
-    q_nan_features = q_nan.reshape(B, K, group, 1, H).any(dim=2)  # (B, K, 1, H)
-    q = _nan_gradient_where(q, k_nan_features.repeat_interleave(group, dim=1) if group > 1 else k_nan_features)
-    if not causal:  # the causal triangle has no row that keeps nothing
-        q = torch.where(keep.any(dim=-1, keepdim=True), q, 0.0)
-    # A row of the key/value head's group keeps a NaN key; group x rows spelled out (B or T may be 0).
-    head_nan = keeping.reshape(B, K, group * keeping.shape[2]).any(dim=-1).reshape(B, K, 1, 1)
-    k = torch.where(_has_nan(k, -1), 0.0, _nan_gradient_where(k, head_nan | q_nan_features))
-    return q, k, _nan_gradient_where(v, head_nan)
+        return k, q_nan | k_nan.any(dim=-2, keepdim=True)
+    k = torch.where(k_nan_kv, 0.0, k)
+    if causal:
+        return k, q_nan | _causal_rows_keeping_nan_keys(k_nan.squeeze(-1), q.shape[-2])
+    dtype = q.dtype if q.dtype in LOW_PRECISION else torch.float32
+    return k, q_nan | _rows_keeping_nan_keys(keep, k_nan.squeeze(-1), dtype)
 
 
 _CAUSAL_CACHE_MAX_BYTES = 1 << 24  # cache reference triangles up to T·S = 16 Mi (4096²), 4 of them
@@ -309,9 +264,7 @@ def fused_attention_core(q, k, v, keep, *, masked_rows: str = "nan"):
         return x.repeat_interleave(group, dim=1) if group > 1 else x
 
     causal = _is_causal(keep, q.shape[-2], k.shape[-2])
-    nan_rows, keeping = _nan_rows(q, k, keep, causal)
-    if keep is not None:
-        q, k, v = _match_weights_path_nans(q, k, v, keep, keeping, causal)
+    k, nan_rows = _nan_rows(q, k, keep, causal)
     if causal:
         context = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, **gqa)
     else:
