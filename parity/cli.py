@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--devices", type=int, default=None, metavar="N",
                    help="also check the sharded layouts over N simulated CPU devices / gloo processes (N >= 2)")
     p.add_argument("--layouts", type=comma_separated(nonempty=True), default=None, metavar="tp,sp,dp",
-                   help="with --devices: which sharded layouts (default: all; a repeated one runs once)")
+                   help="with --devices: which sharded layouts (default: tp,sp,dp; tp-gspmd, JAX only, runs when named; a repeated one runs once)")
     p.add_argument("--job-timeout", type=positive_float, default=None, metavar="SECONDS",
                    help="with --devices: kill a sharded worker group that finishes no job for this long "
                    f"(a rank stuck in a collective; default {DEFAULT_JOB_TIMEOUT_S:g}); its unfinished jobs become error rows")

@@ -3,7 +3,7 @@
 Imports are read statically (ast), every one of them -- module level, inside functions,
 under `if TYPE_CHECKING:` -- because a function-level import that closes a cycle is the
 same dependency, only deferred until it bites. (importlib.import_module of a user's
-'module:attribute' in parity.impls.registry loads a plugin; it is no dependency of ours.)
+'module:attribute' in parity.implementation loads a plugin; it is no dependency of ours.)
 """
 
 from __future__ import annotations
