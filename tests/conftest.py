@@ -82,6 +82,18 @@ def sd64(rng):
     return make_state_dict(rng, SIZES.E)
 
 
+@pytest.fixture
+def forced_kernel(monkeypatch):
+    """force(kernel): mha_jax's fused core runs that kernel whatever this machine's table says."""
+    from mha_jax import kernels
+
+    def force(kernel):
+        choice = kernels.Choice(kernel, 2, 3, "forced by a test")  # blocks 2 x 3: several on both axes
+        monkeypatch.setattr(kernels, "fused_choice", lambda *a, **kw: choice)
+
+    return force
+
+
 # `make test` runs the files on two pytest-xdist workers (--dist loadfile: a module's tests and
 # fixtures stay in one process). The longest modules go first, so neither worker is left
 # with one of them at the end while the other idles.

@@ -16,7 +16,6 @@ from flax import nnx
 
 import mha_jax
 import mha_torch
-from mha_jax import kernels
 from parity.tolerances import compare, tolerance_for
 
 B, T, S, N, K, H = 2, 5, 7, 3, 1, 4
@@ -124,17 +123,6 @@ def _masks(name):
 
 def _qkv(rng, dtype):
     return [rng.standard_normal(s).astype(dtype) for s in ((B, T, N, H), (B, S, K, H), (B, S, K, H))]
-
-
-@pytest.fixture
-def forced_kernel(monkeypatch):
-    """fused_attention_core runs one kernel whatever this machine's table says."""
-
-    def force(kernel):
-        choice = kernels.Choice(kernel, 2, 3, "forced by a test")  # blocks 2 x 3: several on both axes
-        monkeypatch.setattr(kernels, "fused_choice", lambda *a, **kw: choice)
-
-    return force
 
 
 @pytest.mark.parametrize("kernel", ["einsum", "chunked", "dpa-xla"])

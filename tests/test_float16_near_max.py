@@ -15,7 +15,6 @@ import torch
 
 from conftest import SIZES
 from helpers import build, cast_sd, run
-from mha_jax import kernels
 from parity import convert, reference
 from parity.tolerances import compare_three_way, tolerance_for
 
@@ -70,7 +69,7 @@ PATHS = ["torch-weights", "torch-fused", "jax-weights", "jax-einsum", "jax-chunk
 
 @pytest.mark.parametrize("policy", ["uniform", "nan"])
 @pytest.mark.parametrize("path", PATHS)
-def test_a_row_that_keeps_no_key_reads_a_finite_mean_of_huge_values(path, policy, monkeypatch):
+def test_a_row_that_keeps_no_key_reads_a_finite_mean_of_huge_values(path, policy, forced_kernel):
     (q, k, v), keep = _inputs()
     with np.errstate(over="ignore"):
         assert np.isinf(v.sum(axis=1, dtype=F16)).all()  # the overflow a plain float16 sum meets
@@ -80,8 +79,7 @@ def test_a_row_that_keeps_no_key_reads_a_finite_mean_of_huge_values(path, policy
     else:
         framework, kind = path.split("-", 1)
         if kind not in ("weights", "fused"):
-            choice = kernels.Choice(kind, 2, 3, "forced by a test")
-            monkeypatch.setattr(kernels, "fused_choice", lambda *a, **kw: choice)
+            forced_kernel(kind)
         out, _ = run(framework, build(framework, sd, S.N, masked_rows=policy), q, k, v, keep, need_weights=kind == "weights")
     x64 = [reference.as_float64(x) for x in (q, k, v)]
     exact = reference.forward(_identity_sd(), *x64, keep, num_heads=S.N, masked_rows=policy).output

@@ -9,21 +9,11 @@ import pytest
 
 import mha_jax
 from conftest import SIZES
-from mha_jax import kernels
 from parity.tolerances import compare, tolerance_for
 
 S = SIZES
 H = S.E // S.N
 KERNELS = ["einsum", "chunked", "dpa-xla"]
-
-
-@pytest.fixture
-def forced_kernel(monkeypatch):
-    def force(kernel):
-        choice = kernels.Choice(kernel, 2, 3, "forced by a test")  # blocks 2 x 3: several on both axes
-        monkeypatch.setattr(kernels, "fused_choice", lambda *a, **kw: choice)
-
-    return force
 
 
 def _qkv():

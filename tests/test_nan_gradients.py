@@ -18,7 +18,6 @@ import torch
 
 from conftest import SIZES, make_inputs, make_state_dict
 from helpers import build
-from mha_jax import kernels
 from parity import reference
 from parity.tolerances import compare, tolerance_for
 
@@ -79,11 +78,10 @@ def _jax_grads(sd, policy, q, k, v, keep, g):
     return dict(zip(GRADS, (np.asarray(x) for x in grads)))
 
 
-def _grads(path, sd, policy, q, k, v, keep, g, monkeypatch):
+def _grads(path, sd, policy, q, k, v, keep, g, force):
     if path == "torch-fused":
         return _torch_grads(sd, policy, q, k, v, keep, g)
-    choice = kernels.Choice(path.removeprefix("jax-"), 2, 3, "forced by a test")
-    monkeypatch.setattr(kernels, "fused_choice", lambda *a, **kw: choice)
+    force(path.removeprefix("jax-"))
     return _jax_grads(sd, policy, q, k, v, keep, g)
 
 
@@ -102,13 +100,13 @@ TORCH_FUSED = pytest.param("torch-fused", marks=pytest.mark.xfail(
 
 @pytest.mark.parametrize("scenario, policy", [("key", "uniform"), ("key", "nan"), ("value", "uniform"), ("query", "zero")])
 @pytest.mark.parametrize("path", [TORCH_FUSED, "jax-einsum", "jax-chunked", "jax-dpa-xla"])
-def test_fused_gradients_put_nan_where_the_oracle_does(path, scenario, policy, monkeypatch):
+def test_fused_gradients_put_nan_where_the_oracle_does(path, scenario, policy, forced_kernel):
     rng = np.random.default_rng(21)
     sd = make_state_dict(rng, S.E)
     q, k, v, keep, checked = _scenario(scenario, rng)
     g = rng.standard_normal((S.B, S.T, S.E))
     ref = reference.backward(sd, q, k, v, keep, g, num_heads=S.N, masked_rows=policy)
-    got = _grads(path, sd, policy, q, k, v, keep, g, monkeypatch)
+    got = _grads(path, sd, policy, q, k, v, keep, g, forced_kernel)
     tol = _tolerance(path)
     for name in checked:
         c = compare(got[name], ref[name], tol)  # NaNs required at the oracle's places, nowhere else
@@ -125,7 +123,7 @@ def test_fused_gradients_put_nan_where_the_oracle_does(path, scenario, policy, m
 
 
 @pytest.mark.parametrize("path", [TORCH_FUSED, "jax-einsum", "jax-dpa-xla"])
-def test_a_kept_nan_key_makes_every_value_gradient_of_its_head_nan(path, monkeypatch):
+def test_a_kept_nan_key_makes_every_value_gradient_of_its_head_nan(path, forced_kernel):
     """The row that keeps the NaN key has NaN weights on every key, so V's gradient is NaN on every
     key of that batch element, as the oracle's (and the weights paths') is; the query gradient is
     NaN there too. (The chunked kernel skips key 6's block, so its V gradient there stays finite;
@@ -135,7 +133,7 @@ def test_a_kept_nan_key_makes_every_value_gradient_of_its_head_nan(path, monkeyp
     q, k, v, keep = _kept_key_scenario(rng)
     g = rng.standard_normal((S.B, S.T, S.E))
     ref = reference.backward(sd, q, k, v, keep, g, num_heads=S.N, masked_rows="uniform")
-    got = _grads(path, sd, "uniform", q, k, v, keep, g, monkeypatch)
+    got = _grads(path, sd, "uniform", q, k, v, keep, g, forced_kernel)
     for name in ("query", "value"):
         c = compare(got[name], ref[name], _tolerance(path))
         assert c.passed, (name, c)
