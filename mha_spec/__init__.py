@@ -17,6 +17,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+# The vocabularies both modules and every tool share: one home each.
+DTYPE_NAMES = ("float64", "float32", "bfloat16", "float16")
+"""Floating dtypes by the names reports and command lines use (NumPy/ml_dtypes spelling)."""
+
+PASSES = ("fwd", "fwd+bwd")
+"""What is timed or tuned: the forward alone, or forward and backward together."""
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "out_proj")
+"""The four Linear layers of the module, in the order every weight table lists them."""
+
+SHARDINGS = ("tp", "sp", "dp")
+"""How the sharded layer splits its work: tp heads (Megatron), sp the query sequence (ring
+attention over key/value blocks), dp the batch."""
+
 MASKED_ROWS_POLICIES = ("nan", "zero", "uniform")
 """What a query row that may attend to no key returns.
 
