@@ -17,6 +17,7 @@ import numpy as np
 
 from mha_spec import Problem
 from parity import reference
+from parity.canonical import CANONICAL_KEYS
 from parity.devices import device_label
 from parity.harness.judge import NOTHING_COMPARED, judge, judge_grads, nan_note, status
 from parity.harness.matrix import Case, Inputs
@@ -42,7 +43,7 @@ OPTIMIZERS = {
 GRAD_GROUPS = {
     # "x": a one-input layer's (inputs="self") gradient, judged against d_query + d_key + d_value
     "d_inputs": ("query", "key", "value", "x"),
-    "d_params": tuple(f"{p}.{w}" for p in ("q_proj", "k_proj", "v_proj", "out_proj") for w in ("weight", "bias")),
+    "d_params": CANONICAL_KEYS,
 }
 
 
