@@ -10,13 +10,12 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from mha_spec import ROPE_CONVENTIONS, AttentionConfig, Problem
+from mha_spec import PASSES, ROPE_CONVENTIONS, AttentionConfig, Problem
 from parity.devices import DevicePlan
 from parity.dtypes import numpy_dtype
 from parity.impls import BUILTIN, Implementation
 
 FRAMEWORKS = ("torch", "jax")
-PASSES = ("fwd", "fwd+bwd")
 DTYPES = {name: numpy_dtype(name) for name in ("float32", "bfloat16", "float16")}  # what the benchmark times
 
 # One result row, in this order in the JSON and the Markdown.
