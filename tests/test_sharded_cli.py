@@ -108,11 +108,11 @@ def test_sharded_arguments_of_mha_parity_are_usage_errors(argv):
     assert code == 2
 
 
-def test_a_repeated_layout_framework_or_dtype_runs_once():
-    once = jobs(devices=2, layouts=("tp", "dp"), frameworks=("torch",), dtypes=("float64",))
-    assert jobs(devices=2, layouts=("tp", "dp", "tp"), frameworks=("torch", "torch"), dtypes=("float64", "float64")) == once
+def test_a_repeated_sharding_framework_or_dtype_runs_once():
+    once = jobs(devices=2, shardings=("tp", "dp"), frameworks=("torch",), dtypes=("float64",))
+    assert jobs(devices=2, shardings=("tp", "dp", "tp"), frameworks=("torch", "torch"), dtypes=("float64", "float64")) == once
     # 3 devices split no layer's heads: skip rows, one per job, without launching anything
-    rows = run_sharded(devices=3, layouts=("tp", "tp"), frameworks=("torch",), dtypes=("float64",), layers=("classic", "classic"))
+    rows = run_sharded(devices=3, shardings=("tp", "tp"), frameworks=("torch",), dtypes=("float64",), layers=("classic", "classic"))
     assert len(rows) == len({(r.case, r.impl, r.dtype) for r in rows}) == len(MASK_POLICIES)
 
 
