@@ -1,6 +1,6 @@
 """Sharded multi-head attention in JAX: tensor-, sequence- (ring) and data-parallel.
 
-One entry point, `sharded_attention(params, query, key, value, mask, mesh=..., layout=...)`,
+One entry point, `sharded_attention(params, query, key, value, mask, mesh=..., sharding=...)`,
 runs the maths of `mha_jax.MultiHeadAttention` inside `jax.shard_map` over one mesh axis:
 
 - "tp" (heads): q/k/v kernels split by output columns, the out kernel by input rows;
@@ -35,6 +35,7 @@ Legend (see mha_spec): B T S N H E; einsum strings use it verbatim.
 
 from __future__ import annotations
 
+import warnings
 from functools import partial
 
 import jax
@@ -47,10 +48,8 @@ import numpy as np
 
 from mha_jax.attention import attention_core, rope_cos_sin, rotate
 from mha_jax.chunked import accumulation_dtype, fill_masked_rows, fold_scale
-from mha_spec import AttentionConfig, check_positions, check_qkv_shapes, mask_shape_4d
+from mha_spec import PROJECTIONS, SHARDINGS, AttentionConfig, check_positions, check_qkv_shapes, mask_shape_4d
 
-LAYOUTS = ("tp", "sp", "dp")
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "out_proj")
 
 
 def params_of(module) -> dict:
@@ -78,16 +77,16 @@ def axis_size(mesh, axis: str) -> int:
     return mesh.shape[axis]
 
 
-def check_layout(layout: str, n: int, *, B: int, T: int, S: int, N: int, K: int | None = None) -> None:
-    """Sizes a layout cannot split evenly over n shards are a ValueError (nothing is padded).
+def check_sharding(sharding: str, n: int, *, B: int, T: int, S: int, N: int, K: int | None = None) -> None:
+    """Sizes a sharding cannot split evenly over n shards are a ValueError (nothing is padded).
     tp splits the query heads N and the key/value heads K (None: N)."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout {layout!r} is not one of {LAYOUTS}")
+    if sharding not in SHARDINGS:
+        raise ValueError(f"sharding {sharding!r} is not one of {SHARDINGS}")
     heads = {"num_heads N": N} | ({} if K is None else {"num_kv_heads K": K})
-    sizes = {"tp": heads, "sp": {"query length T": T, "key length S": S}, "dp": {"batch B": B}}[layout]
+    sizes = {"tp": heads, "sp": {"query length T": T, "key length S": S}, "dp": {"batch B": B}}[sharding]
     for what, size in sizes.items():
         if size % n:
-            raise ValueError(f"layout {layout!r}: {what}={size} is not divisible by the {n} shards of the mesh axis")
+            raise ValueError(f"sharding {sharding!r}: {what}={size} is not divisible by the {n} shards of the mesh axis")
 
 
 def _check_dtypes(query, key, value) -> None:
@@ -240,31 +239,31 @@ def _dp_body(params, query, key, value, keep, positions, key_positions, *, cfg, 
     return _project(context.reshape(B, T, -1), params["out_proj"], dtype, precision)
 
 
-def layout_specs(layout: str, axis: str, keep_shape=None, *, qkv_bias: bool = True, out_bias: bool = True):
-    """(params spec, query spec, key/value spec, keep spec, output spec) of a layout; the params
+def sharding_specs(sharding: str, axis: str, keep_shape=None, *, qkv_bias: bool = True, out_bias: bool = True):
+    """(params spec, query spec, key/value spec, keep spec, output spec) of a sharding; the params
     spec has a "bias" entry where the layer has that bias."""
-    if layout == "tp":
+    if sharding == "tp":
         col = {"kernel": P(None, axis)} | ({"bias": P(axis)} if qkv_bias else {})
         row = {"kernel": P(axis, None)} | ({"bias": P()} if out_bias else {})
         params = {"q_proj": col, "k_proj": col, "v_proj": col, "out_proj": row}
         keep = P(None, axis if keep_shape and keep_shape[1] > 1 else None)
         return params, P(), P(), keep, P()
-    if layout == "sp":
+    if sharding == "sp":
         return P(), P(None, axis), P(None, axis), P(None, None, axis), P(None, axis)
     keep = P(axis if keep_shape and keep_shape[0] > 1 else None)
     return P(), P(axis), P(axis), keep, P(axis)
 
 
-def _positions_spec(layout: str, axis: str, shape):
+def _positions_spec(sharding: str, axis: str, shape):
     """Positions (B|1, L): sp splits L with the sequence, dp splits a per-row B with the batch."""
-    if layout == "sp":
+    if sharding == "sp":
         return P(None, axis)
-    return P(axis if layout == "dp" and shape[0] > 1 else None)
+    return P(axis if sharding == "dp" and shape[0] > 1 else None)
 
 
 def _whole_positions(pos, batch: int, length: int, name: str):
     """The whole problem's positions as (B|1, L) integers (None: arange(L)); a TypeError or ValueError
-    naming them otherwise. Every layout then cuts the rows it holds, so each block keeps its global positions."""
+    naming them otherwise. Every sharding then cuts the rows it holds, so each block keeps its global positions."""
     if pos is None:
         return jnp.arange(length)[None, :]
     if not isinstance(pos, (jax.Array, np.ndarray)) or np.dtype(pos.dtype).kind not in "iu":
@@ -298,29 +297,43 @@ def _layer(params, num_heads, num_kv_heads, rope, rope_theta, masked_rows) -> At
     return cfg
 
 
-def sharded_attention(params, query, key, value, mask=None, *, mesh, layout: str, num_heads: int,
+def _sharding_of(sharding, layout) -> str:
+    if layout is not None:
+        if sharding is not None:
+            raise TypeError("give sharding= only (layout= is its old spelling)")
+        warnings.warn("sharded_attention(layout=...) is spelled sharding=...", DeprecationWarning, stacklevel=3)
+        return layout
+    if sharding is None:
+        raise TypeError(f"sharded_attention needs sharding=, one of {SHARDINGS}")
+    return sharding
+
+
+def sharded_attention(params, query, key, value, mask=None, *, mesh, sharding: str | None = None, num_heads: int,
                       num_kv_heads: int | None = None, rope: str | None = None, rope_theta: float = 10000.0,
-                      positions=None, key_positions=None, masked_rows: str = "nan", axis: str = "x", precision=None):
-    """The output (B, T, E) of multi-head attention run over `axis` of `mesh` in `layout`.
+                      positions=None, key_positions=None, masked_rows: str = "nan", axis: str = "x", precision=None,
+                      layout: str | None = None):
+    """The output (B, T, E) of multi-head attention run over `axis` of `mesh` in `sharding`.
 
     params as `params_of` returns (no "bias" entry: a projection without bias); query
     (B, T, E), key and value (B, S, E), mask a keep-mask, and num_kv_heads, rope,
     rope_theta, positions (T,) | (B, T) and key_positions (S,) | (B, S) as for
     `mha_jax.MultiHeadAttention`, all of the whole problem. Call it under `jax.jit`;
-    `jax.grad` through it gives every parameter's and input's gradient.
+    `jax.grad` through it gives every parameter's and input's gradient. `layout=` is the old
+    spelling of `sharding=` (it warns).
     """
+    sharding = _sharding_of(sharding, layout)
     cfg = _layer(params, num_heads, num_kv_heads, rope, rope_theta, masked_rows)
     B, T, S = check_qkv_shapes(query.shape, key.shape, value.shape, cfg.embed_dim)
     _check_dtypes(query, key, value)
     if rope is None and (positions is not None or key_positions is not None):
         raise ValueError("positions/key_positions are given but rope=None: they would be ignored")
     n = axis_size(mesh, axis)
-    check_layout(layout, n, B=B, T=T, S=S, N=num_heads, K=cfg.kv_heads)
+    check_sharding(sharding, n, B=B, T=T, S=S, N=num_heads, K=cfg.kv_heads)
     keep = _keep4(mask, B, num_heads, T, S)
-    pspec, qspec, kvspec, keepspec, outspec = layout_specs(layout, axis, None if keep is None else keep.shape,
+    pspec, qspec, kvspec, keepspec, outspec = sharding_specs(sharding, axis, None if keep is None else keep.shape,
                                                            qkv_bias=cfg.qkv_bias, out_bias=cfg.out_bias)
     kw = {"cfg": cfg, "precision": precision, "axis": axis}
-    body = {"tp": _tp_body, "sp": partial(_sp_body, S_total=S), "dp": _dp_body}[layout]
+    body = {"tp": _tp_body, "sp": partial(_sp_body, S_total=S), "dp": _dp_body}[sharding]
     args, specs = [params, query, key, value], [pspec, qspec, kvspec, kvspec]
     # keep, positions, key_positions: an argument each where present, None (a constant) where not.
     extra = {"keep": None, "positions": None, "key_positions": None}
@@ -329,7 +342,7 @@ def sharded_attention(params, query, key, value, mask=None, *, mesh, layout: str
     if rope is not None:
         for name, pos, L in (("positions", positions, T), ("key_positions", key_positions, S)):
             whole = _whole_positions(pos, B, L, name)
-            extra[name] = (whole, _positions_spec(layout, axis, whole.shape))
+            extra[name] = (whole, _positions_spec(sharding, axis, whole.shape))
     present = [name for name, x in extra.items() if x is not None]
     args += [extra[name][0] for name in present]
     specs += [extra[name][1] for name in present]
@@ -354,7 +367,7 @@ def _reshard(tree, spec, mesh):
 def head_shardings(mesh, axis: str = "x", *, qkv_bias: bool = True, out_bias: bool = True) -> dict:
     """NamedShardings that split the heads: q/k/v kernels (E, N·H or K·H) by output columns (bias
     alike), the out kernel by input rows, the out bias replicated; no entry for an absent bias."""
-    spec, _, _, _, _ = layout_specs("tp", axis, qkv_bias=qkv_bias, out_bias=out_bias)
+    spec, _, _, _, _ = sharding_specs("tp", axis, qkv_bias=qkv_bias, out_bias=out_bias)
     return {p: {k: NamedSharding(mesh, s) for k, s in leaves.items()} for p, leaves in spec.items()}
 
 
@@ -366,7 +379,7 @@ def shard_heads(module, mesh, axis: str = "x"):
     sharded by head. Returns the module.
     """
     n = axis_size(mesh, axis)
-    check_layout("tp", n, B=n, T=n, S=n, N=module.num_heads, K=module.num_kv_heads)
+    check_sharding("tp", n, B=n, T=n, S=n, N=module.num_heads, K=module.num_kv_heads)
     cfg = module.config
     for p, leaves in head_shardings(mesh, axis, qkv_bias=cfg.qkv_bias, out_bias=cfg.out_bias).items():
         layer = getattr(module, p)

@@ -55,10 +55,10 @@ def _require_group(group=None) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def _check_divisible(layout: str, n: int, **sizes) -> None:
+def _check_divisible(sharding: str, n: int, **sizes) -> None:
     for what, size in sizes.items():
         if size % n:
-            raise ValueError(f"layout {layout!r}: {what}={size} is not divisible by the {n} ranks of the group")
+            raise ValueError(f"sharding {sharding!r}: {what}={size} is not divisible by the {n} ranks of the group")
 
 
 # ---------------------------------------------------------------- tensor parallel

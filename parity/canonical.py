@@ -16,7 +16,8 @@ from collections.abc import Mapping
 import ml_dtypes
 import numpy as np
 
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "out_proj")
+from mha_spec import PROJECTIONS
+
 CANONICAL_KEYS = tuple(f"{p}.{w}" for p in PROJECTIONS for w in ("weight", "bias"))
 SUPPORTED_DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32), np.dtype(np.float64))
 

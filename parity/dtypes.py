@@ -9,7 +9,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-DTYPES = ("float64", "float32", "bfloat16", "float16")
+from mha_spec import DTYPE_NAMES as DTYPES
 _NUMPY = {name: np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name) for name in DTYPES}
 
 

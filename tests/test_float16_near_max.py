@@ -59,7 +59,7 @@ def _jax_ring(sd, policy, q, k, v, keep):
 
     params = parallel.params_of(build("jax", sd, S.N, masked_rows=policy))
     mesh = parallel.make_mesh(1)
-    fn = jax.jit(lambda q, k, v: parallel.sharded_attention(params, q, k, v, keep, mesh=mesh, layout="sp", num_heads=S.N,
+    fn = jax.jit(lambda q, k, v: parallel.sharded_attention(params, q, k, v, keep, mesh=mesh, sharding="sp", num_heads=S.N,
                                                             masked_rows=policy))
     return np.asarray(fn(q, k, v))
 

@@ -9,8 +9,8 @@ E=24 N=8; a grouped-query layer with RoPE and no biases, B=4 T=20 S=12 E=96 N=16
 What each job list covers, and why no more: sharding bugs live in the split (tp: heads and a
 per-head mask; sp: query/key blocks, their mask columns and positions; dp: batch rows), the
 reduction (tp's all-reduce and its bias) and the ring (block order, the whole row's emptiness,
-mean V over every block). So every layout meets no mask and a mask it cuts; the masked-row
-policies run where a fill needs the whole sequence (sp); float32 runs once per layout; the
+mean V over every block). So every sharding meets no mask and a mask it cuts; the masked-row
+policies run where a fill needs the whole sequence (sp); float32 runs once per sharding; the
 one-device paths' own mask and policy semantics are tested elsewhere (tests/test_modules.py,
 tests/test_edges.py).
 """
@@ -25,20 +25,20 @@ import numpy as np
 import pytest
 import torch
 
-from parity.harness.sharded import MASK_KINDS, PLANTS, Job
+from mha_spec import SHARDINGS
+from parity.harness.sharded import PLANTS, SHARDED_MASK_KINDS, Job
 from parity.harness.sharded.cases import unsplittable
 from parity.harness.sharded.launch import finish, run_sharded, start
 
-LAYOUTS = ("tp", "sp", "dp")
 CLASSIC_F64 = {
     "tp": (("none", "nan"), ("random", "uniform"), ("random-heads", "zero")),
     "sp": (("none", "nan"), ("random", "nan"), ("random", "zero"), ("random", "uniform")),
     "dp": (("none", "nan"), ("random", "zero")),
 }
 GROUPED_F64 = {"tp": (("random-heads", "zero"),), "sp": (("random", "uniform"),), "dp": (("random", "nan"),)}
-F32 = (("random", "uniform"),)  # classic, every layout
+F32 = (("random", "uniform"),)  # classic, every sharding
 GSPMD = (("classic", ("random", "nan")), ("grouped-rope", ("random", "uniform")))
-# Each plant's own layout and one it must leave green, on jobs whose layer the plant can break.
+# Each plant's own sharding and one it must leave green, on jobs whose layer the plant can break.
 PLANT_JOBS = {
     "bias_per_shard": ("classic", ("random", "uniform"), {"tp": "tp", "other": "sp"}),
     "bias_grad_div": ("classic", ("random", "uniform"), {"tp": "tp", "other": "sp"}),
@@ -59,7 +59,7 @@ def _jobs(fw, layer, dtype, per_layout, devices=4):
 
 def _main_runs(fw):
     main = _jobs(fw, "classic", "float64", CLASSIC_F64) + _jobs(fw, "grouped-rope", "float64", GROUPED_F64)
-    main += _jobs(fw, "classic", "float32", {layout: F32 for layout in LAYOUTS})
+    main += _jobs(fw, "classic", "float32", {layout: F32 for layout in SHARDINGS})
     if fw == "jax":  # the unchanged module with head-sharded parameters, GSPMD under jit
         main += [Job(fw, "tp-gspmd", 4, mask, policy, "float64", layer=layer) for layer, (mask, policy) in GSPMD]
     runs = [{"jobs": main}]
@@ -115,20 +115,20 @@ def _bad(rows):
 
 
 @pytest.mark.parametrize("fw", ["jax", "torch"])
-def test_four_devices_every_layout_and_layer_passes(groups, fw):
+def test_four_devices_every_sharding_and_layer_passes(groups, fw):
     rows = groups((fw, 4))[0]
     assert not _bad(rows), "\n".join(_bad(rows))
     seen = {(r.impl, r.dtype, r.case, r.reference, r.quantity) for r in rows if r.device.startswith("4x")}
     expected = [(layer, dtype, layout, mp) for layer, dtype, table in (("classic", "float64", CLASSIC_F64), ("grouped-rope", "float64", GROUPED_F64),
-                                                                      ("classic", "float32", {layout: F32 for layout in LAYOUTS}))
+                                                                      ("classic", "float32", {layout: F32 for layout in SHARDINGS}))
                 for layout, mps in table.items() for mp in mps]
     for layer, dtype, layout, (mask, policy) in expected:
         for ref in ("oracle", "one-device"):
             for q in ("output", "d_inputs", "d_params"):
                 assert (f"{fw}-{layout}", dtype, f"{layer}/{mask}/{policy}", ref, q) in seen
-    # every policy meets fully masked rows on the ring, every mask kind runs on some layout
+    # every policy meets fully masked rows on the ring, every mask kind runs on some sharding
     assert {c.split("/", 2)[2] for (i, _, c, _, _) in seen if i == f"{fw}-sp" and "/none/" not in c} == {"nan", "zero", "uniform"}
-    assert {c.split("/")[1] for (_, _, c, _, _) in seen} == set(MASK_KINDS)
+    assert {c.split("/")[1] for (_, _, c, _, _) in seen} == set(SHARDED_MASK_KINDS)
     if fw == "jax":
         assert {(d, c) for (i, d, c, _, _) in seen if i == "jax-tp-gspmd"} == {("float64", "classic/random/nan"),
                                                                                  ("float64", "grouped-rope/random/uniform")}
@@ -154,7 +154,7 @@ EXPECTED_FAILS = {
 
 @pytest.mark.parametrize("fw", ["jax", "torch"])
 @pytest.mark.parametrize("plant", list(PLANTS))
-def test_planted_bug_turns_its_layout_red(groups, fw, plant):
+def test_planted_bug_turns_its_sharding_red(groups, fw, plant):
     runs = groups((fw, 4))
     rows = runs[1 + list(PLANTS).index(plant)]
     layout = PLANTS[plant]
@@ -179,33 +179,37 @@ def test_jax_bad_configurations_are_clear_errors():
     x = rng.standard_normal((2, 6, 12))
     mesh = parallel.make_mesh(1, "x")
     with pytest.raises(ValueError, match=r"mesh has no axis 'tp'; its axes are \('x',\)"):
-        parallel.sharded_attention(sd, x, x, x, mesh=mesh, layout="tp", num_heads=3, axis="tp")
-    with pytest.raises(ValueError, match="layout 'pp' is not one of"):
-        parallel.sharded_attention(sd, x, x, x, mesh=mesh, layout="pp", num_heads=3)
-    with pytest.raises(ValueError, match=r"layout 'tp': num_heads N=3 is not divisible by the 2 shards"):
-        parallel.check_layout("tp", 2, B=2, T=6, S=6, N=3)
-    with pytest.raises(ValueError, match=r"layout 'tp': num_kv_heads K=2 is not divisible by the 4 shards"):
-        parallel.check_layout("tp", 4, B=2, T=6, S=6, N=8, K=2)
-    with pytest.raises(ValueError, match=r"layout 'sp': key length S=7 is not divisible by the 2 shards"):
-        parallel.check_layout("sp", 2, B=2, T=6, S=7, N=3)
-    with pytest.raises(ValueError, match=r"layout 'dp': batch B=3 is not divisible by the 2 shards"):
-        parallel.check_layout("dp", 2, B=3, T=6, S=6, N=3)
+        parallel.sharded_attention(sd, x, x, x, mesh=mesh, sharding="tp", num_heads=3, axis="tp")
+    with pytest.raises(ValueError, match="sharding 'pp' is not one of"):
+        parallel.sharded_attention(sd, x, x, x, mesh=mesh, sharding="pp", num_heads=3)
+    with pytest.warns(DeprecationWarning, match="spelled sharding="), pytest.raises(ValueError, match="sharding 'pp'"):
+        parallel.sharded_attention(sd, x, x, x, mesh=mesh, layout="pp", num_heads=3)  # the old keyword still reaches the check
+    with pytest.raises(TypeError, match="needs sharding="):
+        parallel.sharded_attention(sd, x, x, x, mesh=mesh, num_heads=3)
+    with pytest.raises(ValueError, match=r"sharding 'tp': num_heads N=3 is not divisible by the 2 shards"):
+        parallel.check_sharding("tp", 2, B=2, T=6, S=6, N=3)
+    with pytest.raises(ValueError, match=r"sharding 'tp': num_kv_heads K=2 is not divisible by the 4 shards"):
+        parallel.check_sharding("tp", 4, B=2, T=6, S=6, N=8, K=2)
+    with pytest.raises(ValueError, match=r"sharding 'sp': key length S=7 is not divisible by the 2 shards"):
+        parallel.check_sharding("sp", 2, B=2, T=6, S=7, N=3)
+    with pytest.raises(ValueError, match=r"sharding 'dp': batch B=3 is not divisible by the 2 shards"):
+        parallel.check_sharding("dp", 2, B=3, T=6, S=6, N=3)
     with pytest.raises(TypeError, match="query, key and value dtypes differ"):
-        parallel.sharded_attention(sd, x, x.astype(np.float32), x, mesh=mesh, layout="dp", num_heads=3)
+        parallel.sharded_attention(sd, x, x.astype(np.float32), x, mesh=mesh, sharding="dp", num_heads=3)
     with pytest.raises(ValueError, match="a mesh of 3 devices needs 3"):
         parallel.make_mesh(3, devices=jax.devices()[:1])
     # k/v kernels of the wrong width for num_kv_heads; a partial set of q/k/v biases; positions without RoPE
     with pytest.raises(ValueError, match=r"params\['k_proj'\]\['kernel'\] has shape \(12, 12\), expected \(12, 4\) .*K=1"):
-        parallel.sharded_attention(sd, x, x, x, mesh=mesh, layout="dp", num_heads=3, num_kv_heads=1)
+        parallel.sharded_attention(sd, x, x, x, mesh=mesh, sharding="dp", num_heads=3, num_kv_heads=1)
     no_k_bias = {**sd, "k_proj": {"kernel": sd["k_proj"]["kernel"]}}
     with pytest.raises(ValueError, match="q/k/v biases come all three or none"):
-        parallel.sharded_attention(no_k_bias, x, x, x, mesh=mesh, layout="dp", num_heads=3)
+        parallel.sharded_attention(no_k_bias, x, x, x, mesh=mesh, sharding="dp", num_heads=3)
     with pytest.raises(ValueError, match="positions/key_positions are given but rope=None"):
-        parallel.sharded_attention(sd, x, x, x, mesh=mesh, layout="sp", num_heads=3, positions=np.arange(6))
+        parallel.sharded_attention(sd, x, x, x, mesh=mesh, sharding="sp", num_heads=3, positions=np.arange(6))
     with pytest.raises(ValueError, match=r"positions must have shape \(6,\) or \(2, 6\), got \(5,\)"):
-        parallel.sharded_attention(sd, x, x, x, mesh=mesh, layout="sp", num_heads=3, rope="half", positions=np.arange(5))
+        parallel.sharded_attention(sd, x, x, x, mesh=mesh, sharding="sp", num_heads=3, rope="half", positions=np.arange(5))
     with pytest.raises(TypeError, match="key_positions must be a jax or numpy array of integers"):
-        parallel.sharded_attention(sd, x, x, x, mesh=mesh, layout="sp", num_heads=3, rope="half", key_positions=np.ones(6))
+        parallel.sharded_attention(sd, x, x, x, mesh=mesh, sharding="sp", num_heads=3, rope="half", key_positions=np.ones(6))
 
 
 def test_torch_without_a_process_group_is_a_clear_error():
@@ -219,7 +223,7 @@ def test_torch_without_a_process_group_is_a_clear_error():
                  lambda: parallel.all_reduce_grads(m), lambda: parallel.parallelize_heads(m, None)):
         with pytest.raises(RuntimeError, match="torch.distributed is not initialised: call torch.distributed.init_process_group"):
             call()
-    with pytest.raises(ValueError, match=r"layout 'tp': num_heads N=3 is not divisible by the 2 ranks"):
+    with pytest.raises(ValueError, match=r"sharding 'tp': num_heads N=3 is not divisible by the 2 ranks"):
         parallel._check_divisible("tp", 2, **{"num_heads N": 3})
 
 
@@ -235,15 +239,15 @@ def test_torch_plan_is_colwise_qkv_rowwise_out():
 
 
 def test_unsplittable_sizes_give_skip_rows_without_launching():
-    rows = run_sharded(devices=3, layouts=("tp", "dp"), frameworks=("jax", "torch"), dtypes=("float64",))
+    rows = run_sharded(devices=3, shardings=("tp", "dp"), frameworks=("jax", "torch"), dtypes=("float64",))
     assert rows and all(r.status == "skip" for r in rows)
     assert {r.message for r in rows} == {"N=8 not divisible by 3 devices", "N=16, K=8 not divisible by 3 devices",
                                          "B=4 not divisible by 3 devices"}
     # the key/value heads alone: N=16 splits over 16 devices, K=8 does not
     assert unsplittable(Job("torch", "tp", 16, "none", "nan", "float64", layer="grouped-rope")) == "K=8 not divisible by 16 devices"
     assert unsplittable(Job("jax", "tp-gspmd", 16, "none", "nan", "float64", layer="grouped-rope")) == "K=8 not divisible by 16 devices"
-    with pytest.raises(ValueError, match="unknown layout"):
-        run_sharded(devices=2, layouts=("pp",))
+    with pytest.raises(ValueError, match="unknown sharding"):
+        run_sharded(devices=2, shardings=("pp",))
     with pytest.raises(ValueError, match="unknown layer"):
         run_sharded(devices=2, layers=("llama",))
 
@@ -298,7 +302,7 @@ def test_jax_ring_fills_a_masked_row_with_a_finite_mean_of_large_values():
     x = np.zeros((1, T, E), np.float32)
     mesh = parallel.make_mesh(1)
     out = jax.jit(lambda v: parallel.sharded_attention(params, x, x[:, :1].repeat(S, 1), v, _big_v_keep(T, S), mesh=mesh,
-                                                       layout="sp", num_heads=2, num_kv_heads=1, masked_rows="uniform"))(value)
+                                                       sharding="sp", num_heads=2, num_kv_heads=1, masked_rows="uniform"))(value)
     out = np.asarray(out)  # (1, T, E): both query heads' contexts side by side
     assert np.isfinite(out).all(), out
     np.testing.assert_allclose(out[0, 0], np.concatenate([_MEAN_V, _MEAN_V]), rtol=1e-6)

@@ -63,7 +63,7 @@ def _jax_worker(cfg: dict) -> list[dict]:
     import jax
     import numpy as np
 
-    from mha_jax.parallel import PROJECTIONS, layout_specs, make_mesh, sharded_attention
+    from mha_jax.parallel import PROJECTIONS, make_mesh, sharded_attention, sharding_specs
 
     B, T, E, N, n = cfg["B"], cfg["T"], cfg["E"], cfg["N"], cfg["devices"]
     rng = np.random.default_rng(0)
@@ -72,11 +72,11 @@ def _jax_worker(cfg: dict) -> list[dict]:
     rows = []
     for layout in cfg["layouts"]:
         mesh = make_mesh(n)
-        pspec, qspec, kvspec, _, outspec = layout_specs(layout, "x")
+        pspec, qspec, kvspec, _, outspec = sharding_specs(layout, "x")
         in_shardings = tuple(_shardings(spec, mesh) for spec in (pspec, qspec, kvspec, kvspec))
 
         def fwd(p, q, k, v, layout=layout, mesh=mesh):
-            return sharded_attention(p, q, k, v, mesh=mesh, layout=layout, num_heads=N)
+            return sharded_attention(p, q, k, v, mesh=mesh, sharding=layout, num_heads=N)
 
         f = jax.jit(fwd, in_shardings=in_shardings, out_shardings=_shardings(outspec, mesh))
         args = jax.device_put((params, x, x, x), in_shardings)

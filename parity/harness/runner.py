@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import fnmatch
 import time
+import warnings
 from dataclasses import dataclass
 
 from mha_spec.files import check_writable, write_atomic
@@ -126,8 +127,9 @@ def run(
     on_start=None,
     should_stop=None,
     devices: int | None = None,
-    layouts=None,
+    shardings=None,
     job_timeout_s: float | None = None,
+    layouts=None,
 ) -> Report:
     """Run the parity matrix; return the report (and write it, if paths are given).
 
@@ -141,8 +143,8 @@ def run(
     ours and/or `parity.impls.Implementation` objects (your own; see `select_impls`).
     on_start(total_units) and on_progress(description) drive a progress bar;
     should_stop() is asked between units (a graceful Ctrl-C). devices >= 2 adds the sharded
-    check (`parity.harness.sharded`: tensor-, sequence- and data-parallel layouts over that many
-    simulated CPU devices / gloo processes; `layouts` filters them; job_timeout_s: how long a
+    check (`parity.harness.sharded`: tensor-, sequence- and data-parallel shardings over that many
+    simulated CPU devices / gloo processes; `shardings` filters them (`layouts`: its old spelling, warns); job_timeout_s: how long a
     sharded worker group may go without finishing a job, default
     parity.harness.sharded.launch.DEFAULT_JOB_TIMEOUT_S; should_stop() is polled while the workers run,
     and they stop between jobs). A unit that raises
@@ -166,7 +168,7 @@ def run(
                                 for c, d in p.units for ch in p.checks]
             else:
                 _loop(report, p, seed, _runners(p.device), on_progress, should_stop, state_dict)
-                report.rows += _sharded(devices, layouts, p.dtypes, p.checks, seed, should_stop, job_timeout_s)
+                report.rows += _sharded(devices, _shardings(shardings, layouts), p.dtypes, p.checks, seed, should_stop, job_timeout_s)
                 if should_stop is not None and should_stop():  # the sharded workers stopped between jobs
                     report.interrupted = True
         except KeyboardInterrupt:
@@ -265,18 +267,24 @@ def _loop(report, p: RunPlan, seed, runners, on_progress, should_stop, state_dic
         report.rows += _run_unit(case, dtype, seed, p.checks, p.impls, p.peers, runners, state_dict)
 
 
-def _sharded(devices, layouts, dtypes, checks, seed, should_stop, job_timeout_s=None) -> list[Row]:
-    """The sharded layouts across `devices` processes/devices, when asked (float64 and float32 only)."""
+def _shardings(shardings, layouts):
+    if layouts is not None:
+        warnings.warn("run(layouts=...) is spelled shardings=...", DeprecationWarning, stacklevel=3)
+    return shardings if layouts is None else layouts
+
+
+def _sharded(devices, shardings, dtypes, checks, seed, should_stop, job_timeout_s=None) -> list[Row]:
+    """The sharded check across `devices` processes/devices, when asked (float64 and float32 only)."""
     if "sharded" not in checks or not devices or (should_stop is not None and should_stop()):
         return []
-    from parity.harness.sharded import LAYOUTS, run_sharded
+    from parity.harness.sharded import SHARDINGS, run_sharded
 
     wide = tuple(d for d in dtypes if d in ("float64", "float32"))
     if devices < 2 or not wide:
-        why = "--devices must be at least 2" if devices < 2 else "sharded layouts are checked in float64/float32 only"
+        why = "--devices must be at least 2" if devices < 2 else "sharded checks run in float64/float32 only"
         return [Row("*", "sharded", "*", "*", "*", device_label("cpu"), "skip", message=why)]
     timeout = {} if job_timeout_s is None else {"job_timeout_s": job_timeout_s}
-    return run_sharded(devices=devices, layouts=tuple(layouts or LAYOUTS), dtypes=wide, seed=seed, should_stop=should_stop, **timeout)
+    return run_sharded(devices=devices, shardings=tuple(shardings or SHARDINGS), dtypes=wide, seed=seed, should_stop=should_stop, **timeout)
 
 
 def case_inputs(case, seed: int, state_dict=None):

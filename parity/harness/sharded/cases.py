@@ -1,6 +1,6 @@
 """What a sharded check runs and how it is judged; imports neither framework.
 
-A `Job` is one (framework, layout, device count, layer, mask kind, policy, dtype). The
+A `Job` is one (framework, sharding, device count, layer, mask kind, policy, dtype). The
 layer and its sizes are an `mha_spec.Problem` (`PROBLEMS`): the classic layer and a
 grouped-query layer with RoPE and bias-free projections. A job's inputs are a seeded draw
 (`inputs`), and a worker computes the sharded output and gradients and the one-device
@@ -19,18 +19,17 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from mha_spec import AttentionConfig, Problem
+from mha_spec import SHARDINGS, AttentionConfig, Problem
 from parity import draw, reference
 from parity.dtypes import numpy_dtype
 from parity.harness.judge import judge_grads, status
 from parity.harness.report import Row
+from parity.implementation import FRAMEWORKS
 from parity.tolerances import tolerance_for
 
-LAYOUTS = ("tp", "sp", "dp")
-JAX_ONLY_LAYOUTS = ("tp-gspmd",)  # the unchanged module, parameters head-sharded, GSPMD under jit
-FRAMEWORKS = ("torch", "jax")
+JAX_ONLY_SHARDINGS = ("tp-gspmd",)  # the unchanged module, parameters head-sharded, GSPMD under jit
 
-# Within a layer, sizes pairwise distinct and divisible by 2 and 4 where a layout splits them:
+# Within a layer, sizes pairwise distinct and divisible by 2 and 4 where a sharding splits them:
 # dp splits B, tp the query heads N and the key/value heads K, sp T and S (cross-attention).
 PROBLEMS = {
     "classic": Problem(AttentionConfig(24, 8), B=4, T=16, S=12),  # H=3
@@ -40,14 +39,14 @@ PROBLEMS = {
 }
 """The layers and sizes the sharded check runs (masked_rows is the job's)."""
 
-MASK_KINDS = ("none", "random", "random-heads")
+SHARDED_MASK_KINDS = ("none", "random", "random-heads")
 """none; random: a keep-mask per batch row (B, 1, T, S) with a fully masked row, a full row and a row
 empty in every ring block but the last; random-heads: one per head (B, N, T, S), tp cuts it with the heads."""
 
 MASK_POLICIES = (("none", "nan"), ("random", "nan"), ("random", "zero"), ("random", "uniform"), ("random-heads", "zero"))
 """Every mask kind and every policy, each policy meeting fully masked rows. The policies matter for
 sharding where a fill needs the whole sequence (mean V over the ring's blocks); the masks where a
-layout cuts them (query rows, heads, batch rows) and where the ring slices them per key block."""
+sharding cuts them (query rows, heads, batch rows) and where the ring slices them per key block."""
 
 PLANTS = {
     "bias_per_shard": "tp",  # the out bias added on every shard before the all-reduce
@@ -55,13 +54,13 @@ PLANTS = {
     "ring_mask_offset": "sp",  # the key-block mask sliced one block off
     "ring_local_positions": "sp",  # each ring block rotated with positions counted from its own start
 }
-"""Planted bugs for the tests, and the layout each one breaks."""
+"""Planted bugs for the tests, and the sharding each one breaks."""
 
 
 @dataclass(frozen=True)
 class Job:
     framework: str
-    layout: str
+    sharding: str
     devices: int
     mask: str
     masked_rows: str
@@ -72,8 +71,8 @@ class Job:
     def __post_init__(self):
         if self.layer not in PROBLEMS:
             raise ValueError(f"unknown layer {self.layer!r}; known: {tuple(PROBLEMS)}")
-        if self.mask not in MASK_KINDS:
-            raise ValueError(f"unknown mask kind {self.mask!r}; known: {MASK_KINDS}")
+        if self.mask not in SHARDED_MASK_KINDS:
+            raise ValueError(f"unknown mask kind {self.mask!r}; known: {SHARDED_MASK_KINDS}")
 
     @property
     def problem(self) -> Problem:
@@ -87,36 +86,36 @@ class Job:
 
     @property
     def impl(self) -> str:
-        return f"{self.framework}-{self.layout}"
+        return f"{self.framework}-{self.sharding}"
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def jobs(*, devices: int, layouts=LAYOUTS, frameworks=FRAMEWORKS, dtypes=("float64", "float32"),
+def jobs(*, devices: int, shardings=SHARDINGS, frameworks=FRAMEWORKS, dtypes=("float64", "float32"),
          mask_policies=MASK_POLICIES, layers=tuple(PROBLEMS), seed: int = 0) -> list[Job]:
-    """Every (framework, dtype, layer, layout, mask and policy) job, in that order; each selection is a
-    set (a repeated name runs once, first-seen order), and an unknown layout, framework or layer is a
+    """Every (framework, dtype, layer, sharding, mask and policy) job, in that order; each selection is a
+    set (a repeated name runs once, first-seen order), and an unknown sharding, framework or layer is a
     ValueError."""
-    layouts, frameworks, dtypes, mask_policies, layers = (tuple(dict.fromkeys(x)) for x in (layouts, frameworks, dtypes, mask_policies, layers))
-    for name, allowed, given in (("layout", LAYOUTS + JAX_ONLY_LAYOUTS, layouts), ("framework", FRAMEWORKS, frameworks),
+    shardings, frameworks, dtypes, mask_policies, layers = (tuple(dict.fromkeys(x)) for x in (shardings, frameworks, dtypes, mask_policies, layers))
+    for name, allowed, given in (("sharding", SHARDINGS + JAX_ONLY_SHARDINGS, shardings), ("framework", FRAMEWORKS, frameworks),
                                  ("layer", tuple(PROBLEMS), layers)):
         bad = [x for x in given if x not in allowed]
         if bad:
             raise ValueError(f"unknown {name}(s) {bad}; known: {allowed}")
     return [
-        Job(fw, layout, devices, mask, policy, dtype, seed, layer)
-        for fw in frameworks for dtype in dtypes for layer in layers for layout in layouts for mask, policy in mask_policies
-        if fw == "jax" or layout not in JAX_ONLY_LAYOUTS
+        Job(fw, sharding, devices, mask, policy, dtype, seed, layer)
+        for fw in frameworks for dtype in dtypes for layer in layers for sharding in shardings for mask, policy in mask_policies
+        if fw == "jax" or sharding not in JAX_ONLY_SHARDINGS
     ]
 
 
 def unsplittable(job: Job) -> str:
-    """Why `job.devices` cannot split what the job's layout splits ("" if it can)."""
+    """Why `job.devices` cannot split what the job's sharding splits ("" if it can)."""
     p = job.problem
     heads = {"N": p.config.num_heads} | ({"K": p.config.kv_heads} if "grouped" in p.config.features else {})
     sizes = {"tp": heads, "sp": {"T": p.T, "S": p.S}, "dp": {"B": p.B}}
-    bad = [f"{k}={v}" for k, v in sizes["tp" if job.layout == "tp-gspmd" else job.layout].items() if v % job.devices]
+    bad = [f"{k}={v}" for k, v in sizes["tp" if job.sharding == "tp-gspmd" else job.sharding].items() if v % job.devices]
     return f"{', '.join(bad)} not divisible by {job.devices} devices" if bad else ""
 
 
@@ -164,7 +163,7 @@ def _positions(rng: np.random.Generator, B: int, L: int) -> np.ndarray:
 
 def inputs(job: Job) -> JobInputs:
     """A job's draw: a pure function of (seed, layer, mask kind), rounded to the job's dtype.
-    Jobs that differ only in their layout, policy or dtype see the same numbers."""
+    Jobs that differ only in their sharding, policy or dtype see the same numbers."""
     p, dtype = job.problem, numpy_dtype(job.dtype)
     cfg = p.config
     rng = np.random.default_rng([job.seed, zlib.crc32(f"{job.layer}/{job.mask}".encode())])
@@ -201,8 +200,8 @@ def judge_job(job: Job, inp: JobInputs, sharded: dict, one_device: dict, device:
             rows.append(Row(
                 job.case, "sharded", job.impl, ref_name, job.dtype, device, status(c), quantity,
                 c.max_abs_err, c.max_rel_err, c.atol, c.rtol,
-                stage="" if c.passed else f"{job.layout}:{'forward' if quantity == 'output' else 'backward'}",
-                message=f"{job.layout} over {job.devices} devices; {note}",
+                stage="" if c.passed else f"{job.sharding}:{'forward' if quantity == 'output' else 'backward'}",
+                message=f"{job.sharding} over {job.devices} devices; {note}",
             ))
     return rows
 

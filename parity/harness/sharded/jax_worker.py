@@ -68,7 +68,7 @@ def _module(job, inp):
 
 
 _COMPILED: dict = {}
-"""Jitted programs by (kind, layer, layout, devices, policy, dtype, mask?, plant): jobs that differ
+"""Jitted programs by (kind, layer, sharding, devices, policy, dtype, mask?, plant): jobs that differ
 only in their numbers (mask kinds, seeds) reuse one compilation."""
 
 
@@ -86,7 +86,7 @@ def _sharded_program(job, mesh):
 
     def fwd_bwd(params, q, k, v, keep, pos, cot):
         def fwd(p, q, k, v):
-            return sharded_attention(p, q, k, v, keep, mesh=mesh, layout=job.layout, num_heads=job.problem.config.num_heads,
+            return sharded_attention(p, q, k, v, keep, mesh=mesh, sharding=job.sharding, num_heads=job.problem.config.num_heads,
                                      **pos, **_layer_kwargs(job))
 
         out, vjp = jax.vjp(fwd, params, q, k, v)
@@ -108,9 +108,9 @@ def _run_sharded(job, inp, mesh, plant) -> dict:
     rep = NamedSharding(mesh, P())
     from parity.harness.sharded.cases import PLANTS
 
-    # A plant patches a function only its own layout traces; the others reuse their programs.
-    key = ("sharded", job.layer, job.layout, job.devices, job.masked_rows, job.dtype, inp.keep is None,
-           plant if PLANTS.get(plant) == job.layout else None)
+    # A plant patches a function only its own sharding traces; the others reuse their programs.
+    key = ("sharded", job.layer, job.sharding, job.devices, job.masked_rows, job.dtype, inp.keep is None,
+           plant if PLANTS.get(plant) == job.sharding else None)
     program = _compiled(key, lambda: _sharded_program(job, mesh))
     args = (_params(inp.state_dict), inp.query, inp.key, inp.value, inp.keep, _positions(inp), inp.cotangent)
     out, (gp, gq, gk, gv) = program(*jax.tree.map(lambda x: _global(x, rep), args))
@@ -208,7 +208,7 @@ def run_jobs(jobs, plant=None):
             device = f"{job.devices}x{platform}" + (f" ({jax.process_count()} processes)" if jax.process_count() > 1 else "")
             try:
                 inp = inputs(job)
-                run = _run_gspmd if job.layout == "tp-gspmd" else partial(_run_sharded, plant=plant)
+                run = _run_gspmd if job.sharding == "tp-gspmd" else partial(_run_sharded, plant=plant)
                 sharded = run(job, inp, make_mesh(job.devices))
                 rows = judge_job(job, inp, sharded, _run_one_device(job, inp), device) if jax.process_index() == 0 else []
             except Exception as exc:  # one job's failure is an error row; the rest still runs

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 
 from parity.harness.report import Row
-from parity.harness.sharded.cases import FRAMEWORKS, LAYOUTS, MASK_POLICIES, PROBLEMS, Job, error_rows, jobs, unsplittable
+from parity.harness.sharded.cases import FRAMEWORKS, MASK_POLICIES, PROBLEMS, SHARDINGS, Job, error_rows, jobs, unsplittable
 from parity.workers import Group, free_port, read_rows, wait, worker_env
 
 DEFAULT_JOB_TIMEOUT_S = 600.0
@@ -97,24 +98,27 @@ def finish(groups, *, timeout_s: float = DEFAULT_JOB_TIMEOUT_S, should_stop=None
             g.close()
 
 
-def run_sharded(*, devices: int, layouts=LAYOUTS, frameworks=FRAMEWORKS, dtypes=("float64", "float32"), seed: int = 0,
+def run_sharded(*, devices: int, shardings=SHARDINGS, frameworks=FRAMEWORKS, dtypes=("float64", "float32"), seed: int = 0,
                 mask_policies=MASK_POLICIES, layers=tuple(PROBLEMS), jax_processes: int = 1,
-                job_timeout_s: float = DEFAULT_JOB_TIMEOUT_S, should_stop=None) -> list[Row]:
-    """Every (framework, layer, layout, mask kind and policy, dtype) over `devices` CPU devices, judged.
+                job_timeout_s: float = DEFAULT_JOB_TIMEOUT_S, should_stop=None, layouts=None) -> list[Row]:
+    """Every (framework, layer, sharding, mask kind and policy, dtype) over `devices` CPU devices, judged.
 
-    Rows (check="sharded", impl "<framework>-<layout>") compare output, d_inputs and d_params
+    Rows (check="sharded", impl "<framework>-<sharding>") compare output, d_inputs and d_params
     with the float64 oracle and with the framework's one-device module. JAX runs in one
     subprocess with `devices` simulated devices (or `jax_processes` processes joined by
     jax.distributed); torch runs `devices` gloo processes. The frameworks' groups run at
-    the same time. A layout whose sizes do not split over `devices` (tp: the query heads N and the
-    key/value heads K; sp: T and S; dp: B) gives skip rows naming them. A repeated layout,
+    the same time. A sharding whose sizes do not split over `devices` (tp: the query heads N and the
+    key/value heads K; sp: T and S; dp: B) gives skip rows naming them. A repeated sharding,
     framework, dtype or layer runs once. layers: names of `PROBLEMS` (the classic layer, a
-    grouped-query layer with RoPE and no biases).
+    grouped-query layer with RoPE and no biases). `layouts` is the old spelling of `shardings` (it warns).
 
     should_stop() is polled while the workers run: once true, they stop after their current
     job and the rows of the finished jobs are returned (the caller knows it asked). A group
     that finishes no job for job_timeout_s seconds is killed; its unfinished jobs are error rows.
     """
+    if layouts is not None:
+        warnings.warn("run_sharded(layouts=...) is spelled shardings=...", DeprecationWarning, stacklevel=2)
+        shardings = layouts
     if devices < 1:
         raise ValueError(f"devices must be >= 1, got {devices}")
     bad_dtypes = [d for d in dtypes if d not in ("float64", "float32")]
@@ -124,7 +128,7 @@ def run_sharded(*, devices: int, layouts=LAYOUTS, frameworks=FRAMEWORKS, dtypes=
     try:
         for fw in dict.fromkeys(frameworks):
             runnable = []
-            for job in jobs(devices=devices, layouts=layouts, frameworks=(fw,), dtypes=dtypes, mask_policies=mask_policies,
+            for job in jobs(devices=devices, shardings=shardings, frameworks=(fw,), dtypes=dtypes, mask_policies=mask_policies,
                             layers=layers, seed=seed):
                 why = unsplittable(job)
                 if why:

@@ -63,8 +63,8 @@ def _run_sharded(job, inp, mesh) -> dict:
     q, k, v, cot = (x.clone().requires_grad_(i < 3) for i, x in enumerate(_tensors(inp)))
     B, T, S = q.shape[0], q.shape[1], k.shape[1]
     keep = None if inp.keep is None else torch.from_numpy(inp.keep)
-    pos = _positions(inp)  # the whole problem's: each layout cuts what it splits
-    if job.layout == "tp":
+    pos = _positions(inp)  # the whole problem's: each sharding cuts what it splits
+    if job.sharding == "tp":
         parallel.parallelize_heads(module, mesh)
         if keep is not None and keep.shape[1] > 1:  # a per-head mask: tp_forward cuts it to this rank's heads
             output, _ = parallel.tp_forward(module, q, k, v, keep, **pos)
@@ -72,14 +72,14 @@ def _run_sharded(job, inp, mesh) -> dict:
             output, _ = module(q, k, v, keep, need_weights=False, **pos)  # the module itself, under the DTensor plan
         (output * cot).sum().backward()
     else:
-        cut = {"sp": lambda x, L: x[:, r * (L // n):(r + 1) * (L // n)], "dp": lambda x, L: x[r * (B // n):(r + 1) * (B // n)]}[job.layout]
-        forward = parallel.sequence_parallel_forward if job.layout == "sp" else parallel.data_parallel_forward
+        cut = {"sp": lambda x, L: x[:, r * (L // n):(r + 1) * (L // n)], "dp": lambda x, L: x[r * (B // n):(r + 1) * (B // n)]}[job.sharding]
+        forward = parallel.sequence_parallel_forward if job.sharding == "sp" else parallel.data_parallel_forward
         block = forward(module, cut(q, T), cut(k, S), cut(v, S), keep, **pos)
         (block * cut(cot, T)).sum().backward()
         parallel.all_reduce_grads(module)
-        output = _gather(block.detach(), 1 if job.layout == "sp" else 0)
+        output = _gather(block.detach(), 1 if job.sharding == "sp" else 0)
     out = {"output": output, "query": q.grad, "key": k.grad, "value": v.grad}
-    if job.layout != "tp":
+    if job.sharding != "tp":
         out.update({name: _summed(out[name]) for name in ("query", "key", "value")})
     out.update(parallel.full_grads(module))
     return {name: x.detach().numpy() for name, x in out.items()}
