@@ -258,11 +258,22 @@ def compare(actual, expected, tol: Tolerance) -> Comparison:
                       *counts(actual, expected))
 
 
-def compare_three_way(actual, expected64, low_dtype_oracle, k: float, floor: float) -> Comparison:
-    """16-bit judge: err(actual, exact) <= k * err(low-dtype oracle, exact) + floor."""
+def three_way(actual, expected64, k: float, yard_err: float, atol: float, floor: float = 0.0,
+              pair: bool = False) -> Comparison:
+    """The 16-bit judge: max |actual - exact| <= max(k * yard_err + atol, floor), NaNs at the same places.
+
+    yard_err: the yardstick, err(the oracle's own maths in the dtype, exact); atol: the table's
+    floor for a yardstick that is ~0; floor: a larger least bound where one applies (a true-zero
+    gradient's or a reduction's, `gradient_floors`, `reduction_floors`). pair: `actual` and
+    `expected64` are two candidates, each of which may be k yardsticks off the oracle in opposite
+    directions (one 16-bit ulp apart is normal), so the yardstick term is doubled."""
     max_abs, max_rel, nan_mismatch = errors(actual, expected64)
-    yardstick, _, _ = errors(low_dtype_oracle, expected64)
-    atol = k * yardstick + floor
-    ok = bounded(max_abs, atol)
-    return Comparison(max_abs, max_rel, atol, 0.0, nan_mismatch, ok and nan_mismatch == 0, ok,
+    bound = max((2 if pair else 1) * k * yard_err + atol, floor)
+    ok = bounded(max_abs, bound)
+    return Comparison(max_abs, max_rel, bound, 0.0, nan_mismatch, ok and nan_mismatch == 0, ok,
                       *counts(actual, expected64))
+
+
+def compare_three_way(actual, expected64, low_dtype_oracle, k: float, atol: float) -> Comparison:
+    """`three_way` with the yardstick measured here: err(low_dtype_oracle, exact)."""
+    return three_way(actual, expected64, k, errors(low_dtype_oracle, expected64)[0], atol)

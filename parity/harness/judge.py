@@ -10,6 +10,8 @@ Implementation-vs-implementation rows use the same bound, with the 16-bit yardst
 measured on the oracle (so two candidates may each be off by it).
 A 16-bit gradient whose true value is zero is judged against the floor of
 `parity.tolerances.gradient_floors` (its yardstick is ~0 too).
+The arithmetic is `parity.tolerances` (`compare`, `three_way`); this module picks which applies
+and merges several arrays into one row.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from parity import reference
-from parity.tolerances import Comparison, Tolerance, bounded, compare, counts, errors
+from parity.tolerances import Comparison, Tolerance, compare, errors, three_way
 
 
 def judge(actual, expected, tol: Tolerance, k: float | None = None, yardstick=None, yard_err: float | None = None,
@@ -30,15 +32,8 @@ def judge(actual, expected, tol: Tolerance, k: float | None = None, yardstick=No
     if k is None or (yardstick is None and yard_err is None):
         return compare(actual, expected, tol)
     if yardstick is not None:
-        yard_err = errors(yardstick, expected)[0]
-        atol = max(k * yard_err + tol.atol, floor)
-    else:
-        # Against another candidate: each may be k yardsticks off the oracle, in opposite
-        # directions (one 16-bit ulp apart is normal), so the bound is doubled.
-        atol = max(2 * k * yard_err + tol.atol, floor)
-    max_abs, max_rel, nan_mismatch = errors(actual, expected)
-    ok = bounded(max_abs, atol)
-    return Comparison(max_abs, max_rel, atol, 0.0, nan_mismatch, ok and nan_mismatch == 0, ok, *counts(actual, expected))
+        return three_way(actual, expected, k, errors(yardstick, expected)[0], tol.atol, floor)
+    return three_way(actual, expected, k, yard_err, tol.atol, floor, pair=True)  # against another candidate
 
 
 NOTHING_COMPARED = "NaN everywhere in both, so nothing was compared"
