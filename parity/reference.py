@@ -223,11 +223,7 @@ def backward(sd, query, key, value, mask, cotangent, *, num_heads: int, masked_r
     w = f.weights.reshape(B, K, G, T, S)
     d_weights = r(np.einsum("BKGTH,BKSH->BKGTS", d_context, f.v)).reshape(B, N, T, S)
     d_v = r(np.einsum("BKGTS,BKGTH->BKSH", w, d_context))
-    keep = keep_mask(mask, B, N, T, S)
-    row_any = np.ones((1, 1, 1, 1), bool) if keep is None else keep.any(axis=-1, keepdims=True)
-    p = f.weights if flow else np.where(row_any, f.weights, 0.0)  # the softmax's own output; constant rows carry no gradient
-    d_scores = r(p * (d_weights - (d_weights * p).sum(axis=-1, keepdims=True)), acc)
-    d_scores = r(np.where(row_any | flow, d_scores, 0.0) / np.sqrt(H), acc).reshape(B, K, G, T, S)
+    d_scores = _scores_backward(f.weights, d_weights, keep_mask(mask, B, N, T, S), flow, H, acc, r).reshape(B, K, G, T, S)
     d_q = r(np.einsum("BKGTS,BKSH->BKGTH", d_scores, ks)).reshape(B, N, T, H)
     d_k = r(np.einsum("BKGTS,BKGTH->BKSH", d_scores, qs.reshape(B, K, G, T, H)))
     key_angles = None
@@ -239,6 +235,15 @@ def backward(sd, query, key, value, mask, cotangent, *, num_heads: int, masked_r
     if per_query_head:
         grads.update(_per_query_head_shares(d_scores, qs, w, d_context, key_angles, rope, r))
     return grads
+
+
+def _scores_backward(weights, d_weights, keep, flow: bool, H: int, acc, r) -> np.ndarray:
+    """d_scores (B, N, T, S) from the softmax's output and its gradient, the 1/sqrt(H) scale included,
+    in the accumulation dtype. Unless `flow`, a fully masked row is a constant of the policy: no gradient."""
+    row_any = np.ones((1, 1, 1, 1), bool) if keep is None else keep.any(axis=-1, keepdims=True)
+    p = weights if flow else np.where(row_any, weights, 0.0)
+    d_scores = r(p * (d_weights - (d_weights * p).sum(axis=-1, keepdims=True)), acc)
+    return r(np.where(row_any | flow, d_scores, 0.0) / np.sqrt(H), acc)
 
 
 def _per_query_head_shares(d_scores, q, w, d_context, key_angles, rope, r) -> dict[str, np.ndarray]:
