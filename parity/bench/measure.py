@@ -149,26 +149,13 @@ def sample(
     errors: dict[int, Exception] = {}
     probes: list[dict] = []
 
-    def one_round(active: list[int], forward: bool, repeats: int) -> bool:
-        for i in active:
-            rounds[i].append([])
-        for _ in range(repeats):
-            for i in list(active) if forward else list(reversed(active)):
-                try:
-                    rounds[i][-1].append(timed_call(benches[i].step, benches[i].sync, clock))
-                except Exception as e:  # noqa: BLE001 - recorded per bench
-                    errors[i] = e
-                    active.remove(i)
-            forward = not forward
-        if probe is not None:
-            probes.append(probe())
-        return forward
-
     def run_rounds(slots: list[int]) -> None:
         active, forward, repeats, next_check = list(slots), True, 0, 0
         while active:
             n = min(timing.round_repeats, timing.max_repeats - repeats)  # the last round may be short
-            forward = one_round(active, forward, n)
+            forward = _one_round(benches, rounds, errors, active, forward, n, clock)
+            if probe is not None:
+                probes.append(probe())
             repeats += n
             if repeats >= timing.max_repeats:
                 break
@@ -188,6 +175,22 @@ def sample(
         for i in benches:
             run_rounds([i])
     return {i: [r for r in rs if r] for i, rs in rounds.items()}, errors, probes
+
+
+def _one_round(benches, rounds, errors, active: list[int], forward: bool, repeats: int, clock: Clock) -> bool:
+    """One round of `repeats` repeats over the active slots, alternating direction; a slot whose
+    call raises leaves `active` with its exception in `errors`. Returns the next repeat's direction."""
+    for i in active:
+        rounds[i].append([])
+    for _ in range(repeats):
+        for i in list(active) if forward else list(reversed(active)):
+            try:
+                rounds[i][-1].append(timed_call(benches[i].step, benches[i].sync, clock))
+            except Exception as e:  # noqa: BLE001 - recorded per bench
+                errors[i] = e
+                active.remove(i)
+        forward = not forward
+    return forward
 
 
 def flat(rounds) -> list[float]:
