@@ -21,7 +21,8 @@ from packaging.requirements import Requirement
 
 ROOT = pathlib.Path(__file__).resolve().parent
 FRAMEWORKS = ("torch", "jax", "jaxlib", "flax", "optax")
-FAST_TESTS = ("tests/test_modules.py", "tests/test_convert.py", "tests/test_walls.py")
+FAST_TESTS = ("tests/test_modules.py", "tests/test_torch_attention.py", "tests/test_jax_attention.py", "tests/test_oracle.py",
+              "tests/test_convert.py", "tests/test_walls.py")
 
 nox.options.sessions = ["oldest", "newest"]
 nox.options.reuse_venv = "yes"

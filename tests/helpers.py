@@ -1,4 +1,4 @@
-"""Run our two modules on NumPy inputs and get NumPy outputs back."""
+"""Run our two modules on NumPy inputs and get NumPy outputs back; the oracle at conftest's SIZES."""
 
 from __future__ import annotations
 
@@ -6,9 +6,20 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from parity import convert
+from conftest import SIZES
+from parity import convert, reference
+from parity.tolerances import compare, tolerance_for
 
 DTYPES = ("float64", "float32", "bfloat16", "float16")
+
+
+def oracle(sd, q, k, v, mask=None, masked_rows="nan", dtype=np.float64):
+    return reference.forward(sd, q, k, v, mask, num_heads=SIZES.N, masked_rows=masked_rows, dtype=dtype)
+
+
+def assert_close(actual, expected, dtype="float64"):
+    c = compare(actual, expected, tolerance_for(dtype).forward)
+    assert c.passed, c
 
 
 def np_dtype(name: str) -> np.dtype:

@@ -104,7 +104,7 @@ MASK_SHAPES = {  # documented shape -> how it reads as (B|1, N|1, T|1, S|1), wri
 }
 # The JAX kernels compile once per (B|1, N|1, T|1, S|1) shape, so they run one mask of each
 # rank below 4 per reading and its 4-D twin (three compiles per kernel); [B, N, T, S] runs on
-# every kernel in test_jax_variants.py, [B, 1, 1, S] and [1, 1, T, 1] on the chunked one in
+# every kernel in test_jax_attention.py, [B, 1, 1, S] and [1, 1, T, 1] on the chunked one in
 # test_chunked.py.
 JAX_MASK_SHAPES = ("TS", "11TS", "BTS", "B1TS", "T1")
 

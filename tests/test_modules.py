@@ -1,10 +1,10 @@
-"""The two modules against the float64 oracle and each other: every semantic point of the core issue."""
+"""The two modules against the float64 oracle and each other, each test on both frameworks: every
+semantic point of the core issue. What one framework alone does (autograd, torch.compile, jax.jit,
+nnx.grad, x64), the variants and the oracle's own checks: tests/test_torch_attention.py,
+tests/test_jax_attention.py, tests/test_oracle.py."""
 
 from __future__ import annotations
 
-import math
-
-import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -14,21 +14,12 @@ import torch
 import mha_jax
 import mha_torch
 from conftest import SIZES, make_inputs, make_state_dict, random_keep_mask
-from helpers import build, cast_sd, np_dtype, run
+from helpers import assert_close, build, cast_sd, np_dtype, oracle, run
 from parity import reference
-from parity.tolerances import compare, compare_three_way, tolerance_for
+from parity.tolerances import compare_three_way, tolerance_for
 
 FRAMEWORKS = ("torch", "jax")
 S = SIZES
-
-
-def oracle(sd, q, k, v, mask=None, masked_rows="nan", dtype=np.float64):
-    return reference.forward(sd, q, k, v, mask, num_heads=S.N, masked_rows=masked_rows, dtype=dtype)
-
-
-def assert_close(actual, expected, dtype="float64"):
-    c = compare(actual, expected, tolerance_for(dtype).forward)
-    assert c.passed, c
 
 
 # ------------------------------------------------------------- 1. cross-attention
@@ -50,33 +41,6 @@ def test_cross_attention_matches_oracle(framework, need_weights, dtype, sd64, rn
         assert_close(w, ref.weights, dtype)
     else:
         assert w is None
-
-
-def test_oracle_matches_a_loop_implementation(sd64, rng):
-    """The einsum oracle against the definition written as plain loops (independent of its shapes)."""
-    q, k, v = make_inputs(rng)
-    keep = random_keep_mask(rng, (S.B, S.T, S.S), fully_masked_row=(2, 3))
-    ref = oracle(sd64, q, k, v, keep, masked_rows="zero")
-    H = S.E // S.N
-
-    def lin(x, p):
-        return x @ sd64[f"{p}.weight"].T + sd64[f"{p}.bias"]
-
-    Q, K, V = lin(q, "q_proj"), lin(k, "k_proj"), lin(v, "v_proj")
-    ctx = np.zeros((S.B, S.T, S.E))
-    for b in range(S.B):
-        for n in range(S.N):
-            cols = slice(n * H, (n + 1) * H)
-            for t in range(S.T):
-                allowed = [s for s in range(S.S) if keep[b, t, s]]
-                if not allowed:
-                    continue  # zero policy: context stays 0
-                logits = {s: float(Q[b, t, cols] @ K[b, s, cols]) / math.sqrt(H) for s in allowed}
-                mx = max(logits.values())
-                z = sum(math.exp(x - mx) for x in logits.values())
-                for s in allowed:
-                    ctx[b, t, cols] += math.exp(logits[s] - mx) / z * V[b, s, cols]
-    np.testing.assert_allclose(ref.output, lin(ctx, "out_proj"), rtol=1e-12, atol=1e-12)
 
 
 # ------------------------------------------------------------- 2. masks
@@ -212,104 +176,7 @@ def test_bfloat16_softmax_accumulates_in_float32(framework):
 
 
 # ------------------------------------------------------------- 5./6. fused path, jit, grad, compile
-
-
-def test_jax_jit_matches_eager_with_a_traced_mask(sd64, rng):
-    q, k, v = make_inputs(rng)
-    keep = random_keep_mask(rng, (S.B, S.T, S.S))
-    m = build("jax", sd64, S.N, masked_rows="uniform")
-
-    @jax.jit
-    def f(q, k, v, keep):  # the mask's values are traced: no Python branch may look at them
-        return m(q, k, v, keep)[0], m(q, k, v, keep, need_weights=False)[0]
-
-    got, got_fused = f(q, k, v, keep)
-    ref = oracle(sd64, q, k, v, keep, "uniform").output
-    assert_close(np.asarray(got), ref)
-    assert_close(np.asarray(got_fused), ref)
-
-
-def test_nnx_jit_and_nnx_grad(sd64, rng):
-    from flax import nnx
-
-    q, k, v = make_inputs(rng)
-    g = rng.standard_normal((S.B, S.T, S.E))
-    keep = random_keep_mask(rng, (S.B, S.T, S.S))
-    m = build("jax", sd64, S.N, masked_rows="zero")
-
-    @nnx.jit
-    def loss_and_grads(m, q, k, v):
-        def loss(m, q, k, v):
-            return jnp.sum(m(q, k, v, keep)[0] * g)
-
-        return nnx.grad(loss, argnums=(0, 1, 2, 3))(m, q, k, v)
-
-    gm, gq, gk, gv = loss_and_grads(m, jnp.asarray(q), jnp.asarray(k), jnp.asarray(v))
-    ref = reference.backward(sd64, q, k, v, keep, g, num_heads=S.N, masked_rows="zero")
-    tol = tolerance_for("float64").gradient
-    for name, got in (("query", gq), ("key", gk), ("value", gv)):
-        c = compare(np.asarray(got), ref[name], tol)
-        assert c.passed, (name, c)
-    for p in ("q_proj", "k_proj", "v_proj", "out_proj"):
-        c = compare(np.asarray(getattr(gm, p).kernel[...]).T, ref[f"{p}.weight"], tol)
-        assert c.passed, (p, c)
-        c = compare(np.asarray(getattr(gm, p).bias[...]), ref[f"{p}.bias"], tol)
-        assert c.passed, (p, c)
-
-
-@pytest.mark.parametrize("need_weights", [True, False])
-@pytest.mark.parametrize("policy", ["nan", "zero", "uniform"])
-def test_torch_autograd_matches_oracle(need_weights, policy, sd64, rng):
-    """Under "nan", NaN gradients must sit where the oracle's are (the V slices of the masked row's batch)."""
-    q, k, v = make_inputs(rng)
-    g = rng.standard_normal((S.B, S.T, S.E))
-    keep = random_keep_mask(rng, (S.B, S.T, S.S))
-    m = build("torch", sd64, S.N, masked_rows=policy)
-    tq, tk, tv = (torch.tensor(x, requires_grad=True) for x in (q, k, v))
-    out, _ = m(tq, tk, tv, torch.from_numpy(keep), need_weights=need_weights)
-    (out * torch.from_numpy(g)).sum().backward()
-    ref = reference.backward(sd64, q, k, v, keep, g, num_heads=S.N, masked_rows=policy)
-    got = {"query": tq.grad, "key": tk.grad, "value": tv.grad, **dict(m.named_parameters())}
-    tol = tolerance_for("float64").gradient
-    for name, expected in ref.items():
-        t = got[name] if name in ("query", "key", "value") else got[name].grad
-        c = compare(t.numpy(), expected, tol)
-        assert c.passed, (name, c)
-
-
-@pytest.mark.parametrize("need_weights", [True, False])
-@pytest.mark.parametrize("policy", ["nan", "zero", "uniform"])
-def test_jax_grad_matches_oracle(need_weights, policy, sd64, rng):
-    q, k, v = make_inputs(rng)
-    g = rng.standard_normal((S.B, S.T, S.E))
-    keep = random_keep_mask(rng, (S.B, S.T, S.S))
-    m = build("jax", sd64, S.N, masked_rows=policy)
-    grads = jax.grad(lambda q, k, v: jnp.sum(m(q, k, v, keep, need_weights=need_weights)[0] * g), argnums=(0, 1, 2))(q, k, v)
-    ref = reference.backward(sd64, q, k, v, keep, g, num_heads=S.N, masked_rows=policy)
-    for name, got in zip(("query", "key", "value"), grads):
-        c = compare(np.asarray(got), ref[name], tolerance_for("float64").gradient)
-        assert c.passed, (name, c)
-    if policy == "nan":  # the check above could fail: the oracle does put NaNs in d(value)
-        assert np.isnan(ref["value"]).any() and not np.isnan(ref["value"]).all()
-
-
-@pytest.mark.slow
-def test_torch_compile_fullgraph(sd64, rng):
-    """fullgraph=True fails on any graph break, i.e. on data-dependent Python control flow."""
-    q, k, v = make_inputs(rng)
-    keep = random_keep_mask(rng, (S.B, S.T, S.S))
-    m = build("torch", sd64, S.N, masked_rows="uniform")
-    compiled = torch.compile(m, fullgraph=True, dynamic=False)
-    # A float 0/1 keep-mask: eager checks its values (NaN, additive 0/-inf), which would be a
-    # graph break; the check must step aside under compile (torch.compiler.is_compiling()).
-    args = [torch.from_numpy(x) for x in (q, k, v, keep.astype(np.float64))]
-    with torch.no_grad():
-        out, w = compiled(*args)
-        out_fused, _ = compiled(*args, need_weights=False)
-    ref = oracle(sd64, q, k, v, keep, "uniform")
-    assert_close(out.numpy(), ref.output)
-    assert_close(w.numpy(), ref.weights)
-    assert_close(out_fused.numpy(), ref.output)
+# One framework's each: tests/test_torch_attention.py, tests/test_jax_attention.py.
 
 
 # ------------------------------------------------------------- 7. bad input
@@ -374,10 +241,3 @@ def test_bad_input_types(framework):
     with pytest.raises(TypeError, match="query must be a"):
         m([[0.0]], _array(framework, x), _array(framework, x))
 
-
-def test_jax_float64_without_x64_is_an_error(sd64):
-    m = build("jax", sd64, S.N)
-    x = np.zeros((S.B, S.T, S.E))
-    with jax.enable_x64(False):
-        with pytest.raises(TypeError, match="jax_enable_x64"):
-            m(x, x, x)

@@ -1,0 +1,279 @@
+"""parity.reference, the float64 oracle, against independent definitions: the classic layer
+against plain loops; grouped key/value heads, RoPE and bias-free projections (TestVariants,
+TestGrouped) against plain Python loops (one query head, one query, one key at a time) and a
+small torch float64 module written the way Hugging Face (repeat_kv, rotate_half) and Meta's
+Llama (complex rotation) write it, differentiated by autograd; and the mha_spec config that
+describes the oracle's weights (TestConfig).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import SIZES, make_inputs, random_keep_mask
+from helpers import oracle
+from mha_spec import AttentionConfig, Problem
+from parity import reference
+
+# ------------------------------------------------------------- the classic layer (conftest's SIZES)
+
+
+def test_oracle_matches_a_loop_implementation(sd64, rng):
+    """The einsum oracle against the definition written as plain loops (independent of its shapes)."""
+    q, k, v = make_inputs(rng)
+    keep = random_keep_mask(rng, (SIZES.B, SIZES.T, SIZES.S), fully_masked_row=(2, 3))
+    ref = oracle(sd64, q, k, v, keep, masked_rows="zero")
+    H = SIZES.E // SIZES.N
+
+    def lin(x, p):
+        return x @ sd64[f"{p}.weight"].T + sd64[f"{p}.bias"]
+
+    Q, K, V = lin(q, "q_proj"), lin(k, "k_proj"), lin(v, "v_proj")
+    ctx = np.zeros((SIZES.B, SIZES.T, SIZES.E))
+    for b in range(SIZES.B):
+        for n in range(SIZES.N):
+            cols = slice(n * H, (n + 1) * H)
+            for t in range(SIZES.T):
+                allowed = [s for s in range(SIZES.S) if keep[b, t, s]]
+                if not allowed:
+                    continue  # zero policy: context stays 0
+                logits = {s: float(Q[b, t, cols] @ K[b, s, cols]) / math.sqrt(H) for s in allowed}
+                mx = max(logits.values())
+                z = sum(math.exp(x - mx) for x in logits.values())
+                for s in allowed:
+                    ctx[b, t, cols] += math.exp(logits[s] - mx) / z * V[b, s, cols]
+    np.testing.assert_allclose(ref.output, lin(ctx, "out_proj"), rtol=1e-12, atol=1e-12)
+
+
+# ------------------------------------------------------------- grouped key/value heads, RoPE, bias-free projections
+
+B, T, S, N, K, H, E = 3, 5, 7, 6, 2, 4, 10  # pairwise distinct where it matters; N*H = 24 != E
+THETA = 500.0  # a small base so every pair turns visibly over positions < 40
+
+
+def _sd(rng, n_kv, qkv_bias=True, out_bias=True):
+    sd = {"q_proj.weight": rng.standard_normal((N * H, E)), "k_proj.weight": rng.standard_normal((n_kv * H, E)),
+          "v_proj.weight": rng.standard_normal((n_kv * H, E)), "out_proj.weight": rng.standard_normal((E, N * H))}
+    if qkv_bias:
+        sd.update({"q_proj.bias": rng.standard_normal(N * H), "k_proj.bias": rng.standard_normal(n_kv * H),
+                   "v_proj.bias": rng.standard_normal(n_kv * H)})
+    if out_bias:
+        sd["out_proj.bias"] = rng.standard_normal(E)
+    return {k: v / math.sqrt(v.shape[-1]) for k, v in sd.items()}
+
+
+def _inputs(rng):
+    q, k, v = (rng.standard_normal((B, L, E)) for L in (T, S, S))
+    keep = rng.random((B, T, S)) < 0.7
+    keep[1, 2] = False  # a fully masked row
+    pos = rng.integers(0, 40, size=(B, T))
+    kpos = rng.integers(0, 40, size=(S,))
+    return q, k, v, keep, pos, kpos
+
+
+def _loop(sd, q, k, v, keep, n_kv, rope, pos, kpos, policy, tile=False):
+    """Attention by its definition, a scalar at a time where it matters (tile=True: the porting bug)."""
+    G = N // n_kv
+
+    def proj(x, name, rows):
+        y = x @ sd[f"{name}.weight"][rows].T
+        return y + sd[f"{name}.bias"][rows] if f"{name}.bias" in sd else y
+
+    def rot(vec, p):
+        if rope is None:
+            return vec
+        out = vec.copy()
+        for i in range(H // 2):
+            a, b = (i, i + H // 2) if rope == "half" else (2 * i, 2 * i + 1)
+            ang = p * THETA ** (-2 * i / H)
+            out[a] = vec[a] * math.cos(ang) - vec[b] * math.sin(ang)
+            out[b] = vec[b] * math.cos(ang) + vec[a] * math.sin(ang)
+        return out
+
+    ctx = np.zeros((B, T, N * H))
+    for b in range(B):
+        for n in range(N):
+            j = n % n_kv if tile else n // G
+            qh = proj(q[b], "q_proj", slice(n * H, (n + 1) * H))
+            kh = proj(k[b], "k_proj", slice(j * H, (j + 1) * H))
+            vh = proj(v[b], "v_proj", slice(j * H, (j + 1) * H))
+            for t in range(T):
+                qt = rot(qh[t], pos[b, t] if pos is not None else t)
+                kept = [s for s in range(S) if keep[b, t, s]]
+                if not kept:
+                    w = {"nan": np.full(S, np.nan), "zero": np.zeros(S), "uniform": np.full(S, 1 / S)}[policy]
+                else:
+                    sc = {s: float(qt @ rot(kh[s], kpos[s] if kpos is not None else s)) / math.sqrt(H) for s in kept}
+                    m = max(sc.values())
+                    z = sum(math.exp(x - m) for x in sc.values())
+                    w = np.array([math.exp(sc[s] - m) / z if s in sc else 0.0 for s in range(S)])
+                ctx[b, t, n * H:(n + 1) * H] = w @ vh
+    out = ctx @ sd["out_proj.weight"].T
+    return out + sd["out_proj.bias"] if "out_proj.bias" in sd else out
+
+
+class _TorchLlamaLike(torch.nn.Module):
+    """An independent float64 torch layer: HF's repeat_kv/rotate_half, or Meta's complex rotation."""
+
+    def __init__(self, sd, n_kv, rope):
+        super().__init__()
+        self.p = torch.nn.ParameterDict({k.replace(".", "_"): torch.nn.Parameter(torch.tensor(v)) for k, v in sd.items()})
+        self.n_kv, self.rope = n_kv, rope
+
+    def lin(self, x, name):
+        b = self.p[f"{name}_bias"] if f"{name}_bias" in self.p else None
+        return torch.nn.functional.linear(x, self.p[f"{name}_weight"], b)
+
+    def rotate(self, x, pos):  # x (B, n, L, H), pos (B, L) or (L,)
+        inv = THETA ** (-torch.arange(0, H, 2, dtype=torch.float64) / H)
+        ang = pos.to(torch.float64)[..., None] * inv  # (B|., L, H/2)
+        ang = ang[:, None] if ang.dim() == 3 else ang
+        if self.rope == "half":
+            cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+            x1, x2 = x[..., : H // 2], x[..., H // 2:]
+            return x * cos + torch.cat([-x2, x1], -1) * sin
+        xc = torch.view_as_complex(x.reshape(*x.shape[:-1], H // 2, 2).contiguous())
+        return torch.view_as_real(xc * torch.polar(torch.ones_like(ang), ang)).flatten(-2)
+
+    def forward(self, q, k, v, keep, pos, kpos):
+        Bq, Tq, _ = q.shape
+        qh = self.lin(q, "q_proj").view(Bq, Tq, N, H).transpose(1, 2)
+        kh = self.lin(k, "k_proj").view(Bq, -1, self.n_kv, H).transpose(1, 2)
+        vh = self.lin(v, "v_proj").view(Bq, -1, self.n_kv, H).transpose(1, 2)
+        if self.rope:
+            qh, kh = self.rotate(qh, pos), self.rotate(kh, kpos)
+        kh, vh = (x.repeat_interleave(N // self.n_kv, dim=1) for x in (kh, vh))
+        s = (qh @ kh.transpose(-1, -2) / math.sqrt(H)).masked_fill(~keep[:, None], -math.inf)
+        w = torch.where(keep.any(-1)[:, None, :, None], torch.softmax(s, -1), 0.0)  # "zero" policy
+        return self.lin((w @ vh).transpose(1, 2).reshape(Bq, Tq, N * H), "out_proj")
+
+
+class TestVariants:
+    """Grouped and multi-query heads, both RoPE conventions, each bias flag: forward, backward,
+    the low-dtype stages and the layers it refuses."""
+
+    @pytest.mark.parametrize("n_kv, rope, qkv_bias, out_bias", [
+        (K, None, True, True), (1, None, False, True), (K, "half", False, False),
+        (K, "interleaved", True, False), (1, "half", True, True), (N, "interleaved", False, True),
+    ])
+    @pytest.mark.parametrize("policy", ["nan", "uniform"])
+    def test_oracle_matches_the_loop_definition(self, n_kv, rope, qkv_bias, out_bias, policy):
+        rng = np.random.default_rng(7)
+        sd = _sd(rng, n_kv, qkv_bias, out_bias)
+        q, k, v, keep, pos, kpos = _inputs(rng)
+        kw = dict(num_heads=N, num_kv_heads=n_kv, masked_rows=policy, rope=rope, rope_theta=THETA)
+        if rope is not None:
+            kw.update(positions=pos, key_positions=kpos)
+        got = reference.forward(sd, q, k, v, keep, **kw)
+        want = _loop(sd, q, k, v, keep, n_kv, rope, pos if rope else None, kpos if rope else None, policy)
+        np.testing.assert_allclose(got.output, want, rtol=1e-12, atol=1e-12)
+        assert got.k.shape == (B, n_kv, S, H) and got.weights.shape == (B, N, T, S)
+        assert (got.q_rot is None) == (rope is None)
+
+    def test_repeat_order_and_rope_convention_are_told_apart(self):
+        """At these sizes the classic porting bugs change the output: tile instead of repeat, the other convention."""
+        rng = np.random.default_rng(3)
+        sd = _sd(rng, K)
+        q, k, v, keep, pos, kpos = _inputs(rng)
+        kw = dict(num_heads=N, num_kv_heads=K, rope_theta=THETA, positions=pos, key_positions=kpos, masked_rows="zero")
+        base = reference.forward(sd, q, k, v, keep, rope="half", **kw).output
+        tile = _loop(sd, q, k, v, keep, K, "half", pos, kpos, "zero", tile=True)
+        other = reference.forward(sd, q, k, v, keep, rope="interleaved", **kw).output
+        assert np.abs(tile - base).max() > 1e-2 and np.abs(other - base).max() > 1e-2
+
+    @pytest.mark.parametrize("n_kv, rope, qkv_bias, out_bias", [
+        (K, "half", True, True), (1, "interleaved", False, False), (K, None, False, True)])
+    def test_oracle_backward_matches_torch_autograd(self, n_kv, rope, qkv_bias, out_bias):
+        rng = np.random.default_rng(11)
+        sd = _sd(rng, n_kv, qkv_bias, out_bias)
+        q, k, v, keep, pos, kpos = _inputs(rng)
+        g = rng.standard_normal((B, T, E))
+        m = _TorchLlamaLike(sd, n_kv, rope)
+        tq, tk, tv = (torch.tensor(x, requires_grad=True) for x in (q, k, v))
+        out = m(tq, tk, tv, torch.tensor(keep), torch.tensor(pos), torch.tensor(kpos))
+        out.backward(torch.tensor(g))
+        kw = dict(num_heads=N, num_kv_heads=n_kv, masked_rows="zero", rope=rope, rope_theta=THETA)
+        if rope:
+            kw.update(positions=pos, key_positions=kpos)
+        np.testing.assert_allclose(reference.forward(sd, q, k, v, keep, **kw).output, out.detach().numpy(), rtol=1e-11, atol=1e-12)
+        grads = reference.backward(sd, q, k, v, keep, g, **kw)
+        want = {"query": tq.grad, "key": tk.grad, "value": tv.grad,
+                **{k.replace("_weight", ".weight").replace("_bias", ".bias"): p.grad for k, p in m.p.items()}}
+        assert set(grads) == set(want)
+        for name, w in want.items():
+            np.testing.assert_allclose(grads[name], w.numpy(), rtol=1e-10, atol=1e-11, err_msg=name)
+
+    def test_low_dtype_oracle_is_the_same_maths_rounded(self):
+        """bfloat16: within a few bfloat16 ulps of float64 (eps 2**-8), and not identical to it."""
+        import ml_dtypes
+
+        rng = np.random.default_rng(5)
+        sd = _sd(rng, K)
+        q, k, v, keep, pos, kpos = _inputs(rng)
+        kw = dict(num_heads=N, num_kv_heads=K, masked_rows="zero", rope="interleaved", rope_theta=THETA,
+                  positions=pos, key_positions=kpos)
+        exact = reference.forward(sd, q, k, v, keep, **kw)
+        low = reference.forward(sd, q, k, v, keep, dtype=ml_dtypes.bfloat16, **kw)
+        rel = np.abs(low.output - exact.output).max() / np.abs(exact.output).max()
+        assert 0 < rel < 16 * 2.0 ** -8
+        assert np.all(low.q_rot == low.q_rot.astype(ml_dtypes.bfloat16).astype(np.float64))  # stored in bfloat16
+
+    @pytest.mark.parametrize("change, error, match", [
+        (dict(num_kv_heads=4), ValueError, "num_kv_heads=4 must divide num_heads=6"),
+        (dict(drop="k_proj.bias"), ValueError, r"missing \['k_proj.bias'\]"),
+        (dict(num_kv_heads=1), ValueError, r"k_proj.bias has shape \(8,\), expected \(4,\)"),
+        (dict(rope="rotary"), ValueError, "rope='rotary'"),
+        (dict(positions=np.arange(T)), ValueError, "rope=None"),
+        (dict(rope="half", positions=np.arange(T + 1)), ValueError, r"positions must have shape \(5,\) or \(3, 5\)"),
+        (dict(rope="half", key_positions=np.arange(S) * 1.0), TypeError, "key_positions must be integers"),
+    ])
+    def test_bad_layer_or_positions_are_named(self, change, error, match):
+        rng = np.random.default_rng(0)
+        sd = _sd(rng, K)
+        if "drop" in change:
+            del sd[change.pop("drop")]
+        q, k, v, keep, *_ = _inputs(rng)
+        kw = {"num_heads": N, "num_kv_heads": K, **change}
+        with pytest.raises(error, match=match):
+            reference.forward(sd, q, k, v, keep, **kw)
+
+
+class TestGrouped:
+    """Each query head's share of the k/v gradients of its key/value head."""
+
+    def test_per_query_head_shares_sum_to_the_key_and_value_gradients(self):
+        """In float64 each query head's share of a key/value head's gradient sums, over its group, to the
+        gradient itself (what the k/v bias floor of a fused float16 reduction is built on)."""
+        rng = np.random.default_rng(6)
+        sd = _sd(rng, K)
+        q, k, v, keep, pos, kpos = _inputs(rng)
+        cot = rng.standard_normal((B, T, E))
+        g = reference.backward(sd, q, k, v, keep, cot, num_heads=N, num_kv_heads=K, rope="interleaved", rope_theta=THETA,
+                               positions=pos, key_positions=kpos, masked_rows="zero", per_query_head=True)
+        for name, proj in (("key", "k_proj"), ("value", "v_proj")):
+            shares = g[f"{name}.per_query_head"]
+            assert shares.shape == (B, K, N // K, S, H)
+            bias = shares.sum(axis=2).transpose(0, 2, 1, 3).reshape(B * S, K * H).sum(axis=0)
+            np.testing.assert_allclose(bias, g[f"{proj}.bias"], rtol=1e-12, atol=1e-12)
+
+
+class TestConfig:
+    """mha_spec.AttentionConfig and Problem: the weight shapes the oracle checks, the layers they refuse."""
+
+    def test_config_describes_the_weights(self):
+        cfg = AttentionConfig(10, 6, num_kv_heads=2, head_dim=4, qkv_bias=False, rope="half")
+        assert (cfg.head_size, cfg.kv_heads, cfg.group) == (4, 2, 3)
+        assert cfg.weight_shapes() == {"k_proj.weight": (8, 10), "out_proj.bias": (10,), "out_proj.weight": (10, 24),
+                                       "q_proj.weight": (24, 10), "v_proj.weight": (8, 10)}
+        assert AttentionConfig(12, 3).weight_shapes()["k_proj.bias"] == (12,)  # the classic layer
+        for bad, match in ((dict(head_dim=3, rope="half"), "even head_dim"), (dict(rope_theta=1.0), "rope_theta"),
+                           (dict(masked_rows="inf"), "masked_rows")):
+            with pytest.raises(ValueError, match=match):
+                AttentionConfig(12, 3, **bad)
+        with pytest.raises(ValueError, match="S=0"):
+            Problem(cfg, 3, 5, 0)
+        assert Problem(cfg, 0, 0, 7).B == 0
