@@ -20,9 +20,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from mha_spec import PASSES, ROPE_CONVENTIONS
 from mha_spec.files import JSONFileError, atomic_path, parse_json, write_atomic
 from parity.bench import verdict as verdicts
-from mha_spec import ROPE_CONVENTIONS
 from parity.bench.spec import (
     BIASES, MASKS, MEASURED, NOISY_IQR, ROW_FIELDS, STATUSES, case_label, row_key, variant_fields,
 )
@@ -284,11 +284,10 @@ def write_plot(path: str, rows, env: dict | None = None, verdicts_=()) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.lines
     import matplotlib.pyplot as plt
 
     timed = [r for r in rows if r["status"] in ("ok", "noisy", "error") and r.get("median_s")]
-    passes = [p for p in ("fwd", "fwd+bwd") if any(r["pass"] == p for r in timed)] or ["fwd"]
+    passes = [p for p in PASSES if any(r["pass"] == p for r in timed)] or ["fwd"]
     styles = series_styles(timed)
     bars = len({r["seq_q"] for r in timed}) == 1
     fig, axes = plt.subplots(2, len(passes), figsize=(6.5 * len(passes), 8.5), squeeze=False)
@@ -320,14 +319,7 @@ def write_plot(path: str, rows, env: dict | None = None, verdicts_=()) -> None:
         axes[0][col].set_title(f"{pass_}{shared}")
     title = plot_title(rows, env, verdicts_)
     fig.suptitle(title, fontsize=9)
-    legend: dict = {}  # label -> handle, once each: a series may appear in one pass only
-    for ax in axes[0]:
-        for h, lab in zip(*ax.get_legend_handles_labels()):
-            legend.setdefault(lab, h)
-    if _ERROR_LABEL in legend:  # one neutral entry for the crosses of every series, listed last
-        del legend[_ERROR_LABEL]
-        legend[_ERROR_LABEL] = matplotlib.lines.Line2D([], [], linestyle="none", color="grey", **_ERROR_MARKER)
-    handles, labels = list(legend.values()), list(legend)
+    handles, labels = _legend_entries(axes[0])
     if handles and not bars:
         fig.legend(handles, labels, loc="lower center", ncol=2, fontsize=7)
     top = 0.985 - 0.022 * title.count("\n")  # room for the title's lines (the layer, the run, each verdict)
@@ -337,6 +329,21 @@ def write_plot(path: str, rows, env: dict | None = None, verdicts_=()) -> None:
             fig.savefig(tmp, dpi=110)
     finally:
         plt.close(fig)
+
+
+def _legend_entries(top_axes) -> tuple[list, list[str]]:
+    """(handles, labels) of every series, each label once (a series may appear in one pass only);
+    the error crosses of every series as one neutral entry, listed last."""
+    import matplotlib.lines
+
+    legend: dict = {}
+    for ax in top_axes:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            legend.setdefault(lab, h)
+    if _ERROR_LABEL in legend:
+        del legend[_ERROR_LABEL]
+        legend[_ERROR_LABEL] = matplotlib.lines.Line2D([], [], linestyle="none", color="grey", **_ERROR_MARKER)
+    return list(legend.values()), list(legend)
 
 
 _ERROR_LABEL = "error row (measured, not trusted)"
