@@ -163,14 +163,8 @@ def run(
         if on_start is not None:
             on_start(len(p.units))
         try:
-            if p.device.skip_reason:
-                report.rows += [Row(c.name, ch, "*", "*", d, device_label(p.device.name), "skip", message=p.device.skip_reason)
-                                for c, d in p.units for ch in p.checks]
-            else:
-                _loop(report, p, seed, _runners(p.device), on_progress, should_stop, state_dict)
-                report.rows += _sharded(devices, _shardings(shardings, layouts), p.dtypes, p.checks, seed, should_stop, job_timeout_s)
-                if should_stop is not None and should_stop():  # the sharded workers stopped between jobs
-                    report.interrupted = True
+            _fill(report, p, seed, on_progress, should_stop, state_dict,
+                  lambda: _sharded(devices, _shardings(shardings, layouts), p.dtypes, p.checks, seed, should_stop, job_timeout_s))
         except KeyboardInterrupt:
             report.interrupted = True
         finally:
@@ -181,6 +175,18 @@ def run(
             report.elapsed_s = time.perf_counter() - started
             report.write_errors = write_reports(report, json_path, markdown_path, plot_path)
     return report
+
+
+def _fill(report, p, seed, on_progress, should_stop, state_dict, sharded) -> None:
+    """The rows of every unit, then the sharded check's (`sharded()`); skip rows where the device is absent."""
+    if p.device.skip_reason:
+        report.rows += [Row(c.name, ch, "*", "*", d, device_label(p.device.name), "skip", message=p.device.skip_reason)
+                        for c, d in p.units for ch in p.checks]
+        return
+    _loop(report, p, seed, _runners(p.device), on_progress, should_stop, state_dict)
+    report.rows += sharded()
+    if should_stop is not None and should_stop():  # the sharded workers stopped between jobs
+        report.interrupted = True
 
 
 @dataclass(frozen=True)
