@@ -82,7 +82,7 @@ def test_keras_unsupported_layers_are_named():
     with pytest.raises(TypeError, match="expected keras.layers.MultiHeadAttention or keras.layers.GroupQueryAttention, got Dense"):
         convert.from_keras(keras.layers.Dense(3))
 
-# keras.layers.GroupQueryAttention: N=6 query heads, K=2 key/value heads, H=4 (sizes of tests/test_convert_variants.py)
+# keras.layers.GroupQueryAttention: N=6 query heads, K=2 key/value heads, H=4 (tests/test_convert.py TestRope sizes)
 GN, GK, GH = 6, 2, 4
 
 GE = GN * GH
