@@ -339,7 +339,7 @@ def _rows(report, impl, case=None):
 
 class TestVariants:
     """The harness on grouped-query, multi-query, rotary and bias-free layers.
-    
+
     Our modules pass the variant cases; a layer that declares no variants skips them with a row
     naming the feature and still passes the classic ones; a layer that declares them receives the
     `mha_spec.Problem` and the very positions the oracle rotates by; and the three classic porting
