@@ -58,7 +58,7 @@ def real_run(tmp_path_factory):
     """One real sweep in one worker (--isolation run) holding both frameworks: ours in both, a torch
     peer and the planted implementations through --impl. Shared by the tests below: one start-up of
     torch and JAX. The forward pass of the classic layer only: fwd+bwd runs the same worker code with
-    another program, and test_bench_variants builds and runs both passes' programs in both frameworks
+    another program, and test_bench.py's TestVariants builds and runs both passes' programs in both frameworks
     on a grouped, rotary, bias-free layer."""
     tmp = tmp_path_factory.mktemp("real-run")
     (tmp / "bench_planted.py").write_text(PLANTED)
