@@ -156,13 +156,13 @@ def fused_attention_core(q, k, v, keep=None, *, masked_rows="nan", precision=Non
     G = _groups(q, k, v)
     keep = keep_4d(keep, B, N, T, S)  # (B|1, N|1, T|1, S|1): what every kernel below indexes
     choice = kernels.fused_choice(B, N, T, S, H, q.dtype, has_mask=keep is not None)
-    if choice.kernel == "einsum":
+    if choice.kernel == kernels.EINSUM:
         return attention_core(q, k, v, keep, masked_rows=masked_rows, precision=precision)[0]
-    if choice.kernel == "chunked":
+    if choice.kernel == kernels.CHUNKED:
         return chunked_attention(q, k, v, keep, masked_rows=masked_rows, q_chunk=choice.q_chunk, k_chunk=choice.k_chunk, precision=precision)
     # jax.nn.dot_product_attention takes no precision argument (the global default applies);
     # it takes K key/value heads dividing N itself.
-    implementation = "cudnn" if choice.kernel == "dpa-cudnn" else "xla"
+    implementation = kernels.DPA_IMPLEMENTATIONS[choice.kernel]
     context = jax.nn.dot_product_attention(q, k, v, mask=keep, scale=1.0 / math.sqrt(H), implementation=implementation)  # (B, T, N, H)
     if keep is not None:
         # jax gives fully masked rows uniform weights; apply our policy on (B, T, N, H).

@@ -7,6 +7,9 @@ Kernels (the names the benchmark records):
   dpa-xla    `jax.nn.dot_product_attention(implementation="xla")`: materialises
   dpa-cudnn  `jax.nn.dot_product_attention(implementation="cudnn")`: cuDNN flash attention
 
+Other modules name them by the constants EINSUM, CHUNKED, DPA_XLA, DPA_CUDNN, and show a choice
+as `kernel_label` spells it ("chunked:256x512" with the blocks; `parse_label` reads it back).
+
 Measured rows are keyed by processor (`Processor`: device kind, model, vector ISA), since
 one device kind ("cpu") covers machines whose best blocks differ. `fused_choice` reads,
 in order, and the first that has rows for this processor wins:
@@ -47,7 +50,14 @@ import jax.numpy as jnp
 from mha_jax.cache import kernel_table_path
 from mha_spec.files import read_json
 
-KERNELS = ("einsum", "chunked", "dpa-xla", "dpa-cudnn")
+# The kernels by the names every row, table and command line shows; other modules use these constants.
+EINSUM = "einsum"
+CHUNKED = "chunked"
+DPA_XLA = "dpa-xla"
+DPA_CUDNN = "dpa-cudnn"
+KERNELS = (EINSUM, CHUNKED, DPA_XLA, DPA_CUDNN)
+DPA_IMPLEMENTATIONS = {DPA_XLA: "xla", DPA_CUDNN: "cudnn"}
+"""The `implementation` argument of jax.nn.dot_product_attention that each dpa-* kernel passes."""
 DEFAULT_BLOCKS = (512, 1024)
 TABLE_SCHEMA = 1
 
@@ -93,6 +103,41 @@ class Choice:
     source: str = ""  # short, for a benchmark row: "user table", "built-in", "other cpu", "rule", "no rows"
 
 
+def kernel_label(choice: Choice, *, source: bool = False) -> str:
+    """The one spelling of a kernel choice that benchmark rows and `mha_jax.tune` show.
+
+    "einsum", "dpa-xla", "dpa-cudnn", or "chunked:QxK" with its blocks (q_chunk x k_chunk):
+    one token, so a tune run keys its candidates by it. source=True appends where the choice
+    came from, as a benchmark row shows it: "chunked:256x512 (built-in)", "einsum (weights)".
+    """
+    if choice.kernel not in KERNELS:
+        raise ValueError(f"kernel {choice.kernel!r} is not one of {KERNELS}")
+    label = choice.kernel
+    if choice.kernel == CHUNKED:
+        if choice.q_chunk is None or choice.k_chunk is None:
+            raise ValueError(f"the chunked kernel's label needs its blocks, got q_chunk={choice.q_chunk} k_chunk={choice.k_chunk}")
+        label = f"{CHUNKED}:{choice.q_chunk}x{choice.k_chunk}"
+    return f"{label} ({choice.source})" if source and choice.source else label
+
+
+def parse_label(label: str) -> Choice:
+    """`kernel_label`'s inverse (without the source): "chunked:256x512" -> Choice("chunked", 256, 512);
+    ValueError naming the label for anything else."""
+    kernel, sep, blocks = label.partition(":") if isinstance(label, str) else ("", "", "")
+    if kernel in KERNELS and kernel != CHUNKED and not sep:
+        return Choice(kernel)
+    q, x, k = blocks.partition("x")
+    if kernel == CHUNKED and x and _is_positive_decimal(q) and _is_positive_decimal(k):
+        return Choice(CHUNKED, int(q), int(k))
+    raise ValueError(f"{_short(label)} is not a kernel label: one of {', '.join(k for k in KERNELS if k != CHUNKED)} "
+                     f"or {CHUNKED}:QxK (positive integer blocks)")
+
+
+def _is_positive_decimal(text: str) -> bool:
+    # As kernel_label writes it: ASCII digits, no sign, no leading zero (so the round trip is exact).
+    return text.isascii() and text.isdigit() and not text.startswith("0")
+
+
 @dataclass(frozen=True)
 class Source:
     """Rows of one processor and where they came from (the start of `Choice.why`)."""
@@ -111,26 +156,26 @@ EPYC_AVX2 = Processor("cpu", "AMD EPYC", "avx2")
 BUILTIN: dict[str, tuple[Measured, ...]] = {
     # Four runs combined with --combine (load average 2-11); times in docs/results/flash-blocks-cpu.run{1,2,3,4}.json.
     EPYC.key: (
-        Measured(BN=32, T=256, S=256, fastest="chunked", blocks=(256, 256)),  # 1.07; einsum 1.29, dpa-xla 1.34
-        Measured(BN=32, T=512, S=512, fastest="chunked", blocks=(256, 256)),  # 1.00; 128x256 1.05, einsum 1.59
-        Measured(BN=32, T=1024, S=1024, fastest="chunked", blocks=(128, 256)),  # 1.17; 256x256 1.27, einsum 2.42
-        Measured(BN=32, T=2048, S=2048, fastest="chunked", blocks=(256, 256)),  # 1.03; 256x512 1.13, 512x1024 1.31, 256x2048 1.63
-        Measured(BN=8, T=8192, S=8192, fastest="chunked", blocks=(512, 512)),  # 1.00; 256x512 1.19, 512x1024 1.29
+        Measured(BN=32, T=256, S=256, fastest=CHUNKED, blocks=(256, 256)),  # 1.07; einsum 1.29, dpa-xla 1.34
+        Measured(BN=32, T=512, S=512, fastest=CHUNKED, blocks=(256, 256)),  # 1.00; 128x256 1.05, einsum 1.59
+        Measured(BN=32, T=1024, S=1024, fastest=CHUNKED, blocks=(128, 256)),  # 1.17; 256x256 1.27, einsum 2.42
+        Measured(BN=32, T=2048, S=2048, fastest=CHUNKED, blocks=(256, 256)),  # 1.03; 256x512 1.13, 512x1024 1.31, 256x2048 1.63
+        Measured(BN=8, T=8192, S=8192, fastest=CHUNKED, blocks=(512, 512)),  # 1.00; 256x512 1.19, 512x1024 1.29
     ),
     # One run (load average 4 to 0.3); times in docs/results/kernel-table-xeon-avx512.json.
     XEON.key: (
-        Measured(BN=32, T=256, S=256, fastest="chunked", blocks=(256, 256)),  # 1.05; einsum 1.27, dpa-xla 1.35
-        Measured(BN=32, T=512, S=512, fastest="chunked", blocks=(256, 256)),  # 1.02; 128x256 1.11, einsum 1.33
-        Measured(BN=32, T=1024, S=1024, fastest="chunked", blocks=(256, 256)),  # 1.00; 256x512 1.07, einsum 1.27
-        Measured(BN=32, T=2048, S=2048, fastest="chunked", blocks=(512, 512)),  # 1.02; 1024x1024 1.07, 256x256 1.49
+        Measured(BN=32, T=256, S=256, fastest=CHUNKED, blocks=(256, 256)),  # 1.05; einsum 1.27, dpa-xla 1.35
+        Measured(BN=32, T=512, S=512, fastest=CHUNKED, blocks=(256, 256)),  # 1.02; 128x256 1.11, einsum 1.33
+        Measured(BN=32, T=1024, S=1024, fastest=CHUNKED, blocks=(256, 256)),  # 1.00; 256x512 1.07, einsum 1.27
+        Measured(BN=32, T=2048, S=2048, fastest=CHUNKED, blocks=(512, 512)),  # 1.02; 1024x1024 1.07, 256x256 1.49
     ),
     # One run (load average below 1.9); times in docs/results/kernel-table-epyc-avx2.json.
     EPYC_AVX2.key: (
-        Measured(BN=32, T=256, S=256, fastest="chunked", blocks=(256, 256)),  # 1.02; 128x256 1.33, dpa-xla 1.35
-        Measured(BN=32, T=512, S=512, fastest="chunked", blocks=(256, 512)),  # 1.06; einsum 1.14, 512x512 1.25
-        Measured(BN=32, T=1024, S=1024, fastest="chunked", blocks=(256, 512)),  # 1.00; 512x512 1.02, 128x256 1.20
-        Measured(BN=32, T=2048, S=2048, fastest="chunked", blocks=(256, 512)),  # 1.00; 512x512 1.05, 256x256 1.32
-        Measured(BN=8, T=8192, S=8192, fastest="chunked", blocks=(256, 512)),  # 1.00; 1024x1024 1.09, 512x512 1.10
+        Measured(BN=32, T=256, S=256, fastest=CHUNKED, blocks=(256, 256)),  # 1.02; 128x256 1.33, dpa-xla 1.35
+        Measured(BN=32, T=512, S=512, fastest=CHUNKED, blocks=(256, 512)),  # 1.06; einsum 1.14, 512x512 1.25
+        Measured(BN=32, T=1024, S=1024, fastest=CHUNKED, blocks=(256, 512)),  # 1.00; 512x512 1.02, 128x256 1.20
+        Measured(BN=32, T=2048, S=2048, fastest=CHUNKED, blocks=(256, 512)),  # 1.00; 512x512 1.05, 256x256 1.32
+        Measured(BN=8, T=8192, S=8192, fastest=CHUNKED, blocks=(256, 512)),  # 1.00; 1024x1024 1.09, 512x512 1.10
     ),
 }
 
@@ -288,27 +333,27 @@ def choose(*, platform: str, sources: tuple[Source, ...], dtype, B: int, N: int,
     """The kernel and chunk sizes for one fused call; pure (no device or file is read)."""
     dtype = jnp.dtype(dtype)
     if B == 0 or T == 0:
-        return Choice("chunked", *DEFAULT_BLOCKS, why="B = 0 or T = 0: the chunked kernel returns the empty context", source="rule")
+        return Choice(CHUNKED, *DEFAULT_BLOCKS, why="B = 0 or T = 0: the chunked kernel returns the empty context", source="rule")
     if _cudnn_allowed(platform, dtype, T, S, H, has_mask):
-        return Choice("dpa-cudnn", why="CUDA GPU, 16-bit, head dim and mask within cuDNN's limits", source="rule")
+        return Choice(DPA_CUDNN, why="CUDA GPU, 16-bit, head dim and mask within cuDNN's limits", source="rule")
     fits = B * N * T * S <= materialize_limit
-    allowed = {"chunked"}
+    allowed = {CHUNKED}
     if fits:
-        allowed.add("einsum")
+        allowed.add(EINSUM)
         if dtype in (jnp.float32, jnp.bfloat16):
-            allowed.add("dpa-xla")
+            allowed.add(DPA_XLA)
     ranked = sorted(((_distance(r, B * N, T, S), n, r) for n, src in enumerate(sources) for r in src.rows), key=lambda x: x[:2])
     if not ranked:
-        kernel = "einsum" if fits else "chunked"
-        blocks = DEFAULT_BLOCKS if kernel == "chunked" else (None, None)
+        kernel = EINSUM if fits else CHUNKED
+        blocks = DEFAULT_BLOCKS if kernel == CHUNKED else (None, None)
         return Choice(kernel, *blocks, why="no measured rows for this device kind", source="no rows")
     _, n, row = ranked[0]
     blocks = next((r.blocks for _, _, r in ranked if r.blocks is not None), DEFAULT_BLOCKS)
-    kernel = row.fastest if row.fastest in allowed else ("einsum" if fits else "chunked")
+    kernel = row.fastest if row.fastest in allowed else (EINSUM if fits else CHUNKED)
     why = f"{sources[n].where}: nearest measured B·N={row.BN} T={row.T} S={row.S} ({row.fastest} fastest)"
     if kernel != row.fastest:
         why += f"; {row.fastest} not allowed for {dtype.name} at B·N·T·S={B * N * T * S}"
-    return Choice(kernel, *(blocks if kernel == "chunked" else (None, None)), why=why, source=sources[n].label)
+    return Choice(kernel, *(blocks if kernel == CHUNKED else (None, None)), why=why, source=sources[n].label)
 
 
 def fused_choice(B: int, N: int, T: int, S: int, H: int, dtype, *, has_mask: bool, device=None) -> Choice:
@@ -318,3 +363,16 @@ def fused_choice(B: int, N: int, T: int, S: int, H: int, dtype, *, has_mask: boo
     sources = sources_for(processor(device), load_user_table(path), str(path))
     return choose(platform=device.platform, sources=sources, dtype=dtype, B=B, N=N, T=T, S=S, H=H,
                   has_mask=has_mask, materialize_limit=MATERIALIZE_LIMIT)
+
+
+WEIGHTS = "weights"
+"""`Choice.source` of the module with need_weights=True: it returns the weights, so the einsum core runs."""
+
+
+def module_choice(B: int, N: int, T: int, S: int, H: int, dtype, *, has_mask: bool, need_weights: bool, device=None) -> Choice:
+    """What `mha_jax.MultiHeadAttention` runs for these sizes: the einsum core when it returns the
+    weights, else `fused_choice` (what `fused_attention_core` asks)."""
+    if need_weights:
+        return Choice(EINSUM, why="need_weights=True: the weights are returned, so the einsum core materialises them",
+                      source=WEIGHTS)
+    return fused_choice(B, N, T, S, H, dtype, has_mask=has_mask, device=device)

@@ -133,14 +133,22 @@ def build(impl: Implementation, case: BenchCase, pass_: str, device: str, seed: 
     )
 
 
+# The peers whose kernel is one of mha_jax's: both call jax.nn.dot_product_attention(implementation="xla").
+PEER_KERNELS = {"jax-dpa-core": kernels.DPA_XLA, "jax-dpa-gqa": kernels.DPA_XLA}
+
+
 def kernel_of(impl: Implementation, case: BenchCase, device) -> str:
-    """What runs inside: for our fused path the kernel `mha_jax.kernels` chooses, with its blocks and
-    where the choice came from (user table, built-in, other cpu, rule, no rows), e.g. "chunked 512x512 (built-in)"."""
-    if impl.family == "ours-jax" and not impl.returns_weights:
-        c = kernels.fused_choice(case.batch, case.heads, case.seq_q, case.seq_k, case.config.head_size,
-                                 jnp.dtype(case.dtype), has_mask=case.mask != "none", device=device)
-        return c.kernel + (f" {c.q_chunk}x{c.k_chunk}" if c.kernel == "chunked" else "") + f" ({c.source})"
-    return {"ours-jax": "einsum (weights)", "jax-dpa-core": "dpa-xla"}.get(impl.family or impl.name, impl.family or impl.name)
+    """What runs inside, as `mha_jax.kernels.kernel_label` spells it with its source. Our module: the
+    choice `kernels.module_choice` makes for the case (what the module's dispatch asks), e.g.
+    "chunked:512x512 (built-in)", "einsum (weights)"; a peer in PEER_KERNELS: its kernel; any other
+    implementation: its family or name."""
+    if impl.family == "ours-jax":
+        c = kernels.module_choice(case.batch, case.heads, case.seq_q, case.seq_k, case.config.head_size,
+                                  jnp.dtype(case.dtype), has_mask=case.mask != "none", need_weights=impl.returns_weights,
+                                  device=device)
+        return kernels.kernel_label(c, source=True)
+    name = impl.family or impl.name
+    return kernels.kernel_label(kernels.Choice(PEER_KERNELS[name])) if name in PEER_KERNELS else name
 
 
 def peak_gflops(dtype: str, sizes, device: str, timing, clock) -> tuple[float, int]:

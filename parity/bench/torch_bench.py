@@ -121,6 +121,24 @@ def _step(runner: TorchRunner, built, case: BenchCase, pass_: str, device: str, 
     return step
 
 
+SDPA = "sdpa"  # F.scaled_dot_product_attention
+BMM_SOFTMAX = "bmm-softmax"  # baddbmm, softmax, bmm: the weights materialised
+# Whose need_weights=False path is F.scaled_dot_product_attention and whose weights path is
+# baddbmm + softmax (mha_torch's two cores; torch.nn.MultiheadAttention's fast and slow paths).
+SDPA_FAMILIES = ("ours-torch", "torch-mha", "torch-sdpa-core", "torch-sdpa-gqa")
+
+
+def kernel_label(impl: Implementation) -> str:
+    """The benchmark row's `kernel` of a torch implementation: "sdpa" or "bmm-softmax (weights)" for
+    SDPA_FAMILIES; a user's layer its name; any other (the eager transformers peers) its family or name."""
+    if impl.role == "user":
+        return impl.name
+    name = impl.family or impl.name
+    if name not in SDPA_FAMILIES:
+        return name
+    return f"{BMM_SOFTMAX} (weights)" if impl.returns_weights else SDPA
+
+
 def build(impl: Implementation, case: BenchCase, pass_: str, device: str, seed: int) -> Bench:
     """A Bench for one (implementation, case, pass) on `device` ("cpu" or "cuda")."""
     if case.dtype not in DTYPES:
@@ -147,9 +165,8 @@ def build(impl: Implementation, case: BenchCase, pass_: str, device: str, seed: 
             out, _ = runner.call(built, q, k, v, mask)
         return out.detach().float().cpu().numpy()
 
-    kernel = "sdpa" if not impl.returns_weights else "bmm-softmax (weights)"
     return Bench(
-        kernel=kernel if impl.role != "user" else impl.name,
+        kernel=kernel_label(impl),
         step=step, sync=sync, compiles_on_first_call=impl.mode == "compile", recompile=recompile,
         output=output, memory=_memory_probe(device, step, sync),
     )
