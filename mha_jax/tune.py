@@ -8,12 +8,13 @@
 For every size (B x N x T x H, S = T) it compiles each candidate, then times them round-robin
 (the direction reversed each round, so a load drift hits all alike) and keeps the min and
 the median of the repeats; only ratios within one size of one run mean anything on a shared
-machine. Candidates: our einsum core without weights ("einsum", materialises (B, N, T, S)),
-`jax.nn.dot_product_attention`'s XLA path ("dpa-xla", materialises too) and the chunked
-kernel at each block size; materialising candidates are skipped above
-`mha_jax.kernels.MATERIALIZE_LIMIT` scores. Passes: "fwd" (the context) and "fwdbwd"
-(gradient of its sum w.r.t. q, k, v). A candidate's score is the geometric mean of its
-time / the fastest's over the passes (1.00 = fastest in both).
+machine. Candidates, named by `mha_jax.kernels.kernel_label` as benchmark rows name them: our
+einsum core without weights ("einsum", materialises (B, N, T, S)), `jax.nn.dot_product_attention`'s
+XLA path ("dpa-xla", materialises too) and the chunked kernel at each block size
+("chunked:256x512"); materialising candidates are skipped above `mha_jax.kernels.MATERIALIZE_LIMIT`
+scores. Passes (`mha_spec.PASSES`): "fwd" (the context) and "fwd+bwd" (gradient of its sum
+w.r.t. q, k, v). A candidate's score is the geometric mean of its time / the fastest's over
+the passes (1.00 = fastest in both).
 
 The rows go into the user's table (`mha_jax.cache.kernel_table_path()`, `--out` to
 choose another file) under this processor's key, next to any other processor's rows in
@@ -21,10 +22,14 @@ that file; `mha_jax.kernels` reads them first from then on. `--json` also saves 
 time, the load average and the processor.
 
 Exit 0 done; 2 a usage error, found before anything is measured: a bad --sizes, --blocks,
---passes, --reps, --budget or --dtype, an output (--out, --json) that cannot be written or
+--passes, --min-repeats, --budget or --dtype, an output (--out, --json) that cannot be written or
 both naming one file, a --combine file that is absent, not JSON or not a tune run; 3 the
 run was measured but a file could not be written (--json is written first: when it fails,
 the table is left as it was).
+
+Deprecated spellings, parsed the same with a warning on stderr (`mha_spec.flags`): --reps for
+--min-repeats (as `mha-bench` spells it), --passes fwdbwd for fwd+bwd. Saved runs whose rows say
+"fwdbwd" still load (--combine).
 """
 
 from __future__ import annotations
@@ -46,11 +51,13 @@ from mha_jax import kernels
 from mha_jax.attention import attention_core
 from mha_jax.cache import kernel_table_path
 from mha_jax.chunked import chunked_attention
+from mha_spec import PASSES
 from mha_spec.files import read_json, writable_problem, write_atomic
+from mha_spec.flags import add_alias, warn_deprecated
 
 DEFAULT_SIZES = "4x8x256x64,4x8x512x64,4x8x1024x64,4x8x2048x64,1x8x8192x64"
 DEFAULT_BLOCKS = "128x256,256x256,256x512,512x512,512x1024,1024x1024"
-PASSES = ("fwd", "fwdbwd")
+OLD_PASSES = {"fwdbwd": "fwd+bwd"}  # a deprecated --passes value, and what saved runs' rows may say
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 EXIT_WRITE = 3  # measured, but a file could not be written (as mha-bench's reports)
 
@@ -59,10 +66,12 @@ def candidates(B: int, N: int, T: int, H: int, blocks) -> dict:
     """{name: f(q, k, v) -> context (B, T, N, H)}; a block larger than T is the whole axis."""
     out = {}
     if B * N * T * T <= kernels.MATERIALIZE_LIMIT:
-        out["einsum"] = lambda q, k, v: attention_core(q, k, v)[0]
-        out["dpa-xla"] = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, scale=1.0 / math.sqrt(H), implementation="xla")
+        out[kernels.kernel_label(kernels.Choice(kernels.EINSUM))] = lambda q, k, v: attention_core(q, k, v)[0]
+        out[kernels.kernel_label(kernels.Choice(kernels.DPA_XLA))] = lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, scale=1.0 / math.sqrt(H), implementation=kernels.DPA_IMPLEMENTATIONS[kernels.DPA_XLA])
     for cq, ck in dict.fromkeys((min(cq, T), min(ck, T)) for cq, ck in blocks):
-        out[f"chunked:{cq}x{ck}"] = lambda q, k, v, cq=cq, ck=ck: chunked_attention(q, k, v, q_chunk=cq, k_chunk=ck)
+        label = kernels.kernel_label(kernels.Choice(kernels.CHUNKED, cq, ck))
+        out[label] = lambda q, k, v, cq=cq, ck=ck: chunked_attention(q, k, v, q_chunk=cq, k_chunk=ck)
     return out
 
 
@@ -113,17 +122,18 @@ def summarise(runs) -> list[dict]:
     for key in sizes:
         ratios, seen = {}, {}
         for n, run in enumerate(runs):
-            for pass_ in ("fwd", "fwdbwd"):
-                pick = [r for r in run if (r["B"], r["N"], r["T"], r["S"]) == key and r["pass_"] == pass_]
+            for pass_ in PASSES:
+                pick = [r for r in run if (r["B"], r["N"], r["T"], r["S"]) == key and OLD_PASSES.get(r["pass_"], r["pass_"]) == pass_]
                 for r in pick:
                     ratios.setdefault(r["candidate"], []).append(r["min_s"] / min(x["min_s"] for x in pick))
                     seen.setdefault(r["candidate"], set()).add(n)
         need = 2 if max(len(v) for v in seen.values()) >= 2 else 1
         score = {c: math.exp(np.mean(np.log(v))) for c, v in ratios.items() if len(seen[c]) >= need}
-        fastest = min(score, key=score.get)
-        chunked = [c for c in score if c.startswith("chunked:")]
-        blocks = [int(b) for b in min(chunked, key=score.get).split(":")[1].split("x")] if chunked else None
-        out.append(dict(BN=key[0] * key[1], T=key[2], S=key[3], fastest=fastest.split(":")[0], blocks=blocks,
+        fastest = kernels.parse_label(min(score, key=score.get))
+        chunked = [c for c in score if kernels.parse_label(c).kernel == kernels.CHUNKED]
+        best = kernels.parse_label(min(chunked, key=score.get)) if chunked else None
+        blocks = [best.q_chunk, best.k_chunk] if best else None
+        out.append(dict(BN=key[0] * key[1], T=key[2], S=key[3], fastest=fastest.kernel, blocks=blocks,
                         scores={c: round(v, 3) for c, v in sorted(score.items(), key=lambda kv: kv[1])}))
     return out
 
@@ -154,7 +164,16 @@ def show(path: Path, console=print) -> None:
     for src in kernels.sources_for(proc, kernels.load_user_table(path), str(path)):
         console(src.where)
         for r in src.rows:
-            console(f"    B·N={r.BN} T={r.T} S={r.S}: {r.fastest}" + (f", blocks {r.blocks[0]}x{r.blocks[1]}" if r.blocks else ""))
+            console(f"    B·N={r.BN} T={r.T} S={r.S}: {row_text(r.fastest, r.blocks)}")
+
+
+def row_text(fastest: str, blocks) -> str:
+    """A table row's choice as `show` and a run print it: the fastest kernel, and the chunked
+    kernel's fastest blocks by `kernels.kernel_label` ("chunked:256x512"; alone when chunked is fastest)."""
+    chunked = kernels.kernel_label(kernels.Choice(kernels.CHUNKED, *blocks)) if blocks else None
+    if fastest == kernels.CHUNKED and chunked:
+        return chunked
+    return fastest + (f", fastest chunked {chunked}" if chunked else "")
 
 
 def _sizes(text: str, n: int, what: str) -> list[tuple[int, ...]]:
@@ -176,7 +195,10 @@ def _blocks(text: str) -> list[tuple[int, ...]]:
 
 
 def _passes(text: str) -> tuple[str, ...]:
-    items = tuple(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))  # each once, in order
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    for old in dict.fromkeys(t for t in items if t in OLD_PASSES):
+        warn_deprecated(f"--passes {old}", OLD_PASSES[old])
+    items = tuple(dict.fromkeys(OLD_PASSES.get(t, t) for t in items))  # each once, in order
     if not items or not set(items) <= set(PASSES):
         raise argparse.ArgumentTypeError(f"expected a comma-separated subset of {','.join(PASSES)}, got {text!r}")
     return items
@@ -197,7 +219,7 @@ def _number(convert, ok, what: str):
 
 
 _reps = _number(int, lambda v: v >= 1, "a positive integer")
-# 0: --reps repeats; NaN or inf: no repeat count at all
+# 0: --min-repeats repeats; NaN or inf: no repeat count at all
 _budget = _number(float, lambda v: math.isfinite(v) and v >= 0, "a finite number of seconds >= 0")
 
 
@@ -207,6 +229,14 @@ def _dtype(text: str) -> str:
     if text == "float64" and not jax.config.jax_enable_x64:  # else jnp.asarray would time float32 under that name
         raise argparse.ArgumentTypeError("float64 needs JAX_ENABLE_X64=1 (without it JAX computes in float32)")
     return text
+
+
+def _is_label(x) -> bool:
+    try:
+        kernels.parse_label(x)
+    except ValueError:
+        return False
+    return True
 
 
 def load_run(path: Path) -> list[dict]:
@@ -219,13 +249,15 @@ def load_run(path: Path) -> list[dict]:
     rows = data.get("rows") if isinstance(data, dict) else None
     if not isinstance(rows, list) or not rows:
         raise ValueError(f"{path}: not a tune run (expected an object with a non-empty 'rows' list, as --json writes)")
+    rows = [{**r, "pass_": OLD_PASSES[r["pass_"]]} if isinstance(r, dict) and r.get("pass_") in OLD_PASSES else r
+            for r in rows]
     for n, r in enumerate(rows):
         ok = (isinstance(r, dict) and all(isinstance(r.get(k), int) and not isinstance(r.get(k), bool) for k in "BNTS")
-              and r.get("pass_") in PASSES and isinstance(r.get("candidate"), str)
+              and r.get("pass_") in PASSES and _is_label(r.get("candidate"))
               and isinstance(r.get("min_s"), (int, float)) and math.isfinite(r["min_s"]) and r["min_s"] > 0)
         if not ok:
             raise ValueError(f"{path}: row {n} is not a tune row (integers B, N, T, S; pass_ in {', '.join(PASSES)}; "
-                             "a candidate name; min_s a positive time)")
+                             "a candidate kernels.kernel_label names; min_s a positive time)")
     return rows
 
 
@@ -234,8 +266,9 @@ def parser(prog: str = "python -m mha_jax.tune") -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default=DEFAULT_SIZES, type=lambda s: _sizes(s, 4, "BxNxTxH"), help="comma-separated BxNxTxH (S = T)")
     p.add_argument("--blocks", default=DEFAULT_BLOCKS, type=_blocks, help="comma-separated q_chunk x k_chunk")
-    p.add_argument("--passes", default=PASSES, type=_passes, help="comma-separated: fwd, fwdbwd (default both)")
-    p.add_argument("--reps", type=_reps, default=3, help="repeats at least (more for small sizes, see --budget)")
+    p.add_argument("--passes", default=PASSES, type=_passes, help=f"comma-separated: {', '.join(PASSES)} (default both)")
+    add_alias(p, "--reps", p.add_argument("--min-repeats", type=_reps, default=3,
+                                          help="repeats at least (more for small sizes, see --budget)"))
     p.add_argument("--budget", type=_budget, default=0.5, help="seconds per candidate that set the repeats of small sizes")
     p.add_argument("--dtype", type=_dtype, default="float32", help=f"one of {', '.join(DTYPES)}")
     p.add_argument("--out", type=Path, default=None, help="the table to write (default: the user's kernel table)")
@@ -278,7 +311,7 @@ def run(args, p: argparse.ArgumentParser) -> dict | None:
     rows = []
     with jax.default_matmul_precision("highest"):  # as mha-bench pins it
         for B, N, T, H in args.sizes:
-            rows += measure_size(B, N, T, H, args.blocks, args.passes, args.reps, jnp.dtype(args.dtype), args.budget,
+            rows += measure_size(B, N, T, H, args.blocks, args.passes, args.min_repeats, jnp.dtype(args.dtype), args.budget,
                                  log=lambda s: print(s, flush=True))
     table = summarise([rows])
     meta = dict(measured=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), jax=jax.__version__,
@@ -287,7 +320,7 @@ def run(args, p: argparse.ArgumentParser) -> dict | None:
     result = dict(path=out, processor=proc, rows=rows, table=table, meta=meta,
                   write_error=write_outputs(args.json, out, proc, rows, table, meta))
     for t in table:
-        print(f"  B·N={t['BN']} T={t['T']}: {t['fastest']}, blocks {t['blocks']}  {t['scores']}")
+        print(f"  B·N={t['BN']} T={t['T']}: {row_text(t['fastest'], t['blocks'])}  {t['scores']}")
     return result
 
 

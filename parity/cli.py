@@ -14,7 +14,7 @@ import os
 import signal
 import sys
 
-from parity.cli_args import comma_separated, nonnegative_int, parse_layer, positive_float
+from parity.cli_args import add_alias, comma_separated, nonnegative_int, parse_layer, positive_float
 from parity.devices import DEVICES
 from parity.dtypes import DTYPES
 from parity.harness import checkpoint
@@ -54,9 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--framework-defaults", action="store_true",
                    help="keep the frameworks' default matmul precision (TF32 on GPU, bf16 passes on TPU) instead of 'highest'")
     p.add_argument("--devices", type=int, default=None, metavar="N",
-                   help="also check the sharded layouts over N simulated CPU devices / gloo processes (N >= 2)")
-    p.add_argument("--layouts", type=comma_separated(nonempty=True), default=None, metavar="tp,sp,dp",
-                   help="with --devices: which sharded layouts (default: tp,sp,dp; tp-gspmd, JAX only, runs when named; a repeated one runs once)")
+                   help="also check the shardings over N simulated CPU devices / gloo processes (N >= 2)")
+    # --shardings: how the sharded check splits the work (--layout names a checkpoint's tensors);
+    # --layouts parses as it, with a warning.
+    add_alias(p, "--layouts", p.add_argument(
+        "--shardings", type=comma_separated(nonempty=True), default=None, metavar="tp,sp,dp",
+        help="with --devices: which shardings (default: tp,sp,dp; tp-gspmd, JAX only, runs when named; a repeated one runs once)"))
     p.add_argument("--job-timeout", type=positive_float, default=None, metavar="SECONDS",
                    help="with --devices: kill a sharded worker group that finishes no job for this long "
                    f"(a rank stuck in a collective; default {DEFAULT_JOB_TIMEOUT_S:g}); its unfinished jobs become error rows")
@@ -113,16 +116,16 @@ def _usage_problems(args) -> str | None:
             return f"--shape {B},{T},{S}: T <= S (T < S is cross-attention, causal bottom-right aligned)"
     if args.devices is not None and args.devices < 2:
         return f"--devices must be at least 2, got {args.devices}"
-    if args.layouts and args.devices is None:
-        return "--layouts selects sharded layouts: give --devices N too"
+    if args.shardings and args.devices is None:
+        return "--shardings selects the shardings of the sharded check: give --devices N too"
     if args.job_timeout is not None and args.devices is None:
         return "--job-timeout limits the sharded workers: give --devices N too"
-    if args.layouts:
-        from parity.harness.sharded import LAYOUTS
+    if args.shardings:
+        from parity.harness.sharded.cases import JAX_ONLY_SHARDINGS, SHARDINGS
 
-        unknown = sorted(set(args.layouts) - set(LAYOUTS) - {"tp-gspmd"})
+        unknown = sorted(set(args.shardings) - set(SHARDINGS) - set(JAX_ONLY_SHARDINGS))
         if unknown:
-            return f"unknown --layouts {unknown}; choose from {', '.join(LAYOUTS)}, tp-gspmd"
+            return f"unknown --shardings {unknown}; choose from {', '.join(SHARDINGS + JAX_ONLY_SHARDINGS)}"
     paths = [os.path.realpath(p) for p in (args.json, args.markdown, args.plot) if p]  # a link and its target are one file
     if len(set(paths)) < len(paths):
         return "--json, --markdown and --plot must be different files"
@@ -161,7 +164,7 @@ def _run(args, console, stop):
             **kw, impls=impls, device=args.device,
             seed=args.seed, quick=args.quick, compile=args.compile, framework_defaults=args.framework_defaults,
             json_path=args.json, markdown_path=args.markdown, plot_path=args.plot, on_start=on_start,
-            on_progress=on_progress, should_stop=lambda: stop.requested, devices=args.devices, layouts=args.layouts,
+            on_progress=on_progress, should_stop=lambda: stop.requested, devices=args.devices, shardings=args.shardings,
             job_timeout_s=args.job_timeout,
         )
 

@@ -1,9 +1,18 @@
-"""argparse helpers shared by `mha-parity` and `mha-bench`."""
+"""argparse helpers shared by `mha-parity` and `mha-bench`.
+
+Old flag spellings: `add_alias(parser_or_group, "--old", new_action)` (from `mha_spec.flags`, which
+`mha_jax.tune` uses too): the old spelling parses exactly as the new one and warns on stderr.
+"""
 
 from __future__ import annotations
 
 import argparse
 import math
+
+from mha_spec.flags import DeprecatedAlias, add_alias, warn_deprecated
+
+__all__ = ["DeprecatedAlias", "add_alias", "warn_deprecated", "comma_separated", "positive_int", "nonnegative_int",
+           "positive_float", "positive_ints", "parse_layer"]
 
 
 def comma_separated(choices=None, *, nonempty: bool = False):

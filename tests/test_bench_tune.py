@@ -22,7 +22,7 @@ def _row(T, pass_, candidate, min_s, B=2, N=4, H=8):
 
 ROWS = [
     _row(256, "fwd", "einsum", 1.00), _row(256, "fwd", "chunked:128x256", 1.04), _row(256, "fwd", "chunked:256x256", 1.30),
-    _row(256, "fwdbwd", "einsum", 3.00), _row(256, "fwdbwd", "chunked:128x256", 3.60), _row(256, "fwdbwd", "chunked:256x256", 2.50),
+    _row(256, "fwd+bwd", "einsum", 3.00), _row(256, "fwd+bwd", "chunked:128x256", 3.60), _row(256, "fwd+bwd", "chunked:256x256", 2.50),
     _row(2048, "fwd", "chunked:512x512", 8.0), _row(2048, "fwd", "chunked:256x256", 10.0),
 ]
 
@@ -33,7 +33,7 @@ def test_each_size_and_pass_compares_the_chosen_candidate_with_the_fastest_of_th
     got = {(c.T, c.pass_): (c.chosen, c.best, c.ratio, c.within) for c in checks}
     assert got == {
         (256, "fwd"): ("chunked:128x256", "einsum", pytest.approx(1.04), True),
-        (256, "fwdbwd"): ("chunked:128x256", "chunked:256x256", pytest.approx(3.60 / 2.50), False),
+        (256, "fwd+bwd"): ("chunked:128x256", "chunked:256x256", pytest.approx(3.60 / 2.50), False),
         (2048, "fwd"): ("chunked:512x512", "chunked:512x512", 1.0, True),
     }
     per_size = [c for c in checks if c.T == 256]
@@ -63,7 +63,7 @@ def test_chosen_blocks_are_named_as_tune_names_its_candidates():
 def test_a_tiny_tune_writes_the_table_where_asked_and_checks_the_choice_read_back_from_it(tmp_path, capsys):
     out = tmp_path / "table.json"
     console = Console(file=io.StringIO(), width=200)
-    rc = cli.main(["tune", "--sizes", "1x2x16x8", "--blocks", "8x8", "--passes", "fwd", "--reps", "1",
+    rc = cli.main(["tune", "--sizes", "1x2x16x8", "--blocks", "8x8", "--passes", "fwd", "--min-repeats", "1",
                    "--budget", "0.001", "--out", str(out)], console=console)
     text = console.file.getvalue()
     assert rc == 0, text

@@ -80,11 +80,11 @@ def test_single_file_needs_heads_and_rope_base(llama_dir, capsys):
     weights = str(llama_dir / "model.safetensors")
     assert main(["--checkpoint", weights, "--prefix", PREFIX, "--no-progress"]) == 2
     err = capsys.readouterr().out
-    assert "--num-heads" in err and "--rope-theta" in err and weights in err
-    assert main(["--checkpoint", weights, "--prefix", PREFIX, "--num-heads", "6", "--rope-theta", "500", *FAST,
+    assert "--heads" in err and "--rope-theta" in err and weights in err
+    assert main(["--checkpoint", weights, "--prefix", PREFIX, "--heads", "6", "--rope-theta", "500", *FAST,
                  "--cases", "checkpoint/causal", "--checks", "forward"]) == 0
     assert "K=2" in capsys.readouterr().out  # read off k_proj's 8 rows: 2 heads of H = 24 / 6
-    assert main(["--checkpoint", weights, "--prefix", PREFIX, "--num-heads", "6", "--num-kv-heads", "3",
+    assert main(["--checkpoint", weights, "--prefix", PREFIX, "--heads", "6", "--kv-heads", "3",
                  "--rope-theta", "500", "--no-progress"]) == 2
     assert "k_proj" in capsys.readouterr().out
 
@@ -94,7 +94,7 @@ def test_single_file_needs_heads_and_rope_base(llama_dir, capsys):
     (["--layout", "hf-nope"], "hf-nope"),
     (["--layout", "hf-bert"], "hf-bert"),
     (["--shape", "2,6,5"], "T <= S"),
-    (["--num-heads", "6"], "--num-heads"),  # a directory's config.json says it
+    (["--heads", "6"], "--heads"),  # a directory's config.json says it
 ])
 def test_bad_checkpoint_arguments_are_usage_errors_naming_them(llama_dir, capsys, args, named):
     assert main(["--checkpoint", str(llama_dir), "--prefix", PREFIX, "--no-progress", *args]) == 2
@@ -147,7 +147,7 @@ def _planted(llama_dir, tmp_path, value):
 def test_a_non_finite_weight_is_a_usage_error_naming_file_prefix_and_tensor(llama_dir, tmp_path, capsys, value, said):
     """Every output a NaN weight reaches is NaN, in the oracle too: nothing could be compared."""
     bad = _planted(llama_dir, tmp_path, value)
-    single = ["--num-heads", "6", "--rope-theta", "500"]
+    single = ["--heads", "6", "--rope-theta", "500"]
     for path, flags in ((bad, []), (bad / "model.safetensors", single)):
         assert main(["--checkpoint", str(path), "--prefix", PREFIX, *FAST, "--checks", "forward", *flags]) == 2
         out = " ".join(capsys.readouterr().out.split())

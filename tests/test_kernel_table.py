@@ -216,7 +216,7 @@ def test_summarise_scores_by_geometric_mean_over_runs_and_passes():
     def rows(times):
         return [dict(B=1, N=2, T=8, S=8, pass_=p, candidate=c, min_s=t) for (c, p), t in times.items()]
 
-    run1 = rows({("einsum", "fwd"): 1.0, ("chunked:4x4", "fwd"): 2.0, ("einsum", "fwdbwd"): 4.0, ("chunked:4x4", "fwdbwd"): 2.0,
+    run1 = rows({("einsum", "fwd"): 1.0, ("chunked:4x4", "fwd"): 2.0, ("einsum", "fwd+bwd"): 4.0, ("chunked:4x4", "fwd+bwd"): 2.0,
                  ("chunked:8x8", "fwd"): 1.5})  # 8x8 measured in one of the two runs only: left out
     run2 = rows({("einsum", "fwd"): 3.0, ("chunked:4x4", "fwd"): 3.0})
     (t,) = tune.summarise([run1, run2])
@@ -231,7 +231,7 @@ def test_summarise_scores_by_geometric_mean_over_runs_and_passes():
 def test_tune_writes_this_processors_rows_and_keeps_the_others(tmp_path, capsys):
     path = tmp_path / "kernels.json"
     path.write_text(json.dumps(_table(SIBLING, [GOOD_ROW])))
-    code = tune.main(["--sizes", "1x2x8x4", "--blocks", "4x4,8x8", "--passes", "fwd", "--reps", "1", "--budget", "0", "--out", str(path)])
+    code = tune.main(["--sizes", "1x2x8x4", "--blocks", "4x4,8x8", "--passes", "fwd", "--min-repeats", "1", "--budget", "0", "--out", str(path)])
     assert code == 0
     data = json.loads(path.read_text())
     proc = kernels.processor()
@@ -242,7 +242,7 @@ def test_tune_writes_this_processors_rows_and_keeps_the_others(tmp_path, capsys)
     (row,) = entry["rows"]
     assert (row["BN"], row["T"], row["S"]) == (2, 8, 8)
     assert set(row["scores"]) == {"einsum", "dpa-xla", "chunked:4x4", "chunked:8x8"}
-    assert row["fastest"] == min(row["scores"], key=row["scores"].get).split(":")[0]
+    assert row["fastest"] == kernels.parse_label(min(row["scores"], key=row["scores"].get)).kernel
     assert row["blocks"] in ([4, 4], [8, 8])
     table = kernels.load_user_table(path)  # reads back, no warning
     assert table[proc][0].blocks == tuple(row["blocks"]) and table[SIBLING][0].blocks == (4, 4)
@@ -250,7 +250,7 @@ def test_tune_writes_this_processors_rows_and_keeps_the_others(tmp_path, capsys)
     assert f"user table {path}" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("argv", [["--sizes", "2x3"], ["--blocks", "0x4"], ["--passes", "bwd"], ["--reps", "0"]])
+@pytest.mark.parametrize("argv", [["--sizes", "2x3"], ["--blocks", "0x4"], ["--passes", "bwd"], ["--min-repeats", "0"]])
 def test_tune_rejects_bad_arguments(argv):
     with pytest.raises(SystemExit) as e:
         tune.main(argv + ["--out", "/nonexistent/never-written.json"])

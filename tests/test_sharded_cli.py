@@ -1,7 +1,7 @@
 """The sharded check's command lines: stopping, time limits, argument checks, clean-up.
 
 The first two tests start real worker groups (torch gloo ranks and a JAX process over 2
-devices, the dp layout only); the others check arguments and run nothing.
+devices, the dp sharding only); the others check arguments and run nothing.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def test_ctrl_c_to_the_process_group_stops_between_jobs_and_leaves_nothing_behin
     no worker process and no scratch directory left."""
     report = tmp_path / "r.json"
     argv = [sys.executable, "-m", "parity", "--device", "cpu", "--no-progress", "--quick", "--checks", "sharded",
-            "--devices", "2", "--layouts", "dp", "--dtypes", "float64", "--json", str(report)]
+            "--devices", "2", "--shardings", "dp", "--dtypes", "float64", "--json", str(report)]
     proc = subprocess.Popen(argv, cwd=ROOT, env=dict(os.environ, TMPDIR=str(tmp_path)), start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -85,7 +85,7 @@ def test_a_group_that_finishes_no_job_within_the_job_timeout_is_killed(tmp_path,
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     report = tmp_path / "r.json"
     code = cli.main(["--device", "cpu", "--no-progress", "--quick", "--checks", "sharded", "--devices", "2",
-                     "--layouts", "dp", "--dtypes", "float64", "--job-timeout", "0.5", "--json", str(report)])
+                     "--shardings", "dp", "--dtypes", "float64", "--job-timeout", "0.5", "--json", str(report)])
     assert code == 1, capsys.readouterr().out[-2000:]
     sharded = [r for r in json.loads(report.read_text())["rows"] if r["check"] == "sharded"]
     assert {r["impl"] for r in sharded} == {"torch-dp", "jax-dp"}
@@ -96,7 +96,7 @@ def test_a_group_that_finishes_no_job_within_the_job_timeout_is_killed(tmp_path,
 
 
 @pytest.mark.parametrize("argv", [
-    ("--devices", "2", "--layouts", ""),  # an empty selection is not "every layout"
+    ("--devices", "2", "--shardings", ""),  # an empty selection is not "every sharding"
     ("--devices", "2", "--job-timeout", "0"),
     ("--job-timeout", "5"),  # the limit applies to the sharded workers only
 ])
@@ -129,11 +129,11 @@ def _bench(*argv):
     (("--heads", "0"), "positive integer"),
     (("--seq", "0"), "positive integer"),
     (("--repeats", "0"), "positive integer"),
-    (("--layouts", ""), ""),
+    (("--shardings", ""), ""),
     (("--job-timeout", "-1"), ""),
     (("--json", "same.out", "--markdown", "same.out"), "different files"),
-    (("--seq", "64", "--shards", "3", "--layouts", "sp", "--frameworks", "torch"), "T=64 is not divisible by 3"),
-    (("--heads", "4", "--embed", "32", "--shards", "3", "--layouts", "tp"), "N=4 is not divisible by 3"),
+    (("--seq", "64", "--shards", "3", "--shardings", "sp", "--frameworks", "torch"), "T=64 is not divisible by 3"),
+    (("--heads", "4", "--embed", "32", "--shards", "3", "--shardings", "tp"), "N=4 is not divisible by 3"),
 ])
 def test_mha_bench_sharded_usage_errors_start_nothing(argv, says, monkeypatch, tmp_path, capsys):
     from parity.bench import sharded as bench
@@ -162,7 +162,7 @@ def test_mha_bench_sharded_measures_a_repeated_selection_once(monkeypatch, tmp_p
 
     calls = []
     monkeypatch.setattr(bench, "_run", _fake_run(calls))
-    code, _ = _bench("--shards", "1,2,2", "--layouts", "sp,sp", "--frameworks", "jax,jax", "--json", str(tmp_path / "r.json"))
+    code, _ = _bench("--shards", "1,2,2", "--shardings", "sp,sp", "--frameworks", "jax,jax", "--json", str(tmp_path / "r.json"))
     assert code == 0
     assert calls == [("jax", "sp", 1), ("jax", "sp", 2)]
 
@@ -173,7 +173,7 @@ def test_mha_bench_sharded_ctrl_c_writes_what_finished_and_exits_130(monkeypatch
     calls = []
     monkeypatch.setattr(bench, "_run", _fake_run(calls, interrupt_at=2))
     out = tmp_path / "r.json"
-    code, text = _bench("--shards", "1,2", "--layouts", "sp", "--frameworks", "jax", "--json", str(out))
+    code, text = _bench("--shards", "1,2", "--shardings", "sp", "--frameworks", "jax", "--json", str(out))
     assert code == 130, text
     data = json.loads(out.read_text())
     assert data["interrupted"] is True

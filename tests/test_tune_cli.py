@@ -16,7 +16,7 @@ from rich.console import Console
 from mha_jax import tune
 from parity.bench import cli
 
-TINY = ["--sizes", "1x2x8x4", "--blocks", "8x8", "--passes", "fwd", "--reps", "1"]
+TINY = ["--sizes", "1x2x8x4", "--blocks", "8x8", "--passes", "fwd", "--min-repeats", "1"]
 
 
 def _python_m(argv) -> int:
@@ -63,7 +63,7 @@ def _usage_error(tool, argv, capsys) -> str:
     (["--dtype", "int32"], "argument --dtype"),
     (["--budget", "nan"], "argument --budget"), (["--budget", "inf"], "argument --budget"),
     (["--budget", "-1"], "argument --budget"),
-    (["--reps", "0"], "argument --reps"), (["--reps", "two"], "argument --reps"),
+    (["--min-repeats", "0"], "argument --min-repeats"), (["--min-repeats", "two"], "argument --min-repeats"),
     (["--sizes", "4x8"], "argument --sizes"), (["--sizes", "1x2x0x4"], "argument --sizes"),
     (["--blocks", "8"], "argument --blocks"), (["--blocks", "0x8"], "argument --blocks"),
     (["--blocks", "16384x16384"], "blocks are at most 8192 (the kernel table's bound)"),

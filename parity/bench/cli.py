@@ -8,7 +8,7 @@
               [--json P] [--markdown P] [--plot P.png]
     mha-bench compare BASE.json NEW.json [--threshold 0.10]
     mha-bench report RUN.json [--markdown P] [--plot P.png]
-    mha-bench sharded [--shards 1,2,4] [--layouts sp,tp] [--seq 4096] [--json P] [--markdown P]
+    mha-bench sharded [--shards 1,2,4] [--shardings sp,tp] [--seq 4096] [--json P] [--markdown P]
     mha-bench tune [--sizes BxNxTxH,..] [--blocks QxK,..] [--out P] [--show]   (the JAX kernel table)
 
 Exit codes (a run is a pass only if it measured something and nothing failed):

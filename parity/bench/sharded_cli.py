@@ -1,21 +1,24 @@
-"""`mha-bench sharded`: per-device peak memory and forward time of the sharded layouts.
+"""`mha-bench sharded`: per-device peak memory and forward time of the shardings.
 
-    mha-bench sharded [--shards 1,2,4] [--layouts sp,tp] [--frameworks jax,torch]
+    mha-bench sharded [--shards 1,2,4] [--shardings sp,tp] [--frameworks jax,torch]
                       [--seq 4096] [--embed 256] [--heads 4] [--batch 1] [--repeats 3]
                       [--job-timeout 900] [--json P] [--markdown P]
 
-`--shards` lists the device counts each layout is split over (simulated CPU devices for JAX,
+`--shards` lists the device counts each sharding is split over (simulated CPU devices for JAX,
 gloo processes for torch; `--device` elsewhere in `mha-bench` is the device kind). The rows come
-from `parity.bench.sharded.iter_bench_sharded` (each (framework, layout, shard count) in fresh
+from `parity.bench.sharded.iter_bench_sharded` (each (framework, sharding, shard count) in fresh
 processes; JAX's memory is its compiled program's per-device `memory_analysis()`, torch's each
 rank's peak RSS growth). On simulated CPU devices every device shares the same cores: the
 times are overhead measurements, and per-device memory is the headline.
 
 Every argument is checked before anything starts (exit 2): positive sizes, E divisible by N,
 T (sp) and N (tp) divisible by every device count, distinct output files. A repeated device
-count, layout or framework is measured once. Ctrl-C ends the running measurement's processes,
+count, sharding or framework is measured once. Ctrl-C ends the running measurement's processes,
 writes the report of what finished and exits 130. A report that cannot be written once the
 table is printed (a full disk) is said in one line and the run exits 3.
+
+`--layouts` is the deprecated spelling of `--shardings` (it warns): in `mha-parity`, `--layout`
+names a checkpoint's tensors, so the word for how the work is split is "sharding" in both tools.
 """
 
 from __future__ import annotations
@@ -28,17 +31,21 @@ from rich.console import Console
 from rich.table import Table
 
 from mha_spec.files import check_writable, write_atomic
-from parity.cli_args import comma_separated, positive_float, positive_int, positive_ints as _ints
+from mha_spec import SHARDINGS
+from parity.cli_args import add_alias, comma_separated, positive_float, positive_int, positive_ints as _ints
 from parity.bench.sharded import TIMEOUT_S
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_WRITE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+BENCH_SHARDINGS = tuple(s for s in SHARDINGS if s in ("sp", "tp"))  # what the memory benchmark measures (no dp)
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mha-bench sharded", description=__doc__.split("\n\n")[0])
     p.add_argument("--shards", type=_ints, default=(1, 2, 4), metavar="N,..",
-                   help="device counts to split each layout over (default 1,2,4)")
-    p.add_argument("--layouts", type=comma_separated(("sp", "tp"), nonempty=True), default=("sp", "tp"))
+                   help="device counts to split each sharding over (default 1,2,4)")
+    add_alias(p, "--layouts", p.add_argument(
+        "--shardings", type=comma_separated(BENCH_SHARDINGS, nonempty=True), default=("sp", "tp"), metavar="sp,tp",
+        help="sp: the query sequence (ring attention), tp: the heads (default sp,tp)"))
     p.add_argument("--frameworks", type=comma_separated(("jax", "torch"), nonempty=True), default=("jax", "torch"))
     p.add_argument("--seq", type=positive_int, default=4096, help="T = S (default 4096)")
     p.add_argument("--embed", type=positive_int, default=256)
@@ -74,13 +81,13 @@ def main(argv, console: Console) -> int:
             raise ValueError("--json and --markdown must be different files")
         for path in paths:
             check_writable(path)
-        check_sizes(devices=args.shards, layouts=args.layouts, frameworks=args.frameworks, **sizes)
+        check_sizes(devices=args.shards, layouts=args.shardings, frameworks=args.frameworks, **sizes)
     except ValueError as e:
         console.print(f"[red]mha-bench sharded: error: {e}[/red]", soft_wrap=True)
         return EXIT_USAGE
     rows, interrupted = [], False
     try:
-        for row in iter_bench_sharded(devices=args.shards, layouts=args.layouts, frameworks=args.frameworks,
+        for row in iter_bench_sharded(devices=args.shards, layouts=args.shardings, frameworks=args.frameworks,
                                       timeout_s=args.job_timeout, **sizes):
             rows.append(row)
     except KeyboardInterrupt:  # the running measurement's processes and files are already gone

@@ -1,7 +1,7 @@
 """`mha-bench tune`: measure the JAX fused-attention kernels on this machine and check the choice.
 
-    mha-bench tune [--sizes 4x8x2048x64,..] [--blocks 256x256,512x512,..] [--passes fwd,fwdbwd]
-                   [--reps R] [--budget S] [--dtype float32] [--out TABLE.json] [--json RUN.json]
+    mha-bench tune [--sizes 4x8x2048x64,..] [--blocks 256x256,512x512,..] [--passes fwd,fwd+bwd]
+                   [--min-repeats R] [--budget S] [--dtype float32] [--out TABLE.json] [--json RUN.json]
     mha-bench tune --show        the rows this processor uses and where they come from
 
 It runs `mha_jax.tune` (every candidate kernel and block size, timed round-robin per size)
@@ -38,7 +38,7 @@ class ChoiceCheck:
     S: int
     H: int
     pass_: str
-    chosen: str  # a candidate name ("chunked:512x512", "einsum", ...) or a kernel tune does not time
+    chosen: str  # a candidate, by `mha_jax.kernels.kernel_label` ("chunked:512x512", "einsum", ...), or a kernel tune does not time
     best: str
     chosen_s: float | None  # None: the chosen kernel was not measured in this run
     best_s: float
@@ -53,10 +53,13 @@ class ChoiceCheck:
 
 
 def candidate_name(kernel: str, q_chunk: int | None, k_chunk: int | None, T: int, S: int) -> str:
-    """The name `mha_jax.tune.candidates` gives what `choose` picked (its blocks clipped to T and S, as there)."""
-    if kernel == "chunked":
-        return f"chunked:{min(q_chunk, T)}x{min(k_chunk, S)}"
-    return kernel
+    """The name `mha_jax.tune.candidates` gives what `choose` picked: its `kernel_label`, the blocks
+    clipped to T and S as there."""
+    from mha_jax.kernels import CHUNKED, Choice, kernel_label
+
+    if kernel == CHUNKED:
+        return kernel_label(Choice(CHUNKED, min(q_chunk, T), min(k_chunk, S)))
+    return kernel_label(Choice(kernel))
 
 
 def check_choices(rows: list[dict], choose: Callable[[int, int, int, int, int], str]) -> list[ChoiceCheck]:

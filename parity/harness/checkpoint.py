@@ -4,9 +4,10 @@
 
 A transformers checkpoint directory gives the weights and, from its config.json, the layer
 (heads, key/value heads, rope_theta, biases: `parity.layouts.read_checkpoint`). A single
-.safetensors file says none of that: it needs --num-heads and --rope-theta (a hf-llama
-layer always rotates, rotate-half as Hugging Face does); --num-kv-heads is read off the
+.safetensors file says none of that: it needs --heads and --rope-theta (a hf-llama
+layer always rotates, rotate-half as Hugging Face does); --kv-heads is read off the
 k_proj rows when not given, and checked when it is; the biases are the keys present.
+(--num-heads and --num-kv-heads are deprecated spellings of --heads and --kv-heads: they warn.)
 
 The layer runs as a decoder's self-attention at B, T, S (default 2, 5, 5): query, key and
 value are one sequence when T == S; with T < S the T queries are the newest of S tokens
@@ -40,7 +41,7 @@ DEFAULT_SHAPE = (2, 5, 5)
 CHECKS = ("forward", "gradient", "peers")  # training and sharded check our modules on drawn layers
 DTYPES_DEFAULT = ("float64", "float32")  # --dtypes picks others (bfloat16, float16)
 MASKS = (("causal", "nan"), ("padding", "uniform"))  # (mask kind, masked-row policy): see the module docstring
-_FILE_FLAGS = ("num_heads", "num_kv_heads", "rope_theta")
+_FILE_FLAGS = ("heads", "kv_heads", "rope_theta")  # the dests of the single-file flags (--heads, --kv-heads, --rope-theta)
 
 
 @dataclass(frozen=True)
@@ -80,10 +81,10 @@ def load_layer(path, layout: str = "hf-llama", prefix: str = "", *, num_heads: i
         raise LoadError(f"--layout {layout!r} is not a known layout; known: {', '.join(layouts.LAYOUTS)}")
     if (problem := path_problem(os.fsdecode(path))) is not None:
         raise LoadError(f"--checkpoint {path}: {problem}")
-    given = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "rope_theta": rope_theta}
+    given = {"--heads": num_heads, "--kv-heads": num_kv_heads, "--rope-theta": rope_theta}  # by the flags that give them
     try:
         if os.path.isdir(path):
-            extra = [f"--{k.replace('_', '-')}" for k, v in given.items() if v is not None]
+            extra = [flag for flag, v in given.items() if v is not None]
             if extra:
                 raise LoadError(f"--checkpoint {path} is a directory: its config.json gives the layer, so "
                                 f"{', '.join(extra)} {'is' if len(extra) == 1 else 'are'} not taken (a single .safetensors file needs them)")
@@ -102,7 +103,7 @@ def _read_file(path, layout, prefix, num_heads, num_kv_heads, rope_theta):
     from parity.canonical import check_variant_state_dict
 
     rope = "half" if layout == "hf-llama" else None  # Hugging Face's convention; the classic layouts have none
-    missing = ["--num-heads"] if num_heads is None else []
+    missing = ["--heads"] if num_heads is None else []
     if rope is not None and rope_theta is None:
         missing.append("--rope-theta")
     if missing:
@@ -175,7 +176,7 @@ def parse_shape(text: str) -> tuple[int, int, int]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The --checkpoint flags of `mha-parity`."""
-    from parity.cli_args import positive_float, positive_int
+    from parity.cli_args import add_alias, positive_float, positive_int
     from parity.layouts import LAYOUTS
 
     g = p.add_argument_group("a checkpoint's layer (--checkpoint)")
@@ -189,9 +190,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--shape", type=parse_shape, default=None, metavar="B,T,S",
                    help=f"batch, query and key lengths of the --checkpoint or --layer cases (T <= S; T < S is "
                    f"cross-attention; default {','.join(map(str, DEFAULT_SHAPE))})")
-    g.add_argument("--num-heads", type=positive_int, default=None, metavar="N", help="single file: query heads")
-    g.add_argument("--num-kv-heads", type=positive_int, default=None, metavar="K",
-                   help="single file: key/value heads (default: read off k_proj's rows)")
+    # --heads/--kv-heads as mha-bench spells them; --num-heads/--num-kv-heads parse the same, with a warning.
+    add_alias(g, "--num-heads", g.add_argument("--heads", type=positive_int, default=None, metavar="N",
+                                               help="single file: query heads"))
+    add_alias(g, "--num-kv-heads", g.add_argument("--kv-heads", type=positive_int, default=None, metavar="K",
+                                                  help="single file: key/value heads (default: read off k_proj's rows)"))
     g.add_argument("--rope-theta", type=positive_float, default=None, metavar="THETA",
                    help="single file, hf-llama: the rotary base (config.json's rope_theta)")
 
@@ -227,8 +230,8 @@ def describe(environment: dict) -> str:
 def run_kwargs(args) -> dict:
     """`parity.harness.run` arguments for --checkpoint: the cases, the fixed weights, the report's environment,
     and the checks/dtypes defaults (the ones given on the command line win)."""
-    layer = load_layer(args.checkpoint, args.layout, args.prefix, num_heads=args.num_heads,
-                       num_kv_heads=args.num_kv_heads, rope_theta=args.rope_theta)
+    layer = load_layer(args.checkpoint, args.layout, args.prefix, num_heads=args.heads,
+                       num_kv_heads=args.kv_heads, rope_theta=args.rope_theta)
     B, T, S = args.shape or DEFAULT_SHAPE
     constant = constant_tensors(layer.state_dict)
     try:
