@@ -468,7 +468,7 @@ def test_sharded_subcommand_reports_per_device_memory(tmp_path):
     """`mha-bench sharded`: sequence parallel over 2 simulated devices holds less per device than 1."""
     out = tmp_path / "sharded.json"
     console = _console()
-    assert cli.main(["sharded", "--shards", "1,2", "--layouts", "sp", "--frameworks", "jax", "--seq", "512",
+    assert cli.main(["sharded", "--shards", "1,2", "--shardings", "sp", "--frameworks", "jax", "--seq", "512",
                      "--json", str(out)], console=console) == 0
     rows = {r["devices"]: r for r in json.loads(out.read_text())["rows"]}
     assert rows[1]["ratio_to_1_device"] == 1.0

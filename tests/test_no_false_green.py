@@ -191,7 +191,7 @@ def test_cli_loads_a_user_module_and_rejects_a_non_implementation(capsys):
     assert "not a parity.impls.Implementation" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("argv", [("--devices", "1"), ("--layouts", "sp"), ("--devices", "2", "--layouts", "xp")])
+@pytest.mark.parametrize("argv", [("--devices", "1"), ("--shardings", "sp"), ("--devices", "2", "--shardings", "xp")])
 def test_sharded_arguments_are_checked_up_front(argv):
     assert _cli("--quick", *argv) == 2
 

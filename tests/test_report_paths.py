@@ -246,7 +246,7 @@ def test_mha_bench_sharded_report_into_a_full_device_exits_3(tmp_path, monkeypat
     full = full_device(tmp_path / "full")
     with fifo_reader(tmp_path / "s.md") as got:
         console = _bench_console()
-        rc = cli.main(["sharded", "--shards", "1", "--layouts", "sp", "--frameworks", "jax", "--seq", "8",
+        rc = cli.main(["sharded", "--shards", "1", "--shardings", "sp", "--frameworks", "jax", "--seq", "8",
                        "--json", str(full), "--markdown", str(tmp_path / "s.md")], console=console)
     text = console.file.getvalue()
     assert rc == 3, text
