@@ -51,14 +51,14 @@ from mha_jax import kernels
 from mha_jax.attention import attention_core
 from mha_jax.cache import kernel_table_path
 from mha_jax.chunked import chunked_attention
-from mha_spec import PASSES
+from mha_spec import DTYPE_NAMES, PASSES
 from mha_spec.files import read_json, writable_problem, write_atomic
 from mha_spec.flags import add_alias, warn_deprecated
 
 DEFAULT_SIZES = "4x8x256x64,4x8x512x64,4x8x1024x64,4x8x2048x64,1x8x8192x64"
 DEFAULT_BLOCKS = "128x256,256x256,256x512,512x512,512x1024,1024x1024"
 OLD_PASSES = {"fwdbwd": "fwd+bwd"}  # a deprecated --passes value, and what saved runs' rows may say
-DTYPES = ("float32", "bfloat16", "float16", "float64")
+DTYPES = DTYPE_NAMES
 EXIT_WRITE = 3  # measured, but a file could not be written (as mha-bench's reports)
 
 

@@ -27,6 +27,10 @@ PASSES = ("fwd", "fwd+bwd")
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "out_proj")
 """The four Linear layers of the module, in the order every weight table lists them."""
 
+MASK_KINDS = ("none", "padding", "causal", "random")
+"""The masks of the parity cases and the benchmark: none, key padding (per-row lengths), causal,
+and a random keep-mask with at least one fully masked query row (where the policies show)."""
+
 SHARDINGS = ("tp", "sp", "dp")
 """How the sharded layer splits its work: tp heads (Megatron), sp the query sequence (ring
 attention over key/value blocks), dp the batch."""

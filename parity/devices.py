@@ -10,7 +10,7 @@ reason.
 from __future__ import annotations
 
 import glob
-from dataclasses import dataclass
+from dataclasses import MISSING, asdict, dataclass, fields
 
 DEVICES = ("auto", "cpu", "gpu", "tpu")
 
@@ -23,6 +23,29 @@ class DevicePlan:
     jax_platform: str | None  # "cpu" | "gpu" | "tpu" | None (absent)
     skip_reason: str = ""  # non-empty: the device is absent, everything on it is a skip
     note: str = ""  # e.g. torch runs on the CPU as the reference beside a TPU
+
+    def to_dict(self) -> dict:
+        """The plan as JSON-ready fields: what the benchmark's parent sends its workers and records
+        in a run's environment; `from_dict` reads it back."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> DevicePlan:
+        """The plan `to_dict` wrote; ValueError naming the missing or unknown keys, TypeError for a
+        field that is not a string (or None where a framework has no device)."""
+        if not isinstance(data, dict):
+            raise TypeError(f"a DevicePlan is read from a dict, got {type(data).__name__}")
+        names = [f.name for f in fields(cls)]
+        required = [f.name for f in fields(cls) if f.default is MISSING]
+        missing = [k for k in required if k not in data]
+        unknown = sorted(set(data) - set(names))
+        if missing or unknown:
+            raise ValueError(f"DevicePlan fields: missing {missing}, unknown {unknown} (fields: {names})")
+        optional = ("torch_device", "jax_platform")  # None: that framework has no device in the plan
+        for k, v in data.items():
+            if not (isinstance(v, str) or (v is None and k in optional)):
+                raise TypeError(f"DevicePlan.{k} must be a string{' or None' if k in optional else ''}, got {v!r}")
+        return cls(**data)
 
 
 def device_label(device) -> str:

@@ -8,15 +8,17 @@ an import cycle. Everything here is re-exported by `parity.impls`.
 
 from __future__ import annotations
 
+import fnmatch
 import importlib
+import itertools
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from mha_spec import MASKED_ROWS_POLICIES, VARIANT_FEATURES, AttentionConfig, Problem
+from mha_spec import DTYPE_NAMES, MASK_KINDS, MASKED_ROWS_POLICIES, VARIANT_FEATURES, AttentionConfig, Problem
 
 FRAMEWORKS = ("torch", "jax")
 MODES = ("eager", "jit", "compile")
@@ -26,9 +28,57 @@ ROLES = ("ours", "peer", "user")
 INPUTS = ("qkv", "self")
 
 
+# What a `runs_on` pattern's parts name: the attention kind, the mask kind (the harness's cases and
+# the benchmark's share `mha_spec.MASK_KINDS`) and the dtype.
+UNIT_INPUTS = ("self", "cross")
+ANY = "*"
+_VOCABULARIES = (("inputs", UNIT_INPUTS), ("mask", MASK_KINDS), ("dtype", DTYPE_NAMES))
+
+
 def unit_kind(cross: bool, mask: str, dtype: str) -> str:
-    """"<self|cross>/<mask kind>/<dtype>": what `Implementation.runs_on` patterns match."""
+    """"<self|cross>/<mask kind>/<dtype>": what `Implementation.runs_on` patterns are written over."""
     return f"{'cross' if cross else 'self'}/{mask}/{dtype}"
+
+
+@dataclass(frozen=True)
+class RunsOn:
+    """One unit kind an implementation runs on, parsed from a `runs_on` pattern: each field is a value
+    of its vocabulary (UNIT_INPUTS, mha_spec.MASK_KINDS, mha_spec.DTYPE_NAMES) or "*" (any)."""
+
+    inputs: str = ANY
+    mask: str = ANY
+    dtype: str = ANY
+
+    def __post_init__(self):
+        for (part, allowed), value in zip(_VOCABULARIES, (self.inputs, self.mask, self.dtype)):
+            if value != ANY and value not in allowed:
+                raise ValueError(f"RunsOn {part} {value!r} is not '*' or one of {allowed}")
+
+    def matches(self, cross: bool, mask: str, dtype: str) -> bool:
+        """Whether a unit of this attention kind (cross: query apart from key/value), mask and dtype is one."""
+        inputs = "cross" if cross else "self"
+        return self.inputs in (ANY, inputs) and self.mask in (ANY, mask) and self.dtype in (ANY, dtype)
+
+    def __str__(self) -> str:
+        return f"{self.inputs}/{self.mask}/{self.dtype}"
+
+    @classmethod
+    def parse(cls, pattern: str) -> tuple[RunsOn, ...]:
+        """The kinds one '<self|cross>/<mask kind>/<dtype>' pattern admits. Each part is "*", a value of
+        its vocabulary, or a glob ("float*", "[cp]*") standing for the values it matches, one RunsOn for
+        each combination; ValueError naming the part that is none of these."""
+        if not isinstance(pattern, str) or pattern.count("/") != 2:
+            raise TypeError(f"runs_on pattern {pattern!r} is not '<self|cross>/<mask kind>/<dtype>'")
+        choices = []
+        for (part, allowed), value in zip(_VOCABULARIES, pattern.split("/")):
+            if value == ANY or value in allowed:
+                choices.append((value,))
+                continue
+            globbed = tuple(v for v in allowed if fnmatch.fnmatchcase(v, value))
+            if not globbed:
+                raise ValueError(f"runs_on pattern {pattern!r}: its {part} {value!r} is not '*' and matches none of {allowed}")
+            choices.append(globbed)
+        return tuple(cls(*combo) for combo in itertools.product(*choices))
 
 
 @dataclass(frozen=True)
@@ -63,8 +113,10 @@ class Implementation:
                      positions on RoPE cases (see the contract in `parity.impls.registry`)
     classic          whether it also runs the classic layer (no feature used); False for a peer of
                      the variant layers whose classic twin is a peer of its own (keras-gqa, keras-mha)
-    runs_on          where it runs, in every check and the benchmark: fnmatch patterns over a unit's kind
-                     "<self|cross>/<mask kind>/<dtype>" (mask kinds: none, padding, causal, random);
+    runs_on          where it runs, in every check and the benchmark: patterns over a unit's kind
+                     "<self|cross>/<mask kind>/<dtype>" (mask kinds: none, padding, causal, random; each
+                     part a value, "*" or an fnmatch glob over those values), parsed once into `RunsOn`
+                     predicates (`runs_on_rules`); a part naming no value is a ValueError at construction.
                      None: everywhere. What it can express (HF BERT is self-attention: "self/*/*";
                      GPT-2 also causal: "self/causal/*") or what is worth the time. Elsewhere: a skip row.
     inputs           "qkv": fn(params, query, key, value, mask, ...) | "self": fn(params, x, mask, positions=None),
@@ -106,6 +158,8 @@ class Implementation:
     requires: tuple[str, ...] = ()
     computes_in: str | None = None
     names: str | None = None
+    # `runs_on` parsed (None: everywhere); set by __post_init__, so `dataclasses.replace` re-parses it.
+    runs_on_rules: tuple[RunsOn, ...] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name or any(c.isspace() for c in self.name):
@@ -121,10 +175,7 @@ class Implementation:
             raise ValueError(f"implementation {self.name!r}: mode 'compile' is torch.compile; JAX uses 'jit'")
         if not (callable(self.factory) or isinstance(self.factory, str)):
             raise TypeError(f"implementation {self.name!r}: factory must be callable or 'module:attribute'")
-        if self.runs_on is not None and (not isinstance(self.runs_on, tuple) or not all(
-                isinstance(k, str) and k.count("/") == 2 for k in self.runs_on)):
-            raise TypeError(f"implementation {self.name!r}: runs_on must be a tuple of '<self|cross>/<mask kind>/<dtype>' "
-                            f"patterns (e.g. ('self/causal/*',)), got {self.runs_on!r}")
+        object.__setattr__(self, "runs_on_rules", self._parse_runs_on())
         if self.masked_row_grads not in ("stop", "flow"):
             raise ValueError(f"implementation {self.name!r}: masked_row_grads={self.masked_row_grads!r} is not "
                              "'stop' or 'flow'")
@@ -144,6 +195,17 @@ class Implementation:
             object.__setattr__(self, "variants", variants)
             object.__setattr__(self, "classic", False)
         self._check_edges()
+
+    def _parse_runs_on(self) -> tuple[RunsOn, ...] | None:
+        if self.runs_on is None:
+            return None
+        if not isinstance(self.runs_on, tuple) or not all(isinstance(k, str) and k.count("/") == 2 for k in self.runs_on):
+            raise TypeError(f"implementation {self.name!r}: runs_on must be a tuple of '<self|cross>/<mask kind>/<dtype>' "
+                            f"patterns (e.g. ('self/causal/*',)), got {self.runs_on!r}")
+        try:
+            return tuple(rule for pattern in self.runs_on for rule in RunsOn.parse(pattern))
+        except ValueError as e:
+            raise ValueError(f"implementation {self.name!r}: {e}") from None
 
     def _check_edges(self) -> None:
         """inputs, computes_in, names: what the layer is called with and computes in."""
@@ -181,7 +243,7 @@ class Implementation:
         if cross and self.inputs == "self":
             return (f"{self.name} declares inputs='self' (one input for query, key and value): cross-attention "
                     "needs the query apart from the keys and values")
-        if cross is not None and mask is not None and not self.runs(unit_kind(cross, mask, dtype)):
+        if cross is not None and mask is not None and not self.runs_unit(cross, mask, dtype):
             return (f"{self.name} runs only where its runs_on matches the <self|cross>/<mask>/<dtype> of the unit "
                     f"({unit_kind(cross, mask, dtype)}): {', '.join(self.runs_on)}")
         if self.requires:
@@ -218,20 +280,30 @@ class Implementation:
         """Whether the factory takes `problem=` and fn the positions: it declares a variant."""
         return bool(self.variants)
 
-    def runs(self, kind: str) -> bool:
-        """Whether the peers check runs it on a unit of this kind ("self/causal/float32", ...)."""
-        import fnmatch
+    def runs_unit(self, cross: bool, mask: str, dtype: str) -> bool:
+        """Whether its `runs_on` admits a unit of this attention kind, mask kind and dtype."""
+        return self.runs_on_rules is None or any(r.matches(cross, mask, dtype) for r in self.runs_on_rules)
 
-        return self.runs_on is None or any(fnmatch.fnmatchcase(kind, p) for p in self.runs_on)
+    def runs(self, kind: str) -> bool:
+        """`runs_unit` for a kind spelled "<self|cross>/<mask kind>/<dtype>" ("self/causal/float32", ...)."""
+        parts = kind.split("/") if isinstance(kind, str) else []
+        if len(parts) != 3 or parts[0] not in UNIT_INPUTS:
+            raise ValueError(f"unit kind {kind!r} is not '<self|cross>/<mask kind>/<dtype>'")
+        return self.runs_unit(parts[0] == "cross", parts[1], parts[2])
 
     @property
     def materializes_scores(self) -> bool:
         return self.returns_weights if self.materializes is None else self.materializes
 
     @property
+    def bench_fields(self) -> tuple[str, str, str]:
+        """(family, mode, "weights" | "fused"): the parts of `bench_key`, for matching without re-parsing it."""
+        return self.family or self.name, self.mode, "weights" if self.returns_weights else "fused"
+
+    @property
     def bench_key(self) -> str:
-        """The benchmark's row key: family:mode:weights|fused."""
-        return f"{self.family or self.name}:{self.mode}:{'weights' if self.returns_weights else 'fused'}"
+        """The benchmark's row key: family:mode:weights|fused (the JSON and command-line spelling)."""
+        return ":".join(self.bench_fields)
 
     def policy(self, case_policy: str) -> str:
         """The masked-row policy it runs with in a case: its own, or the case's when configurable."""

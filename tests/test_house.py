@@ -179,3 +179,49 @@ def test_the_former_adapter_module_re_exports_only():
     owners = [_peer(m) for m in ("hf", "keras", "equinox")]
     for name in ecosystem.__all__:
         assert any(getattr(m, name, None) is getattr(ecosystem, name) for m in owners), name
+
+
+# ---------------------------------------------------------------- one home per vocabulary
+
+def _vocabularies() -> dict[str, tuple[str, ...]]:
+    import mha_spec
+    from parity.implementation import FRAMEWORKS
+
+    return {"mha_spec.DTYPE_NAMES": mha_spec.DTYPE_NAMES, "mha_spec.PASSES": mha_spec.PASSES,
+            "mha_spec.PROJECTIONS": mha_spec.PROJECTIONS, "mha_spec.SHARDINGS": mha_spec.SHARDINGS,
+            "mha_spec.MASK_KINDS": mha_spec.MASK_KINDS, "parity.implementation.FRAMEWORKS": FRAMEWORKS,
+            "mha_spec.MASKED_ROWS_POLICIES": mha_spec.MASKED_ROWS_POLICIES}
+
+
+def vocabulary_literals(tree: ast.Module, vocabulary: tuple[str, ...]) -> list[int]:
+    """Lines where a module-level name is bound to a literal tuple, list or set of strings with
+    exactly the vocabulary's members (a second definition of it, in any order)."""
+    lines = []
+    for node in tree.body:
+        value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
+        if isinstance(value, (ast.Tuple, ast.List, ast.Set)) and value.elts and all(
+                isinstance(e, ast.Constant) and isinstance(e.value, str) for e in value.elts):
+            if set(vocabulary) == {e.value for e in value.elts}:
+                lines.append(node.lineno)
+    return lines
+
+
+def test_the_vocabulary_reader_sees_a_second_definition():
+    tree = ast.parse('A = ("jax", "torch")\nB = ["float16", "float64", "bfloat16", "float32"]\nC = ("torch", "jax", "numpy")\n')
+    assert vocabulary_literals(tree, ("torch", "jax")) == [1]
+    assert vocabulary_literals(tree, ("float64", "float32", "bfloat16", "float16")) == [2]
+
+
+def test_every_vocabulary_is_defined_once():
+    """Each shared vocabulary is spelled out in its home module only; every other module imports it."""
+    files = {str(p.relative_to(ROOT)): p for pkg in OURS for p in sorted((ROOT / pkg).rglob("*.py"))}
+    homes = {"mha_spec": "mha_spec/__init__.py", "parity.implementation": "parity/implementation.py"}
+    extra = []
+    for name, vocabulary in _vocabularies().items():
+        home = homes[name.rsplit(".", 1)[0]]
+        for path, p in files.items():
+            lines = vocabulary_literals(ast.parse(p.read_text(), filename=path), vocabulary)
+            if path == home:
+                lines = lines[1:]  # the definition itself
+            extra += [f"{path}:{line} spells out {name}" for line in lines]
+    assert not extra, extra

@@ -59,7 +59,7 @@ def _usage_error(tool, argv, capsys) -> str:
 
 @CLIS
 @pytest.mark.parametrize("argv, message", [
-    (["--dtype", "nope"], "argument --dtype: expected one of float32, bfloat16, float16, float64, got 'nope'"),
+    (["--dtype", "nope"], "argument --dtype: expected one of float64, float32, bfloat16, float16, got 'nope'"),
     (["--dtype", "int32"], "argument --dtype"),
     (["--budget", "nan"], "argument --budget"), (["--budget", "inf"], "argument --budget"),
     (["--budget", "-1"], "argument --budget"),

@@ -156,9 +156,14 @@ def build_config(args) -> sweep.RunConfig:
     if args.peak_sizes:
         preset = replace(preset, peak_sizes=args.peak_sizes)
     pair = _verdict_pair(args.verdict, impls) if args.verdict is not None else None
-    if args.baseline is not None and args.baseline not in [im.bench_key for im in impls]:
-        raise ValueError(f"--baseline {args.baseline} is not among the selected implementations: "
-                         f"{', '.join(im.bench_key for im in impls)}")
+    if args.baseline is not None:
+        from parity.bench.spec import impl_by_key
+
+        try:
+            impl_by_key(args.baseline, impls)
+        except ValueError:
+            raise ValueError(f"--baseline {args.baseline} is not among the selected implementations: "
+                             f"{', '.join(im.bench_key for im in impls)}") from None
     return sweep.RunConfig(
         preset=preset, plan=plan, impls=impls, cases=cases, user_impls=tuple(args.impl),
         passes=args.passes or preset.passes, threads=args.threads, precision=args.precision, seed=args.seed,
@@ -168,15 +173,23 @@ def build_config(args) -> sweep.RunConfig:
 
 
 def _verdict_pair(spec: str, impls) -> tuple[str, str]:
-    """--verdict A,B: two different keys of selected implementations."""
+    """--verdict A,B: the keys of two different selected implementations, each looked up once
+    (`spec.impl_by_key`); the keys stay the spelling the workers and the JSON compare by."""
+    from parity.bench.spec import impl_by_key
+
     keys = [k.strip() for k in spec.split(",")]
     known = [im.bench_key for im in impls]
     if len(keys) != 2 or not all(keys) or keys[0] == keys[1]:
         raise ValueError(f"--verdict {spec!r}: name two different implementations, e.g. {','.join(known[:2])}")
-    missing = [k for k in keys if k not in known]
+    found, missing = [], []
+    for key in keys:
+        try:
+            found.append(impl_by_key(key, impls))
+        except ValueError:
+            missing.append(key)
     if missing:
         raise ValueError(f"--verdict: {', '.join(missing)} not among the selected implementations: {', '.join(known)}")
-    return keys[0], keys[1]
+    return found[0].bench_key, found[1].bench_key
 
 
 def check_outputs(args) -> list[tuple[str, str]]:

@@ -10,12 +10,12 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from mha_spec import PASSES, ROPE_CONVENTIONS, AttentionConfig, Problem
+from mha_spec import MASK_KINDS, PASSES, ROPE_CONVENTIONS, AttentionConfig, Problem
 from parity.devices import DevicePlan
 from parity.dtypes import numpy_dtype
 from parity.impls import BUILTIN, Implementation
+from parity.implementation import FRAMEWORKS
 
-FRAMEWORKS = ("torch", "jax")
 DTYPES = {name: numpy_dtype(name) for name in ("float32", "bfloat16", "float16")}  # what the benchmark times
 
 # One result row, in this order in the JSON and the Markdown.
@@ -52,7 +52,7 @@ CLASSIC_FIELDS = {"rope": None, "bias": "all", "mask": "none"}
 # is the last T positions of a sequence of S, as in a decoder with a cache); padding, each batch
 # row keeps its first S - floor(b·S / 2B) keys (every row keeps at least half: no row is fully
 # masked, whose output the implementations' masked-row policies would make differ).
-MASKS = ("none", "causal", "padding")
+MASKS = tuple(k for k in MASK_KINDS if k != "random")  # the order of mha_spec.MASK_KINDS
 
 
 def bias_name(qkv_bias: bool, out_bias: bool) -> str:
@@ -200,13 +200,23 @@ def select_impls(spec: str | None, impls=IMPLS) -> tuple[Implementation, ...]:
             raise ValueError(f"impl pattern {pattern!r} has more than name:mode:weights|fused")
         matched = [
             im for im in impls
-            if all(p in ("*", "") or p == have for p, have in zip(parts, im.bench_key.split(":")))
+            if all(p in ("*", "") or p == have for p, have in zip(parts, im.bench_fields))
         ]
         if not matched:
             known = ", ".join(im.bench_key for im in impls)
             raise ValueError(f"impl pattern {pattern!r} matches nothing; known: {known}")
         chosen.extend(im for im in matched if im not in chosen)
     return tuple(im for im in impls if im in chosen)  # keep the canonical order
+
+
+def impl_by_key(key: str, impls=IMPLS) -> Implementation:
+    """The implementation of `impls` whose `bench_key` is `key`: the one place the benchmark turns a key
+    (the spelling of rows, worker specs, --baseline and --verdict) back into its Implementation.
+    ValueError naming the known keys."""
+    for im in impls:
+        if im.bench_key == key:
+            return im
+    raise ValueError(f"{key!r} is not among the implementations: {', '.join(im.bench_key for im in impls)}")
 
 
 # ---------------------------------------------------------------- FLOPs

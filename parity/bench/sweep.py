@@ -113,6 +113,8 @@ class Item:
     skip: str | None = None
 
     def spec(self) -> dict:
+        """What a worker is sent for this item: its implementation's key and its case's fields, which the
+        worker turns back into objects once (`worker.main`)."""
         return {"id": self.id, "impl": self.impl.bench_key, "case": self.case.fields(), "pass": self.pass_}
 
 
@@ -307,7 +309,7 @@ def run_group(
     by_id = {it.id: it for it in items}
     while pending:
         spec = {
-            "device": asdict(cfg.plan), "threads": cfg.threads,
+            "device": cfg.plan.to_dict(), "threads": cfg.threads,
             "precision": cfg.precision, "seed": cfg.seed, "timing": asdict(cfg.timing),
             "peaks": peaks, "items": [it.spec() for it in pending], "interleave": cfg.interleave,
             "user_impls": list(cfg.user_impls), "verdict": list(cfg.verdict) if cfg.verdict else None,
@@ -442,7 +444,7 @@ def finish_verdicts(cfg: RunConfig, items: list[Item], rows: list[dict], out: Co
         n = min(len(ra), len(rb))
         v = verdicts.compute(label, pass_, a, ra[:n], b, rb[:n], paired=cfg.interleave)
         texts = [*interference, *group_interference(out, {it.id for it, _ in members}, cores)]
-        vs.append(verdicts.finalize(v, {row_key(row): row for _, row in members}, texts))
+        vs.append(verdicts.finalize(v, {it.impl.bench_key: row for it, row in members}, texts))
     return vs
 
 
@@ -501,7 +503,7 @@ def bench_environment(cfg: RunConfig, out: Collected) -> dict:
         "memory_total_bytes": psutil.virtual_memory().total,
         "device": cfg.device,
         "device_absent": cfg.plan.skip_reason or None,
-        "device_plan": asdict(cfg.plan),
+        "device_plan": cfg.plan.to_dict(),
         "device_names": {fw: {k: v for k, v in e.items() if k.endswith("_device")} for fw, e in out.envs.items()},
         "threads_requested": cfg.threads,
         "threads": {fw: len(e.get("cpus", [])) for fw, e in out.envs.items()},

@@ -3,8 +3,10 @@
     python -m parity.bench.worker < SPEC.json
 
 SPEC (read from stdin, so no file is left behind) holds the device plan the parent
-resolved (`parity.devices.DevicePlan`, as a dict: each framework's device is read off it), threads,
-precision, seed, timing, the matmul peaks to measure and the items. Results go to
+resolved (`parity.devices.DevicePlan.to_dict`: each framework's device is read off it), threads,
+precision, seed, timing, the matmul peaks to measure and the items (each an implementation key,
+a case's `BenchCase.fields()` and a pass). `main` turns the plan, each key and each case back into
+objects once and hands those objects on. Results go to
 stdout as tagged JSON lines, one per event, flushed at once, so that the parent keeps
 every finished row even if this process is killed (out of memory) half-way:
 
@@ -37,7 +39,7 @@ import numpy as np
 from parity.bench import verdict
 from parity.bench.measure import InterferenceProbe, flat, pin_threads, prepare, same_output, sample, summary
 from parity.bench.spec import (
-    IMPLS, PEAK_TIMING, BenchCase, Timing, empty_row, framework_device, pass_flops,
+    IMPLS, PEAK_TIMING, BenchCase, Timing, empty_row, framework_device, impl_by_key, pass_flops,
 )
 from parity.devices import DevicePlan
 from parity.impls import load_user_impl
@@ -101,9 +103,11 @@ class OutputCheck:
         self.held.clear()  # the reference's array too: free before timing
 
 
-def run_group(mods: dict, group, spec: dict, timing: Timing, clock, probe=None):
+def run_group(mods: dict, group, spec: dict, timing: Timing, clock, probe=None, plan: DevicePlan | None = None):
     """All implementations of one (case, pass): build, check outputs, time, summarise.
 
+    group: [(item id, Implementation, BenchCase, pass)]; plan: the run's device plan (`main` reads it
+    once per process; None: read from spec["device"], for a caller that runs one group).
     Returns ([(item id, row)], [the interference probe's record of each round]); each timed row
     carries its raw `samples` (rounds of seconds), from which the parent computes the verdict
     over every worker process of the case."""
@@ -113,7 +117,8 @@ def run_group(mods: dict, group, spec: dict, timing: Timing, clock, probe=None):
     keys = {item_id: impl.bench_key for item_id, impl, _, _ in group}
     fws = {item_id: impl.framework for item_id, impl, _, _ in group}
     check = OutputCheck(keys, group[0][2].dtype, precision)
-    plan = DevicePlan(**spec["device"])
+    if plan is None:
+        plan = DevicePlan.from_dict(spec["device"])
     for item_id, impl, case, pass_ in group:
         device = framework_device(impl.framework, plan)
         rows[item_id] = empty_row(impl, case, pass_, device=device)
@@ -204,13 +209,14 @@ class PeakBar:
             emit("PEAK", rec)
             self._raise_bar(rec)
 
-    def vet(self, rows: list[tuple[int, dict]]) -> None:
-        """Re-measure once per dtype if any of these rows' rates is above the bar."""
+    def vet(self, rows: list[tuple[int, dict]], cases: dict[int, BenchCase] | None = None) -> None:
+        """Re-measure once per dtype if any of these rows' rates is above the bar. cases: item id ->
+        its case, as the worker already holds it (None: each read from its row's fields)."""
         worst: dict[str, tuple[float, int, int]] = {}
         for item_id, row in rows:
             if row.get("status") not in ("ok", "noisy") or not row.get("median_s"):
                 continue
-            case = BenchCase.from_fields(row)
+            case = cases[item_id] if cases is not None else BenchCase.from_fields(row)
             flops = pass_flops(case, row["pass"])
             rate = flops / row["median_s"] / 1e9
             bar = self.best.get(case.dtype)
@@ -264,9 +270,10 @@ def main(argv=None) -> int:
         spec = json.load(sys.stdin)
     cpus = pin_threads(spec.get("threads"))  # before any framework sizes its pools
     user = [i for s in spec.get("user_impls", []) for i in load_user_impl(s)]
-    impls = {im.bench_key: im for im in (*IMPLS, *user)}
-    items = [(item["id"], impls[item["impl"]], BenchCase.from_fields(item["case"]), item["pass"]) for item in spec["items"]]
-    plan = DevicePlan(**spec["device"])
+    known = (*IMPLS, *user)
+    items = [(item["id"], impl_by_key(item["impl"], known), BenchCase.from_fields(item["case"]), item["pass"])
+             for item in spec["items"]]
+    plan = DevicePlan.from_dict(spec["device"])
     mods, devices = {}, {}
     for fw in sorted({impl.framework for _, impl, _, _ in items}, key=("torch", "jax").index):
         devices[fw] = framework_device(fw, plan)
@@ -293,8 +300,8 @@ def main(argv=None) -> int:
     for group in groups(items):
         for mod in mods.values():
             mod.reset_compiled()
-        rows, probes = run_group(mods, group, spec, timing, clock, probe)
-        bar.vet(rows)
+        rows, probes = run_group(mods, group, spec, timing, clock, probe, plan)
+        bar.vet(rows, {item_id: case for item_id, _, case, _ in group})
         for item_id, row in rows:
             emit("ROW", {"id": item_id, **row})
         emit("PROBES", {"items": [item_id for item_id, _ in rows], "probes": probes, "threads": len(cpus)})

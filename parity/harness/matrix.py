@@ -19,11 +19,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from mha_spec import MASKED_ROWS_POLICIES, AttentionConfig, Problem
+from mha_spec import MASK_KINDS, MASKED_ROWS_POLICIES, AttentionConfig, Problem
 from parity import draw
 from parity.dtypes import DTYPES
 
-MASK_KINDS = ("none", "padding", "causal", "random")
 CHECKS = ("forward", "gradient", "training", "peers", "sharded")  # sharded: with devices >= 2 (parity.sharded)
 
 
