@@ -285,6 +285,27 @@ def check_positions(shape, batch: int, length: int, name: str) -> None:
         raise ValueError(f"{name} must have shape ({length},) or ({batch}, {length}), got {shape}")
 
 
+def check_cache_shapes(k_shape, v_shape, starts_shape, lengths_shape, *, layout: str,
+                       kv_heads: int | None = None, head_dim: int | None = None) -> tuple[int, int]:
+    """A KV cache's arrays: keys and values of one shape, (B, K, C, H) for layout "BKCH" (torch,
+    HF) or (B, C, K, H) for "BCKH" (JAX), and starts, lengths (B,). Returns (B, C); ValueError
+    naming the shapes (and the layer's K and H where given) otherwise."""
+    k_shape, v_shape = tuple(k_shape), tuple(v_shape)
+    if layout not in ("BKCH", "BCKH"):
+        raise ValueError(f"cache layout {layout!r} is not 'BKCH' or 'BCKH'")
+    if len(k_shape) != 4 or k_shape != v_shape:
+        raise ValueError(f"cache keys and values must have one 4-D shape {layout}: k {k_shape}, v {v_shape}")
+    B, C = k_shape[0], k_shape[layout.index("C")]
+    K, H = k_shape[layout.index("K")], k_shape[3]
+    if (kv_heads is not None and K != kv_heads) or (head_dim is not None and H != head_dim):
+        raise ValueError(f"cache keys {k_shape} ({layout}) have K={K} heads of H={H}; the layer has "
+                         f"K={kv_heads} key/value heads of H={head_dim}")
+    for name, shape in (("starts", starts_shape), ("lengths", lengths_shape)):
+        if tuple(shape) != (B,):
+            raise ValueError(f"cache {name} must have shape ({B},) (one per batch row), got {tuple(shape)}")
+    return B, C
+
+
 STAGE_NAMES = ("q", "k", "v", "scores", "weights", "context", "output")
 
 

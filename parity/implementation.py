@@ -132,6 +132,10 @@ class Implementation:
     names            a `parity.layouts` layout (e.g. "hf-llama"): `params` (and fn.intermediates') arrive under
                      that layout's names, without prefix (q_proj.weight, o_proj.weight, ...); gradients reach
                      the canonical tensors through the renaming. None: the canonical names
+    decode           fn is a decoder, judged by the decode check only: fn(p, x_t, cache, position) ->
+                     (out, cache), one token per row x_t (B, 1, E), its own cache (None on the first
+                     call), position (B,) int64 the token's RoPE position in its row (-1: a left-padding
+                     token no later token may attend); out (B, 1, E). See docs/semantics.md
     """
 
     name: str
@@ -158,6 +162,7 @@ class Implementation:
     requires: tuple[str, ...] = ()
     computes_in: str | None = None
     names: str | None = None
+    decode: bool = False
     # `runs_on` parsed (None: everywhere); set by __post_init__, so `dataclasses.replace` re-parses it.
     runs_on_rules: tuple[RunsOn, ...] | None = field(default=None, init=False, repr=False, compare=False)
 

@@ -1,0 +1,116 @@
+"""A KV cache for incremental decoding: one layer's rotated keys and values, per-row lengths.
+
+Semantics (docs/semantics.md, "Decoding with a KV cache"), the same in `mha_jax.kv_cache`:
+row b's valid slots are starts[b] <= s < lengths[b]; slots before starts[b] are left padding,
+slots from lengths[b] on are empty. T new tokens of row b go to slots lengths[b] .. lengths[b]+T-1;
+new token i attends the slots starts[b] <= s <= lengths[b] + i; the token in slot s has the RoPE
+position s - starts[b]. Keys are stored after RoPE, with the layer's K key/value heads.
+
+Shapes (legend in `mha_spec`): B batch, K key/value heads, C capacity (slots), H head dim,
+T new tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mha_spec import check_cache_shapes
+
+
+def _row_ints(x, batch: int, name: str, device) -> torch.Tensor:
+    """(B,) integer per-row counts as int64 on `device`; None -> zeros. TypeError/ValueError naming them."""
+    if x is None:
+        return torch.zeros(batch, dtype=torch.int64, device=device)
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of integers, got {type(x).__name__}")
+    if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
+        raise TypeError(f"{name} must be integers, got dtype {x.dtype}")
+    if tuple(x.shape) != (batch,):
+        raise ValueError(f"{name} must have shape ({batch},) (one per batch row), got {tuple(x.shape)}")
+    return x.to(device=device, dtype=torch.int64)
+
+
+@dataclass(frozen=True)
+class KVCache:
+    """k, v (B, K, C, H) (HF's DynamicCache layout), starts and lengths (B,) int64.
+
+    Immutable: `write` returns a new cache, so a step is a pure function of (cache, tokens) and a
+    prefill can be continued twice (or in the other framework, `parity.kv_cache`).
+    """
+
+    k: torch.Tensor  # (B, K, C, H), after RoPE
+    v: torch.Tensor  # (B, K, C, H)
+    starts: torch.Tensor  # (B,) int64: left-padding slots of each row
+    lengths: torch.Tensor  # (B,) int64: slots written in each row (padding included)
+
+    def __post_init__(self):
+        for name in ("k", "v", "starts", "lengths"):
+            if not isinstance(getattr(self, name), torch.Tensor):
+                raise TypeError(f"KVCache.{name} must be a torch.Tensor, got {type(getattr(self, name)).__name__}")
+        check_cache_shapes(self.k.shape, self.v.shape, self.starts.shape, self.lengths.shape, layout="BKCH")
+        if self.k.dtype != self.v.dtype or not self.k.dtype.is_floating_point:
+            raise TypeError(f"KVCache keys and values must share one floating dtype: k {self.k.dtype}, v {self.v.dtype}")
+        for name in ("starts", "lengths"):
+            x = getattr(self, name)
+            if x.dtype != torch.int64:
+                raise TypeError(f"KVCache.{name} must be int64, got {x.dtype}")
+
+    @classmethod
+    def empty(cls, batch: int, capacity: int, num_kv_heads: int, head_dim: int, *, dtype, device=None,
+              starts=None) -> KVCache:
+        """A cache with nothing written: zeros, lengths 0. starts (B,): the left-padding slots each row's
+        first write will begin with (default 0)."""
+        for name, n in (("batch", batch), ("capacity", capacity), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+            if isinstance(n, bool) or not isinstance(n, int) or n < (0 if name == "batch" else 1):
+                raise ValueError(f"KVCache.empty: {name} must be a positive int, got {n!r}")
+        if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise TypeError(f"KVCache.empty: dtype must be a floating torch.dtype, got {dtype!r}")
+        k = torch.zeros(batch, num_kv_heads, capacity, head_dim, dtype=dtype, device=device)
+        starts = _row_ints(starts, batch, "starts", k.device)
+        if not torch.compiler.is_compiling() and bool(((starts < 0) | (starts > capacity)).any()):
+            raise ValueError(f"starts must lie in [0, capacity={capacity}], got {starts.tolist()}")
+        return cls(k, torch.zeros_like(k), starts, torch.zeros(batch, dtype=torch.int64, device=k.device))
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+    def check_room(self, T: int) -> None:
+        """ValueError if T more tokens do not fit in some row (eager; under torch.compile the index_put
+        of `write` is not checked here, as the lengths are not known while tracing)."""
+        if torch.compiler.is_compiling():
+            return
+        over = self.lengths + T > self.capacity
+        if bool(over.any()):
+            raise ValueError(f"the cache holds {self.capacity} slots per row; rows {over.nonzero().flatten().tolist()} "
+                             f"with lengths {self.lengths[over].tolist()} have no room for {T} more tokens")
+
+    def slots(self, T: int) -> torch.Tensor:
+        """(B, T) int64: the slots T new tokens are written to, lengths[b] + i."""
+        return self.lengths[:, None] + torch.arange(T, device=self.lengths.device)
+
+    def positions(self, T: int) -> torch.Tensor:
+        """(B, T) int64: the default RoPE positions of T new tokens, their slot minus the row's padding."""
+        return self.slots(T) - self.starts[:, None]
+
+    def keep_mask(self, T: int) -> torch.Tensor:
+        """bool (B, 1, T, C): new token i of row b keeps slots starts[b] <= s <= lengths[b] + i."""
+        s = torch.arange(self.capacity, device=self.lengths.device)  # (C,)
+        last = self.slots(T)[:, None, :, None]  # (B, 1, T, 1)
+        return (s >= self.starts[:, None, None, None]) & (s <= last)
+
+    def write(self, k_new: torch.Tensor, v_new: torch.Tensor) -> KVCache:
+        """A new cache holding k_new, v_new (B, K, T, H) at each row's next T slots, lengths + T."""
+        B, K, T, H = k_new.shape
+        if tuple(v_new.shape) != tuple(k_new.shape) or (B, K, H) != (self.k.shape[0], self.k.shape[1], self.k.shape[3]):
+            raise ValueError(f"new keys {tuple(k_new.shape)} and values {tuple(v_new.shape)} do not fit the cache "
+                             f"{tuple(self.k.shape)} (B, K, C, H)")
+        if k_new.dtype != self.k.dtype or v_new.dtype != self.k.dtype:
+            raise TypeError(f"new keys/values are {k_new.dtype}/{v_new.dtype}, the cache holds {self.k.dtype}")
+        self.check_room(T)
+        index = self.slots(T)[:, None, :, None].expand(B, K, T, H)  # (B, K, T, H)
+        k = self.k.scatter(2, index, k_new)
+        v = self.v.scatter(2, index, v_new)
+        return KVCache(k, v, self.starts, self.lengths + T)
