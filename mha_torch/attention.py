@@ -13,7 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mha_spec import AttentionConfig, Stages, check_mask_values, check_positions, check_qkv_shapes, mask_shape_4d
+from mha_spec import (AttentionConfig, Stages, check_cache_shapes, check_mask_values, check_positions, check_qkv_shapes,
+                      mask_shape_4d)
+from mha_torch.kv_cache import KVCache
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -339,6 +341,20 @@ class MultiHeadAttention(nn.Module):
     with the same results, NaN placement and policy.
     Inputs must have the parameters' dtype (a floating dtype); T=0 or B=0 give empty
     outputs, S=0 is a ValueError.
+
+    Incremental decoding (docs/semantics.md, "Decoding with a KV cache"): with
+    cache=`KVCache` (from `init_cache`), forward(x, x, x, cache=cache) is self-attention over
+    T new tokens x [B, T, E] (key and value [B, S, E] with S = T) against the cache:
+      -> (output [B, T, E], weights [B, N, T, C] or None, new cache)
+    and with return_intermediates=True (output, weights, new cache, Stages). The new tokens'
+    rotated keys and their values (K heads) go to each row's next T slots of the new cache;
+    new token i of row b attends slots starts[b] <= s <= lengths[b] + i. RoPE positions
+    default to `cache.positions(T)` (slot minus the row's left padding); positions= (T,) |
+    (B, T) overrides them. mask= and key_positions= with a cache are ValueErrors; a cache
+    whose dtype is not the parameters' is a TypeError, one with other K, H or B a ValueError,
+    and no room for T tokens in some row a ValueError (eager; not checked under torch.compile).
+    Stages with a cache: q, k, v, q_rot, k_rot are the NEW tokens' ((B, N, T, H) and
+    (B, K, T, H)), scores and weights are over the cache's C slots (B, N, T, C).
     """
 
     def __init__(self, embed_dim: int, num_heads: int, *, num_kv_heads: int | None = None,
@@ -393,8 +409,19 @@ class MultiHeadAttention(nn.Module):
                 )
         return shapes
 
+    def init_cache(self, batch: int, capacity: int, starts=None) -> KVCache:
+        """An empty `KVCache` for this layer: K key/value heads of H, the parameters' dtype and device.
+        starts (B,): the left-padding tokens each row's prompt begins with (default 0)."""
+        w = self.k_proj.weight
+        return KVCache.empty(batch, capacity, self.num_kv_heads, self.head_dim, dtype=w.dtype, device=w.device,
+                             starts=starts)
+
     def forward(self, query, key, value, mask=None, need_weights: bool = True, *, positions=None,
-                key_positions=None, return_intermediates: bool = False):
+                key_positions=None, return_intermediates: bool = False, cache: KVCache | None = None):
+        if cache is not None:
+            return self._forward_cached(query, key, value, cache, mask=mask, need_weights=need_weights,
+                                        positions=positions, key_positions=key_positions,
+                                        return_intermediates=return_intermediates)
         B, T, S = self._check_inputs(query, key, value)
         rope = self.config.rope
         if rope is None and (positions is not None or key_positions is not None):
@@ -428,3 +455,66 @@ class MultiHeadAttention(nn.Module):
         if return_intermediates:
             return output, weights, Stages(q_in, k_in, v_in, scores, weights, context, output, q_rot, k_rot)
         return output, weights
+
+    def _check_cache(self, cache, B: int, T: int, S: int, mask, key_positions) -> None:
+        if not isinstance(cache, KVCache):
+            raise TypeError(f"cache must be a mha_torch.KVCache, got {type(cache).__name__}")
+        if T != S:
+            raise ValueError(f"with a cache, query, key and value are the same T new tokens: query has T={T}, "
+                             f"key/value S={S}")
+        if mask is not None:
+            raise ValueError("mask= with a cache: the cache's keep-mask (starts[b] <= s <= lengths[b] + i) is the mask")
+        if key_positions is not None:
+            raise ValueError("key_positions= with a cache: the cached keys carry their positions; "
+                             "positions= sets the new tokens' (keys and queries)")
+        param_dtype = self.q_proj.weight.dtype
+        if cache.k.dtype != param_dtype:
+            raise TypeError(f"the cache holds {cache.k.dtype} but the module's parameters are {param_dtype}")
+        if cache.k.shape[0] != B:
+            raise ValueError(f"the cache {tuple(cache.k.shape)} (B, K, C, H) has B={cache.k.shape[0]} rows; "
+                             f"the new tokens {B}")
+
+    def _forward_cached(self, query, key, value, cache, *, mask, need_weights, positions, key_positions,
+                        return_intermediates):
+        """forward with a cache (see the class docstring): self-attention of T new tokens against it."""
+        B, T, S = self._check_inputs(query, key, value)
+        self._check_cache(cache, B, T, S, mask, key_positions)
+        rope = self.config.rope
+        if rope is None and positions is not None:
+            raise ValueError("positions are given but rope=None: they would be ignored")
+
+        q_in = self._split_heads(self.q_proj(query))  # (B, N, T, H)
+        k_in = self._split_heads(self.k_proj(key))  # (B, K, T, H)
+        v_in = self._split_heads(self.v_proj(value))  # (B, K, T, H)
+        # K from the projection's width, not num_kv_heads: a tensor-parallel rank holds its share.
+        check_cache_shapes(cache.k.shape, cache.v.shape, cache.starts.shape, cache.lengths.shape, layout="BKCH",
+                           kv_heads=k_in.shape[1], head_dim=self.head_dim)
+        q, k = q_in, k_in
+        if rope is not None:
+            theta = self.config.rope_theta
+            pos = cache.positions(T) if positions is None else positions  # (B, T) | (T,)
+            pos = positions_4d(pos, B, T, "positions", q.device)  # (B|1, 1, T, 1)
+            q, k = rotate(q, pos, theta, rope), rotate(k, pos, theta, rope)
+        q_rot, k_rot = (q, k) if rope is not None else (None, None)  # (B, N, T, H), (B, K, T, H)
+        # The old cache's keep-mask: its lengths are where the new tokens went.
+        keep = cache.keep_mask(T)  # (B, 1, T, C)
+        new_cache = cache.write(k, v_in)
+        k_all, v_all = new_cache.k, new_cache.v  # (B, K, C, H)
+        group = q.shape[1] // k_all.shape[1]
+        if group > 1 and need_weights:
+            # Query head h uses key/value head h // group; the fused path passes the K heads (enable_gqa).
+            k_all, v_all = k_all.repeat_interleave(group, dim=1), v_all.repeat_interleave(group, dim=1)  # (B, N, C, H)
+        scores = None
+        if need_weights and return_intermediates:
+            context, weights, scores = attention_core(q, k_all, v_all, keep, masked_rows=self.masked_rows,
+                                                      return_scores=True)
+        elif need_weights:
+            context, weights = attention_core(q, k_all, v_all, keep, masked_rows=self.masked_rows)
+        else:
+            context, weights = fused_attention_core(q, k_all, v_all, keep, masked_rows=self.masked_rows), None
+        context = context.transpose(1, 2).reshape(B, T, context.shape[1] * self.head_dim)  # (B, T, N·H)
+        output = self.out_proj(context)
+        if return_intermediates:
+            stages = Stages(q_in, k_in, v_in, scores, weights, context, output, q_rot, k_rot)
+            return output, weights, new_cache, stages
+        return output, weights, new_cache

@@ -254,3 +254,301 @@ class TestRope:
         x, y = torch.zeros(B, T, E), torch.zeros(B, S, E)
         with pytest.raises(error, match=match):
             mod(x, y, y, **kwargs)
+
+
+# ------------------------------------------------------------- incremental decoding with a KV cache
+# Decode sizes, pairwise distinct: B rows, DE = DN * DH, DK key/value heads, a prompt of P tokens,
+# STEPS single-token steps, CAP slots per row (room for P + STEPS = L tokens and two more).
+DB, DN, DK, DH = 3, 4, 2, 6
+DE = DN * DH  # 24
+P, STEPS, CAP = 5, 4, 11
+L = P + STEPS  # 9
+PADDED = (0, 2, 1)  # left-padding slots of each row
+
+# (num_kv_heads, rope, qkv_bias, out_bias)
+DECODE_VARIANTS = [
+    pytest.param(None, None, True, True, id="classic"),
+    pytest.param(DK, None, True, True, id="grouped"),
+    pytest.param(None, "half", True, True, id="rope-half"),
+    pytest.param(DK, "interleaved", True, True, id="grouped-rope-interleaved"),
+    pytest.param(DK, "half", False, False, id="grouped-rope-half-bias-free"),
+]
+
+
+def _decode_module(rng, n_kv, rope, qkv_bias=True, out_bias=True, masked_rows="nan"):
+    mod = MultiHeadAttention(DE, DN, num_kv_heads=n_kv, qkv_bias=qkv_bias, out_bias=out_bias, rope=rope,
+                             rope_theta=THETA, masked_rows=masked_rows, dtype=torch.float64)
+    with torch.no_grad():
+        for p in mod.parameters():
+            p.copy_(torch.from_numpy(rng.standard_normal(tuple(p.shape)) / math.sqrt(p.shape[-1])))
+    sd = {k: v.detach().numpy().copy() for k, v in mod.state_dict().items()}
+    return mod, sd
+
+
+def _causal_padded(starts, length=L):
+    """The one-forward equivalent of a decode: keep[b, t, s] = starts[b] <= s <= t, positions t - starts[b]."""
+    starts = np.asarray(starts)
+    t = np.arange(length)
+    keep = (starts[:, None, None] <= t[None, None, :]) & (t[None, None, :] <= t[None, :, None])  # (B, L, L)
+    pos = t[None, :] - starts[:, None]  # (B, L)
+    return keep, pos
+
+
+def _real_rows(starts, length=L):
+    """bool (B, L): the columns holding a row's real tokens (t >= starts[b])."""
+    return np.arange(length)[None, :] >= np.asarray(starts)[:, None]
+
+
+def _decode(mod, x, starts, chunks, need_weights, capacity=CAP, positions=None):
+    """Run x (B, sum(chunks), E) through mod chunk by chunk from an empty cache.
+    Returns outputs (B, L, E), weights (B, N, L, C) or None, the last cache, each step's Stages."""
+    cache = mod.init_cache(x.shape[0], capacity, starts=torch.tensor(starts))
+    outs, weights, stages, at = [], [], [], 0
+    with torch.no_grad():
+        for n in chunks:
+            xs = x[:, at:at + n]
+            kw = {} if positions is None else {"positions": positions[:, at:at + n]}
+            out, w, cache, st = mod(xs, xs, xs, cache=cache, need_weights=need_weights, return_intermediates=True, **kw)
+            outs.append(out)
+            weights.append(w)
+            stages.append(st)
+            at += n
+    w = torch.cat(weights, dim=2) if need_weights else None
+    return torch.cat(outs, dim=1), w, cache, stages
+
+
+def _full(mod, x, starts, need_weights, offset=0):
+    keep, pos = _causal_padded(starts, x.shape[1])
+    pos = torch.from_numpy(pos + offset) if mod.config.rope else None
+    with torch.no_grad():
+        return mod(x, x, x, torch.from_numpy(keep), need_weights=need_weights, positions=pos, key_positions=pos,
+                   return_intermediates=True)
+
+
+class TestDecode:
+    """A prefill and single-token steps through a KVCache give the one causal forward over all tokens
+    (docs/semantics.md, "Decoding with a KV cache"), judged against the module itself and the oracle."""
+
+    @pytest.mark.parametrize("starts", [(0, 0, 0), PADDED], ids=["unpadded", "left-padded"])
+    @pytest.mark.parametrize("need_weights", [True, False], ids=["weights", "fused"])
+    @pytest.mark.parametrize("n_kv, rope, qkv_bias, out_bias", DECODE_VARIANTS)
+    def test_prefill_and_steps_equal_one_forward(self, n_kv, rope, qkv_bias, out_bias, need_weights, starts):
+        rng = np.random.default_rng(10)
+        mod, sd = _decode_module(rng, n_kv, rope, qkv_bias, out_bias)
+        x = rng.standard_normal((DB, L, DE))
+        got, weights, cache, _ = _decode(mod, _t(x), starts, [P] + [1] * STEPS, need_weights)
+        full, full_w, _ = _full(mod, _t(x), starts, need_weights)
+        keep, pos = _causal_padded(starts)
+        ref = reference.forward(sd, x, x, x, keep, num_heads=DN, num_kv_heads=n_kv, rope=rope, rope_theta=THETA,
+                                positions=pos if rope else None, key_positions=pos if rope else None)
+        real = _real_rows(starts)
+        np.testing.assert_allclose(got.numpy()[real], full.numpy()[real], rtol=1e-12, atol=1e-12)
+        assert_close(got.numpy()[real], ref.output[real])
+        assert np.abs(ref.output[real]).max() > 0.1  # order-1 outputs: the tolerance is tight
+        # A padding column attends nothing: NaN under the default policy, in all three.
+        assert np.isnan(got.numpy()[~real]).all() and np.isnan(ref.output[~real]).all()
+        assert np.isnan(full.numpy()[~real]).all()
+        assert cache.lengths.tolist() == [L] * DB and cache.starts.tolist() == list(starts)
+        if need_weights:
+            w = weights.numpy()  # (B, N, L, C)
+            assert w.shape == (DB, DN, L, CAP)
+            np.testing.assert_allclose(w[..., :L].transpose(0, 2, 1, 3)[real], ref.weights.transpose(0, 2, 1, 3)[real],
+                                       rtol=1e-12, atol=1e-12)
+            assert (w[..., L:].transpose(0, 2, 1, 3)[real] == 0).all()  # slots never written
+        else:
+            assert weights is None
+
+    @pytest.mark.parametrize("need_weights", [True, False], ids=["weights", "fused"])
+    @pytest.mark.parametrize("chunks", [(3, 2, 1, 1, 1, 1), (3, 2, 2, 2), (1,) * L], ids=["3+2", "3+2+2+2", "ones"])
+    def test_chunks_equal_one_forward(self, chunks, need_weights):
+        """A prefill in chunks (and steps of two tokens: causal within the new ones) changes nothing."""
+        rng = np.random.default_rng(11)
+        mod, _ = _decode_module(rng, DK, "half")
+        x = _t(rng.standard_normal((DB, L, DE)))
+        got, weights, _, _ = _decode(mod, x, PADDED, chunks, need_weights)
+        full, full_w, _ = _full(mod, x, PADDED, need_weights)
+        real = _real_rows(PADDED)
+        np.testing.assert_allclose(got.numpy()[real], full.numpy()[real], rtol=1e-12, atol=1e-12)
+        assert np.isnan(got.numpy()[~real]).all()
+        if need_weights:
+            np.testing.assert_allclose(weights[..., :L].numpy(), full_w.numpy(), rtol=1e-12, atol=1e-12)
+
+    def test_cache_holds_rotated_keys_of_k_heads(self):
+        """Slots 0..L-1 hold the full forward's k after RoPE and v, with K heads; the rest stay zero.
+        Each step's Stages k/v/k_rot are the new tokens' (B, K, T, H)."""
+        rng = np.random.default_rng(12)
+        mod, sd = _decode_module(rng, DK, "interleaved")
+        x = rng.standard_normal((DB, L, DE))
+        empty = mod.init_cache(DB, CAP, starts=torch.tensor(PADDED))
+        assert empty.k.shape == (DB, DK, CAP, DH) and empty.k.dtype == torch.float64
+        assert (empty.k == 0).all() and empty.lengths.tolist() == [0] * DB
+        _, _, cache, stages = _decode(mod, _t(x), PADDED, [P] + [1] * STEPS, True)
+        _, _, full_st = _full(mod, _t(x), PADDED, True)
+        keep, pos = _causal_padded(PADDED)
+        ref = reference.forward(sd, x, x, x, keep, num_heads=DN, num_kv_heads=DK, rope="interleaved",
+                                rope_theta=THETA, positions=pos, key_positions=pos)
+        assert cache.k.shape == (DB, DK, CAP, DH) and cache.v.shape == (DB, DK, CAP, DH)
+        np.testing.assert_allclose(cache.k[:, :, :L].numpy(), ref.k_rot, rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(cache.k[:, :, :L].numpy(), full_st.k_rot.numpy(), rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(cache.v[:, :, :L].numpy(), ref.v, rtol=1e-12, atol=1e-12)
+        assert (cache.k[:, :, L:] == 0).all() and (cache.v[:, :, L:] == 0).all()
+        assert np.abs(ref.k_rot - ref.k).max() > 0.1  # RoPE turned the stored keys visibly
+        at = 0
+        for st in stages:
+            T = st.k.shape[2]
+            assert st.k.shape == st.v.shape == st.k_rot.shape == (DB, DK, T, DH) and st.q_rot.shape == (DB, DN, T, DH)
+            np.testing.assert_allclose(st.k_rot.numpy(), ref.k_rot[:, :, at:at + T], rtol=1e-12, atol=1e-12)
+            np.testing.assert_allclose(st.k.numpy(), ref.k[:, :, at:at + T], rtol=1e-12, atol=1e-12)
+            np.testing.assert_allclose(st.v.numpy(), ref.v[:, :, at:at + T], rtol=1e-12, atol=1e-12)
+            assert st.scores.shape == st.weights.shape == (DB, DN, T, CAP)
+            at += T
+
+    def test_positions_override(self):
+        """positions= sets the new tokens' RoPE positions: shifted by 7 throughout, the decode is the one
+        forward at the shifted positions; the cached keys then differ from the default's."""
+        rng = np.random.default_rng(13)
+        mod, _ = _decode_module(rng, DK, "half")
+        x = _t(rng.standard_normal((DB, L, DE)))
+        _, pos = _causal_padded(PADDED)
+        shifted = torch.from_numpy(pos + 7)
+        got, _, cache, _ = _decode(mod, x, PADDED, [P] + [1] * STEPS, False, positions=shifted)
+        full, _, full_st = _full(mod, x, PADDED, False, offset=7)
+        real = _real_rows(PADDED)
+        np.testing.assert_allclose(got.numpy()[real], full.numpy()[real], rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(cache.k[:, :, :L].numpy(), full_st.k_rot.numpy(), rtol=1e-12, atol=1e-12)
+        _, _, default_cache, _ = _decode(mod, x, PADDED, [P] + [1] * STEPS, False)
+        assert (default_cache.k[:, :, :L] - cache.k[:, :, :L]).abs().max() > 0.1
+        # (T,) positions, shared by the rows: the unpadded default spelled out
+        c0 = mod.init_cache(DB, CAP)
+        with torch.no_grad():
+            a, _, _ = mod(x[:, :P], x[:, :P], x[:, :P], cache=c0, positions=torch.arange(P))
+            b, _, _ = mod(x[:, :P], x[:, :P], x[:, :P], cache=c0)
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+    @pytest.mark.parametrize("need_weights", [True, False], ids=["weights", "fused"])
+    def test_zero_policy_on_padding_rows(self, need_weights):
+        """masked_rows="zero": a padding column's context is 0, so its output is out_proj's bias."""
+        rng = np.random.default_rng(14)
+        mod, _ = _decode_module(rng, DK, "half", masked_rows="zero")
+        x = _t(rng.standard_normal((DB, L, DE)))
+        got, _, _, _ = _decode(mod, x, PADDED, [P] + [1] * STEPS, need_weights)
+        full, _, _ = _full(mod, x, PADDED, need_weights)
+        real = _real_rows(PADDED)
+        bias = mod.out_proj.bias.detach().numpy()
+        np.testing.assert_array_equal(got.numpy()[~real], np.broadcast_to(bias, (int((~real).sum()), DE)))
+        np.testing.assert_allclose(got.numpy()[real], full.numpy()[real], rtol=1e-12, atol=1e-12)
+
+    def test_the_cache_is_immutable(self):
+        """A step returns a new cache: one prefill continued twice gives the same step twice."""
+        rng = np.random.default_rng(15)
+        mod, _ = _decode_module(rng, DK, "half")
+        x = _t(rng.standard_normal((DB, P + 1, DE)))
+        _, _, prefill, _ = _decode(mod, x[:, :P], PADDED, [P], True)
+        k_before = prefill.k.clone()
+        xt = x[:, P:]
+        with torch.no_grad():
+            a, _, ca = mod(xt, xt, xt, cache=prefill)
+            b, _, cb = mod(xt, xt, xt, cache=prefill)
+        assert prefill.lengths.tolist() == [P] * DB and torch.equal(prefill.k, k_before)
+        assert ca.lengths.tolist() == [P + 1] * DB and torch.equal(ca.k, cb.k)
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+    @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+    @pytest.mark.parametrize("need_weights", [True, False], ids=["weights", "fused"])
+    def test_low_precision_equals_one_forward(self, dtype, need_weights):
+        """In float32 and bfloat16: the decode is the one forward of the same module in that dtype, and
+        (float32) within float32's bound of the float64 oracle."""
+        rng = np.random.default_rng(16)
+        mod64, sd = _decode_module(rng, DK, "half")
+        x64 = rng.standard_normal((DB, L, DE))
+        tdtype = getattr(torch, dtype)
+        mod = mod64.to(tdtype)
+        x = torch.from_numpy(x64).to(tdtype)
+        got, _, cache, _ = _decode(mod, x, PADDED, [P] + [1] * STEPS, need_weights)
+        full, _, _ = _full(mod, x, PADDED, need_weights)
+        assert got.dtype == tdtype and cache.k.dtype == tdtype
+        real = _real_rows(PADDED)
+        g, f = got.float().numpy()[real], full.float().numpy()[real]
+        # Measured worst |decode - one forward| over seeds 0-3 x both paths, outputs up to |3.7|:
+        # float32 4.8e-7 (bound 2e-6), bfloat16 1.6e-2, one bfloat16 ulp in [2, 4) (bound 6e-2).
+        bound = {"float32": 2e-6, "bfloat16": 6e-2}[dtype]
+        np.testing.assert_allclose(g, f, rtol=0, atol=bound)
+        assert np.isnan(got.float().numpy()[~real]).all()
+        if dtype == "float32":
+            keep, pos = _causal_padded(PADDED)
+            ref = reference.forward(sd, x64, x64, x64, keep, num_heads=DN, num_kv_heads=DK, rope="half",
+                                    rope_theta=THETA, positions=pos, key_positions=pos)
+            assert_close(g, ref.output[real], "float32")
+
+    def test_no_room_is_a_value_error(self):
+        mod, _ = _decode_module(np.random.default_rng(17), DK, "half")
+        x = torch.zeros(DB, P, DE, dtype=torch.float64)
+        cache = mod.init_cache(DB, P + 1)
+        with torch.no_grad():
+            _, _, cache = mod(x, x, x, cache=cache)
+            with pytest.raises(ValueError, match="no room for 5 more tokens"):
+                mod(x, x, x, cache=cache)
+            y = x[:, :1]
+            _, _, cache = mod(y, y, y, cache=cache)  # the last slot
+            with pytest.raises(ValueError, match="no room for 1 more tokens"):
+                mod(y, y, y, cache=cache)
+
+    @pytest.mark.parametrize("kwargs, error, match", [
+        (dict(mask=torch.ones(DB, 1, 1, dtype=torch.bool)), ValueError, "mask= with a cache"),
+        (dict(key_positions=torch.zeros(1, dtype=torch.int64)), ValueError, "key_positions= with a cache"),
+        (dict(positions=torch.zeros(2, dtype=torch.int64)), ValueError, r"positions must have shape \(1,\) or \(3, 1\)"),
+        (dict(positions=torch.zeros(1)), TypeError, "positions must be integers"),
+    ])
+    def test_bad_arguments_with_a_cache_are_named(self, kwargs, error, match):
+        mod, _ = _decode_module(np.random.default_rng(18), DK, "half")
+        x = torch.zeros(DB, 1, DE, dtype=torch.float64)
+        with pytest.raises(error, match=match):
+            mod(x, x, x, cache=mod.init_cache(DB, CAP), **kwargs)
+
+    def test_bad_caches_are_named(self):
+        """Wrong dtype -> TypeError; N heads instead of K, another H or B, T != S -> ValueError."""
+        from mha_torch import KVCache
+
+        mod, _ = _decode_module(np.random.default_rng(19), DK, None)
+        x = torch.zeros(DB, 1, DE, dtype=torch.float64)
+        f32 = KVCache.empty(DB, CAP, DK, DH, dtype=torch.float32)
+        with pytest.raises(TypeError, match="the cache holds torch.float32 but the module's parameters are torch.float64"):
+            mod(x, x, x, cache=f32)
+        n_heads = KVCache.empty(DB, CAP, DN, DH, dtype=torch.float64)
+        with pytest.raises(ValueError, match=r"have K=4 heads of H=6; the layer has K=2"):
+            mod(x, x, x, cache=n_heads)
+        with pytest.raises(ValueError, match="has B=2 rows"):
+            mod(x, x, x, cache=KVCache.empty(2, CAP, DK, DH, dtype=torch.float64))
+        y = torch.zeros(DB, 2, DE, dtype=torch.float64)
+        with pytest.raises(ValueError, match="query has T=1, key/value S=2"):
+            mod(x, y, y, cache=mod.init_cache(DB, CAP))
+        with pytest.raises(TypeError, match="cache must be a mha_torch.KVCache"):
+            mod(x, x, x, cache=(torch.zeros(1), torch.zeros(1)))
+        with pytest.raises(ValueError, match="rope=None"):
+            mod(x, x, x, cache=mod.init_cache(DB, CAP), positions=torch.zeros(1, dtype=torch.int64))
+
+    @pytest.mark.slow
+    def test_compiled_step_at_two_positions(self):
+        """One fullgraph-compiled step (no graph break) serves two positions without recompiling,
+        and gives eager's outputs and caches (fused path, grouped heads, RoPE, left padding)."""
+        from torch._dynamo.utils import counters
+
+        rng = np.random.default_rng(20)
+        mod, _ = _decode_module(rng, DK, "half")
+        x = _t(rng.standard_normal((DB, P + 2, DE)))
+        _, _, cache, _ = _decode(mod, x[:, :P], PADDED, [P], False)
+        torch._dynamo.reset()
+        counters.clear()
+        step = torch.compile(mod, fullgraph=True)
+        with torch.no_grad():
+            c_eager, c_compiled = cache, cache
+            for i in (P, P + 1):
+                xt = x[:, i:i + 1]
+                want, _, c_eager = mod(xt, xt, xt, cache=c_eager, need_weights=False)
+                got, _, c_compiled = step(xt, xt, xt, cache=c_compiled, need_weights=False)
+                real = i >= np.asarray(PADDED)
+                np.testing.assert_allclose(got[:, 0].numpy()[real], want[:, 0].numpy()[real], rtol=1e-12, atol=1e-12)
+                assert isinstance(c_compiled, type(c_eager))
+                np.testing.assert_allclose(c_compiled.k.numpy(), c_eager.k.numpy(), rtol=1e-12, atol=1e-12)
+                np.testing.assert_array_equal(c_compiled.lengths.numpy(), c_eager.lengths.numpy())
+        assert counters["stats"]["unique_graphs"] == 1
