@@ -7,6 +7,9 @@ and its result rounded to the dtype the modules store it in (scores and
 softmax in float32 for 16-bit dtypes, as the modules do). Its error against
 float64 is the yardstick of the three-way judge for 16-bit dtypes.
 `backward` is a hand-derived float64 vector-Jacobian product.
+`decode` runs the layer the way a decoder does, against a NumPy KV cache (docs/semantics.md,
+"Decoding with a KV cache"); `decode_keep` and `decode_positions` are the mask and positions
+of the one causal `forward` it must equal.
 
 Legend (see mha_spec): B T S N H E, and K key/value heads, G = N // K query heads per group.
 """
@@ -275,3 +278,130 @@ def as_float64(x) -> np.ndarray:
     if x.dtype == ml_dtypes.bfloat16:
         return x.astype(np.float32).astype(np.float64)
     return x.astype(np.float64)
+
+
+# ---------------------------------------------------------------- decoding with a KV cache
+
+
+def _starts(starts, batch: int, top: int) -> np.ndarray:
+    """(B,) int64 left-padding counts in [0, top]; None -> zeros. TypeError/ValueError naming them."""
+    if starts is None:
+        return np.zeros(batch, np.int64)
+    starts = np.asarray(starts)
+    if not np.issubdtype(starts.dtype, np.integer):
+        raise TypeError(f"starts must be integers, got dtype {starts.dtype}")
+    if starts.shape != (batch,):
+        raise ValueError(f"starts must have shape ({batch},) (one per batch row), got {starts.shape}")
+    if ((starts < 0) | (starts > top)).any():
+        raise ValueError(f"starts must lie in [0, {top}], got {starts.tolist()}")
+    return starts.astype(np.int64)
+
+
+def decode_keep(starts, L: int) -> np.ndarray:
+    """bool (B, 1, L, L): keep[b, 0, t, s] = starts[b] <= s <= t, the one causal forward a prefill
+    and decode steps over L tokens equal (a query at a padding column t < starts[b] keeps nothing)."""
+    starts = _starts(starts, np.shape(starts)[0] if starts is not None else 1, L)
+    t = np.arange(L)[:, None]  # (L, 1)
+    s = np.arange(L)[None, :]  # (1, L)
+    return ((s >= starts[:, None, None]) & (s <= t))[:, None]
+
+
+def decode_positions(starts, L: int) -> np.ndarray:
+    """(B, L) int64: the RoPE position of the token in column t of row b, t - starts[b] (negative
+    on left padding, which nothing attends)."""
+    starts = _starts(starts, np.shape(starts)[0] if starts is not None else 1, L)
+    return np.arange(L, dtype=np.int64)[None, :] - starts[:, None]
+
+
+@dataclass(frozen=True)
+class Decoded:
+    """What `decode` computed: outputs of every call stacked over the tokens, and the final cache.
+
+    The cache is in torch's (Hugging Face's) layout; slots from `lengths` on hold zeros.
+    `scores` and `weights` hold one array per call (the prefill, if any, then each step).
+    """
+
+    output: np.ndarray  # (B, L, E)
+    k_rot: np.ndarray  # (B, K, C, H): the keys after RoPE (the keys themselves without RoPE)
+    v: np.ndarray  # (B, K, C, H)
+    starts: np.ndarray  # (B,) int64
+    lengths: np.ndarray  # (B,) int64, L in every row
+    scores: tuple[np.ndarray, ...]  # each (B, N, T_call, C), scaled, -inf where not attended
+    weights: tuple[np.ndarray, ...]  # each (B, N, T_call, C), after the masked-row policy
+
+
+def _slot_positions(slots: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """(B, T) RoPE positions of the tokens written to `slots` (B, T): their slot minus the row's padding."""
+    return slots - starts[:, None]
+
+
+def _cache_keep(slots: np.ndarray, starts: np.ndarray, capacity: int) -> np.ndarray:
+    """bool (B, 1, T, C): the token written to slots[b, i] attends slots starts[b] <= s <= slots[b, i]."""
+    s = np.arange(capacity)
+    return (s >= starts[:, None, None, None]) & (s <= slots[:, None, :, None])
+
+
+def decode(sd, x, *, starts=None, prefill: int, num_heads: int, masked_rows: str = "nan",
+           num_kv_heads: int | None = None, rope: str | None = None, rope_theta: float = 10000.0,
+           dtype=np.float64, capacity: int | None = None) -> Decoded:
+    """Self-attention over x (B, L, E) run as a decoder: a prefill of the first `prefill` tokens,
+    then one token per call, each call projecting only its new tokens against a cache.
+
+    The cache holds the K key/value heads' rotated keys and values in `capacity` slots per row
+    (default L); row b's prompt is left-padded by starts[b] tokens. A call writes its T new tokens
+    to the row's next slots, rotates their q and k at position slot - starts[b], and new token i
+    attends the slots starts[b] <= s <= its own slot. A query that attends nothing (a padding
+    column) follows `masked_rows` as `forward` does; "uniform" spreads its weight over the C slots
+    of the cache as they stand after the call's write (unwritten slots hold zeros). This path
+    shares no masking or position code with `forward`, so `forward` with `decode_keep` and
+    `decode_positions` is an independent check of it. A low `dtype` rounds each stage as `forward`.
+    """
+    cfg = config_of(sd, num_heads, masked_rows=masked_rows, num_kv_heads=num_kv_heads, rope=rope,
+                    rope_theta=rope_theta)
+    E, N, K, H, G = cfg.embed_dim, cfg.num_heads, cfg.kv_heads, cfg.head_size, cfg.group
+    x = np.asarray(x)
+    if x.ndim != 3 or x.shape[-1] != E:
+        raise ValueError(f"x must have shape (B, L, E={E}), got {x.shape}")
+    B, L, _ = x.shape
+    C = L if capacity is None else capacity
+    if isinstance(C, bool) or not isinstance(C, (int, np.integer)) or C < L:
+        raise ValueError(f"capacity must be an int >= L={L} (the tokens decoded), got {capacity!r}")
+    if isinstance(prefill, bool) or not isinstance(prefill, (int, np.integer)) or not 0 <= prefill <= L:
+        raise ValueError(f"prefill must be an int in [0, L={L}], got {prefill!r}")
+    starts = _starts(starts, B, C)
+    acc = _accumulation_dtype(dtype)
+    xs = _round(x.astype(np.float64), dtype)
+
+    k_cache = np.zeros((B, K, C, H))  # (B, K, C, H)
+    v_cache = np.zeros((B, K, C, H))
+    inv_freq = rope_theta ** (-np.arange(0, H, 2, dtype=np.float64) / H) if rope is not None else None
+    outputs, all_scores, all_weights = [], [], []
+    calls = ([(0, prefill)] if prefill else []) + [(t, t + 1) for t in range(prefill, L)]
+    for lo, hi in calls:
+        T = hi - lo
+        slots = np.broadcast_to(np.arange(lo, hi), (B, T))  # (B, T): every row has written lo slots
+        q = _linear(xs[:, lo:hi], sd, "q_proj", dtype).reshape(B, T, N, H).transpose(0, 2, 1, 3)  # (B, N, T, H)
+        k = _linear(xs[:, lo:hi], sd, "k_proj", dtype).reshape(B, T, K, H).transpose(0, 2, 1, 3)  # (B, K, T, H)
+        v = _linear(xs[:, lo:hi], sd, "v_proj", dtype).reshape(B, T, K, H).transpose(0, 2, 1, 3)
+        if rope is not None:
+            angles = _slot_positions(slots, starts).astype(np.float64)[:, None, :, None] * inv_freq  # (B, 1, T, H/2)
+            cos, sin = _round(np.cos(angles), acc), _round(np.sin(angles), acc)
+            q, k = _round(rotate(q, cos, sin, rope), dtype), _round(rotate(k, cos, sin, rope), dtype)
+        k_cache[:, :, lo:hi], v_cache[:, :, lo:hi] = k, v
+        scores = np.einsum("BKGTH,BKCH->BKGTC", q.reshape(B, K, G, T, H), k_cache).reshape(B, N, T, C)
+        scores = _round(scores / np.sqrt(H), acc)
+        keep = _cache_keep(slots, starts, C)  # (B, 1, T, C)
+        scores = np.where(keep, scores, -np.inf)
+        attends = keep.any(axis=-1, keepdims=True)  # (B, 1, T, 1)
+        safe = np.where(attends, scores, 0.0)
+        e = np.exp(safe - safe.max(axis=-1, keepdims=True))  # exactly 0 where not attended
+        weights = e / e.sum(axis=-1, keepdims=True)
+        fill = {"nan": np.nan, "zero": 0.0, "uniform": 1.0 / C}[masked_rows]
+        weights = _round(_round(np.where(attends, weights, fill), acc), dtype)
+        context = _round(np.einsum("BKGTC,BKCH->BKGTH", weights.reshape(B, K, G, T, C), v_cache), dtype)
+        context = context.reshape(B, N, T, H).transpose(0, 2, 1, 3).reshape(B, T, N * H)
+        outputs.append(_linear(context, sd, "out_proj", dtype))
+        all_scores.append(scores)
+        all_weights.append(weights)
+    output = np.concatenate(outputs, axis=1) if outputs else np.zeros((B, 0, E))
+    return Decoded(output, k_cache, v_cache, starts, np.full(B, L, np.int64), tuple(all_scores), tuple(all_weights))

@@ -2,8 +2,9 @@
 against plain loops; grouped key/value heads, RoPE and bias-free projections (TestVariants,
 TestGrouped) against plain Python loops (one query head, one query, one key at a time) and a
 small torch float64 module written the way Hugging Face (repeat_kv, rotate_half) and Meta's
-Llama (complex rotation) write it, differentiated by autograd; and the mha_spec config that
-describes the oracle's weights (TestConfig).
+Llama (complex rotation) write it, differentiated by autograd; the mha_spec config that
+describes the oracle's weights (TestConfig); and decoding against a KV cache (TestDecode):
+a prefill and single-token steps equal one causal forward, with planted bugs it catches.
 """
 
 from __future__ import annotations
@@ -277,3 +278,168 @@ class TestConfig:
         with pytest.raises(ValueError, match="S=0"):
             Problem(cfg, 3, 5, 0)
         assert Problem(cfg, 0, 0, 7).B == 0
+
+
+# ------------------------------------------------------------- decoding with a KV cache
+
+
+class TestDecode:
+    """reference.decode (a NumPy cache, a prefill, then one token per call) against one causal
+    reference.forward with decode_keep and decode_positions: its outputs, per-call weights and final
+    cache. Sizes pairwise distinct: B=3, L=9 tokens (a prompt of P=5), E=12, N=4, K=2, H=3; RoPE
+    needs an even head dim, so its layers are E=24, N=4, K=2, H=6 (three pairs, so the two
+    conventions differ)."""
+
+    DB, L, P, DN, DK, THETA = 3, 9, 5, 4, 2, 500.0
+    STARTS = np.array([0, 2, 1])  # left padding of each row's prompt
+
+    # name -> (E, num_kv_heads, rope, qkv_bias, out_bias)
+    LAYERS = {"classic": (12, None, None, True, True), "grouped": (12, 2, None, True, True),
+              "rope-half": (24, 2, "half", True, True), "rope-interleaved": (24, 2, "interleaved", True, False),
+              "bias-free": (24, 2, "half", False, False), "bias-free-classic": (12, None, None, False, False)}
+
+    def _layer(self, name, seed=0):
+        E, n_kv, rope, qkv_bias, out_bias = self.LAYERS[name]
+        rng = np.random.default_rng(seed)
+        H, kv = E // self.DN, n_kv or self.DN
+        sd = {"q_proj.weight": rng.standard_normal((self.DN * H, E)), "k_proj.weight": rng.standard_normal((kv * H, E)),
+              "v_proj.weight": rng.standard_normal((kv * H, E)), "out_proj.weight": rng.standard_normal((E, self.DN * H))}
+        if qkv_bias:
+            sd.update({f"{p}.bias": rng.standard_normal(n) for p, n in (("q_proj", self.DN * H), ("k_proj", kv * H),
+                                                                       ("v_proj", kv * H))})
+        if out_bias:
+            sd["out_proj.bias"] = rng.standard_normal(E)
+        sd = {k: v / math.sqrt(v.shape[-1]) for k, v in sd.items()}
+        x = rng.standard_normal((self.DB, self.L, E))
+        return sd, x, dict(num_heads=self.DN, num_kv_heads=n_kv, rope=rope, rope_theta=self.THETA)
+
+    def _forward(self, sd, x, kw, policy):
+        pos = reference.decode_positions(self.STARTS, self.L)
+        extra = dict(positions=pos, key_positions=pos) if kw["rope"] else {}
+        return reference.forward(sd, x, x, x, reference.decode_keep(self.STARTS, self.L), masked_rows=policy, **kw, **extra)
+
+    def _padding(self):
+        """bool (B, L): the query columns that are left padding."""
+        return np.arange(self.L)[None, :] < self.STARTS[:, None]
+
+    def _check(self, dec, full, policy):
+        """decode == forward: real rows to 1e-12, padding rows by the policy, the cache's keys and values."""
+        pad = self._padding()
+        np.testing.assert_allclose(dec.output[~pad], full.output[~pad], rtol=0, atol=1e-12)
+        if policy == "nan":
+            assert np.isnan(dec.output).any(axis=-1).tolist() == pad.tolist()  # NaN exactly on padding rows
+            assert np.isnan(dec.output[pad]).all()
+        else:
+            np.testing.assert_allclose(dec.output[pad], full.output[pad], rtol=0, atol=1e-12)
+        k_full = full.k if full.k_rot is None else full.k_rot  # (B, K, L, H)
+        np.testing.assert_allclose(dec.k_rot[:, :, : self.L], k_full, rtol=0, atol=1e-12)
+        np.testing.assert_allclose(dec.v[:, :, : self.L], full.v, rtol=0, atol=1e-12)
+        np.testing.assert_allclose(np.concatenate(dec.weights, axis=2)[..., : self.L], full.weights, rtol=0, atol=1e-12)
+
+    def test_keep_and_positions_by_hand(self):
+        keep = reference.decode_keep(np.array([0, 2, 1]), 3)
+        assert keep.shape == (3, 1, 3, 3) and keep.dtype == bool
+        assert keep[0, 0].astype(int).tolist() == [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
+        assert keep[1, 0].astype(int).tolist() == [[0, 0, 0], [0, 0, 0], [0, 0, 1]]
+        assert keep[2, 0].astype(int).tolist() == [[0, 0, 0], [0, 1, 0], [0, 1, 1]]
+        pos = reference.decode_positions(np.array([0, 2, 1]), 3)
+        assert pos.dtype == np.int64 and pos.tolist() == [[0, 1, 2], [-2, -1, 0], [-1, 0, 1]]
+
+    @pytest.mark.parametrize("layer", list(LAYERS))
+    @pytest.mark.parametrize("prefill", [1, P])
+    @pytest.mark.parametrize("policy", ["nan", "zero"])
+    def test_prefill_and_steps_equal_one_causal_forward(self, layer, prefill, policy):
+        sd, x, kw = self._layer(layer)
+        dec = reference.decode(sd, x, starts=self.STARTS, prefill=prefill, masked_rows=policy, **kw)
+        E, K, H = x.shape[-1], kw["num_kv_heads"] or self.DN, x.shape[-1] // self.DN
+        assert dec.output.shape == (self.DB, self.L, E)
+        assert dec.k_rot.shape == dec.v.shape == (self.DB, K, self.L, H)
+        assert dec.lengths.tolist() == [self.L] * self.DB and dec.starts.tolist() == self.STARTS.tolist()
+        assert [w.shape[2] for w in dec.weights] == [prefill] + [1] * (self.L - prefill)
+        self._check(dec, self._forward(sd, x, kw, policy), policy)
+
+    def test_a_larger_cache_leaves_its_empty_slots_zero(self):
+        sd, x, kw = self._layer("rope-half", seed=1)
+        dec = reference.decode(sd, x, starts=self.STARTS, prefill=self.P, capacity=self.L + 2, **kw)
+        assert dec.k_rot.shape[2] == self.L + 2 and not dec.k_rot[:, :, self.L:].any() and not dec.v[:, :, self.L:].any()
+        assert all(w.shape[-1] == self.L + 2 and (w[..., self.L:][~np.isnan(w[..., self.L:])] == 0).all()
+                   for w in dec.weights)
+        self._check(dec, self._forward(sd, x, kw, "nan"), "nan")
+
+    @pytest.mark.parametrize("prefill", [1, P])
+    def test_uniform_padding_rows_average_the_cache_as_it_stands(self, prefill):
+        """masked_rows="uniform": a padding query spreads 1/C over the C cache slots after its call's
+        write (unwritten slots are zeros), computed here from the value projection directly."""
+        sd, x, kw = self._layer("grouped", seed=2)
+        C, H, G = self.L + 2, x.shape[-1] // self.DN, self.DN // kw["num_kv_heads"]
+        dec = reference.decode(sd, x, starts=self.STARTS, prefill=prefill, capacity=C, masked_rows="uniform", **kw)
+        pad = self._padding()
+        np.testing.assert_allclose(dec.output[~pad], self._forward(sd, x, kw, "uniform").output[~pad], rtol=0, atol=1e-12)
+        values = x @ sd["v_proj.weight"].T + sd["v_proj.bias"]  # (B, L, K*H)
+        for b, t in zip(*np.nonzero(pad)):
+            last = max(t, prefill - 1)  # the last slot written by the call that holds column t
+            mean = values[b, : last + 1].sum(axis=0) / C  # (K*H,)
+            context = np.concatenate([mean[(n // G) * H:(n // G + 1) * H] for n in range(self.DN)])
+            want = context @ sd["out_proj.weight"].T + sd["out_proj.bias"]
+            np.testing.assert_allclose(dec.output[b, t], want, rtol=0, atol=1e-12)
+
+    def test_float32_decode_is_forwards_rounding(self):
+        """With a low dtype each stage is rounded as forward rounds it: the same maths, so equal
+        outputs in float32 (measured: identical here), and not the float64 outputs."""
+        sd, x, kw = self._layer("rope-interleaved", seed=3)
+        dec = reference.decode(sd, x, starts=self.STARTS, prefill=self.P, masked_rows="zero", dtype=np.float32, **kw)
+        pos = reference.decode_positions(self.STARTS, self.L)
+        full = reference.forward(sd, x, x, x, reference.decode_keep(self.STARTS, self.L), masked_rows="zero",
+                                 dtype=np.float32, positions=pos, key_positions=pos, **kw)
+        np.testing.assert_allclose(dec.output, full.output, rtol=0, atol=1e-12)
+        exact = reference.decode(sd, x, starts=self.STARTS, prefill=self.P, masked_rows="zero", **kw)
+        assert 1e-9 < np.abs(dec.output - exact.output).max() < 1e-4
+
+    def _planted(self, monkeypatch, name, fn, layer="rope-half"):
+        sd, x, kw = self._layer(layer, seed=4)
+        full = self._forward(sd, x, kw, "nan")
+        monkeypatch.setattr(reference, name, fn)
+        return reference.decode(sd, x, starts=self.STARTS, prefill=self.P, **kw), full
+
+    def test_a_step_position_off_by_one_is_caught(self, monkeypatch):
+        """Single-token steps rotated one position too far (the lengths read after the write)."""
+        dec, full = self._planted(monkeypatch, "_slot_positions",
+                                  lambda slots, starts: slots - starts[:, None] + (slots.shape[1] == 1))
+        real = ~self._padding()
+        assert np.abs(dec.output[real] - full.output[real]).max() > 1e-6
+        with pytest.raises(AssertionError):
+            self._check(dec, full, "nan")
+
+    def test_attending_the_padding_is_caught(self, monkeypatch):
+        dec, full = self._planted(monkeypatch, "_cache_keep",
+                                  lambda slots, starts, C: np.arange(C) <= slots[:, None, :, None])
+        real = ~self._padding()
+        assert np.abs(dec.output[real] - full.output[real]).max() > 1e-6
+        with pytest.raises(AssertionError):
+            self._check(dec, full, "nan")
+
+    def test_positions_not_counted_from_the_first_real_token_are_caught_by_the_cache(self, monkeypatch):
+        """Positions = slots shift a whole row by its padding: RoPE is relative, so the outputs are unchanged
+        (to rounding), and only the cache's rotated keys tell it apart."""
+        dec, full = self._planted(monkeypatch, "_slot_positions", lambda slots, starts: slots)
+        real = ~self._padding()
+        assert np.abs(dec.output[real] - full.output[real]).max() < 1e-12
+        assert np.abs(dec.k_rot[self.STARTS > 0] - full.k_rot[self.STARTS > 0]).max() > 1e-6
+        with pytest.raises(AssertionError):
+            self._check(dec, full, "nan")
+
+    @pytest.mark.parametrize("change, error, match", [
+        (dict(prefill=10), ValueError, r"prefill must be an int in \[0, L=9\]"),
+        (dict(capacity=8), ValueError, "capacity must be an int >= L=9"),
+        (dict(starts=np.array([0, 1])), ValueError, r"starts must have shape \(3,\)"),
+        (dict(starts=np.array([0.0, 1.0, 2.0])), TypeError, "starts must be integers"),
+        (dict(starts=np.array([0, 10, 1])), ValueError, r"starts must lie in \[0, 9\]"),
+        (dict(x_shape=(3, 9, 11)), ValueError, r"x must have shape \(B, L, E=12\)"),
+    ])
+    def test_bad_arguments_are_named(self, change, error, match):
+        sd, x, kw = self._layer("grouped")
+        if "x_shape" in change:
+            x = np.zeros(change.pop("x_shape"))
+        args = {"starts": self.STARTS, "prefill": self.P, **change}
+        with pytest.raises(error, match=match):
+            reference.decode(sd, x, **args, **kw)
