@@ -5,6 +5,7 @@
     flax-linen-mha                    linen, sow_weights=True: its weights too (not benchmarked)
     flax-nnx-mha                      nnx, sow_weights=True
     flax-nnx-mha-fused                nnx without weights, benchmark only
+    flax-nnx-mha-decode               nnx, decode=True: one token per call against its cache
 
 Both store q/k/v kernels (E, N, H), biases (N, H), the output kernel (N, H, E)
 (`parity.peers.common.to_flax_tree`). Mask True = attend; masked scores are finfo.min, so a
@@ -149,6 +150,84 @@ flax_nnx_weights = functools.partial(_flax_nnx, need_weights=True)
 flax_nnx_fused = functools.partial(_flax_nnx, need_weights=False)
 
 
+# ---------------------------------------------------------------- decoding: MultiHeadAttention(decode=True)
+
+_DECODE_CAPACITY = 16  # the first cache's slots; a full cache is doubled (zeros appended), which flax's mask ignores
+
+
+def flax_nnx_decode_step(graphdef, state, params, x_t, cache, real, *, is_causal: bool = False,
+                         mask_padding: bool = True):
+    """One step of flax.nnx.MultiHeadAttention(decode=True) (traceable): x_t (B, 1, E), cache
+    {"key", "value": (B, C, N, H), "index": int32 ()}, real (B, C) bool: the slots holding a real token,
+    this step's included. Returns (output (B, 1, E), the next cache).
+
+    flax writes every row's token at one shared `cache_index` and masks the slots after it
+    (`arange(C) <= cache_index`); it has no per-row lengths or positions. mask_padding: also pass
+    `real` as the mask (B, 1, 1, C), so no query attends a left-padding slot; False measures what flax
+    does alone (it attends them). is_causal: flax's own causal flag at decode time (measured:
+    tril(ones(1, C)) keeps slot 0 only).
+    """
+    m = merged(graphdef, state, params)
+    B, C = cache["key"].shape[:2]
+    m.init_cache((B, C, m.in_features), cache["key"].dtype)
+    m.cached_key[...] = cache["key"]
+    m.cached_value[...] = cache["value"]
+    m.cache_index[...] = cache["index"]
+    mask = real[:, None, None, :] if mask_padding else None  # (B, 1, 1, C)
+    out = m(x_t, mask=mask, decode=True, deterministic=True, is_causal=is_causal)
+    return out, {"key": m.cached_key[...], "value": m.cached_value[...], "index": m.cache_index[...]}
+
+
+def flax_nnx_decode(sd, num_heads, *, dtype, device, is_causal: bool = False, mask_padding: bool = True):
+    """flax.nnx.MultiHeadAttention(decode=True) as a decoder: fn(p, x_t, cache, position) -> (out, cache).
+
+    Its cache is flax's own (init_cache: key, value (B, C, N, H), one cache_index for the batch) and
+    `real` (B, C), the slots holding a real token (position >= 0), passed as the mask so that no
+    query attends left padding; the positions are otherwise unused (no RoPE). p: the canonical
+    parameters as JAX arrays, plugged into the module (the step is jax.jit-compiled, one compile per
+    capacity). is_causal, mask_padding: see flax_nnx_decode_step (the defaults are the peer; the
+    others measure flax alone).
+    """
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    E = sd["q_proj.weight"].shape[0]
+    with jax.default_device(device):
+        graphdef, state = nnx.split(to_flax_nnx(sd, num_heads, dtype=jnp.dtype(dtype), decode=True))
+    shapes = _flax_shapes(E, num_heads)
+
+    @jax.jit
+    def step(params, x_t, cache, real):
+        layers = {f: linear_leaves(params, p, shapes[p]) for p, f in FLAX_NAMES.items()}
+        return flax_nnx_decode_step(graphdef, state, layers, x_t, cache, real, is_causal=is_causal,
+                                    mask_padding=mask_padding)
+
+    def fn(p, x_t, cache, position):
+        """cache: None on the first call, then {"key", "value", "index", "real"} as it returned."""
+        x_t, position = jnp.asarray(x_t), jnp.asarray(position)
+        if x_t.ndim != 3 or x_t.shape[1:] != (1, E):
+            raise ValueError(f"flax-nnx-mha-decode: x_t must be (B, 1, E={E}) (one token per row), got {x_t.shape}")
+        if x_t.dtype != jnp.dtype(dtype):
+            raise TypeError(f"flax-nnx-mha-decode was built for {dtype}; x_t is {x_t.dtype}")
+        B = x_t.shape[0]
+        if not jnp.issubdtype(position.dtype, jnp.integer) or position.shape != (B,):
+            raise ValueError(f"flax-nnx-mha-decode: position must be ({B},) integers, got {position.dtype} {position.shape}")
+        if cache is None:
+            zeros = jnp.zeros((B, _DECODE_CAPACITY, num_heads, E // num_heads), x_t.dtype)
+            cache = {"key": zeros, "value": zeros, "index": jnp.zeros((), jnp.int32),
+                     "real": jnp.zeros((B, _DECODE_CAPACITY), bool)}
+        index = int(cache["index"])
+        if index == cache["key"].shape[1]:  # full: twice the slots
+            grow = lambda a: jnp.concatenate([a, jnp.zeros_like(a)], axis=1)  # noqa: E731
+            cache = {**cache, "key": grow(cache["key"]), "value": grow(cache["value"]), "real": grow(cache["real"])}
+        real = cache["real"].at[:, index].set(position >= 0)
+        out, kv = step(p, x_t, {k: cache[k] for k in ("key", "value", "index")}, real)
+        return out, {**kv, "real": real}
+
+    return fn
+
+
 # ---------------------------------------------------------------- declarations
 
 IMPLEMENTATIONS = (
@@ -162,4 +241,10 @@ IMPLEMENTATIONS = (
     Implementation("flax-nnx-mha-fused", "jax", f"{__name__}:flax_nnx_fused", "jit", False, masked_rows="uniform",
                    role="peer", family="flax-nnx-mha", harness=False, materializes=True,
                    doc="flax.nnx.MultiHeadAttention without weights"),
+    # Without sow_weights flax calls jax.nn.dot_product_attention, whose softmax is float32 (float64: 1.4e-7 off).
+    Implementation("flax-nnx-mha-decode", "jax", f"{__name__}:flax_nnx_decode", decode=True, masked_rows="uniform",
+                   computes_in="float32", role="peer", bench=False, runs_on=("self/*/*",),
+                   doc="flax.nnx.MultiHeadAttention(decode=True), init_cache, one token per call, one cache_index for "
+                   "the batch; left padding masked by a (B, 1, 1, C) mask of the real slots (flax has no per-row "
+                   "lengths); a padding query is uniform over the C slots; the classic layer only (no RoPE)"),
 )

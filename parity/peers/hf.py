@@ -3,6 +3,12 @@
     hf-bert    BertAttention (BertSelfAttention + output.dense), eager; self-attention
     hf-gpt2    GPT2Attention, eager; causal self-attention (its mask comes from create_causal_mask)
     hf-llama   LlamaAttention (eager) with LlamaRotaryEmbedding: grouped heads, RoPE, any bias set
+    hf-llama-decode  the same LlamaAttention as a decoder (decode=True): one token per call against
+               a DynamicCache, with generate's 2D attention mask (left padding masked) and position_ids
+
+    to_hf_cache / from_hf_cache     mha_torch.kv_cache.KVCache <-> a one-layer DynamicCache
+    hf_attention_mask               the (B, L) 0/1 mask HF keeps beside it (its padding: HF has no
+                                    per-row lengths)
 
 The weights reach each module through its checkpoint layout (`parity.layouts`: "hf-bert",
 "hf-vit", "hf-gpt2", "hf-llama"); the pure functions below take a canonical state dict,
@@ -36,6 +42,7 @@ Legend (see mha_spec): B T S N K H E.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -410,6 +417,190 @@ def hf_llama(sd, num_heads, *, dtype, device, problem):
     return fn
 
 
+# ---------------------------------------------------------------- decoding: DynamicCache
+
+
+def _kv_cache_class():
+    from mha_torch.kv_cache import KVCache
+
+    return KVCache
+
+
+def to_hf_cache(cache):
+    """mha_torch.kv_cache.KVCache -> a one-layer transformers DynamicCache of its written slots.
+
+    Both hold one layer's keys after RoPE and its values as (B, K, slots, H) (LlamaAttention
+    rotates before `DynamicCache.update`). Only slots [0, max(lengths)) go to HF, copied: HF keeps
+    one length for the whole batch, so a row's padding -- its left padding and, in a row shorter
+    than the longest, the slots from its own length on -- lives in the 2D attention mask HF
+    carries beside the cache (`hf_attention_mask`), which must keep them 0 for every later token.
+    """
+    from transformers import DynamicCache
+
+    KVCache = _kv_cache_class()
+    if not isinstance(cache, KVCache):
+        raise TypeError(f"to_hf_cache takes an mha_torch.kv_cache.KVCache, got {type(cache).__name__}")
+    L = int(cache.lengths.max()) if cache.lengths.numel() else 0
+    return DynamicCache(ddp_cache_data=[(cache.k[:, :, :L].clone(), cache.v[:, :, :L].clone())])
+
+
+def hf_attention_mask(cache):
+    """(B, max(lengths)) int64, HF's 2D attention mask for `to_hf_cache(cache)`: 1 on a row's valid
+    slots starts[b] <= s < lengths[b], 0 on its padding (generate's convention; append a 1 per new token)."""
+    KVCache = _kv_cache_class()
+    if not isinstance(cache, KVCache):
+        raise TypeError(f"hf_attention_mask takes an mha_torch.kv_cache.KVCache, got {type(cache).__name__}")
+    import torch
+
+    L = int(cache.lengths.max()) if cache.lengths.numel() else 0
+    s = torch.arange(L, device=cache.lengths.device)
+    return ((s >= cache.starts[:, None]) & (s < cache.lengths[:, None])).to(torch.int64)
+
+
+def _row_counts(x, batch: int, name: str):
+    import torch
+
+    if not isinstance(x, torch.Tensor) or x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
+        raise TypeError(f"from_hf_cache: {name} must be a torch.Tensor of integers, got "
+                        f"{getattr(x, 'dtype', type(x).__name__)}")
+    if tuple(x.shape) != (batch,):
+        raise ValueError(f"from_hf_cache: {name} must have shape ({batch},) (one per batch row), got {tuple(x.shape)}")
+    return x.to(torch.int64)
+
+
+def from_hf_cache(dynamic_cache, starts, lengths, *, capacity: int | None = None):
+    """A one-layer transformers DynamicCache -> mha_torch.kv_cache.KVCache with these per-row counts.
+
+    dynamic_cache: keys and values (B, K, L, H), keys after RoPE. starts, lengths (B,) integer
+    tensors, 0 <= starts <= lengths <= L: the row's left padding and the slots it has written (HF
+    keeps neither: its padding is in the attention mask). capacity: the cache's slots, >= L (default
+    L). Slots from a row's length on are zeros, as in a cache our modules write (HF's entries there
+    are dropped), so `from_hf_cache(to_hf_cache(c), c.starts, c.lengths, capacity=c.capacity)` is `c`
+    bit for bit.
+    """
+    import torch
+    from transformers import DynamicCache
+
+    if not isinstance(dynamic_cache, DynamicCache):
+        raise TypeError(f"from_hf_cache takes a transformers DynamicCache, got {type(dynamic_cache).__name__}")
+    if len(dynamic_cache.layers) != 1 or not dynamic_cache.layers[0].is_initialized:
+        raise ValueError(f"from_hf_cache converts one written layer; this DynamicCache has {len(dynamic_cache.layers)} "
+                         "layers" + ("" if len(dynamic_cache.layers) != 1 else ", not initialized"))
+    keys, values = dynamic_cache.layers[0].keys, dynamic_cache.layers[0].values
+    if keys.ndim != 4 or tuple(values.shape) != tuple(keys.shape):
+        raise ValueError(f"DynamicCache keys {tuple(keys.shape)} and values {tuple(values.shape)} are not both (B, K, L, H)")
+    B, K, L, H = keys.shape
+    starts, lengths = _row_counts(starts, B, "starts"), _row_counts(lengths, B, "lengths")
+    C = L if capacity is None else capacity
+    if isinstance(C, bool) or not isinstance(C, int) or C < max(L, 1):
+        raise ValueError(f"from_hf_cache: capacity must be an int >= the DynamicCache's {L} slots (and >= 1), got {capacity!r}")
+    if bool(((starts < 0) | (starts > lengths) | (lengths > L)).any()):
+        raise ValueError(f"from_hf_cache: need 0 <= starts <= lengths <= {L} (the DynamicCache's slots); "
+                         f"got starts {starts.tolist()}, lengths {lengths.tolist()}")
+    written = (torch.arange(L, device=keys.device) < lengths[:, None].to(keys.device))[:, None, :, None]  # (B, 1, L, 1)
+    k = torch.zeros(B, K, C, H, dtype=keys.dtype, device=keys.device)
+    v = torch.zeros_like(k)
+    k[:, :, :L] = torch.where(written, keys, torch.zeros((), dtype=keys.dtype, device=keys.device))
+    v[:, :, :L] = torch.where(written, values, torch.zeros((), dtype=values.dtype, device=values.device))
+    return _kv_cache_class()(k, v, starts.to(keys.device), lengths.to(keys.device))
+
+
+@dataclasses.dataclass(frozen=True)
+class HFDecodeCache:
+    """hf-llama-decode's own cache: what generate carries between steps for one layer.
+
+    past            a one-layer DynamicCache: keys after RoPE and values, (B, K, L, H)
+    attention_mask  (B, L) int64: 1 on a real token's slot, 0 on a left-padding one
+
+    A step builds a new DynamicCache from `past`'s tensors (so a step leaves its argument as it
+    was, and one prefix can be continued twice); `from_hf_cache(c.past, starts, lengths)` reads it
+    as our KVCache.
+    """
+
+    past: object
+    attention_mask: object
+
+
+def hf_llama_decode_step(att, rotary, config, x, cache, position):
+    """One decode step of LlamaAttention: x (B, 1, E) torch, position (B,) int64 (-1: left padding).
+
+    As HF's generate does with left padding: the 2D attention mask gains a 0 for a padding token
+    (1 for a real one), create_causal_mask turns it into the eager additive mask (B, 1, 1, L + 1)
+    over the cache, 0 / finfo(dtype).min, and a padding token's position_id is 0 (masked, so
+    never seen). Returns (output (B, 1, E), the next HFDecodeCache).
+    """
+    import torch
+    from transformers import DynamicCache
+    from transformers.masking_utils import create_causal_mask
+
+    B = x.shape[0]
+    if cache is None:
+        past = DynamicCache()
+        mask2d = torch.zeros(B, 0, dtype=torch.int64)
+    else:
+        if not isinstance(cache, HFDecodeCache):
+            raise TypeError(f"hf-llama-decode: cache must be None or the HFDecodeCache it returned, got {type(cache).__name__}")
+        layer = cache.past.layers[0]
+        past = DynamicCache(ddp_cache_data=[(layer.keys, layer.values)])
+        mask2d = cache.attention_mask
+    real = position >= 0  # (B,)
+    mask2d = torch.cat([mask2d, real[:, None].to(torch.int64)], dim=1)  # (B, L + 1)
+    position_ids = torch.where(real, position, torch.zeros_like(position))[:, None]  # (B, 1)
+    mask = create_causal_mask(config=att.config, inputs_embeds=x, attention_mask=mask2d, past_key_values=past,
+                              position_ids=position_ids)
+    if config.rope is None:  # no rotary embedding: the identity rotation
+        cos = torch.ones(B, 1, config.head_size, dtype=x.dtype)
+        emb = (cos, torch.zeros_like(cos))
+    else:
+        emb = rotary(x, position_ids)
+    out, _ = att(x, position_embeddings=emb, attention_mask=mask, past_key_values=past)
+    return out, HFDecodeCache(past, mask2d)
+
+
+def _decode_args(name: str, x_t, position, E: int):
+    """x_t (B, 1, E) floating tensor and position (B,) integer tensor, checked; position as int64 on CPU."""
+    import torch
+
+    if not isinstance(x_t, torch.Tensor) or x_t.ndim != 3 or x_t.shape[1] != 1 or x_t.shape[2] != E:
+        raise ValueError(f"{name}: x_t must be a (B, 1, E={E}) tensor (one token per row), got "
+                         f"{tuple(getattr(x_t, 'shape', ())) or type(x_t).__name__}")
+    if not isinstance(position, torch.Tensor) or position.dtype.is_floating_point or position.dtype == torch.bool:
+        raise TypeError(f"{name}: position must be a (B,) integer tensor, got {getattr(position, 'dtype', type(position).__name__)}")
+    if tuple(position.shape) != (x_t.shape[0],):
+        raise ValueError(f"{name}: position must have shape ({x_t.shape[0]},) (one per row), got {tuple(position.shape)}")
+    return position.detach().cpu().to(torch.int64)
+
+
+def hf_llama_decode(sd, num_heads, *, dtype, device, problem):
+    """transformers LlamaAttention as a decoder: fn(p, x_t, cache, position) -> (out, cache).
+
+    p: the canonical parameters (torch tensors or NumPy arrays), loaded into a LlamaAttention at
+    each call (the step computes with them, on the CPU); cache: None on the first call, then the
+    HFDecodeCache it returned. See hf_llama_decode_step for the mask and positions.
+    """
+    require("transformers")
+    config = problem.config
+    if config.num_heads != num_heads:
+        raise ValueError(f"hf-llama-decode: num_heads={num_heads} but the problem's config has {config.num_heads}")
+
+    def fn(p, x_t, cache, position):
+        import torch
+
+        pos = _decode_args("hf-llama-decode", x_t, position, config.embed_dim)
+        if x_t.dtype != torch_dtype_of(np_dtype(dtype)):
+            raise TypeError(f"hf-llama-decode was built for {dtype}; x_t is {x_t.dtype}")
+        if not isinstance(p, Mapping):
+            raise TypeError(f"hf-llama-decode: p must be the canonical parameters (a mapping), got {type(p).__name__}")
+        params = {k: tensor_to_numpy(v) if hasattr(v, "detach") else np.asarray(v) for k, v in p.items()}
+        att, rotary, _ = _llama_parts(params, config, dtype)
+        with torch.no_grad():
+            out, cache = hf_llama_decode_step(att, rotary, config, _torch_inputs(tensor_to_numpy(x_t), np_dtype(dtype)),
+                                              cache, pos)
+        return out.to(x_t.device), cache
+
+    return fn
+
+
 # ---------------------------------------------------------------- declarations
 
 IMPLEMENTATIONS = (
@@ -428,4 +619,12 @@ IMPLEMENTATIONS = (
                    doc="transformers LlamaAttention (eager) with LlamaRotaryEmbedding, position_ids = the positions; "
                    "additive mask 0 / finfo.min, so empty rows are uniform and their gradient flows; cos/sin and softmax "
                    "in float32 (also for float64); interleaved RoPE via HF's q/k row permutation, absent biases as zeros"),
+    # A decoder's only fully masked rows are its left-padding tokens, whose outputs are not judged: it runs
+    # in every dtype (in float64 such a row is NaN, finfo(float64).min being -inf in the float32 softmax).
+    Implementation("hf-llama-decode", "torch", f"{__name__}:hf_llama_decode", decode=True, masked_rows="uniform",
+                   computes_in="float32", role="peer", bench=False, masked_row_grads="flow", variants=VARIANT_FEATURES,
+                   runs_on=("self/*/*",),
+                   doc="transformers LlamaAttention (eager) decoding one token per call with a DynamicCache "
+                   "(past_key_values), generate's 2D attention mask (left padding 0) turned into the additive mask "
+                   "over the cache by create_causal_mask, position_ids = the positions; cos/sin and softmax in float32"),
 )
