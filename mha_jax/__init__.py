@@ -2,5 +2,7 @@
 
 from mha_jax.attention import MultiHeadAttention, attention_core, fused_attention_core
 from mha_jax.chunked import chunked_attention
+from mha_jax.kv_cache import KVCache, cached_attention
 
-__all__ = ["MultiHeadAttention", "attention_core", "fused_attention_core", "chunked_attention"]
+__all__ = ["MultiHeadAttention", "attention_core", "fused_attention_core", "chunked_attention", "KVCache",
+           "cached_attention"]

@@ -17,7 +17,9 @@ from flax import nnx
 
 from mha_jax.chunked import accumulation_dtype, chunked_attention, fill_masked_rows, fold_scale, keep_4d, mean_over_keys
 from mha_jax import kernels
-from mha_spec import AttentionConfig, Stages, check_mask_values, check_positions, check_qkv_shapes, mask_shape_4d
+from mha_jax.kv_cache import KVCache, cached_attention
+from mha_spec import (AttentionConfig, Stages, check_cache_shapes, check_mask_values, check_positions, check_qkv_shapes,
+                      mask_shape_4d)
 
 # Stages (framework-free, in mha_spec) as a pytree, so return_intermediates works under jit.
 jax.tree_util.register_dataclass(Stages, data_fields=[f.name for f in dataclasses.fields(Stages)], meta_fields=[])
@@ -232,9 +234,10 @@ class MultiHeadAttention(nnx.Module):
     """Multi-head attention in Flax NNX: q/k/v/out projections, optionally grouped, rotary, bias-free.
 
     __call__(query [B, T, E], key [B, S, E], value [B, S, E], mask=None, need_weights=True,
-             *, positions=None, key_positions=None, return_intermediates=False)
+             *, positions=None, key_positions=None, return_intermediates=False, cache=None)
       -> (output [B, T, E], weights [B, N, T, S] or None)
-    With return_intermediates=True: (output, weights, mha_spec.Stages).
+    With return_intermediates=True: (output, weights, mha_spec.Stages); with a cache, the new
+    cache after the weights (below).
 
     Same semantics as `mha_torch.MultiHeadAttention`: keep-mask (0 = masked) of
     dtype bool, int or float and shape [T, S], [B, T, S] or [B|1, N|1, T, S];
@@ -248,6 +251,14 @@ class MultiHeadAttention(nnx.Module):
     means the parameters' dtype. Inputs must have the computation dtype (a mismatch is a
     TypeError, as in torch), and outputs have it. T=0 or B=0 give empty outputs, S=0 is a
     ValueError.
+
+    Decoding (docs/semantics.md, "Decoding with a KV cache"): with `cache=` (a
+    `mha_jax.kv_cache.KVCache` from `init_cache`) the call is self-attention over T new tokens
+    (query, key, value [B, T, E]) against the cache, and returns (output, weights [B, N, T, C]
+    or None, new cache), plus Stages with return_intermediates (k, v, k_rot: the new tokens'
+    [B, K, T, H]). RoPE positions default to `cache.positions(T)`, the slot minus the row's
+    left padding; under jit those are traced, so without jax_enable_x64 their angles are
+    float32 (an angle error up to |angle|·2⁻²⁴, see `rope_cos_sin`); with x64 they are float64.
     """
 
     def __init__(
@@ -322,8 +333,17 @@ class MultiHeadAttention(nnx.Module):
             raise TypeError("float64 needs jax_enable_x64: jax.config.update('jax_enable_x64', True)")
         return shapes + (dtype,)
 
+    def init_cache(self, batch: int, capacity: int, starts=None) -> KVCache:
+        """An empty KVCache (B, C, K, H) for this layer: its K key/value heads, head dim and
+        computation dtype; starts (B,) the left-padding slots of each row (default 0)."""
+        dtype = jnp.dtype(self.dtype or self.q_proj.kernel[...].dtype)
+        return KVCache.empty(batch, capacity, self.num_kv_heads, self.head_dim, dtype=dtype, starts=starts)
+
     def __call__(self, query, key, value, mask=None, need_weights: bool = True, *, positions=None,
-                 key_positions=None, return_intermediates: bool = False):
+                 key_positions=None, return_intermediates: bool = False, cache: KVCache | None = None):
+        if cache is not None:
+            return self._decode(query, key, value, mask, need_weights, positions, key_positions,
+                                return_intermediates, cache)
         B, T, S, dtype = self._check_inputs(query, key, value)
         rope = self.config.rope
         if rope is None and (positions is not None or key_positions is not None):
@@ -356,10 +376,63 @@ class MultiHeadAttention(nnx.Module):
         context = context.reshape(B, T, q.shape[2] * self.head_dim)  # (B, T, N·H), or this device's share
         output = self._project(self.out_proj, context, dtype)  # (B, T, E)
         if return_intermediates:
-            def heads_first(x):  # (B, L, n, H) -> (B, n, L, H), the oracle's layout
-                return None if x is None else jnp.transpose(x, (0, 2, 1, 3))
-
-            rotated = (q, k) if rope is not None else (None, None)
-            return output, weights, Stages(heads_first(q_in), heads_first(k_in), heads_first(v), scores, weights,
-                                           context, output, *(heads_first(x) for x in rotated))
+            return output, weights, _stages(q_in, k_in, v, q, k, rope, scores, weights, context, output)
         return output, weights
+
+    def _decode(self, query, key, value, mask, need_weights, positions, key_positions, return_intermediates,
+                cache):
+        """__call__ with a cache: T new tokens attend the cache after being written into it."""
+        if mask is not None:
+            raise ValueError("mask= with a cache: the cache's rule is the mask (new token i of row b keeps slots "
+                             "starts[b] <= s <= lengths[b] + i)")
+        if key_positions is not None:
+            raise ValueError("key_positions= with a cache: the cached keys are stored rotated at their positions")
+        if not isinstance(cache, KVCache):
+            raise TypeError(f"cache must be a mha_jax.kv_cache.KVCache (see init_cache), got {type(cache).__name__}")
+        B, T, S, dtype = self._check_inputs(query, key, value)
+        if T != S:
+            raise ValueError(f"with a cache, query, key and value are the same new tokens: got query "
+                             f"{tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)} (T != S)")
+        rope = self.config.rope
+        if rope is None and positions is not None:
+            raise ValueError("positions are given but rope=None: they would be ignored")
+        positions = _check_positions(positions, B, T, "positions")
+        query, key, value = (jnp.asarray(x) for x in (query, key, value))
+
+        q_in = self._heads(self.q_proj, query, dtype)  # (B, T, N, H)
+        k_in = self._heads(self.k_proj, key, dtype)  # (B, T, K, H)
+        v = self._heads(self.v_proj, value, dtype)  # (B, T, K, H)
+        check_cache_shapes(cache.k.shape, cache.v.shape, cache.starts.shape, cache.lengths.shape, layout="BCKH",
+                           kv_heads=k_in.shape[2], head_dim=self.head_dim)
+        if cache.k.shape[0] != B:
+            raise ValueError(f"the cache {tuple(cache.k.shape)} (B, C, K, H) holds {cache.k.shape[0]} rows, "
+                             f"the new tokens {tuple(query.shape)} {B}")
+        if jnp.dtype(cache.k.dtype) != dtype:
+            raise TypeError(f"the cache holds {cache.k.dtype} but the module computes in {dtype}")
+        q, k = q_in, k_in
+        if rope is not None:
+            if positions is None:
+                positions = cache.positions(T)  # (B, T): traced under jit
+            acc, theta = accumulation_dtype(dtype), self.config.rope_theta
+            cos, sin = rope_cos_sin(positions, T, self.head_dim, theta, acc)
+            q, k = rotate(q, cos, sin, rope), rotate(k, cos, sin, rope)
+        context, weights, new_cache, scores = cached_attention(
+            q, k, v, cache, masked_rows=self.masked_rows, need_weights=need_weights, precision=self.precision,
+            return_scores=True)
+        context = context.reshape(B, T, q.shape[2] * self.head_dim)  # (B, T, N·H)
+        output = self._project(self.out_proj, context, dtype)  # (B, T, E)
+        if return_intermediates:
+            st = _stages(q_in, k_in, v, q, k, rope, scores, weights, context, output)
+            return output, weights, new_cache, st
+        return output, weights, new_cache
+
+
+def _stages(q_in, k_in, v, q, k, rope, scores, weights, context, output) -> Stages:
+    """The intermediates in the oracle's layouts: heads first, (B, n, L, H)."""
+
+    def heads_first(x):  # (B, L, n, H) -> (B, n, L, H)
+        return None if x is None else jnp.transpose(x, (0, 2, 1, 3))
+
+    rotated = (q, k) if rope is not None else (None, None)
+    return Stages(heads_first(q_in), heads_first(k_in), heads_first(v), scores, weights, context, output,
+                  *(heads_first(x) for x in rotated))

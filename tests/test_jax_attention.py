@@ -10,6 +10,7 @@ tests/test_modules.py.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -24,9 +25,10 @@ import mha_jax.kernels as kernels
 import mha_torch
 from conftest import SIZES, make_inputs, random_keep_mask
 from helpers import assert_close, build, oracle
-from mha_jax import MultiHeadAttention, attention_core, chunked_attention, fused_attention_core
+from mha_jax import KVCache, MultiHeadAttention, attention_core, cached_attention, chunked_attention, fused_attention_core
 from mha_jax.attention import rope_cos_sin
 from parity import convert, reference
+from mha_spec import AttentionConfig
 from parity.tolerances import compare, tolerance_for
 
 # ------------------------------------------------------------- the classic layer (conftest's SIZES)
@@ -417,3 +419,361 @@ class TestRope:
     def test_bad_positions_are_named(self, kwargs, error, match):
         with pytest.raises(error, match=match):
             _positions_call(**kwargs)
+
+
+# ------------------------------------------------------------- decoding with a KV cache
+# B=3 rows with starts [0, 2, 1] (left padding), N=4 query heads on K=2 key/value heads of H=6,
+# a prompt of P=5 and 4 single-token steps into C=11 slots: L=9 tokens, 2 slots left empty.
+# Most checks run the shared jitted step and forward below (one compile per layer, dtype and
+# token count, reused across tests); the eager checks share one layer (EAGER), so each eager
+# primitive compiles once for these shapes.
+
+DB, DN, DK, DH = 3, 4, 2, 6
+DE = DN * DH  # 24
+P, STEPS, CAP = 5, 4, 11
+L = P + STEPS  # 9
+STARTS = np.array([0, 2, 1])
+DTOL = dict(rtol=1e-12, atol=1e-12)
+
+# (num_kv_heads, rope, qkv_bias, out_bias, starts)
+DECODE_VARIANTS = [
+    pytest.param(None, None, True, True, None, id="classic"),
+    pytest.param(DK, None, True, True, STARTS, id="grouped-left-padded"),
+    pytest.param(DK, "half", True, True, STARTS, id="grouped-rope-half"),
+    pytest.param(1, "interleaved", True, True, STARTS, id="mqa-rope-interleaved"),
+    pytest.param(DK, "half", False, False, STARTS, id="rope-half-bias-free"),
+]
+EAGER = (DK, "half")  # the layer of the eager checks
+
+
+@nnx.jit(static_argnames="need_weights")
+def _jit_step(m, xi, cache, need_weights=True):
+    return m(xi, xi, xi, cache=cache, need_weights=need_weights)
+
+
+@nnx.jit(static_argnames="need_weights")
+def _jit_forward(m, x, keep, pos, need_weights=True):
+    return m(x, x, x, keep, need_weights=need_weights, positions=pos, key_positions=pos)
+
+
+def _jitted(need_weights):
+    return lambda m, xi, cache: _jit_step(m, xi, cache, need_weights=need_weights)
+
+
+def _eager(need_weights):
+    return lambda m, xi, cache: m(xi, xi, xi, cache=cache, need_weights=need_weights)
+
+
+def _decode_sd(rng, n_kv, qkv_bias=True, out_bias=True):
+    """Random float64 canonical weights of the decode sizes (biases nonzero, so a dropped one shows)."""
+    cfg = AttentionConfig(DE, DN, num_kv_heads=n_kv, qkv_bias=qkv_bias, out_bias=out_bias)
+    return {name: rng.standard_normal(shape) / math.sqrt(shape[-1]) for name, shape in cfg.weight_shapes().items()}
+
+
+def _decode_module(sd, n_kv, rope, masked_rows="nan", **kw):
+    return convert.to_jax(sd, DN, num_kv_heads=n_kv, rope=rope, rope_theta=THETA, masked_rows=masked_rows, **kw)
+
+
+def _causal_from(starts, length=L):
+    """What decoding equals: keep[b, t, s] = starts[b] <= s <= t (B, L, L), positions t - starts[b] (B, L)."""
+    starts = np.zeros(DB, int) if starts is None else starts
+    t = np.arange(length)
+    keep = (t[None, None, :] >= starts[:, None, None]) & (t[None, None, :] <= t[None, :, None])
+    return keep, t[None, :] - starts[:, None]
+
+
+def _padding_rows(starts, length=L):
+    starts = np.zeros(DB, int) if starts is None else starts
+    return np.arange(length)[None, :] < starts[:, None]  # (B, L)
+
+
+def _full_forward(m, x, starts, need_weights=True, stretch=1):
+    """The module's own jitted forward over all L tokens, causal keep-mask, positions (· stretch)."""
+    keep, pos = _causal_from(starts, x.shape[1])
+    pos = jnp.asarray(pos * stretch) if m.config.rope else None
+    out, w = _jit_forward(m, x, jnp.asarray(keep), pos, need_weights=need_weights)
+    return np.asarray(out), None if w is None else np.asarray(w)
+
+
+def _oracle_decode(sd, x, starts, n_kv, rope, **kw):
+    keep, pos = _causal_from(starts, x.shape[1])
+    pos = pos if rope else None
+    return reference.forward(sd, x, x, x, keep, num_heads=DN, num_kv_heads=n_kv, rope=rope, rope_theta=THETA,
+                             positions=pos, key_positions=pos, **kw)
+
+
+def _run_decode(m, x, starts, step, chunks=(P,) + (1,) * STEPS, capacity=CAP):
+    """Feed x (B, L, E) to a fresh cache in chunks of these lengths; -> (outputs (B, L, E),
+    weights (B, N, L, C) or None, the last cache)."""
+    cache = m.init_cache(x.shape[0], capacity, starts=starts)
+    outs, ws, at = [], [], 0
+    for n in chunks:
+        out, w, cache = step(m, x[:, at:at + n], cache)
+        assert out.shape == (x.shape[0], n, DE)
+        outs.append(np.asarray(out))
+        ws.append(None if w is None else np.asarray(w))
+        at += n
+    assert at == x.shape[1]
+    weights = None if ws[0] is None else np.concatenate(ws, axis=2)
+    return np.concatenate(outs, axis=1), weights, cache
+
+
+class TestDecode:
+    """Prefill + single-token steps against a KVCache equal one causal forward of the same module
+    and the float64 oracle; a jitted step serves every position from one compile; no room; bad calls."""
+
+    def _check(self, got, got_w, want, want_w, ref, starts):
+        np.testing.assert_allclose(got, want, **DTOL)  # NaNs at the same places too
+        np.testing.assert_allclose(got, ref.output, **DTOL)
+        # left-padding rows attend nothing: NaN under the default policy; every other row finite
+        np.testing.assert_array_equal(np.isnan(got).any(axis=-1), _padding_rows(starts))
+        assert not np.isnan(got[~_padding_rows(starts)]).any()
+        if got_w is not None:
+            assert got_w.shape == (DB, DN, L, CAP)
+            np.testing.assert_allclose(got_w[..., :L], want_w, **DTOL)
+            np.testing.assert_allclose(got_w[..., :L], ref.weights, **DTOL)
+            real = ~_padding_rows(starts)  # (B, L)
+            assert (got_w[..., L:].transpose(0, 2, 1, 3)[real] == 0).all()  # the empty slots get no weight
+
+    @pytest.mark.parametrize("need_weights", [True, False], ids=["weights", "fused"])
+    @pytest.mark.parametrize("n_kv, rope, qkv_bias, out_bias, starts", DECODE_VARIANTS)
+    def test_jitted_prefill_and_steps_equal_one_causal_forward(self, n_kv, rope, qkv_bias, out_bias, starts,
+                                                               need_weights):
+        rng = np.random.default_rng(10)
+        sd = _decode_sd(rng, n_kv, qkv_bias, out_bias)
+        m = _decode_module(sd, n_kv, rope)
+        x = rng.standard_normal((DB, L, DE))
+        got, got_w, cache = _run_decode(m, jnp.asarray(x), starts, _jitted(need_weights))
+        want, want_w = _full_forward(m, jnp.asarray(x), starts)
+        self._check(got, got_w if need_weights else None, want, want_w, _oracle_decode(sd, x, starts, n_kv, rope),
+                    starts)
+        assert need_weights or got_w is None
+        np.testing.assert_array_equal(np.asarray(cache.lengths), np.full(DB, L))
+
+    @pytest.mark.parametrize("need_weights", [True, False], ids=["weights", "fused"])
+    def test_eager_prefill_and_steps_equal_one_causal_forward(self, need_weights):
+        rng = np.random.default_rng(10)
+        sd = _decode_sd(rng, *EAGER[:1])
+        m = _decode_module(sd, *EAGER)
+        x = rng.standard_normal((DB, L, DE))
+        got, got_w, _ = _run_decode(m, jnp.asarray(x), STARTS, _eager(need_weights))
+        want, want_w = _full_forward(m, jnp.asarray(x), STARTS)
+        self._check(got, got_w, want, want_w, _oracle_decode(sd, x, STARTS, *EAGER), STARTS)
+        assert need_weights or got_w is None
+
+    def test_prefill_in_chunks_and_a_multi_token_step(self):
+        rng = np.random.default_rng(11)
+        sd = _decode_sd(rng, DK)
+        m = _decode_module(sd, DK, "half")
+        x = jnp.asarray(rng.standard_normal((DB, L, DE)))
+        got, got_w, _ = _run_decode(m, x, STARTS, _jitted(True), chunks=(2, 3, 1, 3))
+        want, want_w = _full_forward(m, x, STARTS)
+        np.testing.assert_allclose(got, want, **DTOL)
+        np.testing.assert_allclose(got_w[..., :L], want_w, **DTOL)
+
+    def test_cache_holds_the_rotated_keys_and_values_of_K_heads(self):
+        rng = np.random.default_rng(12)
+        sd = _decode_sd(rng, DK)
+        m = _decode_module(sd, *EAGER)
+        x = rng.standard_normal((DB, L, DE))
+        _, _, cache = _run_decode(m, jnp.asarray(x), STARTS, _eager(True))
+        ref = _oracle_decode(sd, x, STARTS, *EAGER)
+        assert cache.k.shape == cache.v.shape == (DB, CAP, DK, DH) and cache.k.dtype == jnp.float64
+        np.testing.assert_allclose(np.asarray(cache.k[:, :L]), ref.k_rot.transpose(0, 2, 1, 3), **DTOL)
+        np.testing.assert_allclose(np.asarray(cache.v[:, :L]), ref.v.transpose(0, 2, 1, 3), **DTOL)
+        # not the keys before RoPE: the check above can fail
+        assert np.abs(np.asarray(cache.k[:, 1:L]) - ref.k.transpose(0, 2, 1, 3)[:, 1:]).max() > 1e-2
+        assert (np.asarray(cache.k[:, L:]) == 0).all() and (np.asarray(cache.v[:, L:]) == 0).all()
+        np.testing.assert_array_equal(np.asarray(cache.starts), STARTS)
+        np.testing.assert_array_equal(np.asarray(cache.lengths), np.full(DB, L))
+
+    def test_intermediates_are_the_new_tokens_in_the_oracles_layout(self):
+        rng = np.random.default_rng(13)
+        sd = _decode_sd(rng, DK)
+        m = _decode_module(sd, *EAGER)
+        x = rng.standard_normal((DB, P + 1, DE))
+        _, _, cache = m(x[:, :P], x[:, :P], x[:, :P], cache=m.init_cache(DB, CAP, starts=STARTS))
+        xs = x[:, P:]
+        out, w, cache, st = m(xs, xs, xs, cache=cache, return_intermediates=True)
+        ref = _oracle_decode(sd, x, STARTS, *EAGER)
+        new = slice(P, P + 1)
+        for name in ("q", "q_rot"):  # (B, N, 1, H)
+            np.testing.assert_allclose(np.asarray(getattr(st, name)), getattr(ref, name)[:, :, new], err_msg=name, **DTOL)
+        for name in ("k", "v", "k_rot"):  # (B, K, 1, H): the new token's, K heads
+            assert getattr(st, name).shape == (DB, DK, 1, DH), name
+            np.testing.assert_allclose(np.asarray(getattr(st, name)), getattr(ref, name)[:, :, new], err_msg=name, **DTOL)
+        assert st.scores.shape == st.weights.shape == (DB, DN, 1, CAP)
+        np.testing.assert_allclose(np.asarray(st.scores[..., :P + 1]), ref.scores[:, :, new], **DTOL)
+        assert np.isneginf(np.asarray(st.scores[..., P + 1:])).all()
+        np.testing.assert_allclose(np.asarray(st.context), ref.context[:, new], **DTOL)
+        np.testing.assert_array_equal(np.asarray(st.output), np.asarray(out))
+        np.testing.assert_array_equal(np.asarray(st.weights), np.asarray(w))
+        _, none, _, st = m(xs, xs, xs, cache=cache, need_weights=False, return_intermediates=True)
+        assert none is None and st.scores is None and st.weights is None
+
+    def test_zero_policy_padding_rows_give_the_output_bias(self):
+        rng = np.random.default_rng(14)
+        sd = _decode_sd(rng, DK)
+        m = _decode_module(sd, *EAGER, masked_rows="zero")
+        x = jnp.asarray(rng.standard_normal((DB, L, DE)))
+        got, _, _ = _run_decode(m, x, STARTS, _eager(False))
+        np.testing.assert_allclose(got, _full_forward(m, x, STARTS)[0], **DTOL)
+        pad = _padding_rows(STARTS)
+        np.testing.assert_array_equal(got[pad], np.broadcast_to(sd["out_proj.bias"], got[pad].shape))
+
+    def test_positions_override_the_cache_default(self):
+        rng = np.random.default_rng(15)
+        sd = _decode_sd(rng, DK)
+        m = _decode_module(sd, *EAGER)
+        x = jnp.asarray(rng.standard_normal((DB, L, DE)))
+
+        def step(m, xi, cache):  # stretched, not shifted: RoPE's scores depend on position differences only
+            return m(xi, xi, xi, cache=cache, positions=cache.positions(xi.shape[1]) * 3)
+
+        got, _, _ = _run_decode(m, x, STARTS, step)
+        np.testing.assert_allclose(got, _full_forward(m, x, STARTS, stretch=3)[0], **DTOL)
+        default = _full_forward(m, x, STARTS)[0]
+        real = ~_padding_rows(STARTS)
+        assert np.abs(got[real] - default[real]).max() > 1e-2  # the override is not ignored
+
+    @pytest.mark.parametrize("how, need_weights", [("nnx.jit", True), ("jax.jit-split", False)])
+    def test_one_jitted_step_serves_every_position(self, how, need_weights):
+        """Traces counted by a Python side effect (and jax.jit's own cache size): the prefill (T=5)
+        and the step (T=1) trace once each; the steps at positions 5..8 reuse that compile."""
+        rng = np.random.default_rng(16)
+        m = _decode_module(_decode_sd(rng, DK), DK, "interleaved")
+        x = jnp.asarray(rng.standard_normal((DB, L, DE)))
+        traces = []
+        if how == "nnx.jit":
+            @nnx.jit
+            def call(m, xi, cache):
+                traces.append(xi.shape[1])
+                return m(xi, xi, xi, cache=cache, need_weights=need_weights)
+        else:
+            graphdef, state = nnx.split(m)
+
+            @jax.jit
+            def pure(state, xi, cache):
+                traces.append(xi.shape[1])
+                return nnx.merge(graphdef, state)(xi, xi, xi, cache=cache, need_weights=need_weights)
+
+            def call(m, xi, cache):
+                return pure(state, xi, cache)
+
+        got, got_w, cache = _run_decode(m, x, STARTS, call)
+        assert traces == [P, 1]
+        if how != "nnx.jit":
+            assert pure._cache_size() == 2
+        want, want_w = _full_forward(m, x, STARTS)
+        np.testing.assert_allclose(got, want, **DTOL)
+        if need_weights:
+            np.testing.assert_allclose(got_w[..., :L], want_w, **DTOL)
+        np.testing.assert_array_equal(np.asarray(cache.lengths), np.full(DB, L))
+
+    def _nearly_full(self, m, x):
+        """A prefilled cache whose rows hold 9, 11 and 10 of 11 slots: row 1 has no room for a token."""
+        _, _, cache = m(x[:, :P], x[:, :P], x[:, :P], cache=m.init_cache(DB, CAP, starts=STARTS))
+        return dataclasses.replace(cache, lengths=jnp.asarray([9, 11, 10], jnp.int32))
+
+    def test_no_room_is_a_value_error_where_the_lengths_are_known(self):
+        rng = np.random.default_rng(17)
+        m = _decode_module(_decode_sd(rng, DK), *EAGER)
+        x = jnp.asarray(rng.standard_normal((DB, P + 1, DE)))
+        cache = self._nearly_full(m, x)
+        xs = x[:, P:]
+        with pytest.raises(ValueError, match=r"holds 11 slots per row; rows \[1\] with lengths \[11\] "
+                                             r"have no room for 1 more tokens"):
+            m(xs, xs, xs, cache=cache)
+
+    @pytest.mark.parametrize("need_weights", [True, False], ids=["weights", "fused"])
+    def test_no_room_under_jit_gives_a_nan_row_and_leaves_it_unwritten(self, need_weights):
+        """Row 1 has no room: NaN output (and weights), its cache row unchanged; rows 0 and 2 are
+        what the same step gives with row 1 shortened so that it fits."""
+        rng = np.random.default_rng(19)
+        m = _decode_module(_decode_sd(rng, DK), *EAGER)
+        x = jnp.asarray(rng.standard_normal((DB, P + 1, DE)))
+        cache = self._nearly_full(m, x)
+        xs = x[:, P:]
+        out, w, new = _jit_step(m, xs, cache, need_weights=need_weights)
+        out = np.asarray(out)
+        assert np.isnan(out[1]).all() and np.isfinite(out[[0, 2]]).all()
+        if need_weights:
+            w = np.asarray(w)
+            assert np.isnan(w[1]).all() and np.isfinite(w[[0, 2]]).all()
+        for name in ("k", "v"):
+            np.testing.assert_array_equal(np.asarray(getattr(new, name))[1], np.asarray(getattr(cache, name))[1])
+        np.testing.assert_array_equal(np.asarray(new.lengths), [10, 11, 11])
+        fitting = dataclasses.replace(cache, lengths=jnp.asarray([9, 7, 10], jnp.int32))
+        want, _, want_cache = _jit_step(m, xs, fitting, need_weights=need_weights)
+        np.testing.assert_array_equal(out[[0, 2]], np.asarray(want)[[0, 2]])
+        np.testing.assert_array_equal(np.asarray(new.k)[[0, 2]], np.asarray(want_cache.k)[[0, 2]])
+        assert (np.asarray(new.k)[[0, 2]] != np.asarray(cache.k)[[0, 2]]).any()  # rows 0 and 2 were written
+
+    @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+    def test_low_precision_decoding_equals_the_forward(self, dtype):
+        """Same module and dtype, decoding vs one forward: the scores and sums run over C slots
+        instead of L keys (the extra ones masked). Measured worst differences here (outputs up to
+        2.9): float32 4.8e-7 (bound: the float32 forward entry, 1e-6 + 1e-5·|x|); bfloat16 with
+        float32 parameters 0.0078 on the fused path, one bfloat16 ulp of an entry in [1, 2), 0 on
+        the weights path (bound: 2·2⁻⁸·max|output| = 0.023, 2⁻⁸ being bfloat16's unit roundoff)."""
+        rng = np.random.default_rng(20)
+        sd = {k: v.astype(np.float32) for k, v in _decode_sd(rng, DK).items()}
+        m = _decode_module(sd, DK, "half", dtype=jnp.dtype(dtype))
+        x = jnp.asarray(rng.standard_normal((DB, L, DE)), dtype)
+        want = _full_forward(m, x, STARTS)[0]
+        assert m.init_cache(DB, CAP).k.dtype == dtype
+        for need_weights in (True, False):
+            got, _, cache = _run_decode(m, x, STARTS, _jitted(need_weights))
+            assert cache.k.dtype == got.dtype == want.dtype == dtype
+            g, w = got.astype(np.float64), want.astype(np.float64)
+            np.testing.assert_array_equal(np.isnan(g), np.isnan(w))
+            if dtype == "float32":
+                np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+            else:
+                assert np.nanmax(np.abs(g - w)) <= 2 * 2.0 ** -8 * np.nanmax(np.abs(w))
+
+    def test_float32_jitted_without_x64_matches_the_oracle(self):
+        """Without x64 the jitted step's positions (the cache's, traced) take float32 angles, an
+        angle error up to |angle|·2⁻²⁴; at positions < 9 the output stays within the float32 entry
+        of the tolerance table against the float64 oracle."""
+        rng = np.random.default_rng(21)
+        sd = _decode_sd(rng, DK)
+        x = rng.standard_normal((DB, L, DE))
+        with jax.enable_x64(False):
+            m = _decode_module({k: v.astype(np.float32) for k, v in sd.items()}, DK, "half")
+            got, _, _ = _run_decode(m, jnp.asarray(x, jnp.float32), STARTS, _jitted(False))
+        assert got.dtype == np.float32
+        c = compare(got, _oracle_decode(sd, x.astype(np.float32), STARTS, DK, "half").output,
+                    tolerance_for("float32").forward)
+        assert c.passed, c
+
+    def test_bad_calls_are_named(self):
+        m = _decode_module(_decode_sd(np.random.default_rng(22), DK), *EAGER)
+        x = jnp.zeros((DB, 2, DE))
+        cache = m.init_cache(DB, CAP)
+        with pytest.raises(ValueError, match="mask= with a cache"):
+            m(x, x, x, np.ones((2, 2), bool), cache=cache)
+        with pytest.raises(ValueError, match="key_positions= with a cache"):
+            m(x, x, x, key_positions=np.arange(2), cache=cache)
+        y = jnp.zeros((DB, 3, DE))
+        with pytest.raises(ValueError, match=r"same new tokens: got query \(3, 2, 24\), key \(3, 3, 24\)"):
+            m(x, y, y, cache=cache)
+        with pytest.raises(TypeError, match="the cache holds float32 but the module computes in float64"):
+            m(x, x, x, cache=KVCache.empty(DB, CAP, DK, DH, dtype=jnp.float32))
+        with pytest.raises(ValueError, match=r"cache keys \(3, 11, 4, 6\) \(BCKH\) have K=4 heads of H=6; the layer has K=2"):
+            m(x, x, x, cache=KVCache.empty(DB, CAP, DN, DH, dtype=jnp.float64))
+        with pytest.raises(ValueError, match=r"holds 2 rows, the new tokens \(3, 2, 24\) 3"):
+            m(x, x, x, cache=m.init_cache(2, CAP))
+        with pytest.raises(TypeError, match="cache must be a mha_jax.kv_cache.KVCache"):
+            m(x, x, x, cache=(cache.k, cache.v))
+        with pytest.raises(ValueError, match=r"positions must have shape \(2,\) or \(3, 2\), got \(3,\)"):
+            m(x, x, x, positions=np.arange(3), cache=cache)
+        plain = _decode_module(_decode_sd(np.random.default_rng(22), DK), DK, None)
+        with pytest.raises(ValueError, match="rope=None"):
+            plain(x, x, x, positions=np.arange(2), cache=cache)
+        with pytest.raises(ValueError, match=r"q \(3, 2, 4, 6\) .* the cache \(3, 11, 4, 6\)"):
+            cached_attention(jnp.zeros((DB, 2, DN, DH)), jnp.zeros((DB, 2, DK, DH)), jnp.zeros((DB, 2, DK, DH)),
+                             KVCache.empty(DB, CAP, DN, DH, dtype=jnp.float64))
+        with pytest.raises(TypeError, match="new keys have dtype float32, the cache holds float64"):
+            cached_attention(jnp.zeros((DB, 2, DN, DH)), jnp.zeros((DB, 2, DK, DH), jnp.float32),
+                             jnp.zeros((DB, 2, DK, DH)), cache)
