@@ -17,8 +17,8 @@ from flax import nnx
 
 from mha_jax.chunked import accumulation_dtype, chunked_attention, fill_masked_rows, fold_scale, keep_4d, mean_over_keys
 from mha_jax import kernels
-from mha_jax.kv_cache import KVCache, cached_attention
-from mha_spec import (AttentionConfig, Stages, check_cache_shapes, check_mask_values, check_positions, check_qkv_shapes,
+from mha_jax.kv_cache import KVCache
+from mha_spec import (MASKED_ROWS_POLICIES, AttentionConfig, Stages, check_cache_shapes, check_mask_values, check_positions, check_qkv_shapes,
                       mask_shape_4d)
 
 # Stages (framework-free, in mha_spec) as a pytree, so return_intermediates works under jit.
@@ -172,6 +172,54 @@ def fused_attention_core(q, k, v, keep=None, *, masked_rows="nan", precision=Non
         mean_v = jnp.repeat(mean_over_keys(v), G, axis=2) if G > 1 else mean_over_keys(v)  # (B, 1, N, H)
         context = fill_masked_rows(context, row_any, masked_rows, mean_v)
     return context
+
+
+def cached_attention(q, k_new, v_new, cache: KVCache, *, masked_rows: str = "nan", need_weights: bool = False,
+                     precision=None, return_scores: bool = False):
+    """Attention of T new tokens over a cache that they are written into first.
+
+    q (B, T, N, H), k_new and v_new (B, T, K, H) (keys already rotated), cache holding
+    (B, C, K, H) with K dividing N, all of one dtype. New token i of row b is written to slot
+    lengths[b] + i and attends the slots starts[b] <= s <= lengths[b] + i of the written cache.
+    Returns (context (B, T, N, H), weights (B, N, T, C) or None, new_cache); with return_scores
+    also the scaled scores (B, N, T, C), -inf where masked (None on the fused path).
+    need_weights=True runs `attention_core`, False `fused_attention_core` (whichever kernel it
+    picks). A row without room is a ValueError where the lengths are known; under jit its
+    context, weights and scores are NaN and the new cache leaves it as it was.
+    """
+    if not isinstance(cache, KVCache):
+        raise TypeError(f"cache must be a mha_jax.kv_cache.KVCache, got {type(cache).__name__}")
+    if masked_rows not in MASKED_ROWS_POLICIES:
+        raise ValueError(f"masked_rows={masked_rows!r} is not one of {MASKED_ROWS_POLICIES}")
+    qs, ks, vs, cs = (tuple(x.shape) for x in (q, k_new, v_new, cache.k))
+    if (len(qs) != 4 or ks != vs or len(ks) != 4 or ks[:2] != qs[:2] or ks[3] != qs[3]
+            or (ks[0], ks[2], ks[3]) != (cs[0], cs[2], cs[3]) or ks[2] == 0 or qs[2] % ks[2]):
+        raise ValueError(f"q {qs} (B, T, N, H), new keys {ks} and values {vs} (B, T, K, H) and the cache {cs} "
+                         f"(B, C, K, H) do not fit together (K must divide N)")
+    for name, x in (("q", q), ("new keys", k_new), ("new values", v_new)):
+        if x.dtype != cache.k.dtype:
+            raise TypeError(f"{name} have dtype {x.dtype}, the cache holds {cache.k.dtype}")
+    T = qs[1]
+    fits = cache.fits(T)  # (B,); a ValueError here where the lengths are known
+    keep = cache.keep_mask(T)  # (B, 1, T, C): the old lengths say where the new tokens go
+    new_cache = cache.write(k_new, v_new)
+    kw = {"masked_rows": masked_rows, "precision": precision}
+    weights = scores = None
+    if need_weights:
+        context, weights, scores = attention_core(q, new_cache.k, new_cache.v, keep, return_scores=True, **kw)
+    elif T == 0:  # no queries: nothing for any fused kernel to do
+        context = jnp.zeros(qs, q.dtype)
+    else:
+        context = fused_attention_core(q, new_cache.k, new_cache.v, keep, **kw)
+
+    # A row without room was not written: its numbers would be about the wrong slots.
+    def nan_where_full(x):  # x (B, ...)
+        return None if x is None else jnp.where(fits.reshape((-1,) + (1,) * (x.ndim - 1)), x, jnp.nan)
+
+    context, weights, scores = (nan_where_full(x) for x in (context, weights, scores))
+    if return_scores:
+        return context, weights, new_cache, scores
+    return context, weights, new_cache
 
 
 def _check_positions(pos, batch: int, length: int, name: str):

@@ -12,10 +12,9 @@ for the new tokens is an error where the lengths are known (outside jit); under 
 left unwritten and `fits` says so (the module returns NaN on that row: never a silent
 overwrite, which dynamic_update_slice's clamped index would be).
 
-`cached_attention` is the pure core on head tensors; `mha_jax.MultiHeadAttention(..., cache=)`
-projects, rotates and calls it. Import direction: `mha_jax.attention` imports this module at
-its top; the cores this module calls come from `mha_jax.attention` inside `cached_attention`
-(at call time, when both modules are loaded), so neither import is a cycle.
+The attention over a cache, `mha_jax.attention.cached_attention` (the pure core on head
+tensors, exported as `mha_jax.cached_attention`), writes into it; this module holds the cache
+alone and imports nothing of the attention.
 
 Internal layout BTNH (legend in `mha_spec`): B batch, C capacity (slots), K key/value heads,
 H head dim, T new tokens.
@@ -29,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mha_spec import MASKED_ROWS_POLICIES, check_cache_shapes
+from mha_spec import check_cache_shapes
 
 
 def _row_ints(x, batch: int, name: str):
@@ -135,52 +134,3 @@ class KVCache:
         return KVCache(jnp.where(keep_old, self.k, k), jnp.where(keep_old, self.v, v), self.starts,
                        jnp.where(fits, self.lengths + T, self.lengths))
 
-
-def cached_attention(q, k_new, v_new, cache: KVCache, *, masked_rows: str = "nan", need_weights: bool = False,
-                     precision=None, return_scores: bool = False):
-    """Attention of T new tokens over a cache that they are written into first.
-
-    q (B, T, N, H), k_new and v_new (B, T, K, H) (keys already rotated), cache holding
-    (B, C, K, H) with K dividing N, all of one dtype. New token i of row b is written to slot
-    lengths[b] + i and attends the slots starts[b] <= s <= lengths[b] + i of the written cache.
-    Returns (context (B, T, N, H), weights (B, N, T, C) or None, new_cache); with return_scores
-    also the scaled scores (B, N, T, C), -inf where masked (None on the fused path).
-    need_weights=True runs `attention_core`, False `fused_attention_core` (whichever kernel it
-    picks). A row without room is a ValueError where the lengths are known; under jit its
-    context, weights and scores are NaN and the new cache leaves it as it was.
-    """
-    from mha_jax.attention import attention_core, fused_attention_core
-
-    if not isinstance(cache, KVCache):
-        raise TypeError(f"cache must be a mha_jax.kv_cache.KVCache, got {type(cache).__name__}")
-    if masked_rows not in MASKED_ROWS_POLICIES:
-        raise ValueError(f"masked_rows={masked_rows!r} is not one of {MASKED_ROWS_POLICIES}")
-    qs, ks, vs, cs = (tuple(x.shape) for x in (q, k_new, v_new, cache.k))
-    if (len(qs) != 4 or ks != vs or len(ks) != 4 or ks[:2] != qs[:2] or ks[3] != qs[3]
-            or (ks[0], ks[2], ks[3]) != (cs[0], cs[2], cs[3]) or ks[2] == 0 or qs[2] % ks[2]):
-        raise ValueError(f"q {qs} (B, T, N, H), new keys {ks} and values {vs} (B, T, K, H) and the cache {cs} "
-                         f"(B, C, K, H) do not fit together (K must divide N)")
-    for name, x in (("q", q), ("new keys", k_new), ("new values", v_new)):
-        if x.dtype != cache.k.dtype:
-            raise TypeError(f"{name} have dtype {x.dtype}, the cache holds {cache.k.dtype}")
-    T = qs[1]
-    fits = cache.fits(T)  # (B,); a ValueError here where the lengths are known
-    keep = cache.keep_mask(T)  # (B, 1, T, C): the old lengths say where the new tokens go
-    new_cache = cache.write(k_new, v_new)
-    kw = {"masked_rows": masked_rows, "precision": precision}
-    weights = scores = None
-    if need_weights:
-        context, weights, scores = attention_core(q, new_cache.k, new_cache.v, keep, return_scores=True, **kw)
-    elif T == 0:  # no queries: nothing for any fused kernel to do
-        context = jnp.zeros(qs, q.dtype)
-    else:
-        context = fused_attention_core(q, new_cache.k, new_cache.v, keep, **kw)
-
-    # A row without room was not written: its numbers would be about the wrong slots.
-    def nan_where_full(x):  # x (B, ...)
-        return None if x is None else jnp.where(fits.reshape((-1,) + (1,) * (x.ndim - 1)), x, jnp.nan)
-
-    context, weights, scores = (nan_where_full(x) for x in (context, weights, scores))
-    if return_scores:
-        return context, weights, new_cache, scores
-    return context, weights, new_cache
