@@ -405,3 +405,81 @@ def decode(sd, x, *, starts=None, prefill: int, num_heads: int, masked_rows: str
         all_weights.append(weights)
     output = np.concatenate(outputs, axis=1) if outputs else np.zeros((B, 0, E))
     return Decoded(output, k_cache, v_cache, starts, np.full(B, L, np.int64), tuple(all_scores), tuple(all_weights))
+
+
+ALIGNMENTS = ("top-left", "bottom-right")
+
+
+def window_sides(window) -> tuple[int | None, int | None]:
+    """window None | w | (left, right) -> (left, right), each a non-negative int or None (unbounded)."""
+    if window is None:
+        return None, None
+    if isinstance(window, (int, np.integer)) and not isinstance(window, bool):
+        window = (int(window), int(window))
+    if not (isinstance(window, (tuple, list)) and len(window) == 2):
+        raise TypeError(f"window must be None, an int or a (left, right) pair, got {window!r}")
+    sides = []
+    for name, w in zip(("left", "right"), window):
+        if w is not None and (isinstance(w, bool) or not isinstance(w, (int, np.integer)) or w < 0):
+            raise ValueError(f"window {name} must be a non-negative int or None, got {w!r}")
+        sides.append(None if w is None else int(w))
+    return sides[0], sides[1]
+
+
+def structured_keep(T: int, S: int, *, is_causal: bool = False, window=None, segment_ids=None,
+                    key_segment_ids=None, alignment: str = "top-left") -> np.ndarray | None:
+    """The keep-mask the structured keywords stand for (docs/semantics.md, "Packed sequences,
+    sliding windows and causal alignment"): bool (B|1, 1, T, S), or None when none is given.
+
+    Query t sits at key position a(t) = t (top-left) or t + S - T (bottom-right); is_causal keeps
+    s <= a(t); window (left, right) keeps a(t) - left <= s <= a(t) + right; segment_ids (B, T)
+    and key_segment_ids (B, S) keep equal ids (key_segment_ids defaults to segment_ids when T = S).
+    """
+    if alignment not in ALIGNMENTS:
+        raise ValueError(f"alignment={alignment!r} is not one of {ALIGNMENTS}")
+    left, right = window_sides(window)
+    keep = None
+    a = np.arange(T)[:, None] + (S - T if alignment == "bottom-right" else 0)  # (T, 1)
+    s = np.arange(S)[None, :]  # (1, S)
+    if is_causal:
+        keep = s <= a
+    if left is not None or right is not None:
+        inside = np.ones((T, S), bool)
+        if left is not None:
+            inside &= s >= a - left
+        if right is not None:
+            inside &= s <= a + right
+        keep = inside if keep is None else keep & inside
+    keep = None if keep is None else keep[None, None]  # (1, 1, T, S)
+    if segment_ids is None and key_segment_ids is not None:
+        raise ValueError("key_segment_ids without segment_ids: pass the queries' segment ids too")
+    if segment_ids is not None:
+        q_seg = np.asarray(segment_ids)
+        if key_segment_ids is None:
+            if T != S:
+                raise ValueError(f"segment_ids {q_seg.shape} with T={T} != S={S}: pass key_segment_ids (B, S) too")
+            key_segment_ids = q_seg
+        k_seg = np.asarray(key_segment_ids)
+        for name, x, L in (("segment_ids", q_seg, T), ("key_segment_ids", k_seg, S)):
+            if x.ndim != 2 or x.shape[1] != L or not np.issubdtype(x.dtype, np.integer):
+                raise ValueError(f"{name} must be integers of shape (B, {L}), got {x.dtype} {x.shape}")
+        if q_seg.shape[0] != k_seg.shape[0]:
+            raise ValueError(f"segment_ids {q_seg.shape} and key_segment_ids {k_seg.shape} have different batches")
+        same = (q_seg[:, None, :, None] == k_seg[:, None, None, :])  # (B, 1, T, S)
+        keep = same if keep is None else keep & same
+    return keep
+
+
+def segment_positions(segment_ids) -> np.ndarray:
+    """(B, L) int64 positions that restart at 0 with each document: the index of a token among the
+    earlier tokens of its row with the same segment id, counted from the segment's first token
+    (a segment is a run of equal ids)."""
+    seg = np.asarray(segment_ids)
+    if seg.ndim != 2 or not np.issubdtype(seg.dtype, np.integer):
+        raise ValueError(f"segment_ids must be integers of shape (B, L), got {seg.dtype} {seg.shape}")
+    B, L = seg.shape
+    idx = np.broadcast_to(np.arange(L), (B, L))
+    starts = np.ones((B, L), bool)
+    starts[:, 1:] = seg[:, 1:] != seg[:, :-1]
+    first = np.maximum.accumulate(np.where(starts, idx, 0), axis=1)  # (B, L): where each run began
+    return (idx - first).astype(np.int64)
