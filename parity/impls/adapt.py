@@ -51,8 +51,16 @@ def renamer(layout: str, framework: str):
 
 
 def to_contract(impl, fn):
-    """fn as the harness calls it (see the module docstring); `fn.intermediates` and `fn.vjp` likewise."""
+    """fn as the harness calls it (see the module docstring); `fn.intermediates` and `fn.vjp` likewise.
+    A decoder (decode=True) is called fn(p, x_t, cache, position) whatever its `inputs`: only its
+    parameters are renamed."""
     rename = renamer(impl.names, impl.framework) if impl.names is not None else (lambda p: p)
+    if impl.decode:
+        @functools.wraps(fn)
+        def step(params, x_t, cache, position):
+            return fn(rename(params), x_t, cache, position)
+
+        return step
 
     def call(f):
         @functools.wraps(f)

@@ -20,8 +20,8 @@ from flax import nnx
 
 from parity import convert
 from parity.impls.registry import Implementation, layer_kwargs, mask_for
-from parity.impls.validate import check_result, stages_dict
-from parity.peers.common import linear_leaves, merged
+from parity.impls.validate import ImplementationError, check_decoder_signature, check_result, check_step, stages_dict
+from parity.peers.common import MissingPackage, linear_leaves, merged
 
 # ---------------------------------------------------------------- factories
 
@@ -50,6 +50,39 @@ def _ours(sd, num_heads, *, dtype, device, masked_rows, need_weights, problem=No
 
 ours_weights = functools.partial(_ours, need_weights=True)
 ours_fused = functools.partial(_ours, need_weights=False)
+
+
+class OursDecoder:
+    """Our JAX module decoding with its KV cache under ONE jax.jit: `empty` makes the cache, `call` runs
+    T new tokens. The cache is a pytree of fixed shapes whose lengths are data, so every single-token
+    step after the first reuses one compiled program; `traces` records each trace's T (a retrace of
+    the step shows there). NumPy in, NumPy out, the cache as the module returns it."""
+
+    framework = "jax"
+
+    def __init__(self, impl: Implementation, module, params: dict, device):
+        self.impl, self.module, self.params, self.device = impl, module, params, device
+        self.traces: list[int] = []
+        graphdef, state = nnx.split(module)
+        need_weights = impl.returns_weights
+
+        def step(params, cache, x):
+            self.traces.append(x.shape[1])  # runs once per trace
+            m = merged(graphdef, state, {p: linear_leaves(params, p) for p in convert.PROJECTIONS})
+            out, _, new, stages = m(x, x, x, cache=cache, need_weights=need_weights, return_intermediates=True)
+            return out, new, stages_dict(impl, stages)
+
+        self._step = jax.jit(step)
+
+    def empty(self, batch: int, capacity: int, starts):
+        with jax.default_device(self.device):
+            return self.module.init_cache(batch, capacity, starts=np.asarray(starts, np.int32))
+
+    def call(self, cache, x):
+        """x (B, T, E) NumPy -> (output (B, T, E), {stage: array}, the new cache)."""
+        with jax.default_device(self.device):
+            out, new, stages = self._step(self.params, cache, jax.device_put(np.asarray(x), self.device))
+        return np.asarray(out), {n: np.asarray(a) for n, a in stages.items()}, new
 
 
 # ---------------------------------------------------------------- running any implementation
@@ -188,6 +221,37 @@ class JaxRunner:
         with jax.default_device(self.device):
             got = self._call(b, fn, b.params, xs, mask)
         return {n: np.asarray(t) for n, t in stages_dict(b.impl, got).items()}
+
+    def decoder(self, impl: Implementation, sd: dict, num_heads: int, masked_rows: str, problem=None) -> OursDecoder:
+        """Our module (impl: "jax-jit" or "jax-fused", whose returns_weights picks the path) as a jitted decoder."""
+        layer = layer_kwargs(sd, num_heads, problem)
+        with jax.default_device(self.device):
+            module = convert.to_jax(sd, num_heads, masked_rows=masked_rows, **layer)
+        return OursDecoder(impl, module, {k: self.a(v) for k, v in sd.items()}, self.device)
+
+    def decode_tokens(self, b: Built, x, positions) -> np.ndarray:
+        """A decoder (decode=True) fed x (B, L, E) one token per call, with position (B,) int32 (-1: left
+        padding) and its own cache (None at first; mode "jit": the call under jax.jit): the outputs
+        stacked (B, L, E). A call that raises or returns what the protocol does not allow is an
+        ImplementationError naming the token."""
+        check_decoder_signature(b.impl, b.fn)
+        fn = jax.jit(b.fn) if b.impl.mode == "jit" else b.fn
+        B, L, E = x.shape
+        cache, outs = None, []
+        with jax.default_device(self.device):
+            for t in range(L):
+                xt = self.a(np.ascontiguousarray(x[:, t:t + 1]))
+                pos = self.a(np.asarray(positions[:, t], np.int32))
+                try:
+                    result = fn(b.params, xt, cache, pos) if b.impl.uses_params else fn(xt, cache, pos)
+                    out, cache = check_step(b.impl, result, jax.Array, B, E, b.dtype)
+                except MissingPackage:
+                    raise
+                except Exception as e:
+                    raise ImplementationError(f"{b.impl.name}, token {t} of {L} (position {positions[:, t].tolist()}): "
+                                              f"{type(e).__name__}: {e}") from e
+                outs.append(np.asarray(out))
+        return np.concatenate(outs, axis=1)
 
     def train(self, b: Built, optimizer: str, hp: dict, steps: int, query, key, value, keep, target):
         """`steps` of optax on mean((output - target)²); (losses, final parameters as NumPy)."""

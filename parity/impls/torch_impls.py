@@ -17,7 +17,8 @@ from torch.func import functional_call
 
 from parity import convert
 from parity.impls.registry import Implementation, layer_kwargs, mask_for
-from parity.impls.validate import check_result, stages_dict
+from parity.impls.validate import ImplementationError, check_decoder_signature, check_result, check_step, stages_dict
+from parity.peers.common import MissingPackage
 
 # ---------------------------------------------------------------- factories
 
@@ -42,6 +43,32 @@ def _ours(sd, num_heads, *, dtype, device, masked_rows, need_weights, problem=No
 
 ours_weights = functools.partial(_ours, need_weights=True)
 ours_fused = functools.partial(_ours, need_weights=False)
+
+
+class OursDecoder:
+    """Our torch module decoding with its KV cache (eager): `empty` makes the cache, `call` runs T new tokens.
+
+    NumPy in, NumPy out, the cache as the module returns it (mha_torch.kv_cache.KVCache)."""
+
+    framework = "torch"
+
+    def __init__(self, impl: Implementation, module, device):
+        self.impl, self.module, self.device = impl, module, device
+        self.need_weights = impl.returns_weights
+
+    def empty(self, batch: int, capacity: int, starts):
+        return self.module.init_cache(batch, capacity, starts=torch.as_tensor(np.asarray(starts), dtype=torch.int64,
+                                                                              device=self.device))
+
+    def call(self, cache, x):
+        """x (B, T, E) NumPy -> (output (B, T, E), {stage: array} with the new tokens' q..k_rot and the
+        scores/weights over the cache's slots, the new cache)."""
+        xt = convert.numpy_to_tensor(np.asarray(x), self.device)
+        with torch.no_grad():
+            out, _, new, stages = self.module(xt, xt, xt, cache=cache, need_weights=self.need_weights,
+                                              return_intermediates=True)
+        return (convert.tensor_to_numpy(out),
+                {n: convert.tensor_to_numpy(t) for n, t in stages_dict(self.impl, stages).items()}, new)
 
 
 # ---------------------------------------------------------------- running any implementation
@@ -162,6 +189,34 @@ class TorchRunner:
             got = self._call(b, xs, mask, fn, params=params)
         self._record_changes(b, "intermediates", xs, params, query, key, value)
         return {n: convert.tensor_to_numpy(t) for n, t in stages_dict(b.impl, got).items()}
+
+    def decoder(self, impl: Implementation, sd: dict, num_heads: int, masked_rows: str, problem=None) -> OursDecoder:
+        """Our module (impl: "torch" or "torch-fused", whose returns_weights picks the path) as a decoder."""
+        layer = layer_kwargs(sd, num_heads, problem)
+        return OursDecoder(impl, convert.to_torch(sd, num_heads, masked_rows=masked_rows, **layer).to(self.device),
+                           self.device)
+
+    def decode_tokens(self, b: Built, x, positions) -> np.ndarray:
+        """A decoder (decode=True) fed x (B, L, E) one token per call, with position (B,) int64 (-1: left
+        padding) and its own cache (None at first): the outputs stacked (B, L, E). A call that raises or
+        returns what the protocol does not allow is an ImplementationError naming the token."""
+        check_decoder_signature(b.impl, b.fn)
+        B, L, E = x.shape
+        cache, outs = None, []
+        with torch.no_grad():
+            for t in range(L):
+                xt = self.t(np.ascontiguousarray(x[:, t:t + 1]))
+                pos = torch.as_tensor(np.asarray(positions[:, t], np.int64), device=self.device)
+                try:
+                    result = b.fn(b.params, xt, cache, pos) if b.impl.uses_params else b.fn(xt, cache, pos)
+                    out, cache = check_step(b.impl, result, torch.Tensor, B, E, b.dtype)
+                except MissingPackage:
+                    raise
+                except Exception as e:
+                    raise ImplementationError(f"{b.impl.name}, token {t} of {L} (position {positions[:, t].tolist()}): "
+                                              f"{type(e).__name__}: {e}") from e
+                outs.append(convert.tensor_to_numpy(out))
+        return np.concatenate(outs, axis=1)
 
     def train(self, b: Built, optimizer: str, hp: dict, steps: int, query, key, value, keep, target):
         """`steps` of torch.optim on mean((output - target)²); (losses, final parameters as NumPy)."""

@@ -48,3 +48,32 @@ def stages_dict(impl, got) -> dict:
     if not isinstance(got, Mapping):
         raise ImplementationError(f"{impl.name}: intermediates returned {type(got).__name__}, expected a dict of stages")
     return {k: v for k, v in got.items() if v is not None}
+
+
+def check_decoder_signature(impl, fn) -> None:
+    """ImplementationError unless fn can be called as the decode protocol calls it:
+    fn(p, x_t, cache, position), or fn(x_t, cache, position) with uses_params=False."""
+    import inspect
+
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin or an extension object: its first call says
+        return
+    args = (None, None, None, None) if impl.uses_params else (None, None, None)
+    try:
+        sig.bind(*args)
+    except TypeError as e:
+        call = "fn(p, x_t, cache, position)" if impl.uses_params else "fn(x_t, cache, position) (uses_params=False)"
+        raise ImplementationError(f"{impl.name} declares decode=True: it is called {call} -> (out, cache), "
+                                  f"but its fn{sig} cannot be ({e})") from None
+
+
+def check_step(impl, result, array_type, B: int, E: int, dtype):
+    """(out, cache) from a decoder's result, out (B, 1, E) of the framework in the inputs' dtype;
+    ImplementationError naming `impl` and the problem otherwise."""
+    if not isinstance(result, (tuple, list)) or len(result) != 2:
+        what = f"a {type(result).__name__} of {len(result)} items" if isinstance(result, (tuple, list)) else type(result).__name__
+        raise ImplementationError(f"{impl.name} (a decoder) returned {what}; expected (out, cache)")
+    out, cache = result
+    _check_array(impl, "output", out, array_type, (B, 1, E), dtype)
+    return out, cache
