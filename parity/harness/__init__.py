@@ -4,10 +4,12 @@
     report = run(quick=True, json_path="parity.json")
     report.ok  # something was checked, nothing failed or errored
     run(cases="modern")  # grouped/multi-query heads, RoPE, bias-free projections
+    run(checks=("decode",))  # prefill + decode steps with a KV cache, vs one causal forward
 
 The command line is `mha-parity` (parity.cli). Modules: `matrix` (cases and inputs),
 `checks` (forward, gradient, training, peers, divergence) on the implementations of
-`parity.impls`, `judge` (the comparison), `report` (rows and renderings), `plot`
+`parity.impls`, `decode` (a prompt and single-token steps with a KV cache),
+`judge` (the comparison), `report` (rows and renderings), `plot`
 (the margin picture), `runner` (`run`).
 """
 

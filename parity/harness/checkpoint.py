@@ -1,4 +1,4 @@
-"""`mha-parity --checkpoint`: the forward, gradient and peers checks on a layer someone holds.
+"""`mha-parity --checkpoint`: the forward, gradient, peers and decode checks on a layer someone holds.
 
     mha-parity --checkpoint DIR_OR_FILE --layout hf-llama --prefix model.layers.3.self_attn. [--shape B,T,S]
 
@@ -15,9 +15,13 @@ value are one sequence when T == S; with T < S the T queries are the newest of S
 aligned; with RoPE the queries' positions are the last T of the keys'). Two cases, the
 masks a decoder sees:
 
-    checkpoint/causal/nan        causal (no row is fully masked, so the policy never shows)
+    checkpoint/causal/nan        causal (no row is fully masked, so the policy never shows); with
+                                 T == S also the decode check's case (a prompt, then single-token
+                                 steps with a KV cache: `parity.harness.decode`)
     checkpoint/padding/uniform   padded keys, one sequence all padding: its rows are fully
                                  masked, and "uniform" is what Hugging Face's finfo.min mask gives
+    checkpoint-decode/causal/nan with T < S and the decode check selected: its case, causal
+                                 self-attention over the S tokens
 
 Every case draws its inputs and RoPE positions as the matrix does (seeded by the case name),
 the query positions then taken from the key positions (`DecoderCase`); only the weights are
@@ -38,7 +42,7 @@ from parity.harness.matrix import Case, Inputs, Shape, draw_inputs
 from parity.impls.registry import LoadError
 
 DEFAULT_SHAPE = (2, 5, 5)
-CHECKS = ("forward", "gradient", "peers")  # training and sharded check our modules on drawn layers
+CHECKS = ("forward", "gradient", "peers", "decode")  # training and sharded check our modules on drawn layers
 DTYPES_DEFAULT = ("float64", "float32")  # --dtypes picks others (bfloat16, float16)
 MASKS = (("causal", "nan"), ("padding", "uniform"))  # (mask kind, masked-row policy): see the module docstring
 _FILE_FLAGS = ("heads", "kv_heads", "rope_theta")  # the dests of the single-file flags (--heads, --kv-heads, --rope-theta)
@@ -150,13 +154,19 @@ class DecoderCase(Case):
         return dataclasses.replace(x, positions=x.key_positions[:, self.shape.S - self.shape.T:].copy())
 
 
-def cases(config: AttentionConfig, B: int, T: int, S: int, redraw: tuple = ()) -> tuple[Case, ...]:
+def cases(config: AttentionConfig, B: int, T: int, S: int, redraw: tuple = (), decode: bool = False) -> tuple[Case, ...]:
     """The checkpoint's cases at B, T, S (see the module docstring); with `redraw` (constant
-    tensors), also "checkpoint-redrawn/causal/nan": the file's weights with those tensors drawn."""
+    tensors), also "checkpoint-redrawn/causal/nan": the file's weights with those tensors drawn.
+    decode: the decode check is selected (with T < S it gets a case of its own; with T == S the causal
+    case is its case either way)."""
     if T > S:
         raise ValueError(f"--shape {B},{T},{S}: a decoder's queries are the newest of its tokens, so T <= S; got T > S")
     shape = Shape.of("checkpoint", Problem(config, B, T, S), cross=T != S)
-    out = tuple(DecoderCase(shape, mask, policy, peers=True, jax_eager=False) for mask, policy in MASKS)
+    out = tuple(DecoderCase(shape, mask, policy, peers=True, jax_eager=False, decode=mask == "causal" and T == S and S > 1)
+                for mask, policy in MASKS)
+    if decode and T < S:
+        own = Shape.of("checkpoint-decode", Problem(config, B, S, S), cross=False)
+        out += (DecoderCase(own, "causal", "nan", jax_eager=False, decode=True),)
     if redraw:
         redrawn = Shape.of("checkpoint-redrawn", Problem(config, B, T, S), cross=T != S)
         out += (DecoderCase(redrawn, *MASKS[0], jax_eager=False, redraw=tuple(redraw)),)
@@ -183,7 +193,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--checkpoint", metavar="DIR_OR_FILE", default=None,
                    help="check one attention block of a checkpoint: a transformers directory (config.json + "
                    "model.safetensors or its sharded index) or one .safetensors file; runs forward, gradient and peers "
-                   "on a causal and a padded case (default dtypes float64,float32)")
+                   "on a causal and a padded case, and decode (a prompt, then single-token steps with a KV cache) "
+                   "(default dtypes float64,float32)")
     g.add_argument("--layout", default="hf-llama", metavar="NAME",
                    help=f"how the checkpoint names the block's tensors ({', '.join(LAYOUTS)}; default %(default)s)")
     g.add_argument("--prefix", default="", metavar="PREFIX", help="the block's key prefix, e.g. model.layers.3.self_attn.")
@@ -235,7 +246,8 @@ def run_kwargs(args) -> dict:
     B, T, S = args.shape or DEFAULT_SHAPE
     constant = constant_tensors(layer.state_dict)
     try:
-        chosen = cases(layer.config, B, T, S, redraw=constant)
+        checks = args.checks if args.checks is not None else CHECKS
+        chosen = cases(layer.config, B, T, S, redraw=constant, decode="decode" in checks)
     except ValueError as e:
         raise LoadError(str(e)) from e
     environment = dict(layer.environment)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import traceback
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -21,7 +20,8 @@ from parity.canonical import CANONICAL_KEYS
 from parity.devices import device_label
 from parity.harness.judge import NOTHING_COMPARED, judge, judge_grads, nan_note, status
 from parity.harness.matrix import Case, Inputs
-from parity.harness.report import Row
+from parity.harness.decode import check_decode
+from parity.harness.report import Row, error_row
 from parity.impls import Implementation, builtin, mask_for
 from parity.peers.common import MissingPackage
 from parity.tolerances import TOLERANCES, Comparison, errors, gradient_floors, reduction_floors
@@ -69,6 +69,8 @@ class Unit:
     _grads: dict = field(default_factory=dict)
     _built: dict = field(default_factory=dict)
     _terms: dict = field(default_factory=dict)
+    _decoders: dict = field(default_factory=dict)
+    decode_oracles: dict = field(default_factory=dict)  # policy -> the decode check's oracles (parity.harness.decode)
     results: dict = field(default_factory=dict)  # (check, impl name) -> what it returned: for check_pairs
 
     @property
@@ -195,6 +197,15 @@ class Unit:
                                                        positions)
         return self._built[key]
 
+    def decoder(self, impl: Implementation, policy: str):
+        """Our module of `impl` as a decoder (the decode check), built once per unit: a JAX one keeps its
+        compiled prompt and step for every run of the unit."""
+        key = (impl.name, policy)
+        if key not in self._decoders:
+            sd = {k: v.copy() for k, v in self.x.state_dict.items()}
+            self._decoders[key] = self.runner(impl).decoder(impl, sd, self.case.shape.N, policy, self.problem(policy))
+        return self._decoders[key]
+
     def inputs(self):
         return self.x.query, self.x.key, self.x.value, self.x.keep
 
@@ -230,12 +241,6 @@ class Unit:
                 kw["message"] = (kw.get("message", "") + f"; {cmp.nan_mismatch} NaN-placement mismatches").strip("; ")
         device = device_label(self.runner(impl).device)
         return Row(self.case.name, check, impl.name, ref, self.dtype, device, st, quantity, **nums, **kw)
-
-
-def _error_row(unit: Unit, check: str, impl: Implementation, ref: str, exc: BaseException) -> Row:
-    last = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
-    where = f" (at {last[0].filename.rsplit('/', 1)[-1]}:{last[0].lineno})" if last else ""
-    return unit.row(check, impl, ref, "error", message=f"{type(exc).__name__}: {exc}"[:500] + where)
 
 
 # ---------------------------------------------------------------- divergence
@@ -294,6 +299,8 @@ def _skip_reason(unit: Unit, impl: Implementation, check: str) -> str | None:
     why = unit.unsupported(impl)
     if why:
         return why
+    if impl.decode:
+        return f"{impl.name} is a decoder (decode=True): the decode check judges it, one token per call"
     if impl.role == "ours" and impl.framework == "jax" and impl.mode == "eager":
         if check == "gradient":
             return EAGER_JAX_GRAD_SKIP
@@ -368,7 +375,7 @@ def _forward_vs_torch(unit: Unit, impl: Implementation, policy: str, got: dict) 
     try:
         base = _torch_reference(unit, policy, "forward")
     except Exception as e:
-        return [_error_row(unit, "forward", impl, ref, e)]
+        return [error_row(unit, "forward", impl, ref, e)]
     exact, low = unit.oracle(policy)
     rows = []
     for q, a in got.items():
@@ -406,7 +413,7 @@ def check_forward(unit: Unit, impls) -> list[Row]:
         try:
             out, w = unit.runner(impl).forward(unit.built(impl, policy), *unit.inputs())
         except Exception as e:
-            rows.append(_error_row(unit, "forward", impl, "oracle", e))
+            rows.append(error_row(unit, "forward", impl, "oracle", e))
             continue
         rows += _changed_rows(unit, impl, "forward", policy)
         unit.results[("forward", impl.name)] = {"output": out, "weights": w}
@@ -514,7 +521,7 @@ def check_gradient(unit: Unit, impls) -> list[Row]:
         try:
             out, w, got = unit.runner(impl).vjp(unit.built(impl, policy), *unit.inputs(), unit.x.cotangent)
         except Exception as e:
-            rows.append(_error_row(unit, "gradient", impl, "oracle", e))
+            rows.append(error_row(unit, "gradient", impl, "oracle", e))
             continue
         if impl.inputs == "self":
             got, expected, yard_err = one_input(got), one_input(expected), one_input(yard_err)
@@ -546,7 +553,7 @@ def check_gradient(unit: Unit, impls) -> list[Row]:
             try:
                 base = _torch_reference(unit, policy, "gradient")
             except Exception as e:
-                rows.append(_error_row(unit, "gradient", impl, ref, e))
+                rows.append(error_row(unit, "gradient", impl, ref, e))
                 continue
             if impl.inputs == "self":
                 base = one_input(base)
@@ -577,7 +584,7 @@ def check_training(unit: Unit) -> list[Row]:
             j_loss, j_sd = unit.runners["jax"].train(unit.built(jax_impl, policy), opt, hp, TRAIN_STEPS,
                                                      *unit.inputs(), x.target)
         except Exception as e:
-            rows.append(_error_row(unit, "training", name, ref, e))
+            rows.append(error_row(unit, "training", name, ref, e))
             continue
         c = judge(j_loss, t_loss, unit.tol.forward)
         rows.append(unit.row("training", name, ref, status(c), "loss", c, message=f"{TRAIN_STEPS} steps, final loss {t_loss[-1]:.6g}"))
@@ -597,6 +604,8 @@ def check_training(unit: Unit) -> list[Row]:
 def check_peers(unit: Unit, peers) -> list[Row]:
     rows = []
     for peer in peers:
+        if peer.decode:  # a decoder: the decode check runs it
+            continue
         why = unit.unsupported(peer)
         if why:
             rows.append(unit.row("peers", peer, "oracle", "skip", message=why))
@@ -617,7 +626,7 @@ def check_peers(unit: Unit, peers) -> list[Row]:
             rows.append(unit.row("peers", peer, "oracle", "skip", message=f"{peer.name} not run: {e}"))
             continue
         except Exception as e:
-            rows.append(_error_row(unit, "peers", peer, "oracle", e))
+            rows.append(error_row(unit, "peers", peer, "oracle", e))
             continue
         for q, a, mine in (("output", out, ours[0]), ("weights", w, ours[1])):
             if a is None:
@@ -638,7 +647,7 @@ def check_peers(unit: Unit, peers) -> list[Row]:
                 else:
                     rows += _peer_autodiff_rows(unit, peer, policy, TOLERANCES[effective], note)
             except Exception as e:
-                rows.append(_error_row(unit, "peers", peer, "oracle", e))
+                rows.append(error_row(unit, "peers", peer, "oracle", e))
     return rows
 
 
@@ -725,6 +734,8 @@ def check_pairs(unit: Unit, impls) -> list[Row]:
 
 def run_unit(unit: Unit, impls, peers) -> list[Row]:
     rows = []
+    if "decode" in unit.checks and unit.case.decode:
+        rows += check_decode(unit, impls, peers)
     if "forward" in unit.checks:
         rows += check_forward(unit, impls)
     if "gradient" in unit.checks:
@@ -737,4 +748,4 @@ def run_unit(unit: Unit, impls, peers) -> list[Row]:
     return rows
 
 
-__all__ = ["Unit", "run_unit", "divergence", "check_forward", "check_gradient", "check_training", "check_peers"]
+__all__ = ["Unit", "run_unit", "divergence", "error_row", "check_forward", "check_gradient", "check_training", "check_peers"]

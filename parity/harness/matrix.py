@@ -23,7 +23,9 @@ from mha_spec import MASK_KINDS, MASKED_ROWS_POLICIES, AttentionConfig, Problem
 from parity import draw
 from parity.dtypes import DTYPES
 
-CHECKS = ("forward", "gradient", "training", "peers", "sharded")  # sharded: with devices >= 2 (parity.sharded)
+# decode: prefill + single-token steps with a KV cache, on the cases marked decode=True (parity.harness.decode);
+# sharded: with devices >= 2 (parity.sharded)
+CHECKS = ("forward", "gradient", "training", "peers", "decode", "sharded")
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,7 @@ class Case:
     train: bool = False  # the training check is slow, so only some cases run it
     peers: bool = False  # so are the peers (five more layers), so they run where they say most
     jax_eager: bool = True  # eager jax compiles every op per new shape: ~1 s a (shape, dtype)
+    decode: bool = False  # the decode check runs it too: self-attention, causal (parity.harness.decode)
     dtypes: tuple = DTYPES  # the dtypes this case runs in (intersected with the run's)
     redraw: tuple = ()  # with fixed weights (a checkpoint's): these tensors are the case's own draw instead
     name: str = field(default="", compare=False)
@@ -107,6 +110,10 @@ class Case:
             raise ValueError(f"mask {self.mask!r} is not one of {MASK_KINDS}")
         if self.masked_rows not in MASKED_ROWS_POLICIES:
             raise ValueError(f"masked_rows {self.masked_rows!r} is not one of {MASKED_ROWS_POLICIES}")
+        if self.decode and (self.shape.cross or self.mask != "causal" or self.shape.T < 2):
+            raise ValueError(f"case {self.name or self.shape.name}: a decode case is causal self-attention over at least "
+                             f"2 tokens (a prompt and a step), got cross={self.shape.cross}, mask={self.mask!r}, "
+                             f"T={self.shape.T}")
         if not self.name:
             object.__setattr__(self, "name", f"{self.shape.name}/{self.mask}/{self.masked_rows}")
 
@@ -155,6 +162,24 @@ VARIANT_SHAPES = {
     )
 }
 
+# Decoding with a KV cache (the decode check, `parity.harness.decode`): causal self-attention over T
+# tokens, run as a prompt of T - 3 tokens in one call and 3 single-token steps, the rows left-padded
+# by 0, 2, 1, ... tokens. Sizes small and distinct from the other shapes'; no RoPE base is 10000.
+DECODE_SHAPES = {
+    s.name: s
+    for s in (
+        # Llama's layer (grouped heads, rotate-half RoPE, no biases): the default decode case
+        Shape("decode-llama", B=3, T=7, S=7, E=24, N=4, cross=False, num_kv_heads=2, qkv_bias=False, out_bias=False,
+              rope="half", rope_theta=500.0),
+        Shape("decode-classic", B=2, T=6, S=6, E=12, N=3, cross=False),
+        Shape("decode-gqa", B=2, T=6, S=6, E=18, N=6, cross=False, num_kv_heads=2),  # H=3
+        Shape("decode-rope-half", B=3, T=6, S=6, E=16, N=2, cross=False, rope="half", rope_theta=1e6),  # H=8
+        Shape("decode-rope-interleaved", B=2, T=7, S=7, E=20, N=2, cross=False, rope="interleaved",
+              rope_theta=500.0),  # H=10
+        Shape("decode-no-bias", B=3, T=5, S=5, E=15, N=5, cross=False, qkv_bias=False, out_bias=False),  # H=3
+    )
+}
+
 _WIDE = ("float64", "float32")
 
 
@@ -168,7 +193,8 @@ def default_matrix() -> tuple[Case, ...]:
     base and the large shape (where 16-bit error grows), and eager JAX (the same
     program as jit, op by op) on the base shape. Of the variants: the Llama layer
     (grouped heads, rotate-half RoPE at base 500000, no biases: every stage a port can
-    get wrong) and multi-query heads, in float32.
+    get wrong) and multi-query heads, in float32. One decode case (`decode=True`): a
+    Llama layer of its own sizes, a prompt and decode steps with a KV cache, in float64 and float32.
     """
     base = SHAPES["self"]
     return (
@@ -183,6 +209,7 @@ def default_matrix() -> tuple[Case, ...]:
         Case(SHAPES["t>s"], "causal", "zero", jax_eager=False, dtypes=_WIDE),  # the first rows see no key
         Case(SHAPES["large"], "random", "uniform", jax_eager=False),
         *_DEFAULT_VARIANT_CASES,
+        _DEFAULT_DECODE_CASE,
     )
 
 
@@ -191,6 +218,20 @@ _DEFAULT_VARIANT_CASES = (
     Case(_V["llama"], "causal", "nan", jax_eager=False, dtypes=("float32",)),
     Case(_V["mqa"], "random", "uniform", jax_eager=False, dtypes=("float32",)),
 )
+_D = DECODE_SHAPES
+_DEFAULT_DECODE_CASE = Case(_D["decode-llama"], "causal", "nan", jax_eager=False, decode=True, dtypes=_WIDE)
+# Each decode case's JAX runs compile two programs per path and dtype (the prompt, one step): the modern
+# set runs every layer in float32, the 16-bit dtypes on one of them. The policies differ: the prompt's
+# left-padding queries attend nothing.
+_DECODE_CASES = (
+    _DEFAULT_DECODE_CASE,
+    Case(_D["decode-classic"], "causal", "zero", jax_eager=False, decode=True, dtypes=_WIDE),
+    Case(_D["decode-gqa"], "causal", "uniform", jax_eager=False, decode=True, dtypes=("float32",)),
+    Case(_D["decode-rope-half"], "causal", "nan", jax_eager=False, decode=True,
+         dtypes=("float32", "bfloat16", "float16")),
+    Case(_D["decode-rope-interleaved"], "causal", "zero", jax_eager=False, decode=True, dtypes=_WIDE),
+    Case(_D["decode-no-bias"], "causal", "uniform", jax_eager=False, decode=True, dtypes=("float32",)),
+)
 
 
 def modern_matrix() -> tuple[Case, ...]:
@@ -198,7 +239,8 @@ def modern_matrix() -> tuple[Case, ...]:
     policy among them, float64 and float32, and the Llama layer also in bfloat16, with peers and
     the training check; includes the default matrix's variant cases. Both RoPE conventions run
     cross-attention with T < S (key positions apart from the query positions) and no RoPE layer
-    has the base 10000 (`VARIANT_SHAPES`)."""
+    has the base 10000 (`VARIANT_SHAPES`). The decode cases (`DECODE_SHAPES`): the default one, the
+    classic layer, grouped heads, each RoPE convention and a layer without biases."""
     return (
         *_DEFAULT_VARIANT_CASES,
         Case(_V["gqa"], "random", "zero", peers=True, jax_eager=False, dtypes=_WIDE),
@@ -209,6 +251,7 @@ def modern_matrix() -> tuple[Case, ...]:
         Case(_V["no-out-bias"], "random", "nan", jax_eager=False, dtypes=_WIDE),
         Case(_V["llama"], "padding", "uniform", train=True, peers=True, jax_eager=False,
              dtypes=("float64", "float32", "bfloat16")),
+        *_DECODE_CASES,
     )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import traceback
 from dataclasses import asdict, dataclass, field
 
 STATUSES = ("pass", "fail", "error", "skip")
@@ -14,13 +15,13 @@ class Row:
     """One result: one quantity of one implementation against one reference."""
 
     case: str
-    check: str  # forward | gradient | training | peers
+    check: str  # forward | gradient | training | peers | decode
     impl: str
     reference: str  # "oracle" (float64 NumPy) or another implementation's name
     dtype: str
     device: str
     status: str  # pass | fail | error | skip
-    quantity: str = ""  # output, weights, d_inputs, d_params, loss, params
+    quantity: str = ""  # output, weights, d_inputs, d_params, loss, params; decode: prefill, step 1, ...
     max_abs_err: float | None = None
     max_rel_err: float | None = None
     atol: float | None = None
@@ -31,6 +32,14 @@ class Row:
     def __post_init__(self):
         if self.status not in STATUSES:
             raise ValueError(f"status {self.status!r} is not one of {STATUSES}")
+
+
+def error_row(unit, check: str, impl, ref: str, exc: BaseException) -> Row:
+    """The row of a call that raised: `unit.row` (parity.harness.checks.Unit) with status "error", the
+    exception's type and message and where it was raised."""
+    last = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
+    where = f" (at {last[0].filename.rsplit('/', 1)[-1]}:{last[0].lineno})" if last else ""
+    return unit.row(check, impl, ref, "error", message=f"{type(exc).__name__}: {exc}"[:500] + where)
 
 
 @dataclass
@@ -213,13 +222,14 @@ def verdict_lines(report: Report) -> list[tuple[str, str]]:
             out.append(("bold red", f"{impl.name}: nothing was checked{tail}"))
             continue
         bad = [r for r in ran if r.status in ("fail", "error")]
-        checks = [c for c in ("forward", "gradient", "peers", "training") if any(r.check == c for r in ran)]
+        checks = [c for c in ("forward", "gradient", "decode", "peers", "training") if any(r.check == c for r in ran)]
         dtypes = [d for d in ("float64", "float32", "bfloat16", "float16") if any(r.dtype == d for r in ran)]
         at = ""
         if impl.computes_in is not None and any(impl.judged_at(d) != d for d in dtypes):
             at = f" ({', '.join(d for d in dtypes if impl.judged_at(d) != d)} at the {impl.computes_in} bound: computes_in)"
         if not bad:
-            what = " and ".join({"forward": "forward", "gradient": "gradients"}.get(c, c) for c in checks)
+            what = " and ".join({"forward": "forward", "gradient": "gradients", "decode": "decode steps"}.get(c, c)
+                                for c in checks)
             verb = "matches" if checks == ["forward"] else "match"
             out.append(("green", f"{impl.name}: {what} {verb} the float64 oracle within {', '.join(dtypes)} bounds{at} "
                                  f"on {len(cases)} case{'s' if len(cases) != 1 else ''}{tail}"))

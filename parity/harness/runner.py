@@ -23,7 +23,13 @@ from parity.harness.report import Report, Row, to_json, to_markdown
 from parity.impls import Implementation, select
 
 
-USER_CHECKS = ("forward", "gradient")  # the checks that run a user's implementation (the others run ours and the peers)
+USER_CHECKS = ("forward", "gradient", "decode")  # the checks that run a user's implementation (the others run ours and the peers)
+
+
+def checks_of(impl: Implementation) -> tuple[str, ...]:
+    """The checks that run one implementation of the user's: a decoder's is the decode check, the others'
+    forward and gradient."""
+    return ("decode",) if impl.decode else ("forward", "gradient")
 
 
 def select_impls(impls=None, compile: bool = False) -> tuple[Implementation, ...]:
@@ -222,15 +228,19 @@ def _plan(cases, case_filter, dtypes, checks, impls, device, quick, compile, pat
         cases += own_cases([i for i in chosen if i.role == "user"], cases, dtypes, quick, whole=not case_filter)
     units = tuple((c, d) for c in cases for d in dtypes if d in c.dtypes)
     peers = tuple(p for p in select("peer") if p.harness)
-    user = [i.name for i in chosen if i.role == "user"]
-    if user and not set(USER_CHECKS) & set(checks):
-        raise ValueError(f"{', '.join(user)}: no selected check runs a user implementation (--checks "
-                         f"{','.join(checks)}); the checks that run it: {', '.join(USER_CHECKS)}")
+    idle = [i for i in chosen if i.role == "user" and not set(checks_of(i)) & set(checks)]
+    if idle:
+        raise ValueError(f"{', '.join(i.name for i in idle)}: no selected check runs "
+                         f"{'it' if len(idle) == 1 else 'them'} (--checks {','.join(checks)}); the checks that run "
+                         + "; ".join(f"{i.name}: {', '.join(checks_of(i))}" for i in idle)
+                         + " (a decoder, decode=True, runs in the decode check only)")
     return RunPlan(cases, dtypes, checks, chosen, peers, units, resolve_device(device), named)
 
 
 def _runs_in(impl: Implementation, case: Case, dtypes) -> set:
-    """The dtypes (of `dtypes`) in which `impl` runs `case`, by its own declarations."""
+    """The dtypes (of `dtypes`) in which `impl` runs `case`, by its own declarations (a decoder: decode cases only)."""
+    if impl.decode and not case.decode:
+        return set()
     return {d for d in dtypes if d in case.dtypes
             and impl.unsupported(d, case.config, cross=case.shape.cross, mask=case.mask) is None}
 
@@ -242,9 +252,15 @@ def own_cases(users, cases, dtypes, quick: bool, whole: bool) -> tuple[Case, ...
     it runs (or, for the default or quick set, `whole`, none it runs in every dtype it declares),
     its own layer's cases are added at the sizes of the selection's first case
     (self-attention for a one-input layer): quick, one causal case; else causal, padding and random
-    masks in every dtype it declares (`matrix.layer_cases`)."""
+    masks in every dtype it declares (`matrix.layer_cases`). A decoder (decode=True) gets one decode
+    case of its layer, causal self-attention named "<your name>-decode/causal/nan", when the selection
+    holds none it runs."""
     out, names = [], {c.name for c in cases}
     for impl in users:
+        if impl.decode:
+            out += [c for c in _decoder_cases(impl, cases, dtypes, quick, whole) if c.name not in names]
+            names |= {c.name for c in out}
+            continue
         if not impl.requires and impl.inputs == "qkv":  # the classic layer: every set holds its cases
             continue
         wanted = set(dtypes) & set(impl.dtypes or DTYPES)
@@ -261,6 +277,21 @@ def own_cases(users, cases, dtypes, quick: bool, whole: bool) -> tuple[Case, ...
                 names.add(c.name)
                 out.append(c)
     return tuple(out)
+
+
+def _decoder_cases(impl: Implementation, cases, dtypes, quick: bool, whole: bool) -> tuple[Case, ...]:
+    """A decoder's own decode case (see `own_cases`), or () when the selection holds one it runs."""
+    wanted = set(dtypes) & set(impl.dtypes or DTYPES)
+    ran = set().union(*(_runs_in(impl, c, dtypes) for c in cases)) if cases else set()
+    if not wanted or (ran >= wanted if whole else ran):
+        return ()
+    like = next((c for c in cases if not c.shape.cross), cases[0]) if cases else None
+    if quick and like is not None:
+        wanted &= set(like.dtypes)
+    shape = declared_shape(f"{impl.name}-decode", impl.requires, like.shape if like else SHAPES["self"],
+                           self_attention=True)
+    return (Case(shape, "causal", "nan", jax_eager=False, decode=True,
+                 dtypes=tuple(d for d in DTYPES if d in wanted)),)
 
 
 def _loop(report, p: RunPlan, seed, runners, on_progress, should_stop, state_dict=None) -> None:
@@ -318,7 +349,7 @@ def coverage(rows, cases, dtypes, checks, impls, device: str) -> list[Row]:
             runs_in = sorted({x for c in cases for x in c.dtypes}, key=DTYPES.index)
             out.append(Row("*", "*", "*", "*", d, device, "skip",
                            message=f"nothing ran in {d}: the selected cases run in {', '.join(runs_in)}"))
-    flag = {"training": "train", "peers": "peers"}
+    flag = {"training": "train", "peers": "peers", "decode": "decode"}
     for ch in checks:
         if any(r.check == ch for r in ran):
             continue
@@ -331,7 +362,7 @@ def coverage(rows, cases, dtypes, checks, impls, device: str) -> list[Row]:
         else:
             reason = "no selected implementation, case and dtype ran it"
         out.append(Row("*", ch, "*", "*", "*", device, "skip", message=f"nothing ran for {ch}: {reason}"))
-    for impl in impls if {"forward", "gradient"} & set(checks or CHECKS) else ():
+    for impl in impls if set(USER_CHECKS) & set(checks or CHECKS) else ():
         if not any(r.impl == impl.name for r in ran):
             out.append(Row("*", "*", impl.name, "*", "*", device, "skip",
                            message=f"nothing ran for {impl.name} (see its skip rows, or the dtype/check selection)"))
