@@ -33,6 +33,13 @@ before any row, each for a reason that no timing can overrule:
 
 A processor with no rows of its device kind (any GPU or TPU so far) takes "einsum" below
 the guard and "chunked" with DEFAULT_BLOCKS above it.
+
+The choice sees whether there is a mask (`has_mask`, for cuDNN's even-length rule), not how much
+of it is kept: the rows were measured without a mask. Only "chunked" skips the blocks a mask
+leaves empty (`chunked.block_census`); every CPU row picks it, so on a CPU a sliding-window or
+packed mask runs it at every size. Where "einsum", "dpa-xla" or "dpa-cudnn" win (a GPU without
+rows below the guard, 16-bit on CUDA) a sparse mask is computed densely; no masked timing exists
+yet to key the choice on.
 """
 
 from __future__ import annotations

@@ -373,3 +373,162 @@ def test_never_builds_the_score_tensor(with_grad):
     # and the check can fail: the materialised core does build it
     plain = jax.make_jaxpr(lambda q: attention_core(q, q, q)[0].sum())(q).jaxpr
     assert _largest_intermediate(plain) >= Bq * Nh * L * L
+
+
+class TestBlockSkipping:
+    """The blocks a causal sliding window or packed causal documents rule out are EMPTY, and an EMPTY
+    block runs no matmul: `block_census` (the kernel's own summary) against counts derived here by hand
+    from block indices, the matmuls that run counted at run time, and the kernel's output and gradients
+    with those masks against the materialised core."""
+
+    T, W, C, D = 256, 32, 32, 4  # sequence, window (keys, itself included), block, documents per row
+
+    @staticmethod
+    def window_keep(T, w):
+        """Mistral's sliding window of w keys: is_causal with window (w - 1, 0), (1, 1, T, T)."""
+        return reference.structured_keep(T, T, is_causal=True, window=(w - 1, 0))
+
+    @staticmethod
+    def packed_keep(T, D):
+        """D equal causal documents in one row, (1, 1, T, T)."""
+        seg = np.repeat(np.arange(D), T // D)[None]  # (1, T)
+        return reference.structured_keep(T, T, is_causal=True, segment_ids=seg)
+
+    def test_a_sliding_window_leaves_the_diagonal_and_the_block_below_it(self):
+        # Blocks of c = w rows and keys: query block i (rows ci .. ci+c-1) keeps keys t-w+1 .. t. Key block
+        # i (the diagonal) holds s = t: PARTIAL (the keys above it are masked). Key block i-1: row ci keeps
+        # s = ci-w+1 .. ci-1, inside it, but row ci+c-1 drops its first key: PARTIAL. Key block i-2: its last
+        # key ci-w-1 < ci-w+1, the first key any row keeps: EMPTY, as every block further left and every
+        # block above the diagonal. So n diagonal blocks + (n - 1) below, none FULL.
+        n = self.T // self.C
+        got = chunked.block_census(self.window_keep(self.T, self.W), 1, 2, self.T, self.T, self.C, self.C)
+        assert got == {"empty": n * n - (2 * n - 1), "full": 0, "partial": 2 * n - 1}
+
+    def test_a_sliding_window_with_half_sized_blocks_has_full_blocks_too(self):
+        # c = w/2: key block i-1 is FULL (the largest t - s in it is (ci + c - 1) - (ci - c) = w - 1: kept);
+        # key block i-2 is PARTIAL (row ci keeps s >= ci - w + 1 = c(i-2) + 1, row ci+c-1 none of it);
+        # key block i-3 ends at ci - w - 1: EMPTY. Rows i = 0, 1 lack the blocks left of column 0.
+        c = self.W // 2
+        n = self.T // c
+        got = chunked.block_census(self.window_keep(self.T, self.W), 1, 2, self.T, self.T, c, c)
+        assert got == {"empty": n * n - (3 * n - 3), "full": n - 1, "partial": n + (n - 2)}
+
+    def test_packed_causal_documents_leave_the_blocks_of_each_document_on_or_below_its_diagonal(self):
+        # Documents of L = T/D = 64 tokens, m = L/c = 2 blocks each, aligned to the blocks. Within a
+        # document: the m diagonal blocks PARTIAL (causal), the m(m-1)/2 below FULL; every block that
+        # mixes two documents, or lies above a diagonal, EMPTY.
+        n, m = self.T // self.C, self.T // self.D // self.C
+        got = chunked.block_census(self.packed_keep(self.T, self.D), 1, 2, self.T, self.T, self.C, self.C)
+        full, partial = self.D * m * (m - 1) // 2, self.D * m
+        assert got == {"empty": n * n - full - partial, "full": full, "partial": partial}
+
+    def test_a_block_is_empty_only_where_every_batch_row_keeps_nothing(self):
+        # Row 0 packs 4 documents (2 blocks each), row 1 two (4 blocks each). Row 0's non-empty blocks lie
+        # inside row 1's, so the union is row 1's: 2 documents x (4 + 3 + 2 + 1) = 20 blocks. FULL needs
+        # FULL in both rows: row 0's 4 (its below-diagonal block per document, FULL in row 1 too).
+        seg = np.stack([np.repeat(np.arange(4), 64), np.repeat(np.arange(2), 128)])  # (2, T)
+        keep = reference.structured_keep(self.T, self.T, is_causal=True, segment_ids=seg)  # (2, 1, T, T)
+        got = chunked.block_census(keep, 2, 2, self.T, self.T, self.C, self.C)
+        assert got == {"empty": 64 - 20, "full": 4, "partial": 20 - 4}
+
+    def test_grouped_heads_stack_their_rows_so_the_count_is_per_group(self):
+        # N = 4 query heads on K = 2 key/value heads: G = 2 copies of the T rows stacked per key/value head,
+        # each aligned to the blocks (T is a multiple of c): twice the ungrouped grid's blocks of each kind.
+        keep = self.window_keep(self.T, self.W)
+        one = chunked.block_census(keep, 1, 2, self.T, self.T, self.C, self.C)
+        assert chunked.block_census(keep, 1, 4, self.T, self.T, self.C, self.C, kv_heads=2) == {
+            k: 2 * v for k, v in one.items()}
+
+    def test_the_non_empty_fraction_shrinks_as_w_over_t(self):
+        # n = T/c blocks per axis with c = w: 2n - 1 of n² blocks run, about 2·w/T, halving as T doubles.
+        fractions = []
+        for T in (256, 512, 1024):
+            got = chunked.block_census(self.window_keep(T, self.W), 1, 1, T, T, self.C, self.C)
+            fractions.append((got["full"] + got["partial"]) / sum(got.values()))
+            assert self.W / T <= fractions[-1] <= 2 * self.W / T, (T, got)
+        assert fractions[0] > 1.9 * fractions[1] > 1.9 * 1.9 * fractions[2]
+        # and without a mask nothing is skipped; a ragged key tail is the one PARTIAL column
+        assert chunked.block_census(None, 1, 1, 256, 256, 32, 32) == {"empty": 0, "full": 64, "partial": 0}
+        assert chunked.block_census(None, 1, 1, 256, 250, 32, 32) == {"empty": 0, "full": 56, "partial": 8}
+
+    def test_census_checks_its_arguments(self):
+        with pytest.raises(ValueError, match="kv_heads must divide N=4"):
+            chunked.block_census(None, 1, 4, 8, 8, 4, 4, kv_heads=3)
+        with pytest.raises(ValueError, match="q_chunk must be a positive int"):
+            chunked.block_census(None, 1, 4, 8, 8, 0, 4)
+        with pytest.raises(ValueError, match=r"\(9, 8\)"):  # keep_4d names the shapes
+            chunked.block_census(np.ones((9, 8), bool), 1, 4, 8, 8, 4, 4)
+        assert chunked.block_census(None, 1, 4, 0, 8, 4, 4) == {"empty": 0, "full": 0, "partial": 0}
+
+    @pytest.fixture
+    def matmul_counter(self, monkeypatch):
+        """A list that grows by one each time a block's Q·Kᵀ runs (at run time, through a debug
+        callback in `_block_scores`, which every non-EMPTY branch calls and the EMPTY branch does not).
+        The compiled kernel is cleared before and after, so no program traced without the callback is
+        reused and none with it outlives the test."""
+        calls = []
+        original = chunked._block_scores
+
+        def counted(plan, qi, kj, mask_ij):
+            jax.debug.callback(lambda: calls.append(1))
+            return original(plan, qi, kj, mask_ij)
+
+        chunked._chunked.clear_cache()
+        monkeypatch.setattr(chunked, "_block_scores", counted)
+        yield calls
+        monkeypatch.undo()
+        chunked._chunked.clear_cache()
+
+    @pytest.mark.parametrize("mask", ["window", "packed"])
+    def test_only_the_non_empty_blocks_run_their_matmuls(self, mask, matmul_counter, rng):
+        keep = self.window_keep(self.T, self.W) if mask == "window" else self.packed_keep(self.T, self.D)
+        census = chunked.block_census(keep, 1, 2, self.T, self.T, self.C, self.C)
+        running = census["full"] + census["partial"]
+        q, k, v = (jnp.asarray(rng.standard_normal((1, self.T, 2, 8)), jnp.float32) for _ in range(3))
+        chunked_attention(q, k, v, keep, q_chunk=self.C, k_chunk=self.C).block_until_ready()
+        jax.effects_barrier()
+        assert len(matmul_counter) == running < sum(census.values())  # one Q·Kᵀ per non-empty block
+        matmul_counter.clear()
+        jax.grad(lambda q: chunked_attention(q, k, v, keep, q_chunk=self.C, k_chunk=self.C).sum())(q).block_until_ready()
+        jax.effects_barrier()
+        assert len(matmul_counter) == 2 * running  # the forward's, and the backward's recomputed P
+
+    @pytest.mark.parametrize("mask", ["window", "packed"])
+    def test_output_and_gradients_equal_the_materialised_core(self, mask, rng):
+        """float32 kernel and float32 einsum core each within the float32 table of the float64 core;
+        every row keeps its own key, so nothing is NaN."""
+        keep = self.window_keep(self.T, self.W) if mask == "window" else self.packed_keep(self.T, self.D)
+        B, N, H = 2, 3, 8
+        x64 = [rng.standard_normal((B, self.T, N, H)) for _ in range(3)]
+        ct = rng.standard_normal((B, self.T, N, H))
+
+        def run(core, xs):
+            out, vjp = jax.vjp(core, *xs)
+            return (out, *vjp(jnp.asarray(ct, out.dtype)))
+
+        flash = jax.jit(lambda q, k, v: chunked_attention(q, k, v, keep, q_chunk=self.C, k_chunk=self.C))
+        plain = jax.jit(lambda q, k, v: attention_core(q, k, v, keep)[0])
+        want = run(plain, [jnp.asarray(x) for x in x64])  # float64
+        x32 = [jnp.asarray(x, jnp.float32) for x in x64]
+        tol = tolerance_for("float32")
+        for name, core in (("chunked", flash), ("einsum", plain)):
+            got = run(core, x32)
+            for what, a, e in zip(("output", "dq", "dk", "dv"), got, want):
+                assert a.dtype == jnp.float32 and np.isfinite(np.asarray(a)).all(), (name, what)
+                c = compare(np.asarray(a, np.float64), np.asarray(e), tol.forward if what == "output" else tol.gradient)
+                assert c.passed, (name, what, c)
+        # the mask matters here: the unmasked kernel is far from the masked core
+        free = chunked_attention(x32[0], x32[1], x32[2], q_chunk=self.C, k_chunk=self.C)
+        assert np.abs(np.asarray(free, np.float64) - np.asarray(want[0])).max() > 0.1
+
+    @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float64])
+    def test_long_masked_problems_run_the_chunked_kernel_on_every_cpu_of_the_table(self, dtype):
+        """A sliding-window or packed mask at T = 8192 (and 2048, under the memory guard) goes to the
+        kernel that skips blocks on every built-in CPU's rows, with that processor's blocks."""
+        for key in kernels.BUILTIN:
+            proc = kernels.Processor(*key.split(" | "))
+            for BN, T in ((8, 8192), (8, 2048)):
+                got = kernels.choose(platform="cpu", sources=kernels.sources_for(proc, {}), dtype=dtype, B=1, N=BN,
+                                     T=T, S=T, H=64, has_mask=True, materialize_limit=kernels.MATERIALIZE_LIMIT)
+                assert got.kernel == kernels.CHUNKED and got.q_chunk and got.k_chunk, (key, T, got)
+        assert kernels.fused_choice(1, 8, 8192, 8192, 64, jnp.float32, has_mask=True).kernel == kernels.CHUNKED
