@@ -11,8 +11,8 @@ import pytest
 
 from parity.bench import cli, measure, report
 from parity.bench.measure import same_output
-from parity.bench.spec import IMPLS, BenchCase, empty_row, keep_mask, unsupported
-from test_bench_cli import _console, _run, FAST
+from parity.bench.spec import FLOPS_FORMULA, IMPLS, BenchCase, BenchMask, empty_row, keep_mask, pass_flops, unsupported
+from test_bench_cli import _console, _run, fake_spawn, FAST
 
 
 def _impl(key):
@@ -179,3 +179,141 @@ def test_the_plot_title_names_the_whole_layer_and_the_markdown_starts_with_the_v
     console = _console()
     report.print_table([row], console)
     assert "ratio to ours-torch:eager:fused" in console.file.getvalue()
+
+
+# ---------------------------------------------------------------- window:W and packed:D
+
+
+def test_bench_masks_parse_once_into_kind_and_parameter_and_write_back_the_same_string():
+    assert BenchMask.parse("window:1024") == BenchMask("window", 1024) and str(BenchMask("window", 1024)) == "window:1024"
+    assert BenchMask.parse("packed:4") == BenchMask("packed", 4) and BenchMask.parse(" causal ") == BenchMask("causal")
+    assert str(BenchMask.parse("window:032")) == "window:32"  # one spelling in rows and labels
+    for text, message in (("window:0", "W .* must be a positive integer"), ("packed:0", "D .* must be a positive"),
+                          ("window:x", "parameter must be a positive integer, got 'x'"), ("window:-3", "got '-3'"),
+                          ("window:", "got ''"), ("window", "needs its parameter"), ("causal:2", "only window:W and packed:D"),
+                          ("random", "is not one of none, padding, causal, window:W or packed:D"), ("window:３", "got '３'")):
+        with pytest.raises(ValueError, match=message):
+            BenchMask.parse(text)
+    case = BenchCase.of(2, 8, 8, 12, 3, "float32", mask=BenchMask("window", 3))
+    assert case.mask == "window:3" and case.fields()["mask"] == "window:3" and "mask=window:3" in case.label
+    assert BenchCase.from_fields(case.fields()) == case
+    with pytest.raises(ValueError, match="needs T divisible by D=3"):
+        BenchCase.of(1, 8, 8, 12, 3, "float32", mask="packed:3")
+    with pytest.raises(ValueError, match="needs T == S"):
+        BenchCase.of(1, 8, 16, 12, 3, "float32", mask="packed:2")
+    with pytest.raises(ValueError, match="window:4 mask needs T <= S"):
+        BenchCase.of(1, 9, 8, 12, 3, "float32", mask="window:4")
+    # The halved case of the recompile timing stays a valid packed case (T a multiple of D).
+    assert BenchCase.of(1, 24, 24, 12, 3, "float32", mask="packed:4").shrunk().seq_q == 12
+    assert BenchCase.of(1, 20, 20, 12, 3, "float32", mask="packed:4").shrunk().seq_q == 8
+
+
+def test_the_window_and_packed_keep_masks_and_their_kept_fraction():
+    window = keep_mask(BenchCase.of(2, 5, 7, 12, 3, "float32", mask="window:3"))
+    assert window.shape == (2, 1, 5, 7) and window.dtype == bool and (window == window[:1]).all()
+    # Bottom-right: query t is key position t + 2 and keeps the 3 keys t..t+2, itself the last.
+    assert [set(np.flatnonzero(r)) for r in window[0, 0]] == [{t, t + 1, t + 2} for t in range(5)]
+    packed = keep_mask(BenchCase.of(1, 6, 6, 12, 3, "float32", mask="packed:2"))[0, 0]
+    # Documents 0..2 and 3..5, causal within each: query 4 sees 3 and 4, query 2 sees 0..2.
+    assert set(np.flatnonzero(packed[4])) == {3, 4} and set(np.flatnonzero(packed[2])) == {0, 1, 2}
+    assert int(packed.sum()) == 2 * (1 + 2 + 3)
+    # window:W at T = S keeps W(W+1)/2 in the first W rows and W in each other: at T=8192, W=1024 that
+    # is 11.7 % of T², against 50 % for causal; packed:D keeps D·L(L+1)/2, L = T/D: 12.5 % for 4 docs.
+    T, W, D = 8192, 1024, 4
+    L = T // D
+    assert BenchMask("window", W).kept(1, T, T) == W * (W + 1) // 2 + (T - W) * W
+    assert abs(BenchMask("window", W).kept(1, T, T) / T**2 - 0.1172) < 1e-4
+    assert BenchMask("packed", D).kept(3, T, T) == 3 * D * L * (L + 1) // 2
+    # The closed forms count what the dense masks keep, for T = S and T < S, every kind.
+    for mask, B, Tq, Sk in (("window:3", 2, 5, 7), ("window:7", 1, 7, 7), ("window:100", 2, 5, 9), ("packed:3", 2, 9, 9),
+                            ("packed:1", 1, 4, 4), ("causal", 2, 5, 7), ("padding", 3, 5, 7)):
+        case = BenchCase.of(B, Tq, Sk, 12, 3, "float32", mask=mask)
+        assert case.bench_mask.kept(B, Tq, Sk) == int(keep_mask(case).sum()), mask
+    # A window as wide as the keys is causal; one document per row is causal.
+    causal = keep_mask(BenchCase.of(2, 5, 7, 12, 3, "float32", mask="causal"))
+    assert (keep_mask(BenchCase.of(2, 5, 7, 12, 3, "float32", mask="window:7")) == causal).all()
+    assert (keep_mask(BenchCase.of(2, 7, 7, 12, 3, "float32", mask="packed:1")) ==
+            keep_mask(BenchCase.of(2, 7, 7, 12, 3, "float32", mask="causal"))).all()
+
+
+def test_flops_count_the_attention_over_the_kept_entries():
+    # B=1 T=S=8 E=8 N=2 (H=4): projections 2·1·8·4·(2·2·8 + 2·2·8) = 4096; Q·Kᵀ and P·V 2·N·H = 16 FLOPs
+    # each per kept (t, s) entry: 64 entries unmasked, 36 causal, window:3 3·4/2 + 5·3 = 21, packed:2
+    # 2·(4·5/2) = 20, window:8 (as wide as the keys) causal's 36.
+    for mask, kept in (("none", 64), ("causal", 36), ("window:3", 21), ("packed:2", 20), ("window:8", 36)):
+        case = BenchCase.of(1, 8, 8, 8, 2, "float32", mask=mask)
+        assert pass_flops(case, "fwd") == 4096 + 2 * 16 * kept, mask
+        assert pass_flops(case, "fwd+bwd") == 3 * (4096 + 2 * 16 * kept), mask
+    assert "kept" in FLOPS_FORMULA
+
+
+def test_window_and_packed_on_the_command_line_reach_the_workers_the_json_and_compare(tmp_path):
+    out = tmp_path / "w.json"
+    rc, text, calls = _run([*FAST, "--seq", "16", "--mask", "none,window:4,packed:2,window:04", "--json", str(out)])
+    assert rc == 0, text
+    assert {BenchCase.from_fields(item["case"]).mask for item in calls[0]["items"]} == {"none", "window:4", "packed:2"}
+    assert "B=1 T=16 S=16 E=32 N=2 mask=window:4 float32" in text and "mask=packed:2" in text
+    data = report.load(str(out))  # the file's validation takes the parameterised masks
+    rows = {(r["impl"], r["mask"]): r for r in data["rows"]}
+    assert {m for _, m in rows} == {"none", "window:4", "packed:2"}
+    assert "kept" in data["environment"]["flops_formula"]
+    # GFLOP/s over the kept entries: window:4 at T=16 keeps 4·5/2 + 12·4 = 58 of 256 (t, s) entries.
+    r = rows["ours-torch", "window:4"]
+    projections = 2 * 1 * 32 * 16 * (2 * 2 * 16 + 2 * 2 * 16)
+    assert r["gflops"] == pytest.approx((projections + 4 * 2 * 16 * 58) / r["median_s"] / 1e9)
+    # compare matches rows by their mask string
+    other = tmp_path / "o.json"
+    _run([*FAST, "--seq", "16", "--mask", "window:4", "--json", str(other)])
+    result = report.compare(data, report.load(str(other)))
+    assert result.compared and {k["mask"] for k in result.only_base} == {"none", "packed:2"}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--mask", "window:0"], "W (keys in the window) must be a positive integer"),
+    (["--mask", "none,window:x"], "the parameter must be a positive integer, got 'x'"),
+    (["--mask", "sliding"], "is not one of none, padding, causal"),
+])
+def test_a_bad_mask_is_a_usage_error_naming_it(argv, message, capsys):
+    calls = []
+    with pytest.raises(SystemExit) as e:
+        cli.main([*FAST, *argv], console=_console(), spawn=fake_spawn(calls))
+    assert e.value.code == 2 and not calls
+    err = capsys.readouterr().err
+    assert "argument --mask" in err and message in err
+
+
+def test_a_packed_mask_that_does_not_divide_t_is_a_usage_error():
+    rc, text, calls = _run([*FAST, "--seq", "8", "--mask", "packed:3"])
+    assert rc == 2 and not calls and "needs T divisible by D=3" in text and text.count("\n") == 1
+
+
+def test_window_and_packed_reach_every_implementation_as_the_oracles_mask():
+    """Ours in both frameworks and the torch and JAX peers, self-attention: each output equals the
+    float64 oracle's on a mask written here from the definitions (not from `structured_keep`), and
+    differs from the causal one (the window and the documents reach every program)."""
+    pytest.importorskip("torch")
+    from parity import reference
+    from parity.bench import jax_bench, torch_bench
+    from parity.bench.spec import canonical_weights, make_inputs
+
+    B, T, E, N = 2, 8, 24, 4
+    t, s = np.arange(T)[:, None], np.arange(T)[None, :]
+    masks = {"window:3": (s <= t) & (s > t - 3), "packed:2": (s <= t) & (s // 4 == t // 4), "causal": s <= t}
+    keys = ("ours-torch:eager:fused", "torch-sdpa-core:eager:fused", "ours-jax:jit:fused", "jax-dpa-core:jit:fused")
+    tol = 2e-5  # float32 implementations against the float64 oracle at these sizes
+    for mask, keep in masks.items():
+        case = BenchCase.of(B, T, T, E, N, "float32", mask=mask)
+        sd = {k: reference.as_float64(v) for k, v in canonical_weights(case.config, "float32", 0).items()}
+        x = reference.as_float64(make_inputs(case, 0)[0])
+        want = reference.forward(sd, x, x, x, np.broadcast_to(keep, (B, 1, T, T)), num_heads=N).output
+        for key in keys:
+            assert unsupported(_impl(key), case) is None, key
+            mod = torch_bench if _impl(key).framework == "torch" else jax_bench
+            bench = mod.build(_impl(key), case, "fwd", "cpu", 0)
+            if bench.aot_compile is not None:
+                bench.aot_compile()
+            got = bench.output()
+            assert np.abs(got - want).max() < tol, (mask, key, np.abs(got - want).max())
+            if mask != "causal":
+                causal_keep = np.broadcast_to(masks["causal"], (B, 1, T, T))
+                assert np.abs(got - reference.forward(sd, x, x, x, causal_keep, num_heads=N).output).max() > 1e-3

@@ -3,7 +3,7 @@
     mha-bench [--preset quick|default|long] [--device cpu|gpu|tpu|auto] [--impls PATTERNS]
               [--passes fwd,fwd+bwd] [--dtypes ...] [--seq ...] [--batch ..] [--embed ..] [--heads ..]
               [--kv-heads K,..] [--rope none,half,interleaved] [--bias all|qkv|out|none]
-              [--kv-seq S,..] [--mask none,causal,padding] [--processes P] [--baseline KEY]
+              [--kv-seq S,..] [--mask none,causal,padding,window:W,packed:D] [--processes P] [--baseline KEY]
               [--threads K] [--precision highest|default] [--verdict A,B]
               [--json P] [--markdown P] [--plot P.png]
     mha-bench compare BASE.json NEW.json [--threshold 0.10]
@@ -46,7 +46,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from mha_spec.files import writable_problem
 from parity.bench import report, sweep, verdict
 from parity.bench.measure import CALIBRATION_DRIFT, OTHERS_CPU, OthersCpu
-from parity.bench.spec import BIASES, DTYPES, IMPLS, MASKS, MEASURED, PASSES, PRESETS, BenchCase, select_impls
+from parity.bench.spec import BIASES, DTYPES, IMPLS, MASKS, MEASURED, PASSES, PRESETS, BenchCase, BenchMask, select_impls
 from mha_spec import ROPE_CONVENTIONS
 from parity.impls import load_user_impl
 from parity.cli_args import comma_separated, nonnegative_int, positive_float, positive_int
@@ -76,9 +76,11 @@ def run_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtypes", type=comma_separated(tuple(DTYPES), nonempty=True), help="float32,bfloat16,float16")
     p.add_argument("--seq", type=_ints, help="query lengths T (and key lengths S = T unless --kv-seq), e.g. 256,1024")
     p.add_argument("--kv-seq", type=_ints, metavar="S,..", help="key/value lengths S (default: S = T): T != S cases")
-    p.add_argument("--mask", type=comma_separated(MASKS, nonempty=True), metavar="none,causal,padding",
+    p.add_argument("--mask", type=bench_masks, metavar="none,causal,padding,window:W,packed:D",
                    help="keep-mask of every case: none (default); causal, bottom-right aligned (needs T <= S); "
-                   "padding (batch row b keeps its first S - floor(b*S/2B) keys)")
+                   "padding (batch row b keeps its first S - floor(b*S/2B) keys); window:W, causal over the last "
+                   "W keys, itself included (Mistral's sliding_window; bottom-right, T <= S); packed:D, D equal "
+                   "causal documents per row (T = S, T divisible by D)")
     p.add_argument("--max-seq", type=positive_int, help="drop preset lengths above this")
     p.add_argument("--batch", type=_ints)
     p.add_argument("--embed", type=_ints)
@@ -117,6 +119,18 @@ def run_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--list", action="store_true", help="print the planned items and exit")
     return p
+
+
+def bench_masks(text: str) -> tuple[str, ...]:
+    """--mask's argparse `type`: 'none,window:1024' -> ('none', 'window:1024'), each read once by
+    `spec.BenchMask.parse` (a bad one is a usage error naming it) and kept as its canonical string."""
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError(f"{text!r}: empty list; choose from {','.join(MASKS)},window:W,packed:D")
+    try:
+        return tuple(dict.fromkeys(str(BenchMask.parse(t)) for t in items))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _cpus_available() -> int:

@@ -24,7 +24,7 @@ from mha_spec import PASSES, ROPE_CONVENTIONS
 from mha_spec.files import JSONFileError, atomic_path, parse_json, write_atomic
 from parity.bench import verdict as verdicts
 from parity.bench.spec import (
-    BIASES, MASKS, MEASURED, NOISY_IQR, ROW_FIELDS, STATUSES, case_label, row_key, variant_fields,
+    BIASES, MEASURED, NOISY_IQR, ROW_FIELDS, STATUSES, BenchMask, case_label, row_key, variant_fields,
 )
 
 # /2: the `noisy` status and `verdicts`. The variant fields (kv_heads, rope, bias) were added
@@ -563,6 +563,14 @@ def _named(row) -> str:
     return f" ({row_key(row)} {row['pass']} {_case(row)})"
 
 
+def _mask_ok(mask) -> bool:
+    """A row's mask is a plain kind or window:W / packed:D, as `BenchMask` writes it."""
+    try:
+        return isinstance(mask, str) and str(BenchMask.parse(mask)) == mask
+    except ValueError:
+        return False
+
+
 def _key_problem(row) -> str | None:
     """What is wrong with the fields that name a row (its case, pass and implementation)."""
     missing = [k for k in MATCH_KEY if k not in row]
@@ -576,7 +584,7 @@ def _key_problem(row) -> str | None:
         bad.append("kv_heads")
     bad += [] if row.get("rope") in (None, *ROPE_CONVENTIONS) else ["rope"]
     bad += [] if row.get("bias") in (None, *BIASES) else ["bias"]
-    bad += [] if row.get("mask") in (None, *MASKS) else ["mask"]
+    bad += [] if row.get("mask") is None or _mask_ok(row["mask"]) else ["mask"]
     if bad:
         return f"bad value(s) for {', '.join(f'{k}={_short(row[k])}' for k in bad)}"
     return None

@@ -15,6 +15,7 @@ from parity.devices import DevicePlan
 from parity.dtypes import numpy_dtype
 from parity.impls import BUILTIN, Implementation
 from parity.implementation import FRAMEWORKS
+from parity.reference import structured_keep
 
 DTYPES = {name: numpy_dtype(name) for name in ("float32", "bfloat16", "float16")}  # what the benchmark times
 
@@ -51,8 +52,112 @@ CLASSIC_FIELDS = {"rope": None, "bias": "all", "mask": "none"}
 # --mask: none; causal, bottom-right aligned (query t sees keys up to t + S - T, so a query block
 # is the last T positions of a sequence of S, as in a decoder with a cache); padding, each batch
 # row keeps its first S - floor(b·S / 2B) keys (every row keeps at least half: no row is fully
-# masked, whose output the implementations' masked-row policies would make differ).
+# masked, whose output the implementations' masked-row policies would make differ); and the two
+# parameterised masks of `BenchMask`, window:W and packed:D.
 MASKS = tuple(k for k in MASK_KINDS if k != "random")  # the order of mha_spec.MASK_KINDS
+PARAMETERISED_MASKS = ("window", "packed")  # spelled KIND:N (`BenchMask`)
+
+
+@dataclass(frozen=True)
+class BenchMask:
+    """One benchmark mask: a plain kind of `MASKS`, or a parameterised one, `window:W` or `packed:D`.
+
+    - window:W: a causal sliding window of the last W keys, itself included (Mistral's
+      sliding_window=W: is_causal with window (W - 1, 0)), bottom-right aligned as causal is;
+    - packed:D: D equal-length documents per row, causal within each (T = S, T divisible by D).
+
+    `parse` is the one place the command line's and a row's string is read; `str()` writes it back
+    (the row field `mask`). The dense keep-mask every implementation gets comes from
+    `parity.reference.structured_keep` (`keep`).
+    """
+
+    kind: str
+    param: int | None = None
+
+    def __post_init__(self):
+        if self.kind in MASKS:
+            if self.param is not None:
+                raise ValueError(f"mask {self.kind!r} takes no parameter, got {self.kind}:{self.param}")
+        elif self.kind in PARAMETERISED_MASKS:
+            if isinstance(self.param, bool) or not isinstance(self.param, int) or self.param < 1:
+                what = "W (keys in the window)" if self.kind == "window" else "D (documents per row)"
+                raise ValueError(f"mask {self.kind}:{self.param}: {what} must be a positive integer")
+        else:
+            raise ValueError(f"mask {self.kind!r} is not one of {', '.join(MASKS)}, window:W or packed:D")
+
+    @classmethod
+    def parse(cls, text) -> BenchMask:
+        """'none' | 'causal' | 'padding' | 'window:W' | 'packed:D' -> BenchMask; ValueError naming the text."""
+        if isinstance(text, BenchMask):
+            return text
+        if not isinstance(text, str):
+            raise TypeError(f"a mask is a string such as 'causal' or 'window:1024', got {type(text).__name__}")
+        kind, sep, param = text.strip().partition(":")
+        if not sep:
+            if kind in PARAMETERISED_MASKS:
+                raise ValueError(f"mask {text!r} needs its parameter: window:W (keys) or packed:D (documents)")
+            return cls(kind)
+        if kind not in PARAMETERISED_MASKS:
+            raise ValueError(f"mask {text!r}: only window:W and packed:D take a parameter "
+                             f"(the others: {', '.join(MASKS)})")
+        if not (param.isascii() and param.isdigit()):
+            raise ValueError(f"mask {text!r}: the parameter must be a positive integer, got {param!r}")
+        return cls(kind, int(param))
+
+    def __str__(self) -> str:
+        return self.kind if self.param is None else f"{self.kind}:{self.param}"
+
+    @property
+    def unit_kind(self) -> str:
+        """The mask's kind in `mha_spec.MASK_KINDS`, what `runs_on` declarations are written over: the
+        plain kinds are themselves; window and packed are "random" (an arbitrary dense keep-mask, which
+        an implementation must apply as given: one that runs only "causal" might apply is_causal)."""
+        return self.kind if self.kind in MASKS else "random"
+
+    def problem(self, T: int, S: int) -> str | None:
+        """Why this mask cannot be a (T, S) case's, or None."""
+        if self.kind in ("causal", "window") and T > S:
+            return (f"a {self} mask needs T <= S (bottom-right aligned, the first T - S query rows would see "
+                    f"no key), got T={T} S={S}")
+        if self.kind == "packed":
+            if T != S:
+                return f"a {self} mask packs one sequence of queries and keys: it needs T == S, got T={T} S={S}"
+            if T % self.param:
+                return f"a {self} mask needs T divisible by D={self.param} (equal-length documents), got T={T}"
+        return None
+
+    def segment_ids(self, B: int, T: int) -> np.ndarray:
+        """packed:D's (B, T) document ids: 0 for the first T/D tokens of every row, then 1, ..."""
+        return np.broadcast_to(np.repeat(np.arange(self.param), T // self.param), (B, T)).copy()
+
+    def keep(self, B: int, T: int, S: int) -> np.ndarray | None:
+        """The dense keep-mask (B, 1, T, S) bool (True = attend), None for "none"."""
+        if self.kind == "none":
+            return None
+        if self.kind == "padding":
+            lengths = S - (np.arange(B) * S) // (2 * B)  # (B,), from S down to just above S/2
+            keep = np.broadcast_to(np.arange(S)[None, None, :] < lengths[:, None, None], (B, T, S))
+            return np.ascontiguousarray(keep[:, None])  # (B, 1, T, S)
+        if self.kind == "packed":
+            keep = structured_keep(T, S, is_causal=True, segment_ids=self.segment_ids(1, T))  # (1, 1, T, S)
+        else:
+            window = (min(self.param, S) - 1, 0) if self.kind == "window" else None  # W >= S: all of causal
+            keep = structured_keep(T, S, is_causal=True, window=window, alignment="bottom-right")  # (1, 1, T, S)
+        return np.ascontiguousarray(np.broadcast_to(keep, (B, 1, T, S)))
+
+    def kept(self, B: int, T: int, S: int) -> int:
+        """How many (b, t, s) entries the keep-mask keeps, in closed form (no (T, S) array: the
+        parent counts FLOPs of T = 32768 cases too); B·T·S without a mask."""
+        if self.kind == "none":
+            return B * T * S
+        if self.kind == "padding":
+            return int((S - (np.arange(B) * S) // (2 * B)).sum()) * T
+        if self.kind == "packed":
+            L = T // self.param  # one document's length
+            return B * self.param * L * (L + 1) // 2
+        a = np.arange(S - T, S, dtype=np.int64)  # (T,): each query's key position, bottom-right
+        width = a + 1 if self.kind == "causal" else np.minimum(min(self.param, S), a + 1)  # keys s in [a - W + 1, a] ∩ [0, a]
+        return B * int(width.sum())
 
 
 def bias_name(qkv_bias: bool, out_bias: bool) -> str:
@@ -66,7 +171,7 @@ class BenchCase:
 
     problem: Problem
     dtype: str
-    mask: str = "none"
+    mask: str = "none"  # a `BenchMask` as its string ("causal", "window:1024"); a BenchMask is accepted and written so
 
     def __post_init__(self):
         if not isinstance(self.problem, Problem) or not isinstance(self.problem.config, AttentionConfig):
@@ -77,11 +182,11 @@ class BenchCase:
                 raise ValueError(f"Problem.{name} must be a positive int, got {val!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {tuple(DTYPES)}")
-        if self.mask not in MASKS:
-            raise ValueError(f"mask {self.mask!r} is not one of {MASKS}")
-        if self.mask == "causal" and self.problem.T > self.problem.S:
-            raise ValueError(f"a causal mask needs T <= S (bottom-right aligned, the first T - S query rows would see "
-                             f"no key), got T={self.problem.T} S={self.problem.S}")
+        mask = BenchMask.parse(self.mask)
+        why = mask.problem(self.problem.T, self.problem.S)
+        if why:
+            raise ValueError(why)
+        object.__setattr__(self, "mask", str(mask))  # the one spelling rows and labels carry
 
     @classmethod
     def of(cls, batch: int, seq_q: int, seq_k: int, embed: int, heads: int, dtype: str, *,
@@ -106,6 +211,10 @@ class BenchCase:
     @property
     def config(self) -> AttentionConfig:
         return self.problem.config
+
+    @property
+    def bench_mask(self) -> BenchMask:
+        return BenchMask.parse(self.mask)
 
     batch = property(lambda self: self.problem.B)
     seq_q = property(lambda self: self.problem.T)
@@ -138,7 +247,11 @@ class BenchCase:
     def shrunk(self) -> BenchCase:
         """The shape-change case used to measure recompilation: both lengths halved."""
         p = self.problem
-        return replace(self, problem=replace(p, T=max(1, p.T // 2), S=max(1, p.S // 2)))
+        T, S = max(1, p.T // 2), max(1, p.S // 2)
+        mask = self.bench_mask
+        if mask.kind == "packed":  # still D equal documents: T a multiple of D (and S = T)
+            T = S = max(mask.param, T // mask.param * mask.param)
+        return replace(self, problem=replace(p, T=T, S=S))
 
 
 def case_label(row: dict) -> str:
@@ -177,9 +290,10 @@ def unsupported(impl: Implementation, case: BenchCase) -> str | None:
     not because they cannot run them.)"""
     if impl.name in GROUPED_BASELINES and not case.config.features:
         return f"{impl.name} is a grouped-layer baseline: the classic layer's is torch-sdpa-core / jax-dpa-core"
-    why = impl.unsupported(case.dtype, case.config, cross=not case.self_attention, mask=case.mask)
+    mask = case.bench_mask.unit_kind  # runs_on is written over mha_spec.MASK_KINDS
+    why = impl.unsupported(case.dtype, case.config, cross=not case.self_attention, mask=mask)
     if why is not None and case.self_attention and impl.inputs == "qkv":
-        if impl.unsupported(case.dtype, case.config, cross=True, mask=case.mask) is None:
+        if impl.unsupported(case.dtype, case.config, cross=True, mask=mask) is None:
             return None
     return why
 
@@ -222,29 +336,34 @@ def impl_by_key(key: str, impls=IMPLS) -> Implementation:
 # ---------------------------------------------------------------- FLOPs
 
 
-def forward_flops(problem: Problem) -> int:
+def forward_flops(problem: Problem, kept: int | None = None) -> int:
     """The one analytic count used for every implementation (multiply-add = 2 FLOPs).
 
     With N query heads, K key/value heads of size H, E the model width:
     projections: q over T rows (E -> N·H) and out over T rows (N·H -> E), 2·B·T·E·N·H each;
     k and v over S rows (E -> K·H), 2·B·S·E·K·H each. Attention: Q·Kᵀ and P·V for every
-    query head (a key/value head serves N/K of them), 2·B·N·T·S·H each. Not counted (lower
-    order): softmax, scaling, biases, and RoPE's rotation (~3 FLOPs per element of q and k).
-    For the classic layer (K = N, N·H = E): 2·B·E²·(2·T + 2·S) + 4·B·T·S·E.
+    query head (a key/value head serves N/K of them), 2·N·H per kept (b, t, s) entry each;
+    `kept` is how many of the B·T·S entries the keep-mask keeps (default: all, no mask).
+    Not counted (lower order): softmax, scaling, biases, and RoPE's rotation (~3 FLOPs per
+    element of q and k).
+    For the classic layer (K = N, N·H = E) without a mask: 2·B·E²·(2·T + 2·S) + 4·B·T·S·E.
     """
     c = problem.config
     B, T, S, E, N, K, H = problem.B, problem.T, problem.S, c.embed_dim, c.num_heads, c.kv_heads, c.head_size
-    return 2 * B * E * H * (2 * N * T + 2 * K * S) + 4 * B * N * T * S * H
+    kept = B * T * S if kept is None else kept
+    return 2 * B * E * H * (2 * N * T + 2 * K * S) + 4 * N * H * kept
 
 
-FLOPS_FORMULA = "fwd = 2·B·E·H·(2·N·T + 2·K·S) + 4·B·N·T·S·H (softmax, biases, RoPE not counted); fwd+bwd = 3 × fwd"
+FLOPS_FORMULA = ("fwd = 2·B·E·H·(2·N·T + 2·K·S) + 4·N·H·P, P = the (b, t, s) entries kept by the mask (B·T·S without one) "
+                 "(softmax, biases, RoPE not counted); fwd+bwd = 3 × fwd")
 
 
 def pass_flops(case: BenchCase, pass_: str) -> int:
-    """fwd: the forward count; fwd+bwd: 3× (backward = 2× forward: input and weight grads)."""
+    """fwd: the forward count, the attention over the entries the case's mask keeps
+    (`BenchMask.kept`); fwd+bwd: 3× (backward = 2× forward: input and weight grads)."""
     if pass_ not in PASSES:
         raise ValueError(f"pass {pass_!r} is not one of {PASSES}")
-    f = forward_flops(case.problem)
+    f = forward_flops(case.problem, case.bench_mask.kept(case.batch, case.seq_q, case.seq_k))
     return f if pass_ == "fwd" else 3 * f
 
 
@@ -389,17 +508,8 @@ def rope_positions(case: BenchCase) -> dict[str, np.ndarray]:
 
 
 def keep_mask(case: BenchCase) -> np.ndarray | None:
-    """The case's keep-mask (B, 1, T, S) bool (True = attend), None without one (`MASKS`)."""
-    B, T, S = case.batch, case.seq_q, case.seq_k
-    if case.mask == "none":
-        return None
-    if case.mask == "causal":
-        keep = np.arange(S)[None, :] <= np.arange(T)[:, None] + (S - T)  # (T, S)
-        keep = np.broadcast_to(keep, (B, T, S))
-    else:
-        lengths = S - (np.arange(B) * S) // (2 * B)  # (B,), from S down to just above S/2
-        keep = np.broadcast_to(np.arange(S)[None, None, :] < lengths[:, None, None], (B, T, S))
-    return np.ascontiguousarray(keep[:, None])  # (B, 1, T, S)
+    """The case's keep-mask (B, 1, T, S) bool (True = attend), None without one (`BenchMask.keep`)."""
+    return case.bench_mask.keep(case.batch, case.seq_q, case.seq_k)
 
 
 def empty_row(impl: Implementation, case: BenchCase, pass_: str, **kw) -> dict:
