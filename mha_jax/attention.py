@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -278,6 +280,130 @@ def rotate(x, cos, sin, convention: str):
     return out.astype(x.dtype)
 
 
+ALIGNMENTS = ("top-left", "bottom-right")
+"""Where query t sits among the keys: a(t) = t (top-left) or t + S - T (bottom-right)."""
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def window_sides(window) -> tuple[int | None, int | None]:
+    """window None | w | (left, right) -> (left, right), each an int >= 0 or None (unbounded).
+    Python ints: the window is the program's shape, not data (never traced)."""
+    if window is None:
+        return None, None
+    if _is_int(window):
+        window = (window, window)
+    if not (isinstance(window, (tuple, list)) and len(window) == 2):
+        raise TypeError(f"window must be None, an int or a (left, right) pair, got {window!r}")
+    sides = []
+    for name, w in zip(("left", "right"), window):
+        if w is not None and (not _is_int(w) or w < 0):
+            raise ValueError(f"window {name} must be a non-negative int or None, got {w!r}")
+        sides.append(None if w is None else int(w))
+    return sides[0], sides[1]
+
+
+def _check_segment_ids(x, name: str, batch: int | None, length: int | None, axis: str):
+    """Integer segment ids of shape (B, L) (None: any size there): TypeError/ValueError naming them.
+    Only the shape and dtype are read, so they may be traced."""
+    if not isinstance(x, (jax.Array, np.ndarray)):
+        raise TypeError(f"{name} must be a jax or numpy array of integers, got {type(x).__name__}")
+    if np.dtype(x.dtype).kind not in "iu":
+        raise TypeError(f"{name} must be integers, got dtype {x.dtype}")
+    if x.ndim != 2 or any(want is not None and got != want for got, want in zip(x.shape, (batch, length))):
+        want = ", ".join(f"{n}={v}" if v is not None else n for n, v in (("B", batch), (axis, length)))
+        raise ValueError(f"{name} must have shape (B, {axis}) with {want}, got {tuple(x.shape)}")
+    return jnp.asarray(x)
+
+
+class _Structure(NamedTuple):
+    is_causal: bool
+    left: int | None  # window sides, None: unbounded
+    right: int | None
+    offset: int  # a(t) = t + offset: 0 (top-left) or S - T (bottom-right)
+    q_seg: jax.Array | None  # (B, T)
+    k_seg: jax.Array | None  # (B, S)
+
+
+def _check_structure(T: int, S: int, is_causal, window, segment_ids, key_segment_ids, alignment,
+                     batch: int | None) -> _Structure:
+    """The structured keywords checked (TypeError/ValueError naming them), from shapes and dtypes alone."""
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
+    if not isinstance(alignment, str) or alignment not in ALIGNMENTS:
+        raise ValueError(f"alignment={alignment!r} is not one of {ALIGNMENTS}")
+    left, right = window_sides(window)
+    if segment_ids is None and key_segment_ids is not None:
+        raise ValueError("key_segment_ids without segment_ids: pass the queries' segment ids too")
+    q_seg = k_seg = None
+    if segment_ids is not None:
+        q_seg = _check_segment_ids(segment_ids, "segment_ids", batch, T, "T")
+        if key_segment_ids is None:
+            if T != S:
+                raise ValueError(f"segment_ids {tuple(q_seg.shape)} with T={T} != S={S}: "
+                                 f"pass key_segment_ids (B, S) too")
+            k_seg = q_seg
+        else:
+            k_seg = _check_segment_ids(key_segment_ids, "key_segment_ids", q_seg.shape[0], S, "S")
+    return _Structure(bool(is_causal), left, right, S - T if alignment == "bottom-right" else 0, q_seg, k_seg)
+
+
+def _build_keep(T: int, S: int, structure: _Structure):
+    """bool (B|1, 1, T, S) from `_check_structure`'s result, or None when it asks for nothing."""
+    is_causal, left, right, offset, q_seg, k_seg = structure
+    keep = None
+    a = jnp.arange(T)[:, None] + offset  # (T, 1): the key position query t sits at
+    s = jnp.arange(S)[None, :]  # (1, S)
+    for rule, on in ((lambda: s <= a, is_causal), (lambda: s >= a - left, left is not None),
+                     (lambda: s <= a + right, right is not None)):
+        if on:
+            keep = rule() if keep is None else keep & rule()
+    keep = None if keep is None else keep[None, None]  # (1, 1, T, S)
+    if q_seg is not None:
+        same = q_seg[:, None, :, None] == k_seg[:, None, None, :]  # (B, 1, T, S)
+        keep = same if keep is None else keep & same
+    return keep
+
+
+def structured_keep(T: int, S: int, *, is_causal: bool = False, window=None, segment_ids=None,
+                    key_segment_ids=None, alignment: str = "top-left"):
+    """The keep-mask of the structured keywords (docs/semantics.md, "Packed sequences, sliding
+    windows and causal alignment"), as `parity.reference.structured_keep` defines it: bool
+    (B|1, 1, T, S), or None when nothing is asked; jit-safe (segment ids may be traced).
+    Query t sits at key a(t) = t (top-left) or t + S - T (bottom-right); is_causal keeps
+    s <= a(t); window (left, right) keeps a(t) - left <= s <= a(t) + right (an int w is (w, w),
+    a side of None is unbounded); segment_ids (B, T) and key_segment_ids (B, S) keep equal ids
+    (key_segment_ids defaults to segment_ids when T = S)."""
+    structure = _check_structure(T, S, is_causal, window, segment_ids, key_segment_ids, alignment, None)
+    return _build_keep(T, S, structure)
+
+
+def segment_positions(segment_ids):
+    """(B, L) positions that restart at 0 with each document (a run of equal ids), as
+    `parity.reference.segment_positions`: a token's index minus where its run began (the
+    cumulative max of the run starts' indices); jit-safe. Integers of jnp's default int dtype
+    (int64 with x64, else int32). For RoPE's positions= on packed rows."""
+    seg = _check_segment_ids(segment_ids, "segment_ids", None, None, "L")
+    B, L = seg.shape
+    idx = jnp.broadcast_to(jnp.arange(L), (B, L))  # (B, L)
+    prev = jnp.concatenate([seg[:, :1], seg[:, :-1]], axis=1)  # (B, L): the previous token's id (itself at 0)
+    starts = (idx == 0) | (seg != prev)
+    first = jax.lax.cummax(jnp.where(starts, idx, 0), axis=1)  # (B, L): where each run began
+    return idx - first
+
+
+def _refuse_structure_with_cache(is_causal, window, segment_ids, key_segment_ids, alignment) -> None:
+    given = [name for name, asked in (("is_causal", is_causal is not False), ("window", window is not None),
+                                      ("segment_ids", segment_ids is not None),
+                                      ("key_segment_ids", key_segment_ids is not None),
+                                      ("alignment", alignment != "top-left")) if asked]
+    if given:
+        raise ValueError(f"{', '.join(given)} with a cache: the cache's rule is the mask (new token i of row b "
+                         "keeps slots starts[b] <= s <= lengths[b] + i)")
+
+
 class MultiHeadAttention(nnx.Module):
     """Multi-head attention in Flax NNX: q/k/v/out projections, optionally grouped, rotary, bias-free.
 
@@ -299,6 +425,16 @@ class MultiHeadAttention(nnx.Module):
     means the parameters' dtype. Inputs must have the computation dtype (a mismatch is a
     TypeError, as in torch), and outputs have it. T=0 or B=0 give empty outputs, S=0 is a
     ValueError.
+
+    Structured masks (docs/semantics.md, "Packed sequences, sliding windows and causal
+    alignment"), keyword-only and as in torch, ANDed with each other and with mask=:
+    is_causal=True keeps keys s <= a(t); window=w | (left, right) keeps
+    a(t) - left <= s <= a(t) + right (None: unbounded; Python ints); segment_ids [B, T] and
+    key_segment_ids [B, S] (integers, may be traced; the latter defaults to the former when
+    T = S) keep equal ids; alignment "top-left" (a(t) = t) | "bottom-right" (t + S - T). They
+    are built as a bool [B|1, 1, T, S] keep-mask inside the program and go through the same
+    kernels as mask= does. With a cache they are a ValueError. `segment_positions(segment_ids)`
+    gives RoPE positions per document.
 
     Decoding (docs/semantics.md, "Decoding with a KV cache"): with `cache=` (a
     `mha_jax.kv_cache.KVCache` from `init_cache`) the call is self-attention over T new tokens
@@ -388,8 +524,11 @@ class MultiHeadAttention(nnx.Module):
         return KVCache.empty(batch, capacity, self.num_kv_heads, self.head_dim, dtype=dtype, starts=starts)
 
     def __call__(self, query, key, value, mask=None, need_weights: bool = True, *, positions=None,
-                 key_positions=None, return_intermediates: bool = False, cache: KVCache | None = None):
+                 key_positions=None, return_intermediates: bool = False, cache: KVCache | None = None,
+                 is_causal: bool = False, window=None, segment_ids=None, key_segment_ids=None,
+                 alignment: str = "top-left"):
         if cache is not None:
+            _refuse_structure_with_cache(is_causal, window, segment_ids, key_segment_ids, alignment)
             return self._decode(query, key, value, mask, need_weights, positions, key_positions,
                                 return_intermediates, cache)
         B, T, S, dtype = self._check_inputs(query, key, value)
@@ -399,6 +538,10 @@ class MultiHeadAttention(nnx.Module):
         positions = _check_positions(positions, B, T, "positions")
         key_positions = _check_positions(key_positions, B, S, "key_positions")
         keep = None if mask is None else _keep_mask(mask, B, self.num_heads, T, S)
+        built = _build_keep(T, S, _check_structure(T, S, is_causal, window, segment_ids, key_segment_ids,
+                                                   alignment, B))  # (B|1, 1, T, S) | None
+        if built is not None:
+            keep = built if keep is None else keep & built  # (B|1, N|1, T, S)
         query, key, value = (jnp.asarray(x) for x in (query, key, value))
 
         q_in = self._heads(self.q_proj, query, dtype)  # (B, T, N, H)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -171,6 +173,8 @@ def _causal_rows_keeping_nan_keys(k_nan, T: int):
 def _nan_rows(q, k, keep, causal: bool = False):
     """(k with NaN keys zeroed when a mask is given, bool (B, N, T|1, 1) rows that must be NaN).
 
+    causal=True: the mask is the causal triangle, whether or not keep holds it (keep may be None).
+
     The weights path gives NaN on a row whose query is NaN or that keeps a NaN key; a NaN key
     that the row masks out is dropped (its score is replaced by -inf). SDPA differs on both:
     on CPU a NaN query without a mask gives 0, and a masked NaN key still reaches every row
@@ -181,7 +185,7 @@ def _nan_rows(q, k, keep, causal: bool = False):
     group = q.shape[1] // k.shape[1]
     # Query head h reads key head h // group: the flags (not K itself) are repeated to N heads.
     k_nan = k_nan_kv.repeat_interleave(group, dim=1) if group > 1 else k_nan_kv  # (B, N, S, 1)
-    if keep is None:
+    if keep is None and not causal:
         return k, q_nan | k_nan.any(dim=-2, keepdim=True)
     k = torch.where(k_nan_kv, 0.0, k)
     if causal:
@@ -254,18 +258,23 @@ def fused_attention_core(q, k, v, keep, *, masked_rows: str = "nan"):
     a NaN query, V's gradient at the keys that row masks out is finite here and NaN with the
     mask (there the row's masked weights are NaN too, times a zero cotangent).
     """
+    keep = _core_keep(keep, q.shape[0], q.shape[1], q.shape[2], k.shape[2])  # (B|1, N|1, T|1, S|1)
+    return _fused_core(q, k, v, keep, masked_rows=masked_rows, causal=_is_causal(keep, q.shape[-2], k.shape[-2]))
+
+
+def _fused_core(q, k, v, keep, *, masked_rows: str, causal: bool):
+    """`fused_attention_core` once it is known whether the mask is the causal triangle tril(ones(T, S)):
+    causal=True runs SDPA's is_causal (keep may then be None: it is not read)."""
     scale = 1.0 / math.sqrt(q.shape[-1])
     group = q.shape[1] // k.shape[1]
     if q.shape[1] != group * k.shape[1] or k.shape[1] != v.shape[1]:
         raise ValueError(f"key/value heads must divide the query heads: q {tuple(q.shape)}, "
                          f"k {tuple(k.shape)}, v {tuple(v.shape)}")
     gqa = {"enable_gqa": True} if group > 1 else {}
-    keep = _core_keep(keep, q.shape[0], q.shape[1], q.shape[2], k.shape[2])  # (B|1, N|1, T|1, S|1)
 
     def per_query_head(x):  # (B, K, ...) -> (B, N, ...)
         return x.repeat_interleave(group, dim=1) if group > 1 else x
 
-    causal = _is_causal(keep, q.shape[-2], k.shape[-2])
     k, nan_rows = _nan_rows(q, k, keep, causal)
     if causal:
         context = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, **gqa)
@@ -324,6 +333,136 @@ def rotate(x, pos, theta: float, convention: str):
     return out.to(x.dtype)
 
 
+ALIGNMENTS = ("top-left", "bottom-right")
+"""Where query t sits among the keys: a(t) = t (top-left) or t + S - T (bottom-right)."""
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def window_sides(window) -> tuple[int | None, int | None]:
+    """window None | w | (left, right) -> (left, right), each an int >= 0 or None (unbounded)."""
+    if window is None:
+        return None, None
+    if _is_int(window):
+        window = (window, window)
+    if not (isinstance(window, (tuple, list)) and len(window) == 2):
+        raise TypeError(f"window must be None, an int or a (left, right) pair, got {window!r}")
+    sides = []
+    for name, w in zip(("left", "right"), window):
+        if w is not None and (not _is_int(w) or w < 0):
+            raise ValueError(f"window {name} must be a non-negative int or None, got {w!r}")
+        sides.append(None if w is None else int(w))
+    return sides[0], sides[1]
+
+
+def _check_segment_ids(x, name: str, batch: int | None, length: int | None, axis: str) -> torch.Tensor:
+    """Integer segment ids of shape (B, L) (None: any size there): TypeError/ValueError naming them.
+    Only the shape and dtype are read, never the values."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of integers, got {type(x).__name__}")
+    if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
+        raise TypeError(f"{name} must be integers, got dtype {x.dtype}")
+    if x.ndim != 2 or any(want is not None and got != want for got, want in zip(x.shape, (batch, length))):
+        want = ", ".join(f"{n}={v}" if v is not None else n for n, v in (("B", batch), (axis, length)))
+        raise ValueError(f"{name} must have shape (B, {axis}) with {want}, got {tuple(x.shape)}")
+    return x
+
+
+class _Structure(NamedTuple):
+    is_causal: bool
+    left: int | None  # window sides, None: unbounded
+    right: int | None
+    offset: int  # a(t) = t + offset: 0 (top-left) or S - T (bottom-right)
+    q_seg: torch.Tensor | None  # (B, T)
+    k_seg: torch.Tensor | None  # (B, S)
+
+    @property
+    def plain_causal(self) -> bool:
+        """Exactly tril(ones(T, S)): SDPA's is_causal (top-left)."""
+        return self.is_causal and self.left is None and self.right is None and self.q_seg is None and self.offset == 0
+
+
+def _check_structure(T: int, S: int, is_causal, window, segment_ids, key_segment_ids, alignment,
+                     batch: int | None) -> _Structure:
+    """The structured keywords checked (TypeError/ValueError naming them). Nothing but shapes and
+    dtypes is read, so it runs under torch.compile with no graph break."""
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
+    if not isinstance(alignment, str) or alignment not in ALIGNMENTS:
+        raise ValueError(f"alignment={alignment!r} is not one of {ALIGNMENTS}")
+    left, right = window_sides(window)
+    if segment_ids is None and key_segment_ids is not None:
+        raise ValueError("key_segment_ids without segment_ids: pass the queries' segment ids too")
+    q_seg = k_seg = None
+    if segment_ids is not None:
+        q_seg = _check_segment_ids(segment_ids, "segment_ids", batch, T, "T")
+        if key_segment_ids is None:
+            if T != S:
+                raise ValueError(f"segment_ids {tuple(q_seg.shape)} with T={T} != S={S}: "
+                                 f"pass key_segment_ids (B, S) too")
+            k_seg = q_seg
+        else:
+            k_seg = _check_segment_ids(key_segment_ids, "key_segment_ids", q_seg.shape[0], S, "S")
+    return _Structure(is_causal, left, right, S - T if alignment == "bottom-right" else 0, q_seg, k_seg)
+
+
+def _build_keep(T: int, S: int, structure: _Structure, device):
+    """bool (B|1, 1, T, S) from `_check_structure`'s result, or None when it asks for nothing."""
+    is_causal, left, right, offset, q_seg, k_seg = structure
+    keep = None
+    a = torch.arange(T, device=device)[:, None] + offset  # (T, 1): the key position query t sits at
+    s = torch.arange(S, device=device)[None, :]  # (1, S)
+    for rule, on in ((lambda: s <= a, is_causal), (lambda: s >= a - left, left is not None),
+                     (lambda: s <= a + right, right is not None)):
+        if on:
+            keep = rule() if keep is None else keep & rule()
+    keep = None if keep is None else keep[None, None]  # (1, 1, T, S)
+    if q_seg is not None:
+        same = q_seg.to(device)[:, None, :, None] == k_seg.to(device)[:, None, None, :]  # (B, 1, T, S)
+        keep = same if keep is None else keep & same
+    return keep
+
+
+def structured_keep(T: int, S: int, *, is_causal: bool = False, window=None, segment_ids=None,
+                    key_segment_ids=None, alignment: str = "top-left", device=None):
+    """The keep-mask of the structured keywords (docs/semantics.md, "Packed sequences, sliding
+    windows and causal alignment"), as `parity.reference.structured_keep` defines it: bool
+    (B|1, 1, T, S) on `device` (default: the segment ids' device, else the CPU), or None when
+    nothing is asked. Query t sits at key a(t) = t (top-left) or t + S - T (bottom-right);
+    is_causal keeps s <= a(t); window (left, right) keeps a(t) - left <= s <= a(t) + right (an
+    int w is (w, w), a side of None is unbounded); segment_ids (B, T) and key_segment_ids (B, S)
+    keep equal ids (key_segment_ids defaults to segment_ids when T = S)."""
+    structure = _check_structure(T, S, is_causal, window, segment_ids, key_segment_ids, alignment, None)
+    if device is None:
+        device = segment_ids.device if segment_ids is not None else torch.device("cpu")
+    return _build_keep(T, S, structure, device)
+
+
+def segment_positions(segment_ids: torch.Tensor) -> torch.Tensor:
+    """(B, L) int64 positions that restart at 0 with each document (a run of equal ids), as
+    `parity.reference.segment_positions`: a token's index minus where its run began (the
+    cumulative max of the run starts' indices). For RoPE's positions= on packed rows."""
+    seg = _check_segment_ids(segment_ids, "segment_ids", None, None, "L")
+    B, L = seg.shape
+    idx = torch.arange(L, device=seg.device).expand(B, L)  # (B, L)
+    prev = torch.cat([seg[:, :1], seg[:, :-1]], dim=1)  # (B, L): the previous token's id (itself at 0)
+    starts = (idx == 0) | (seg != prev)
+    first = torch.where(starts, idx, 0).cummax(dim=1).values  # (B, L): where each run began
+    return idx - first
+
+
+def _refuse_structure_with_cache(is_causal, window, segment_ids, key_segment_ids, alignment) -> None:
+    given = [name for name, asked in (("is_causal", is_causal is not False), ("window", window is not None),
+                                      ("segment_ids", segment_ids is not None),
+                                      ("key_segment_ids", key_segment_ids is not None),
+                                      ("alignment", alignment != "top-left")) if asked]
+    if given:
+        raise ValueError(f"{', '.join(given)} with a cache: the cache's keep-mask "
+                         "(starts[b] <= s <= lengths[b] + i) is the mask")
+
+
 class MultiHeadAttention(nn.Module):
     """Classic multi-head attention: separate q/k/v/out projections with bias.
 
@@ -342,6 +481,15 @@ class MultiHeadAttention(nn.Module):
     Inputs must have the parameters' dtype (a floating dtype); T=0 or B=0 give empty
     outputs, S=0 is a ValueError.
 
+    Structured masks (docs/semantics.md, "Packed sequences, sliding windows and causal
+    alignment"), keyword-only, ANDed with each other and with mask=: is_causal=True keeps keys
+    s <= a(t); window=w | (left, right) keeps a(t) - left <= s <= a(t) + right (None: unbounded);
+    segment_ids [B, T] and key_segment_ids [B, S] (integers; the latter defaults to the former
+    when T = S) keep equal ids; alignment "top-left" (a(t) = t) | "bottom-right" (t + S - T).
+    They are built as a bool [B|1, 1, T, S] tensor from shapes alone (no graph break under
+    torch.compile). is_causal alone with top-left alignment and no mask runs the fused path as
+    SDPA's is_causal=True. `segment_positions(segment_ids)` gives RoPE positions per document.
+
     Incremental decoding (docs/semantics.md, "Decoding with a KV cache"): with
     cache=`KVCache` (from `init_cache`), forward(x, x, x, cache=cache) is self-attention over
     T new tokens x [B, T, E] (key and value [B, S, E] with S = T) against the cache:
@@ -350,7 +498,7 @@ class MultiHeadAttention(nn.Module):
     rotated keys and their values (K heads) go to each row's next T slots of the new cache;
     new token i of row b attends slots starts[b] <= s <= lengths[b] + i. RoPE positions
     default to `cache.positions(T)` (slot minus the row's left padding); positions= (T,) |
-    (B, T) overrides them. mask= and key_positions= with a cache are ValueErrors; a cache
+    (B, T) overrides them. mask=, key_positions= and the structured masks with a cache are ValueErrors; a cache
     whose dtype is not the parameters' is a TypeError, one with other K, H or B a ValueError,
     and no room for T tokens in some row a ValueError (eager; not checked under torch.compile).
     Stages with a cache: q, k, v, q_rot, k_rot are the NEW tokens' ((B, N, T, H) and
@@ -417,8 +565,11 @@ class MultiHeadAttention(nn.Module):
                              starts=starts)
 
     def forward(self, query, key, value, mask=None, need_weights: bool = True, *, positions=None,
-                key_positions=None, return_intermediates: bool = False, cache: KVCache | None = None):
+                key_positions=None, return_intermediates: bool = False, cache: KVCache | None = None,
+                is_causal: bool = False, window=None, segment_ids=None, key_segment_ids=None,
+                alignment: str = "top-left"):
         if cache is not None:
+            _refuse_structure_with_cache(is_causal, window, segment_ids, key_segment_ids, alignment)
             return self._forward_cached(query, key, value, cache, mask=mask, need_weights=need_weights,
                                         positions=positions, key_positions=key_positions,
                                         return_intermediates=return_intermediates)
@@ -427,6 +578,14 @@ class MultiHeadAttention(nn.Module):
         if rope is None and (positions is not None or key_positions is not None):
             raise ValueError("positions/key_positions are given but rope=None: they would be ignored")
         keep = None if mask is None else keep_mask_4d(mask, B, self.num_heads, T, S)
+        structure = _check_structure(T, S, is_causal, window, segment_ids, key_segment_ids, alignment, B)
+        # is_causal alone, top-left (the same as bottom-right when T = S), no mask: SDPA's own
+        # is_causal on the fused path, without building or comparing a (T, S) triangle.
+        causal = not need_weights and mask is None and structure.plain_causal
+        if not causal:
+            built = _build_keep(T, S, structure, query.device)  # (B|1, 1, T, S) | None
+            if built is not None:
+                keep = built if keep is None else keep & built  # (B|1, N|1, T, S)
 
         q_in = self._split_heads(self.q_proj(query))  # (B, N, T, H)
         k_in = self._split_heads(self.k_proj(key))  # (B, K, S, H)
@@ -447,6 +606,8 @@ class MultiHeadAttention(nn.Module):
             context, weights, scores = attention_core(q, k, v, keep, masked_rows=self.masked_rows, return_scores=True)
         elif need_weights:
             context, weights = attention_core(q, k, v, keep, masked_rows=self.masked_rows)
+        elif causal:
+            context, weights = _fused_core(q, k, v, None, masked_rows=self.masked_rows, causal=True), None
         else:
             context, weights = fused_attention_core(q, k, v, keep, masked_rows=self.masked_rows), None
         # (B, T, E), or this rank's N·H columns under tensor parallelism; no -1 (T or B may be 0).

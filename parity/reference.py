@@ -128,15 +128,30 @@ def _linear(x, sd, name, dtype):
     return _round(y, dtype)
 
 
+def _combined_keep(mask, B: int, N: int, T: int, S: int, structured: dict):
+    """bool (B|1, N|1, T|1, S|1): the keep-mask `mask` AND `structured_keep(**structured)`, or None."""
+    keep = keep_mask(mask, B, N, T, S)
+    built = structured_keep(T, S, **structured)  # (B|1, 1, T, S) | None
+    seg = structured.get("segment_ids")
+    if seg is not None and np.shape(seg)[0] != B:
+        raise ValueError(f"segment_ids {np.shape(seg)} has {np.shape(seg)[0]} rows, the query {B}")
+    if built is None:
+        return keep
+    return built if keep is None else keep & built
+
+
 def forward(sd, query, key, value, mask=None, *, num_heads: int, masked_rows: str = "nan", dtype=np.float64,
             num_kv_heads: int | None = None, rope: str | None = None, rope_theta: float = 10000.0,
-            positions=None, key_positions=None) -> Intermediates:
+            positions=None, key_positions=None, is_causal: bool = False, window=None, segment_ids=None,
+            key_segment_ids=None, alignment: str = "top-left") -> Intermediates:
     """The layer's maths, stage by stage; returns every intermediate as float64 arrays.
 
     The layer (`mha_spec.AttentionConfig`) is read off the state dict's keys and shapes and the
     arguments: grouped key/value heads (`num_kv_heads`), missing biases, RoPE. `positions`
     (T,) | (B, T) and `key_positions` (S,) | (B, S) are integers, default arange. With a low
     `dtype`, RoPE's cos/sin are stored in the accumulation dtype and the rotated q/k in `dtype`.
+    is_causal, window, segment_ids, key_segment_ids and alignment are the structured masks
+    (`structured_keep`), ANDed with `mask`.
     """
     cfg = config_of(sd, num_heads, masked_rows=masked_rows, num_kv_heads=num_kv_heads, rope=rope,
                     rope_theta=rope_theta)
@@ -144,6 +159,8 @@ def forward(sd, query, key, value, mask=None, *, num_heads: int, masked_rows: st
     B, T, S = check_qkv_shapes(np.shape(query), np.shape(key), np.shape(value), E)
     if rope is None and (positions is not None or key_positions is not None):
         raise ValueError("positions/key_positions are given but rope=None: they would be ignored")
+    keep = _combined_keep(mask, B, N, T, S, dict(is_causal=is_causal, window=window, segment_ids=segment_ids,
+                                                  key_segment_ids=key_segment_ids, alignment=alignment))
     acc = _accumulation_dtype(dtype)
     xq, xk, xv = (_round(np.asarray(x, np.float64), dtype) for x in (query, key, value))
 
@@ -161,7 +178,6 @@ def forward(sd, query, key, value, mask=None, *, num_heads: int, masked_rows: st
     ks = k if k_rot is None else k_rot
     qg = qs.reshape(B, K, G, T, H)  # query head h = j * G + g uses key/value head j = h // G
     scores = _round(np.einsum("BKGTH,BKSH->BKGTS", qg, ks).reshape(B, N, T, S) / np.sqrt(H), acc)
-    keep = keep_mask(mask, B, N, T, S)
     if keep is not None:
         scores = np.where(keep, scores, -np.inf)
         row_any = keep.any(axis=-1, keepdims=True)
@@ -182,7 +198,8 @@ def forward(sd, query, key, value, mask=None, *, num_heads: int, masked_rows: st
 def backward(sd, query, key, value, mask, cotangent, *, num_heads: int, masked_rows: str = "nan", dtype=np.float64,
              num_kv_heads: int | None = None, rope: str | None = None, rope_theta: float = 10000.0,
              positions=None, key_positions=None, masked_row_grads: str = "stop",
-             per_query_head: bool = False) -> dict[str, np.ndarray]:
+             per_query_head: bool = False, is_causal: bool = False, window=None, segment_ids=None,
+             key_segment_ids=None, alignment: str = "top-left") -> dict[str, np.ndarray]:
     """Gradients of sum(output * cotangent) w.r.t. query, key, value and every weight.
 
     Keys: "query", "key", "value" and the state dict's own names. A fully masked row's weights
@@ -197,6 +214,7 @@ def backward(sd, query, key, value, mask, cotangent, *, num_heads: int, masked_r
     modules store it (activations and gradients in the dtype, the softmax backward in
     float32 as its forward): the yardstick of the three-way judge for gradients.
     per_query_head=True adds each query head's share of the k/v gradients (`_per_query_head_shares`).
+    The structured masks (is_causal, window, segment ids, alignment) are `forward`'s, ANDed with `mask`.
     """
     acc = _accumulation_dtype(dtype)
     if masked_row_grads not in ("stop", "flow"):
@@ -206,9 +224,11 @@ def backward(sd, query, key, value, mask, cotangent, *, num_heads: int, masked_r
     def r(x, dt=dtype):
         return _round(x, dt)
 
+    structured = dict(is_causal=is_causal, window=window, segment_ids=segment_ids, key_segment_ids=key_segment_ids,
+                      alignment=alignment)
     kw = dict(num_heads=num_heads, masked_rows=masked_rows, num_kv_heads=num_kv_heads, rope=rope,
               rope_theta=rope_theta, positions=positions, key_positions=key_positions)
-    f = forward(sd, query, key, value, mask, dtype=dtype, **kw)
+    f = forward(sd, query, key, value, mask, dtype=dtype, **kw, **structured)
     (N, H), K = f.q.shape[1::2], f.k.shape[1]
     G = N // K
     W = {k: r(as_float64(v)) for k, v in sd.items()}
@@ -226,7 +246,8 @@ def backward(sd, query, key, value, mask, cotangent, *, num_heads: int, masked_r
     w = f.weights.reshape(B, K, G, T, S)
     d_weights = r(np.einsum("BKGTH,BKSH->BKGTS", d_context, f.v)).reshape(B, N, T, S)
     d_v = r(np.einsum("BKGTS,BKGTH->BKSH", w, d_context))
-    d_scores = _scores_backward(f.weights, d_weights, keep_mask(mask, B, N, T, S), flow, H, acc, r).reshape(B, K, G, T, S)
+    keep = _combined_keep(mask, B, N, T, S, structured)
+    d_scores = _scores_backward(f.weights, d_weights, keep, flow, H, acc, r).reshape(B, K, G, T, S)
     d_q = r(np.einsum("BKGTS,BKSH->BKGTH", d_scores, ks)).reshape(B, N, T, H)
     d_k = r(np.einsum("BKGTS,BKGTH->BKSH", d_scores, qs.reshape(B, K, G, T, H)))
     key_angles = None
