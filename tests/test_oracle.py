@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import SIZES, make_inputs, random_keep_mask
+from conftest import SIZES, make_inputs, make_state_dict, random_keep_mask
 from helpers import oracle
 from mha_spec import AttentionConfig, Problem
 from parity import reference
@@ -443,3 +443,117 @@ class TestDecode:
         args = {"starts": self.STARTS, "prefill": self.P, **change}
         with pytest.raises(error, match=match):
             reference.decode(sd, x, **args, **kw)
+
+
+# ------------------------------------------------------------- structured masks
+# reference.structured_keep (the oracle's definition of is_causal, window, segment ids and
+# alignment) against plain loops over docs/semantics.md's text, and forward/backward with the
+# keywords against the same maths given that mask.
+
+SEG = np.array([[0, 0, 0, 1, 1, 1, 1, 1],
+                [0, 0, 1, 1, 1, 2, 2, 2],
+                [5, 5, 5, 5, 5, 7, 7, 9]])
+
+
+def _loop_keep(B, T, S, is_causal=False, window=None, segment_ids=None, key_segment_ids=None, alignment="top-left"):
+    """keep[b, t, s], one entry at a time, as the semantics page words it."""
+    left, right = (window, window) if isinstance(window, int) else (window or (None, None))
+    key_ids = segment_ids if key_segment_ids is None else key_segment_ids
+    keep = np.zeros((B, T, S), bool)
+    for b in range(B):
+        for t in range(T):
+            a = t if alignment == "top-left" else t + S - T  # where query t sits among the keys
+            for s in range(S):
+                keep[b, t, s] = ((not is_causal or s <= a) and (left is None or a - left <= s)
+                                 and (right is None or s <= a + right)
+                                 and (segment_ids is None or segment_ids[b][t] == key_ids[b][s]))
+    return keep
+
+
+def _loop_positions(seg):
+    """Each token's index within its run of equal ids."""
+    out = np.zeros(np.shape(seg), np.int64)
+    for b, row in enumerate(seg):
+        for t in range(1, len(row)):
+            out[b, t] = out[b, t - 1] + 1 if row[t] == row[t - 1] else 0
+    return out
+
+
+class TestMasks:
+    """structured_keep and segment_positions against loops; forward/backward with the keywords
+    equal the same call with that keep-mask (ANDed with mask=); the bad arguments named."""
+
+    @pytest.mark.parametrize("T, S, kw", [
+        (5, 7, dict(is_causal=True)),
+        (5, 7, dict(is_causal=True, alignment="bottom-right")),
+        (7, 5, dict(is_causal=True)),
+        (7, 5, dict(is_causal=True, alignment="bottom-right")),
+        (8, 8, dict(window=(2, 0))),
+        (5, 7, dict(window=(1, 1), alignment="bottom-right")),
+        (8, 8, dict(window=2)),
+        (5, 7, dict(window=(None, 1))),
+        (7, 5, dict(window=(0, None), alignment="bottom-right")),
+        (8, 8, dict(segment_ids=SEG)),
+        (5, 7, dict(segment_ids=SEG[:, :5], key_segment_ids=SEG[:, 1:])),
+        (8, 8, dict(segment_ids=SEG, is_causal=True, window=(2, 1))),
+    ])
+    def test_structured_keep_is_the_definition(self, T, S, kw):
+        got = reference.structured_keep(T, S, **kw)
+        assert got.dtype == bool and got.shape == ((3 if "segment_ids" in kw else 1), 1, T, S)
+        np.testing.assert_array_equal(np.broadcast_to(got, (3, 1, T, S))[:, 0], _loop_keep(3, T, S, **kw))
+
+    def test_mistral_sliding_window_is_causal_with_left_w_minus_1(self):
+        W, L = 3, 8
+        keep = reference.structured_keep(L, L, is_causal=True, window=(W - 1, 0))[0, 0]
+        t, s = np.arange(L)[:, None], np.arange(L)[None, :]
+        np.testing.assert_array_equal(keep, (s <= t) & (s > t - W))  # the last W tokens, itself included
+        assert reference.structured_keep(L, L) is None
+
+    def test_segment_positions_restart_with_each_document(self):
+        for seg in (SEG, SEG[:, ::-1], np.array([[4, 4, 1, 1, 4, 4, 4]]), np.zeros((2, 1), np.int32), np.zeros((3, 0), int)):
+            np.testing.assert_array_equal(reference.segment_positions(seg), _loop_positions(seg))
+        np.testing.assert_array_equal(reference.segment_positions(SEG)[1], [0, 1, 0, 1, 2, 0, 1, 2])
+
+    def test_forward_and_backward_equal_the_call_with_that_mask(self):
+        """Grouped heads with RoPE at the documents' positions, packing, causal window and key padding."""
+        rng = np.random.default_rng(30)
+        sd = _sd(rng, 2)
+        x = rng.standard_normal((3, 8, E))
+        g = rng.standard_normal((3, 8, E))
+        pad = np.ones((3, 1, 1, 8), bool)
+        pad[2, ..., 7] = False  # row 2's one-token document: its query keeps nothing
+        pos = reference.segment_positions(SEG)
+        structured = dict(segment_ids=SEG, is_causal=True, window=(2, 1))
+        keep = _loop_keep(3, 8, 8, **structured)[:, None] & pad  # (B, 1, T, S)
+        layer = dict(num_heads=N, num_kv_heads=2, rope="half", rope_theta=THETA, positions=pos, key_positions=pos)
+        for policy in ("nan", "zero"):
+            want = reference.forward(sd, x, x, x, keep, masked_rows=policy, **layer)
+            got = reference.forward(sd, x, x, x, pad, masked_rows=policy, **structured, **layer)
+            for name in ("scores", "weights", "output"):
+                np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
+            assert np.isnan(got.output[2, 7]).all() == (policy == "nan")
+            want_g = reference.backward(sd, x, x, x, keep, g, masked_rows=policy, **layer)
+            got_g = reference.backward(sd, x, x, x, pad, g, masked_rows=policy, **structured, **layer)
+            assert sorted(got_g) == sorted(want_g)
+            for name in want_g:
+                np.testing.assert_array_equal(got_g[name], want_g[name], err_msg=name)
+        # and the structure matters: without it the outputs differ by order 1
+        plain = reference.forward(sd, x, x, x, pad, masked_rows="zero", **layer).output
+        assert np.abs(plain - reference.forward(sd, x, x, x, pad, masked_rows="zero", **structured, **layer).output).max() > 0.1
+
+    @pytest.mark.parametrize("kw, error, match", [
+        (dict(alignment="bottom"), ValueError, r"alignment='bottom' is not one of \('top-left', 'bottom-right'\)"),
+        (dict(window=(-1, 0)), ValueError, r"window left must be a non-negative int or None, got -1"),
+        (dict(window="2"), TypeError, r"window must be None, an int or a \(left, right\) pair"),
+        (dict(segment_ids=np.zeros((3, 5), int)), ValueError, r"segment_ids \(3, 5\) with T=5 != S=7: pass key_segment_ids"),
+        (dict(segment_ids=np.zeros((2, 5), int), key_segment_ids=np.zeros((2, 7), int)), ValueError,
+         r"segment_ids \(2, 5\) has 2 rows, the query 3"),
+        (dict(segment_ids=np.zeros((3, 5), int), key_segment_ids=np.zeros((3, 7))), ValueError,
+         r"key_segment_ids must be integers of shape \(B, 7\), got float64 \(3, 7\)"),
+        (dict(key_segment_ids=np.zeros((3, 7), int)), ValueError, "key_segment_ids without segment_ids"),
+    ])
+    def test_bad_arguments_are_named(self, kw, error, match):
+        rng = np.random.default_rng(31)
+        q, k, v = make_inputs(rng)
+        with pytest.raises(error, match=match):
+            reference.forward(make_state_dict(rng, 12), q, k, v, num_heads=3, **kw)

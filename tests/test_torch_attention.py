@@ -15,11 +15,12 @@ import pytest
 import torch
 
 from conftest import SIZES, make_inputs, random_keep_mask
-from helpers import assert_close, build, oracle
-from mha_torch import MultiHeadAttention
+from helpers import DTYPES, assert_close, build, cast_sd, np_dtype, oracle
+from mha_spec import AttentionConfig
+from mha_torch import MultiHeadAttention, segment_positions
 from mha_torch.attention import rotate
-from parity import reference
-from parity.tolerances import compare, tolerance_for
+from parity import convert, reference
+from parity.tolerances import compare, compare_three_way, tolerance_for
 
 # ------------------------------------------------------------- the classic layer (conftest's SIZES)
 
@@ -552,3 +553,216 @@ class TestDecode:
                 np.testing.assert_allclose(c_compiled.k.numpy(), c_eager.k.numpy(), rtol=1e-12, atol=1e-12)
                 np.testing.assert_array_equal(c_compiled.lengths.numpy(), c_eager.lengths.numpy())
         assert counters["stats"]["unique_graphs"] == 1
+
+
+# ------------------------------------------------------------- structured masks
+# docs/semantics.md, "Packed sequences, sliding windows and causal alignment": is_causal, window,
+# segment_ids / key_segment_ids and alignment, against the float64 oracle (reference.forward with
+# the same keywords; TestMasks in tests/test_oracle.py checks its keep-mask against loops over the
+# definition). Cross-attention T=5 over S=7 and T=7 over S=5, packing T=S=8; rows of 2-3 documents
+# with a different layout in each row.
+
+SEG = np.array([[0, 0, 0, 1, 1, 1, 1, 1],  # two documents
+                [0, 0, 1, 1, 1, 2, 2, 2],  # three
+                [5, 5, 5, 5, 5, 7, 7, 9]])  # three, other ids, a one-token document last
+PAD = np.ones((3, 1, 1, 8), bool)  # key padding, ANDed with the structure
+PAD[0, ..., 3] = False  # row 0: the first key of its second document
+PAD[2, ..., 7] = False  # row 2: the one-token document's key, so its query keeps nothing
+# (id, layer, T, S, keywords, mask); "grouped" is E=24 N=4 K=2 H=6 with RoPE at segment_positions(SEG)
+MASK_CASES = [
+    ("causal T<S", "classic", 5, 7, dict(is_causal=True), None),
+    ("causal bottom-right T<S", "classic", 5, 7, dict(is_causal=True, alignment="bottom-right"), None),
+    ("causal T>S", "classic", 7, 5, dict(is_causal=True), None),
+    ("causal bottom-right T>S", "classic", 7, 5, dict(is_causal=True, alignment="bottom-right"), None),  # 2 rows keep nothing
+    ("window (2, 0)", "classic", 8, 8, dict(window=(2, 0)), None),
+    ("window (1, 1) bottom-right", "classic", 5, 7, dict(window=(1, 1), alignment="bottom-right"), None),
+    ("window 2", "classic", 8, 8, dict(window=2), None),
+    ("window (None, 1)", "classic", 5, 7, dict(window=(None, 1)), None),
+    ("packed", "classic", 8, 8, dict(segment_ids=SEG), None),
+    ("packed cross", "classic", 5, 7, dict(segment_ids=SEG[:, :5], key_segment_ids=SEG[:, 1:]), None),
+    ("packed causal window padding", "grouped", 8, 8,
+     dict(segment_ids=SEG, is_causal=True, window=(2, 1), positions=reference.segment_positions(SEG),
+          key_positions=reference.segment_positions(SEG)), PAD),
+]
+MASK_LAYERS = {"classic": dict(num_heads=3), "grouped": dict(num_heads=4, num_kv_heads=2, rope="half", rope_theta=THETA)}
+
+
+def _mask_sd(layer: str, seed: int = 0) -> dict:
+    cfg = AttentionConfig(12 if layer == "classic" else 24, MASK_LAYERS[layer]["num_heads"],
+                          num_kv_heads=MASK_LAYERS[layer].get("num_kv_heads"))
+    rng = np.random.default_rng(seed)
+    return {name: rng.standard_normal(shape) / math.sqrt(shape[-1]) for name, shape in cfg.weight_shapes().items()}
+
+
+def _mask_inputs(layer: str, T: int, S: int, seed: int = 1):
+    rng = np.random.default_rng(seed)
+    E = 12 if layer == "classic" else 24
+    return tuple(rng.standard_normal((3, L, E)) for L in (T, S, S))
+
+
+def _tkw(kw: dict) -> dict:
+    return {name: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for name, v in kw.items()}
+
+
+def _mask_module(sd, layer: str, **kw):
+    return convert.to_torch(sd, **MASK_LAYERS[layer], **kw)
+
+
+def _judge_forward(out, exact, low, dtype):
+    """The table's judge: float64/float32 against the exact output, 16-bit three-way."""
+    tol = tolerance_for(dtype)
+    if tol.three_way_k is None:
+        return compare(out, exact, tol.forward)
+    return compare_three_way(out, exact, low, tol.three_way_k, tol.forward.atol)
+
+
+class TestMasks:
+    """Each structured mask kind against the float64 oracle, on both paths, in every dtype; the
+    gradients in float64; alignment; SDPA's is_causal; segment_positions; bad arguments."""
+
+    @pytest.mark.parametrize("dtype", DTYPES)
+    def test_each_kind_matches_the_oracle_on_both_paths(self, dtype):
+        dt = np_dtype(dtype)
+        for name, layer, T, S, kw, mask in MASK_CASES:
+            sd = cast_sd(_mask_sd(layer), dt)
+            xs = [x.astype(dt) for x in _mask_inputs(layer, T, S)]
+            sd64, x64 = {n: reference.as_float64(a) for n, a in sd.items()}, [reference.as_float64(x) for x in xs]
+            exact = reference.forward(sd64, *x64, mask, **MASK_LAYERS[layer], **kw)
+            low = reference.forward(sd, *x64, mask, dtype=dt, **MASK_LAYERS[layer], **kw) if dt.itemsize < 4 else None
+            m = _mask_module(sd, layer)
+            args = [convert.numpy_to_tensor(x) for x in xs] + [None if mask is None else torch.from_numpy(mask)]
+            for need_weights in (True, False):
+                with torch.no_grad():
+                    out, w = m(*args, need_weights=need_weights, **_tkw(kw))
+                c = _judge_forward(convert.tensor_to_numpy(out), exact.output, None if low is None else low.output, dtype)
+                assert c.passed, (name, need_weights, c)
+                if need_weights:
+                    c = _judge_forward(convert.tensor_to_numpy(w), exact.weights, None if low is None else low.weights, dtype)
+                    assert c.passed, (name, "weights", c)
+            # the fully masked rows are the structure's: NaN exactly there under the "nan" policy
+            keep = reference._combined_keep(mask, 3, 1, T, S, {k: v for k, v in kw.items() if "positions" not in k})
+            assert np.array_equal(np.isnan(exact.output).any(-1), ~np.broadcast_to(keep, (3, 1, T, S)).any(-1)[:, 0])
+
+    def test_every_gradient_matches_the_oracle_backward(self):
+        """float64, the "zero" policy (fully masked rows have no gradient)."""
+        for name, layer, T, S, kw, mask in MASK_CASES:
+            sd = _mask_sd(layer, seed=2)
+            xs = _mask_inputs(layer, T, S, seed=3)
+            g = np.random.default_rng(4).standard_normal(xs[0].shape)
+            ref = reference.backward(sd, *xs, mask, g, masked_rows="zero", **MASK_LAYERS[layer], **kw)
+            for need_weights in (True, False):
+                m = _mask_module(sd, layer, masked_rows="zero")
+                tx = [torch.tensor(x, requires_grad=True) for x in xs]
+                out, _ = m(*tx, None if mask is None else torch.from_numpy(mask), need_weights=need_weights, **_tkw(kw))
+                (out * torch.from_numpy(g)).sum().backward()
+                got = {"query": tx[0].grad, "key": tx[1].grad, "value": tx[2].grad,
+                       **{n: p.grad for n, p in m.named_parameters()}}
+                assert sorted(got) == sorted(ref)
+                for grad_name, want in ref.items():
+                    c = compare(got[grad_name].numpy(), want, tolerance_for("float64").gradient)
+                    assert c.passed, (name, need_weights, grad_name, c)
+
+    def test_the_two_alignments_differ_and_each_matches_the_oracle(self):
+        sd = _mask_sd("classic")
+        q, k, v = _mask_inputs("classic", 5, 7)
+        outs = {}
+        for alignment in ("top-left", "bottom-right"):
+            ref = reference.forward(sd, q, k, v, num_heads=3, is_causal=True, alignment=alignment).output
+            for need_weights in (True, False):
+                out, _ = run_torch_kw(_mask_module(sd, "classic"), q, k, v, need_weights=need_weights,
+                                      is_causal=True, alignment=alignment)
+                assert_close(out, ref)
+            outs[alignment] = out
+        # top-left row 0 keeps key 0 only, bottom-right keys 0..2: every row differs
+        assert (np.abs(outs["top-left"] - outs["bottom-right"]).max(axis=-1) > 1e-3).all()
+
+    def test_fused_causal_runs_sdpa_is_causal(self, monkeypatch):
+        """is_causal alone (top-left, or T = S) reaches SDPA as is_causal=True without a mask;
+        bottom-right with T != S, a window or a mask= go as a dense keep-mask."""
+        calls = []
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+
+        def spy(*args, **kwargs):
+            calls.append((kwargs.get("is_causal", False), kwargs.get("attn_mask")))
+            return sdpa(*args, **kwargs)
+
+        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+        sd = _mask_sd("classic")
+        m = _mask_module(sd, "classic")
+        for T, S, kw, mask, causal in [(8, 8, dict(is_causal=True), None, True),
+                                       (8, 8, dict(is_causal=True, alignment="bottom-right"), None, True),
+                                       (5, 7, dict(is_causal=True), None, True),
+                                       (5, 7, dict(is_causal=True, alignment="bottom-right"), None, False),
+                                       (8, 8, dict(is_causal=True, window=(2, 0)), None, False),
+                                       (8, 8, dict(is_causal=True), PAD, False)]:
+            q, k, v = _mask_inputs("classic", T, S)
+            calls.clear()
+            out, _ = run_torch_kw(m, q, k, v, mask, need_weights=False, **kw)
+            assert len(calls) == 1 and calls[0][0] is causal and (calls[0][1] is None) is causal, (T, S, kw)
+            assert_close(out, reference.forward(sd, q, k, v, mask, num_heads=3, **kw).output)
+
+    def test_segment_positions_equal_the_oracles(self):
+        for seg in (SEG, SEG[:, ::-1], np.array([[4, 4, 1, 1, 4, 4, 4]]), np.zeros((2, 1), np.int32),
+                    np.zeros((3, 0), np.int64)):
+            got = segment_positions(torch.from_numpy(np.ascontiguousarray(seg)))
+            assert got.dtype == torch.int64
+            np.testing.assert_array_equal(got.numpy(), reference.segment_positions(seg))
+
+    @pytest.mark.parametrize("kw, error, match", [
+        (dict(window=(-1, 0)), ValueError, r"window left must be a non-negative int or None, got -1"),
+        (dict(window=(1.5, None)), ValueError, r"window left must be a non-negative int or None, got 1.5"),
+        (dict(window=(1, 2, 3)), TypeError, r"window must be None, an int or a \(left, right\) pair"),
+        (dict(is_causal="yes"), TypeError, r"is_causal must be a bool"),
+        (dict(alignment="bottom"), ValueError, r"alignment='bottom' is not one of \('top-left', 'bottom-right'\)"),
+        (dict(segment_ids=np.zeros((3, 5), np.int64)), ValueError, r"with T=5 != S=7: pass key_segment_ids \(B, S\)"),
+        (dict(segment_ids=np.zeros((3, 5)), key_segment_ids=np.zeros((3, 7), np.int64)), TypeError,
+         r"segment_ids must be integers, got dtype torch.float64"),
+        (dict(segment_ids=np.zeros((2, 5), np.int64), key_segment_ids=np.zeros((2, 7), np.int64)), ValueError,
+         r"segment_ids must have shape \(B, T\) with B=3, T=5, got \(2, 5\)"),
+        (dict(segment_ids=np.zeros((3, 5), np.int64), key_segment_ids=np.zeros((3, 5), np.int64)), ValueError,
+         r"key_segment_ids must have shape \(B, S\) with B=3, S=7, got \(3, 5\)"),
+        (dict(key_segment_ids=np.zeros((3, 7), np.int64)), ValueError, r"key_segment_ids without segment_ids"),
+    ])
+    def test_bad_arguments_are_named(self, kw, error, match):
+        m = _mask_module(_mask_sd("classic"), "classic")
+        q, k, v = _mask_inputs("classic", 5, 7)
+        with pytest.raises(error, match=match):
+            run_torch_kw(m, q, k, v, **kw)
+
+    def test_with_a_cache_they_are_value_errors(self):
+        m = _mask_module(_mask_sd("classic"), "classic")
+        x = torch.zeros(3, 2, 12, dtype=torch.float64)
+        for kw in (dict(is_causal=True), dict(window=2), dict(segment_ids=torch.zeros(3, 2, dtype=torch.int64)),
+                   dict(alignment="bottom-right")):
+            with pytest.raises(ValueError, match=f"{next(iter(kw))} with a cache"):
+                m(x, x, x, cache=m.init_cache(3, 4), **kw)
+
+    @pytest.mark.slow
+    def test_compiled_packed_row_takes_segment_ids_as_data(self):
+        """fullgraph=True (no graph break: the mask is built from shapes alone); two layouts run one
+        graph (the ids are inputs, not constants); both paths match the oracle. aot_eager: the
+        capture is what is checked here, inductor's code generation is not ours."""
+        from torch._dynamo.utils import counters
+
+        sd = _mask_sd("classic")
+        m = _mask_module(sd, "classic")
+        q, k, v = _mask_inputs("classic", 8, 8)
+        torch._dynamo.reset()
+        counters.clear()
+        f = torch.compile(lambda seg, nw: m(*(torch.from_numpy(x) for x in (q, k, v)), segment_ids=seg, is_causal=True,
+                                           window=(3, 0), need_weights=nw)[0], fullgraph=True, backend="aot_eager")
+        with torch.no_grad():
+            for need_weights in (True, False):
+                for seg in (SEG, SEG[::-1].copy()):
+                    out = f(torch.from_numpy(seg), need_weights)
+                    ref = reference.forward(sd, q, k, v, num_heads=3, segment_ids=seg, is_causal=True, window=(3, 0))
+                    assert_close(out.numpy(), ref.output)
+        assert counters["stats"]["unique_graphs"] == 2  # one per path, not per layout
+
+
+def run_torch_kw(m, q, k, v, mask=None, *, need_weights=True, **kw):
+    """run_torch with the structured keywords (NumPy arrays become tensors)."""
+    with torch.no_grad():
+        out, w = m(*(torch.from_numpy(x) for x in (q, k, v)), None if mask is None else torch.from_numpy(mask),
+                   need_weights=need_weights, **_tkw(kw))
+    return out.numpy(), None if w is None else w.numpy()
