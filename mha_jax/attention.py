@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 
 from mha_jax.chunked import accumulation_dtype, chunked_attention, fill_masked_rows, fold_scale, keep_4d, mean_over_keys
-from mha_jax import kernels
+from mha_jax import kernels, pallas
 from mha_jax.kv_cache import KVCache
 from mha_spec import (MASKED_ROWS_POLICIES, AttentionConfig, Stages, check_cache_shapes, check_mask_values, check_positions, check_qkv_shapes,
                       mask_shape_4d)
@@ -138,19 +138,24 @@ def attention_core(q, k, v, keep=None, *, masked_rows="nan", precision=None, ret
     return context, weights
 
 
-def fused_attention_core(q, k, v, keep=None, *, masked_rows="nan", precision=None):
+def fused_attention_core(q, k, v, keep=None, *, masked_rows="nan", precision=None, is_causal: bool = False,
+                         window=None, segment_ids=None, key_segment_ids=None, alignment: str = "top-left"):
     """The same context as `attention_core`, without returning (or, when large, building) weights.
 
     q (B, T, N, H), k and v (B, S, K, H) with K dividing N; keep as for `attention_core`
-    (bool [T, S], [B, T, S] or (B|1, N|1, T|1, S|1)), the same on every kernel. The kernel
-    and its chunk sizes come from `mha_jax.kernels.fused_choice` (measured per processor; it
-    also says why, for a benchmark row): our einsum core, the chunked kernel (flash backward,
-    O(T + S) memory) or jax.nn.dot_product_attention (XLA, or cuDNN on a CUDA GPU for
-    16-bit). None of them repeats K or V to N heads: the einsum core and dot_product_attention
-    contract per group, the chunked kernel stacks a group's query heads along its query axis.
+    (bool [T, S], [B, T, S] or (B|1, N|1, T|1, S|1)), the same on every kernel. The structured
+    keywords are the module's (is_causal, window, segment_ids (B, T), key_segment_ids (B, S),
+    alignment; `structured_keep`), ANDed with keep: the kernel choice sees their structure
+    (`kernels.MASK_STRUCTURES`), so a causal triangle or segment ids without keep can run a
+    Pallas flash kernel that builds no (T, S) mask. The kernel and its chunk sizes come from
+    `mha_jax.kernels.fused_choice` (measured per processor, a rule on a GPU or TPU; it also says
+    why, for a benchmark row): our einsum core, the chunked kernel (flash backward, O(T + S)
+    memory), jax.nn.dot_product_attention (XLA, or cuDNN on a CUDA GPU for 16-bit), or jax's
+    Pallas flash kernels on a GPU or TPU (`mha_jax.pallas`). None of them repeats K or V to N
+    heads: the einsum core and dot_product_attention contract per group, the chunked kernel
+    stacks a group's query heads along its query axis, the Pallas kernels run once per group.
     Whichever runs, fully masked rows follow `masked_rows` (mean V of the row's own key/value
-    head) and which rows those are comes from the keep-mask alone, so NaN inputs give NaN
-    outputs.
+    head) and which rows those are comes from the mask alone, so NaN inputs give NaN outputs.
     S = 0 is a ValueError; T = 0 gives an empty context.
     """
     B, T, N, H = q.shape
@@ -158,8 +163,23 @@ def fused_attention_core(q, k, v, keep=None, *, masked_rows="nan", precision=Non
     if S == 0:
         raise ValueError(f"fused_attention_core needs at least one key: got key shape {k.shape} (S=0)")
     G = _groups(q, k, v)
+    structure = _check_structure(T, S, is_causal, window, segment_ids, key_segment_ids, alignment, B)
     keep = keep_4d(keep, B, N, T, S)  # (B|1, N|1, T|1, S|1): what every kernel below indexes
-    choice = kernels.fused_choice(B, N, T, S, H, q.dtype, has_mask=keep is not None)
+    kind = _mask_kind(keep, structure)
+    choice = kernels.fused_choice(B, N, T, S, H, q.dtype, has_mask=kind != kernels.MASK_NONE, mask_kind=kind,
+                                  precision=precision)
+    if choice.kernel in kernels.PALLAS_KERNELS:
+        refusal = kernels.pallas_refusal(choice.kernel, dtype=q.dtype, T=T, S=S, H=H, mask_kind=kind, precision=precision)
+        if refusal is not None:  # a kernel forced past the rule would drop the mask it cannot express
+            raise ValueError(f"{choice.kernel} was chosen for q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                             f"but {refusal}")
+        shared = structure.k_seg is structure.q_seg
+        return pallas.flash(choice.kernel, q, k, v, is_causal=structure.is_causal, segment_ids=structure.q_seg,
+                            key_segment_ids=None if shared else structure.k_seg, masked_rows=masked_rows,
+                            precision=precision)
+    built = _build_keep(T, S, structure)  # (B|1, 1, T, S) | None
+    if built is not None:
+        keep = built if keep is None else keep & built  # (B|1, N|1, T, S)
     if choice.kernel == kernels.EINSUM:
         return attention_core(q, k, v, keep, masked_rows=masked_rows, precision=precision)[0]
     if choice.kernel == kernels.CHUNKED:
@@ -174,6 +194,19 @@ def fused_attention_core(q, k, v, keep=None, *, masked_rows="nan", precision=Non
         mean_v = jnp.repeat(mean_over_keys(v), G, axis=2) if G > 1 else mean_over_keys(v)  # (B, 1, N, H)
         context = fill_masked_rows(context, row_any, masked_rows, mean_v)
     return context
+
+
+def _mask_kind(keep, structure) -> str:
+    """The mask's structure as `kernels.fused_choice` takes it, from what the caller asked (a
+    keep-mask given as data is MASK_DENSE whatever it holds)."""
+    window = structure.left is not None or structure.right is not None
+    if keep is not None or window or (structure.is_causal and structure.offset != 0):
+        return kernels.MASK_DENSE
+    if structure.q_seg is None:
+        return kernels.MASK_CAUSAL if structure.is_causal else kernels.MASK_NONE
+    if structure.k_seg is structure.q_seg:  # key_segment_ids defaulted to segment_ids
+        return kernels.MASK_CAUSAL_SEGMENTS if structure.is_causal else kernels.MASK_SEGMENTS
+    return kernels.MASK_CAUSAL_KEY_SEGMENTS if structure.is_causal else kernels.MASK_KEY_SEGMENTS
 
 
 def cached_attention(q, k_new, v_new, cache: KVCache, *, masked_rows: str = "nan", need_weights: bool = False,
@@ -538,10 +571,11 @@ class MultiHeadAttention(nnx.Module):
         positions = _check_positions(positions, B, T, "positions")
         key_positions = _check_positions(key_positions, B, S, "key_positions")
         keep = None if mask is None else _keep_mask(mask, B, self.num_heads, T, S)
-        built = _build_keep(T, S, _check_structure(T, S, is_causal, window, segment_ids, key_segment_ids,
-                                                   alignment, B))  # (B|1, 1, T, S) | None
-        if built is not None:
-            keep = built if keep is None else keep & built  # (B|1, N|1, T, S)
+        structure = _check_structure(T, S, is_causal, window, segment_ids, key_segment_ids, alignment, B)
+        if need_weights:
+            built = _build_keep(T, S, structure)  # (B|1, 1, T, S) | None
+            if built is not None:
+                keep = built if keep is None else keep & built  # (B|1, N|1, T, S)
         query, key, value = (jnp.asarray(x) for x in (query, key, value))
 
         q_in = self._heads(self.q_proj, query, dtype)  # (B, T, N, H)
@@ -563,7 +597,9 @@ class MultiHeadAttention(nnx.Module):
         elif T == 0:  # no queries: nothing for any fused kernel to do
             context = jnp.zeros(q.shape, dtype)
         else:
-            context = fused_attention_core(q, k, v, keep, **kw)
+            # mask= and the structured keywords go separately: the kernel choice sees the structure.
+            context = fused_attention_core(q, k, v, keep, is_causal=is_causal, window=window, segment_ids=segment_ids,
+                                           key_segment_ids=key_segment_ids, alignment=alignment, **kw)
         context = context.reshape(B, T, q.shape[2] * self.head_dim)  # (B, T, N·H), or this device's share
         output = self._project(self.out_proj, context, dtype)  # (B, T, E)
         if return_intermediates:

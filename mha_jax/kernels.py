@@ -6,9 +6,13 @@ Kernels (the names the benchmark records):
   chunked    `chunked_attention`: online softmax, flash backward, O(T + S) memory
   dpa-xla    `jax.nn.dot_product_attention(implementation="xla")`: materialises
   dpa-cudnn  `jax.nn.dot_product_attention(implementation="cudnn")`: cuDNN flash attention
+  pallas-gpu-flash  jax's Pallas (Triton) flash kernel `jax.experimental.pallas.ops.gpu.attention.mha`
+  pallas-tpu-flash  jax's Pallas (Mosaic) flash kernel `jax.experimental.pallas.ops.tpu.flash_attention`
 
-Other modules name them by the constants EINSUM, CHUNKED, DPA_XLA, DPA_CUDNN, and show a choice
-as `kernel_label` spells it ("chunked:256x512" with the blocks; `parse_label` reads it back).
+Other modules name them by the constants EINSUM, CHUNKED, DPA_XLA, DPA_CUDNN, PALLAS_GPU and
+PALLAS_TPU, and show a choice as `kernel_label` spells it ("chunked:256x512" with the blocks;
+`parse_label` reads it back). KERNELS are the four a measured row may name (`mha_jax.tune`
+times them); the two Pallas kernels are chosen by rule only, and ALL_KERNELS holds all six.
 
 Measured rows are keyed by processor (`Processor`: device kind, model, vector ISA), since
 one device kind ("cpu") covers machines whose best blocks differ. `fused_choice` reads,
@@ -29,17 +33,26 @@ before any row, each for a reason that no timing can overrule:
 - a materialising kernel runs only while B·N·T·S <= MATERIALIZE_LIMIT;
 - on a CUDA GPU, float16/bfloat16 with a head dim that is a multiple of 8 and <= 128
   (and even T and S when there is a mask: cuDNN's masked backward needs them) runs
-  dpa-cudnn. Only this decision logic is tested (with fake processors): no GPU run yet.
+  dpa-cudnn. Only this decision logic is tested (with fake processors): no GPU run yet;
+- on a TPU, pallas-tpu-flash where `pallas_refusal` finds nothing against it; on a GPU (after
+  the cuDNN rule), pallas-gpu-flash likewise. What it checks: the dtype, the head dim, T and S
+  against the kernel's blocks, the precision, and the mask's structure (`mask_kind`: none,
+  a top-left causal triangle, segment ids; a dense keep-mask's contents are data, so a dense
+  mask is never "expressed"). Where it refuses, the measured rows decide as below; with no
+  rows an accelerator takes "chunked", never the einsum. Only the decision logic is tested
+  with fake platforms, and the wrappers (`mha_jax.pallas`) in Pallas interpret mode on a CPU:
+  neither kernel has run on a GPU or TPU here.
 
-A processor with no rows of its device kind (any GPU or TPU so far) takes "einsum" below
-the guard and "chunked" with DEFAULT_BLOCKS above it.
+A CPU with no rows of its device kind takes "einsum" below the guard and "chunked" with
+DEFAULT_BLOCKS above it.
 
-The choice sees whether there is a mask (`has_mask`, for cuDNN's even-length rule), not how much
-of it is kept: the rows were measured without a mask. Only "chunked" skips the blocks a mask
-leaves empty (`chunked.block_census`); every CPU row picks it, so on a CPU a sliding-window or
-packed mask runs it at every size. Where "einsum", "dpa-xla" or "dpa-cudnn" win (a GPU without
-rows below the guard, 16-bit on CUDA) a sparse mask is computed densely; no masked timing exists
-yet to key the choice on.
+The choice sees whether there is a mask (`has_mask`, for cuDNN's even-length rule) and its
+structure (`mask_kind`, for the Pallas kernels), not how much of it is kept: the rows were
+measured without a mask. "chunked" skips the blocks a mask leaves empty (`chunked.block_census`);
+every CPU row picks it, so on a CPU a sliding-window or packed mask runs it at every size. The
+Pallas kernels skip the key blocks above a causal diagonal. Where "einsum", "dpa-xla" or
+"dpa-cudnn" win (measured rows below the guard, 16-bit on CUDA) a sparse mask is computed
+densely; no masked timing exists yet to key the choice on.
 """
 
 from __future__ import annotations
@@ -63,6 +76,13 @@ CHUNKED = "chunked"
 DPA_XLA = "dpa-xla"
 DPA_CUDNN = "dpa-cudnn"
 KERNELS = (EINSUM, CHUNKED, DPA_XLA, DPA_CUDNN)
+"""The kernels a measured row (and `mha_jax.tune`) may name."""
+PALLAS_GPU = "pallas-gpu-flash"
+PALLAS_TPU = "pallas-tpu-flash"
+PALLAS_KERNELS = (PALLAS_GPU, PALLAS_TPU)
+"""Chosen by rule only (`pallas_refusal`); run by `mha_jax.pallas`."""
+ALL_KERNELS = KERNELS + PALLAS_KERNELS
+"""Every kernel `fused_attention_core` may run: what `kernel_label` and `parse_label` accept."""
 DPA_IMPLEMENTATIONS = {DPA_XLA: "xla", DPA_CUDNN: "cudnn"}
 """The `implementation` argument of jax.nn.dot_product_attention that each dpa-* kernel passes."""
 DEFAULT_BLOCKS = (512, 1024)
@@ -113,12 +133,13 @@ class Choice:
 def kernel_label(choice: Choice, *, source: bool = False) -> str:
     """The one spelling of a kernel choice that benchmark rows and `mha_jax.tune` show.
 
-    "einsum", "dpa-xla", "dpa-cudnn", or "chunked:QxK" with its blocks (q_chunk x k_chunk):
+    "einsum", "dpa-xla", "dpa-cudnn", a Pallas kernel's name ("pallas-tpu-flash": its blocks
+    are fixed, `TPU_BLOCK`, `gpu_blocks`), or "chunked:QxK" with its blocks (q_chunk x k_chunk):
     one token, so a tune run keys its candidates by it. source=True appends where the choice
     came from, as a benchmark row shows it: "chunked:256x512 (built-in)", "einsum (weights)".
     """
-    if choice.kernel not in KERNELS:
-        raise ValueError(f"kernel {choice.kernel!r} is not one of {KERNELS}")
+    if choice.kernel not in ALL_KERNELS:
+        raise ValueError(f"kernel {choice.kernel!r} is not one of {ALL_KERNELS}")
     label = choice.kernel
     if choice.kernel == CHUNKED:
         if choice.q_chunk is None or choice.k_chunk is None:
@@ -131,12 +152,12 @@ def parse_label(label: str) -> Choice:
     """`kernel_label`'s inverse (without the source): "chunked:256x512" -> Choice("chunked", 256, 512);
     ValueError naming the label for anything else."""
     kernel, sep, blocks = label.partition(":") if isinstance(label, str) else ("", "", "")
-    if kernel in KERNELS and kernel != CHUNKED and not sep:
+    if kernel in ALL_KERNELS and kernel != CHUNKED and not sep:
         return Choice(kernel)
     q, x, k = blocks.partition("x")
     if kernel == CHUNKED and x and _is_positive_decimal(q) and _is_positive_decimal(k):
         return Choice(CHUNKED, int(q), int(k))
-    raise ValueError(f"{_short(label)} is not a kernel label: one of {', '.join(k for k in KERNELS if k != CHUNKED)} "
+    raise ValueError(f"{_short(label)} is not a kernel label: one of {', '.join(k for k in ALL_KERNELS if k != CHUNKED)} "
                      f"or {CHUNKED}:QxK (positive integer blocks)")
 
 
@@ -335,14 +356,136 @@ def _cudnn_allowed(platform: str, dtype, T: int, S: int, H: int, has_mask: bool)
     return not has_mask or (T % 2 == 0 and S % 2 == 0)
 
 
-def choose(*, platform: str, sources: tuple[Source, ...], dtype, B: int, N: int, T: int, S: int, H: int, has_mask: bool,
-           materialize_limit: int) -> Choice:
-    """The kernel and chunk sizes for one fused call; pure (no device or file is read)."""
+# ---------------------------------------------------------------- the Pallas kernels' rule
+
+# The structure of a call's keep-mask, as the caller knows it from its keywords (never from the
+# mask's values): `fused_attention_core` derives it from is_causal/segment_ids/key_segment_ids.
+MASK_NONE = "none"
+MASK_CAUSAL = "causal"  # s <= t (top-left; with T = S also bottom-right)
+MASK_SEGMENTS = "segments"  # one set of segment ids for queries and keys (T = S)
+MASK_KEY_SEGMENTS = "key-segments"  # segment ids for the queries and separate ones for the keys
+MASK_CAUSAL_SEGMENTS = "causal+segments"
+MASK_CAUSAL_KEY_SEGMENTS = "causal+key-segments"
+MASK_DENSE = "dense"  # anything else: a keep-mask given as data, a window, bottom-right causal with T != S
+MASK_STRUCTURES = (MASK_NONE, MASK_CAUSAL, MASK_SEGMENTS, MASK_KEY_SEGMENTS, MASK_CAUSAL_SEGMENTS,
+                   MASK_CAUSAL_KEY_SEGMENTS, MASK_DENSE)
+
+# What each Pallas kernel can express: the GPU kernel takes one segment-id array for queries and
+# keys, the TPU kernel a (queries, keys) pair.
+_EXPRESSIBLE = {
+    PALLAS_GPU: (MASK_NONE, MASK_CAUSAL, MASK_SEGMENTS, MASK_CAUSAL_SEGMENTS),
+    PALLAS_TPU: (MASK_NONE, MASK_CAUSAL, MASK_SEGMENTS, MASK_KEY_SEGMENTS, MASK_CAUSAL_SEGMENTS,
+                 MASK_CAUSAL_KEY_SEGMENTS),
+}
+
+TPU_BLOCK = 128
+"""Every block of pallas-tpu-flash, forward and backward (the kernel's defaults): its key blocks
+must be multiples of 128 lanes, and its backward tiles the row statistics by block_k // 128."""
+GPU_BLOCK = 128
+GPU_BACKWARD_BLOCK = 32
+"""pallas-gpu-flash's blocks (the kernel's defaults), each clamped to the sequence: min(128, L)
+forward, min(32, L) in the backward; Triton needs each a power of two >= 16 that divides L."""
+_GPU_MIN_BLOCK = 16
+_GPU_HEAD_DIMS = (16, 256)  # Triton's dot needs >= 16 along the contraction; above 256 the tiles outgrow shared memory
+
+# The strings jax.default_matmul_precision takes that the Pallas kernels' dots then follow.
+_PRECISION_NAMES = ("default", "high", "highest", "bfloat16", "tensorfloat32", "float32", "fastest", "bfloat16_3x")
+
+
+def resolve_mask_kind(*, has_mask: bool, mask_kind: str | None = None) -> str:
+    """The call's mask structure: mask_kind as given (one of MASK_STRUCTURES), or, when None, what
+    has_mask alone implies (MASK_DENSE or MASK_NONE). ValueError when the two disagree."""
+    if mask_kind is None:
+        return MASK_DENSE if has_mask else MASK_NONE
+    if mask_kind not in MASK_STRUCTURES:
+        raise ValueError(f"mask_kind={mask_kind!r} is not one of {MASK_STRUCTURES}")
+    if has_mask != (mask_kind != MASK_NONE):
+        raise ValueError(f"has_mask={has_mask} contradicts mask_kind={mask_kind!r}")
+    return mask_kind
+
+
+def precision_name(precision) -> str | None:
+    """The jax.default_matmul_precision string that gives `precision` (None: None, the default).
+
+    The Pallas kernels pass no precision to their dots, so `mha_jax.pallas` traces them under
+    this setting. A ValueError for what no such string names (two different per-operand
+    precisions, a dot algorithm)."""
+    if precision is None:
+        return None
+    if isinstance(precision, (tuple, list)) and len(precision) == 2 and precision[0] == precision[1]:
+        precision = precision[0]
+    if isinstance(precision, jax.lax.Precision):
+        return precision.name.lower()
+    if isinstance(precision, str) and precision.lower() in _PRECISION_NAMES:
+        return precision.lower()
+    raise ValueError(f"precision {precision!r} has no jax.default_matmul_precision name ({', '.join(_PRECISION_NAMES)})")
+
+
+def gpu_blocks(L: int) -> tuple[int, int] | None:
+    """pallas-gpu-flash's (forward, backward) block along a sequence of length L, or None when
+    either is not a power of two >= 16 dividing L."""
+    blocks = (min(GPU_BLOCK, L), min(GPU_BACKWARD_BLOCK, L))
+    if all(b >= _GPU_MIN_BLOCK and b & (b - 1) == 0 and L % b == 0 for b in blocks):
+        return blocks
+    return None
+
+
+def pallas_refusal(kernel: str, *, dtype, T: int, S: int, H: int, mask_kind: str, precision=None) -> str | None:
+    """Why `kernel` (PALLAS_GPU or PALLAS_TPU) cannot run this call, or None when it can; pure."""
     dtype = jnp.dtype(dtype)
+    if kernel == PALLAS_TPU:
+        dtypes, what = (jnp.float32, jnp.bfloat16), "float32 and bfloat16 (its softmax is float32)"
+    elif kernel == PALLAS_GPU:
+        dtypes, what = (jnp.float32, jnp.float16, jnp.bfloat16), "float32, float16 and bfloat16 (its softmax is float32)"
+    else:
+        raise ValueError(f"kernel {kernel!r} is not one of {PALLAS_KERNELS}")
+    if dtype not in dtypes:
+        return f"{dtype.name}: it runs {what}"
+    if mask_kind not in _EXPRESSIBLE[kernel]:
+        return f"a {mask_kind} mask: it expresses {', '.join(_EXPRESSIBLE[kernel])}"
+    if kernel == PALLAS_TPU:
+        if T % TPU_BLOCK or S % TPU_BLOCK:
+            return f"T={T}, S={S}: both must be multiples of its {TPU_BLOCK} blocks"
+        if H > TPU_BLOCK and H % TPU_BLOCK:
+            return f"head dim {H}: it takes H <= {TPU_BLOCK} or a multiple of {TPU_BLOCK}"
+    else:
+        if T != S:
+            return f"T={T} != S={S}: its fused backward needs as many query blocks as key blocks"
+        if gpu_blocks(T) is None:
+            return (f"T=S={T}: its blocks min({GPU_BLOCK}, T) and min({GPU_BACKWARD_BLOCK}, T) must be powers of two "
+                    f">= {_GPU_MIN_BLOCK} dividing T")
+        if not _GPU_HEAD_DIMS[0] <= H <= _GPU_HEAD_DIMS[1]:
+            return f"head dim {H}: it takes {_GPU_HEAD_DIMS[0]} <= H <= {_GPU_HEAD_DIMS[1]}"
+    try:
+        precision_name(precision)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+_PALLAS_BY_PLATFORM = {"tpu": PALLAS_TPU, "gpu": PALLAS_GPU, "cuda": PALLAS_GPU}
+
+
+def choose(*, platform: str, sources: tuple[Source, ...], dtype, B: int, N: int, T: int, S: int, H: int, has_mask: bool,
+           materialize_limit: int, mask_kind: str | None = None, precision=None) -> Choice:
+    """The kernel and chunk sizes for one fused call; pure (no device or file is read).
+
+    mask_kind: the mask's structure (MASK_STRUCTURES; None: what has_mask implies, see
+    `resolve_mask_kind`); precision: the call's, which a Pallas kernel must be able to follow."""
+    dtype = jnp.dtype(dtype)
+    kind = resolve_mask_kind(has_mask=has_mask, mask_kind=mask_kind)
     if B == 0 or T == 0:
         return Choice(CHUNKED, *DEFAULT_BLOCKS, why="B = 0 or T = 0: the chunked kernel returns the empty context", source="rule")
     if _cudnn_allowed(platform, dtype, T, S, H, has_mask):
         return Choice(DPA_CUDNN, why="CUDA GPU, 16-bit, head dim and mask within cuDNN's limits", source="rule")
+    pallas = _PALLAS_BY_PLATFORM.get(platform)
+    refused = ""
+    if pallas is not None:
+        refusal = pallas_refusal(pallas, dtype=dtype, T=T, S=S, H=H, mask_kind=kind, precision=precision)
+        if refusal is None:
+            return Choice(pallas, why=f"{platform}: {dtype.name}, T={T}, S={S}, H={H} and a {kind} mask fit {pallas}",
+                          source="rule")
+        refused = f"{pallas} refused ({refusal})"
     fits = B * N * T * S <= materialize_limit
     allowed = {CHUNKED}
     if fits:
@@ -351,6 +494,9 @@ def choose(*, platform: str, sources: tuple[Source, ...], dtype, B: int, N: int,
             allowed.add(DPA_XLA)
     ranked = sorted(((_distance(r, B * N, T, S), n, r) for n, src in enumerate(sources) for r in src.rows), key=lambda x: x[:2])
     if not ranked:
+        if pallas is not None:  # an accelerator: never a materialising kernel by default
+            return Choice(CHUNKED, *DEFAULT_BLOCKS, why=f"{refused}; no measured rows for this device kind: chunked",
+                          source="no rows")
         kernel = EINSUM if fits else CHUNKED
         blocks = DEFAULT_BLOCKS if kernel == CHUNKED else (None, None)
         return Choice(kernel, *blocks, why="no measured rows for this device kind", source="no rows")
@@ -360,26 +506,35 @@ def choose(*, platform: str, sources: tuple[Source, ...], dtype, B: int, N: int,
     why = f"{sources[n].where}: nearest measured B·N={row.BN} T={row.T} S={row.S} ({row.fastest} fastest)"
     if kernel != row.fastest:
         why += f"; {row.fastest} not allowed for {dtype.name} at B·N·T·S={B * N * T * S}"
+    if refused:
+        why += f"; {refused}"
     return Choice(kernel, *(blocks if kernel == CHUNKED else (None, None)), why=why, source=sources[n].label)
 
 
-def fused_choice(B: int, N: int, T: int, S: int, H: int, dtype, *, has_mask: bool, device=None) -> Choice:
-    """What `fused_attention_core` runs for these sizes on `device` (default: JAX's first device)."""
+def fused_choice(B: int, N: int, T: int, S: int, H: int, dtype, *, has_mask: bool, mask_kind: str | None = None,
+                 precision=None, device=None) -> Choice:
+    """What `fused_attention_core` runs for these sizes on `device` (default: JAX's first device).
+
+    mask_kind: the mask's structure, one of MASK_STRUCTURES (None: MASK_DENSE with a mask,
+    MASK_NONE without); precision: the call's matmul precision (None: jax's default)."""
     device = device or jax.devices()[0]
     path = kernel_table_path()
     sources = sources_for(processor(device), load_user_table(path), str(path))
+    if precision is None:
+        precision = jax.config.jax_default_matmul_precision
     return choose(platform=device.platform, sources=sources, dtype=dtype, B=B, N=N, T=T, S=S, H=H,
-                  has_mask=has_mask, materialize_limit=MATERIALIZE_LIMIT)
+                  has_mask=has_mask, materialize_limit=MATERIALIZE_LIMIT, mask_kind=mask_kind, precision=precision)
 
 
 WEIGHTS = "weights"
 """`Choice.source` of the module with need_weights=True: it returns the weights, so the einsum core runs."""
 
 
-def module_choice(B: int, N: int, T: int, S: int, H: int, dtype, *, has_mask: bool, need_weights: bool, device=None) -> Choice:
+def module_choice(B: int, N: int, T: int, S: int, H: int, dtype, *, has_mask: bool, need_weights: bool,
+                  mask_kind: str | None = None, precision=None, device=None) -> Choice:
     """What `mha_jax.MultiHeadAttention` runs for these sizes: the einsum core when it returns the
     weights, else `fused_choice` (what `fused_attention_core` asks)."""
     if need_weights:
         return Choice(EINSUM, why="need_weights=True: the weights are returned, so the einsum core materialises them",
                       source=WEIGHTS)
-    return fused_choice(B, N, T, S, H, dtype, has_mask=has_mask, device=device)
+    return fused_choice(B, N, T, S, H, dtype, has_mask=has_mask, mask_kind=mask_kind, precision=precision, device=device)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -99,13 +100,15 @@ def test_a_cuda_gpu_takes_cudnn_only_within_its_limits():
 
     assert gpu(dtype=jnp.bfloat16) == "dpa-cudnn"
     assert gpu(dtype=jnp.float16, has_mask=True, T=512, S=256) == "dpa-cudnn"
-    assert gpu(dtype=jnp.float32) == "einsum"  # no rows for this kind: einsum below the guard
-    assert gpu(dtype=jnp.float64) == "einsum"
-    assert gpu(dtype=jnp.bfloat16, H=12) == "einsum"  # head dim not a multiple of 8
-    assert gpu(dtype=jnp.bfloat16, H=256) == "einsum"
-    assert gpu(dtype=jnp.bfloat16, has_mask=True, T=511) == "einsum"  # odd T with a mask
+    # Where cuDNN refuses, the Pallas rule (TestPallasRule) decides; with no rows for this kind
+    # an accelerator falls back to chunked, never to the einsum.
+    assert gpu(dtype=jnp.float32) == "pallas-gpu-flash"
+    assert gpu(dtype=jnp.float64) == "chunked"
+    assert gpu(dtype=jnp.bfloat16, H=12) == "chunked"  # head dim not a multiple of 8, and below Triton's 16
+    assert gpu(dtype=jnp.bfloat16, H=256) == "pallas-gpu-flash"  # above cuDNN's 128
+    assert gpu(dtype=jnp.bfloat16, has_mask=True, T=511) == "chunked"  # odd T with a (dense) mask
     big = _choose((), platform="gpu", dtype=jnp.float32, T=65536, S=65536)
-    assert (big.kernel, big.q_chunk, big.k_chunk) == ("chunked", *kernels.DEFAULT_BLOCKS)
+    assert big.kernel == "pallas-gpu-flash"
 
 
 def _table(proc: Processor, rows) -> dict:
@@ -255,3 +258,152 @@ def test_tune_rejects_bad_arguments(argv):
     with pytest.raises(SystemExit) as e:
         tune.main(argv + ["--out", "/nonexistent/never-written.json"])
     assert e.value.code == 2
+
+
+class TestPallasRule:
+    """The Pallas flash kernels on a TPU and a GPU, by rule, with fake platforms (no GPU or TPU here):
+    each branch, each refusal's reason, and the fallback (the measured rows, else chunked)."""
+
+    @staticmethod
+    def pick(platform, sources=(), **kw):
+        args = dict(T=512, S=512, H=64, dtype=jnp.float32)
+        return _choose(sources, platform=platform, **{**args, **kw})
+
+    @pytest.mark.parametrize("kind", ["none", "causal", "segments", "key-segments", "causal+segments",
+                                      "causal+key-segments"])
+    def test_a_tpu_runs_its_flash_kernel_for_every_mask_it_expresses(self, kind):
+        for dtype in (jnp.float32, jnp.bfloat16):
+            c = self.pick("tpu", dtype=dtype, has_mask=kind != "none", mask_kind=kind)
+            assert (c.kernel, c.q_chunk, c.k_chunk, c.source) == (kernels.PALLAS_TPU, None, None, "rule")
+            assert f"a {kind} mask fit pallas-tpu-flash" in c.why
+
+    @pytest.mark.parametrize("kw, reason", [
+        (dict(has_mask=True), "a dense mask: it expresses none, causal, segments"),  # has_mask alone: dense
+        (dict(has_mask=True, mask_kind="dense"), "a dense mask"),
+        (dict(dtype=jnp.float64), "float64: it runs float32 and bfloat16"),
+        (dict(dtype=jnp.float16), "float16: it runs float32 and bfloat16"),
+        (dict(T=500), "T=500, S=512: both must be multiples of its 128 blocks"),
+        (dict(S=200), "T=512, S=200: both must be multiples of its 128 blocks"),
+        (dict(H=192), "head dim 192: it takes H <= 128 or a multiple of 128"),
+        (dict(precision=(jax.lax.Precision.HIGHEST, jax.lax.Precision.DEFAULT)),
+         "precision (Precision.HIGHEST, Precision.DEFAULT) has no jax.default_matmul_precision name"),
+    ])
+    def test_a_tpu_takes_chunked_where_its_flash_kernel_refuses(self, kw, reason):
+        c = self.pick("tpu", **kw)
+        assert (c.kernel, c.q_chunk, c.k_chunk, c.source) == ("chunked", *kernels.DEFAULT_BLOCKS, "no rows")
+        assert c.why.startswith(f"pallas-tpu-flash refused ({reason}")
+        assert c.why.endswith("no measured rows for this device kind: chunked")
+
+    def test_a_tpu_never_takes_the_einsum_without_rows_however_small(self):
+        assert self.pick("tpu", T=8, S=8, H=4, has_mask=True).kernel == "chunked"  # a CPU takes einsum here
+        assert self.pick("cpu", T=8, S=8, H=4, has_mask=True).kernel == "einsum"
+
+    def test_shapes_at_the_tpu_kernels_edges(self):
+        assert self.pick("tpu", T=128, S=256, has_mask=True, mask_kind="causal").kernel == kernels.PALLAS_TPU  # T != S
+        assert self.pick("tpu", H=256).kernel == kernels.PALLAS_TPU  # a multiple of 128
+        assert self.pick("tpu", H=100).kernel == kernels.PALLAS_TPU  # below 128: any
+        assert self.pick("tpu", T=128, S=128, precision="highest").kernel == kernels.PALLAS_TPU
+        assert self.pick("tpu", precision=jax.lax.Precision.HIGH).kernel == kernels.PALLAS_TPU
+
+    def test_with_measured_rows_the_rows_decide_where_the_kernel_refuses(self):
+        tpu_rows = (kernels.Source("tpu rows", (Measured(BN=32, T=512, S=512, fastest="einsum", blocks=(64, 64)),), "user table"),)
+        c = self.pick("tpu", tpu_rows, has_mask=True)
+        assert (c.kernel, c.source) == ("einsum", "user table")
+        assert c.why.endswith("; pallas-tpu-flash refused (a dense mask: it expresses none, causal, segments, key-segments, "
+                              "causal+segments, causal+key-segments)")
+        big = self.pick("tpu", tpu_rows, has_mask=True, T=8192, S=8192)  # the memory guard still holds
+        assert (big.kernel, big.q_chunk, big.k_chunk) == ("chunked", 64, 64)
+        assert self.pick("tpu", tpu_rows, has_mask=True, mask_kind="causal").kernel == kernels.PALLAS_TPU  # the rule first
+
+    @pytest.mark.parametrize("platform", ["gpu", "cuda"])
+    def test_a_gpu_runs_cudnn_first_then_its_flash_kernel(self, platform):
+        assert self.pick(platform, dtype=jnp.bfloat16, has_mask=True, mask_kind="causal").kernel == "dpa-cudnn"
+        for dtype in (jnp.float32, jnp.float16, jnp.bfloat16):  # H=20: not cuDNN's (a multiple of 8), Triton's
+            for kind in ("none", "causal", "segments", "causal+segments"):
+                c = self.pick(platform, dtype=dtype, H=20, has_mask=kind != "none", mask_kind=kind)
+                assert (c.kernel, c.source) == (kernels.PALLAS_GPU, "rule"), (dtype, kind)
+                assert c.why == f"{platform}: {jnp.dtype(dtype).name}, T=512, S=512, H=20 and a {kind} mask fit pallas-gpu-flash"
+
+    @pytest.mark.parametrize("kw, reason", [
+        (dict(has_mask=True, mask_kind="key-segments"), "a key-segments mask: it expresses none, causal, segments, "
+                                                         "causal+segments"),
+        (dict(has_mask=True, mask_kind="causal+key-segments"), "a causal+key-segments mask"),
+        (dict(has_mask=True), "a dense mask"),
+        (dict(dtype=jnp.float64), "float64: it runs float32, float16 and bfloat16"),
+        (dict(T=256), "T=256 != S=512: its fused backward needs as many query blocks as key blocks"),
+        (dict(T=48, S=48), "T=S=48: its blocks min(128, T) and min(32, T) must be powers of two >= 16 dividing T"),
+        (dict(T=200, S=200), "T=S=200: its blocks"),
+        (dict(T=8, S=8), "T=S=8: its blocks"),
+        (dict(H=8), "head dim 8: it takes 16 <= H <= 256"),
+        (dict(H=300), "head dim 300: it takes 16 <= H <= 256"),
+        (dict(dtype=jnp.float16, H=12), "head dim 12"),  # refused by cuDNN (H % 8) and by Triton
+        (dict(precision="bogus"), "precision 'bogus' has no jax.default_matmul_precision name"),
+    ])
+    def test_a_gpu_takes_chunked_where_both_refuse(self, kw, reason):
+        c = self.pick("gpu", **kw)
+        assert (c.kernel, c.q_chunk, c.k_chunk, c.source) == ("chunked", *kernels.DEFAULT_BLOCKS, "no rows")
+        assert c.why.startswith(f"pallas-gpu-flash refused ({reason}")
+
+    @pytest.mark.parametrize("L, blocks", [(16, (16, 16)), (32, (32, 32)), (64, (64, 32)), (128, (128, 32)),
+                                           (384, (128, 32)), (48, None), (96, None), (8, None), (200, None)])
+    def test_the_gpu_kernels_blocks(self, L, blocks):
+        assert kernels.gpu_blocks(L) == blocks
+        assert (self.pick("gpu", T=L, S=L).kernel == kernels.PALLAS_GPU) == (blocks is not None)
+
+    def test_a_cpu_never_runs_a_pallas_kernel(self):
+        for kind in ("none", "causal", "segments", "key-segments"):
+            assert self.pick("cpu", has_mask=kind != "none", mask_kind=kind).kernel == "einsum"  # no rows: as before
+            c = self.pick("cpu", kernels.sources_for(kernels.EPYC, {}), has_mask=kind != "none", mask_kind=kind)
+            assert (c.kernel, c.source) == ("chunked", "built-in") and "pallas" not in c.why
+
+    def test_b_or_t_zero_comes_first(self):
+        assert self.pick("tpu", T=0, has_mask=True, mask_kind="causal").kernel == "chunked"
+        assert self.pick("gpu", B=0).kernel == "chunked"
+
+    def test_the_mask_kind_must_agree_with_has_mask(self):
+        with pytest.raises(ValueError, match="has_mask=False contradicts mask_kind='causal'"):
+            self.pick("tpu", mask_kind="causal")
+        with pytest.raises(ValueError, match="has_mask=True contradicts mask_kind='none'"):
+            self.pick("tpu", has_mask=True, mask_kind="none")
+        with pytest.raises(ValueError, match="mask_kind='triangle' is not one of"):
+            self.pick("tpu", has_mask=True, mask_kind="triangle")
+
+    def test_fused_choice_on_a_fake_tpu_and_gpu_device(self, cache_dir):
+        class Fake:
+            def __init__(self, platform, kind):
+                self.platform, self.device_kind = platform, kind
+
+        tpu, gpu = Fake("tpu", "TPU v5 lite"), Fake("gpu", "NVIDIA H100 80GB HBM3")
+        c = kernels.fused_choice(2, 8, 1024, 1024, 128, jnp.bfloat16, has_mask=True, mask_kind="causal+segments", device=tpu)
+        assert kernels.kernel_label(c, source=True) == "pallas-tpu-flash (rule)"
+        c = kernels.module_choice(2, 8, 1024, 1024, 128, jnp.bfloat16, has_mask=True, mask_kind="causal",
+                                  need_weights=False, device=tpu)
+        assert c.kernel == kernels.PALLAS_TPU
+        assert kernels.module_choice(2, 8, 1024, 1024, 128, jnp.bfloat16, has_mask=True, need_weights=True,
+                                     device=tpu).kernel == "einsum"  # the weights are returned
+        c = kernels.fused_choice(2, 8, 1024, 1024, 64, jnp.float32, has_mask=True, mask_kind="causal", device=gpu)
+        assert c.kernel == kernels.PALLAS_GPU
+        with jax.default_matmul_precision("highest"):  # the global setting is the call's when it passes none
+            assert kernels.fused_choice(2, 8, 1024, 1024, 64, jnp.float32, has_mask=False, device=gpu).kernel == kernels.PALLAS_GPU
+
+    @pytest.mark.parametrize("precision, name", [(None, None), ("HIGHEST", "highest"), ("tensorfloat32", "tensorfloat32"),
+                                                 (jax.lax.Precision.HIGH, "high"),
+                                                 ((jax.lax.Precision.HIGHEST,) * 2, "highest")])
+    def test_precision_names(self, precision, name):
+        assert kernels.precision_name(precision) == name
+
+    @pytest.mark.parametrize("precision", [(jax.lax.Precision.HIGHEST, jax.lax.Precision.DEFAULT), "bogus",
+                                           jax.lax.DotAlgorithmPreset.F32_F32_F32])
+    def test_a_precision_without_a_name_is_a_value_error(self, precision):
+        with pytest.raises(ValueError, match="has no jax.default_matmul_precision name"):
+            kernels.precision_name(precision)
+
+    def test_pallas_labels_read_back_but_no_measured_row_may_name_them(self):
+        for name in kernels.PALLAS_KERNELS:
+            assert kernels.kernel_label(kernels.Choice(name)) == name
+            assert kernels.parse_label(name) == kernels.Choice(name)
+            with pytest.raises(ValueError, match="is not a kernel label"):
+                kernels.parse_label(f"{name}:128x128")
+            with pytest.raises(ValueError, match="row field fastest must be one of"):
+                kernels.parse_table(_table(HERE, [{**GOOD_ROW, "fastest": name}]))
+        assert kernels.ALL_KERNELS == kernels.KERNELS + ("pallas-gpu-flash", "pallas-tpu-flash")
