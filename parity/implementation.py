@@ -28,11 +28,16 @@ ROLES = ("ours", "peer", "user")
 INPUTS = ("qkv", "self")
 
 
+# The harness's structured mask kinds (docs/semantics.md, "Packed sequences, sliding windows and causal
+# alignment"): packed documents (segment ids, causal within each) and a sliding window. Their home is
+# here, beside RunsOn, which must parse them (parity.harness.matrix imports them from here).
+STRUCTURED_MASKS = ("packed", "window")
 # What a `runs_on` pattern's parts name: the attention kind, the mask kind (the harness's cases and
-# the benchmark's share `mha_spec.MASK_KINDS`) and the dtype.
+# the benchmark's share `mha_spec.MASK_KINDS`; the harness's cases also `STRUCTURED_MASKS`) and the dtype.
 UNIT_INPUTS = ("self", "cross")
+UNIT_MASKS = MASK_KINDS + STRUCTURED_MASKS
 ANY = "*"
-_VOCABULARIES = (("inputs", UNIT_INPUTS), ("mask", MASK_KINDS), ("dtype", DTYPE_NAMES))
+_VOCABULARIES = (("inputs", UNIT_INPUTS), ("mask", UNIT_MASKS), ("dtype", DTYPE_NAMES))
 
 
 def unit_kind(cross: bool, mask: str, dtype: str) -> str:
@@ -43,7 +48,8 @@ def unit_kind(cross: bool, mask: str, dtype: str) -> str:
 @dataclass(frozen=True)
 class RunsOn:
     """One unit kind an implementation runs on, parsed from a `runs_on` pattern: each field is a value
-    of its vocabulary (UNIT_INPUTS, mha_spec.MASK_KINDS, mha_spec.DTYPE_NAMES) or "*" (any)."""
+    of its vocabulary (UNIT_INPUTS, UNIT_MASKS: mha_spec.MASK_KINDS and STRUCTURED_MASKS, mha_spec.DTYPE_NAMES)
+    or "*" (any)."""
 
     inputs: str = ANY
     mask: str = ANY
@@ -114,7 +120,8 @@ class Implementation:
     classic          whether it also runs the classic layer (no feature used); False for a peer of
                      the variant layers whose classic twin is a peer of its own (keras-gqa, keras-mha)
     runs_on          where it runs, in every check and the benchmark: patterns over a unit's kind
-                     "<self|cross>/<mask kind>/<dtype>" (mask kinds: none, padding, causal, random; each
+                     "<self|cross>/<mask kind>/<dtype>" (mask kinds: none, padding, causal, random, and the
+                     harness's structured packed, window; each
                      part a value, "*" or an fnmatch glob over those values), parsed once into `RunsOn`
                      predicates (`runs_on_rules`); a part naming no value is a ValueError at construction.
                      None: everywhere. What it can express (HF BERT is self-attention: "self/*/*";
@@ -136,6 +143,12 @@ class Implementation:
                      (out, cache), one token per row x_t (B, 1, E), its own cache (None on the first
                      call), position (B,) int64 the token's RoPE position in its row (-1: a left-padding
                      token no later token may attend); out (B, 1, E). See docs/semantics.md
+    structured       fn takes the structured masks (docs/semantics.md, "Packed sequences, sliding windows and
+                     causal alignment") as keywords on the cases that have them (mask kinds packed, window):
+                     those of is_causal=True, window=(left, right), segment_ids= (B, T), key_segment_ids= (B, S)
+                     and alignment="bottom-right" the case uses (segment ids as framework integer arrays: torch
+                     int64, JAX int32), and `mask` is then the rest of the case's mask alone (its padding, or
+                     None). False: `mask` is the whole mask, dense (`reference.structured_keep` AND the padding)
     """
 
     name: str
@@ -163,6 +176,7 @@ class Implementation:
     computes_in: str | None = None
     names: str | None = None
     decode: bool = False
+    structured: bool = False
     # `runs_on` parsed (None: everywhere); set by __post_init__, so `dataclasses.replace` re-parses it.
     runs_on_rules: tuple[RunsOn, ...] | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -216,6 +230,11 @@ class Implementation:
         """inputs, computes_in, names: what the layer is called with and computes in."""
         if self.inputs not in INPUTS:
             raise ValueError(f"implementation {self.name!r}: inputs={self.inputs!r} is not one of {INPUTS}")
+        if not isinstance(self.structured, bool):
+            raise TypeError(f"implementation {self.name!r}: structured must be a bool, got {self.structured!r}")
+        if self.structured and self.decode:
+            raise ValueError(f"implementation {self.name!r}: a decoder (decode=True) takes no structured masks "
+                             "(with a KV cache the cache's own mask applies)")
         if self.inputs == "self" and not self.uses_params:
             raise ValueError(f"implementation {self.name!r}: inputs='self' is fn(params, x, mask, ...): it needs "
                              "uses_params=True")

@@ -5,10 +5,12 @@
     report.ok  # something was checked, nothing failed or errored
     run(cases="modern")  # grouped/multi-query heads, RoPE, bias-free projections
     run(checks=("decode",))  # prefill + decode steps with a KV cache, vs one causal forward
+    run(cases="masks")  # packed documents and sliding windows, with the leak check
 
 The command line is `mha-parity` (parity.cli). Modules: `matrix` (cases and inputs),
 `checks` (forward, gradient, training, peers, divergence) on the implementations of
-`parity.impls`, `decode` (a prompt and single-token steps with a KV cache),
+`parity.impls`, `decode` (a prompt and single-token steps with a KV cache), `leak` (on the
+structured mask cases: a perturbed document reaches nothing the mask keeps it from),
 `judge` (the comparison), `report` (rows and renderings), `plot`
 (the margin picture), `runner` (`run`).
 """
@@ -17,12 +19,15 @@ from parity.harness.matrix import (
     CASE_SETS,
     CHECKS,
     MASK_KINDS,
+    MASK_SHAPES,
     SHAPES,
+    STRUCTURED_MASKS,
     VARIANT_SHAPES,
     Case,
     Shape,
     default_matrix,
     draw_inputs,
+    mask_matrix,
     modern_matrix,
     quick_matrix,
 )
@@ -30,6 +35,7 @@ from parity.harness.report import Report, Row
 from parity.harness.runner import run, select_impls
 
 __all__ = [
-    "run", "Report", "Row", "Case", "Shape", "CHECKS", "MASK_KINDS", "SHAPES", "VARIANT_SHAPES", "CASE_SETS",
-    "default_matrix", "modern_matrix", "quick_matrix", "draw_inputs", "select_impls",
+    "run", "Report", "Row", "Case", "Shape", "CHECKS", "MASK_KINDS", "STRUCTURED_MASKS", "SHAPES", "VARIANT_SHAPES",
+    "MASK_SHAPES", "CASE_SETS", "default_matrix", "modern_matrix", "mask_matrix", "quick_matrix", "draw_inputs",
+    "select_impls",
 ]

@@ -23,6 +23,14 @@ masks a decoder sees:
     checkpoint-decode/causal/nan with T < S and the decode check selected: its case, causal
                                  self-attention over the S tokens
 
+A Mistral or Mixtral directory whose config.json sets sliding_window=W attends to the last W
+keys (itself included): with W < S the two cases are the window's, is_causal with window
+(W - 1, 0), bottom-right aligned as the causal mask is -- checkpoint/window/nan and
+checkpoint/window+padding/uniform -- and there is no decode case (a KV cache takes no window);
+with W >= S the window keeps every causal key and the cases are the ones above. Mixtral's
+attention is Mistral's; its mixture-of-experts MLP is not attention and is not read. Qwen2's
+use_sliding_window (per layer, from max_window_layers) stays refused.
+
 Every case draws its inputs and RoPE positions as the matrix does (seeded by the case name),
 the query positions then taken from the key positions (`DecoderCase`); only the weights are
 the checkpoint's. The report's environment names the file, the layout
@@ -43,8 +51,11 @@ from parity.impls.registry import LoadError
 
 DEFAULT_SHAPE = (2, 5, 5)
 CHECKS = ("forward", "gradient", "peers", "decode")  # training and sharded check our modules on drawn layers
+WINDOW_CHECKS = ("forward", "gradient", "leak", "peers")  # with a sliding window smaller than S: no decode case
 DTYPES_DEFAULT = ("float64", "float32")  # --dtypes picks others (bfloat16, float16)
 MASKS = (("causal", "nan"), ("padding", "uniform"))  # (mask kind, masked-row policy): see the module docstring
+# With a sliding window smaller than S: (masked-row policy, padding ANDed) of the two window cases.
+WINDOW_MASKS = (("nan", False), ("uniform", True))
 _FILE_FLAGS = ("heads", "kv_heads", "rope_theta")  # the dests of the single-file flags (--heads, --kv-heads, --rope-theta)
 
 
@@ -57,16 +68,20 @@ class CheckpointLayer:
     prefix: str
     state_dict: dict
     config: AttentionConfig
+    sliding_window: int | None = None  # config.json's sliding_window (Mistral, Mixtral): the last W keys
 
     @property
     def environment(self) -> dict:
         """What the report records about the layer checked."""
         c = self.config
-        return {"checkpoint": self.path, "checkpoint_layout": self.layout, "checkpoint_prefix": self.prefix,
-                "checkpoint_layer": (f"E={c.embed_dim} N={c.num_heads} K={c.kv_heads} H={c.head_size} "
-                                     f"qkv_bias={c.qkv_bias} out_bias={c.out_bias} rope={c.rope} "
-                                     f"rope_theta={c.rope_theta:g}"),
-                "checkpoint_dtype": str(next(iter(self.state_dict.values())).dtype)}
+        env = {"checkpoint": self.path, "checkpoint_layout": self.layout, "checkpoint_prefix": self.prefix,
+               "checkpoint_layer": (f"E={c.embed_dim} N={c.num_heads} K={c.kv_heads} H={c.head_size} "
+                                    f"qkv_bias={c.qkv_bias} out_bias={c.out_bias} rope={c.rope} "
+                                    f"rope_theta={c.rope_theta:g}"),
+               "checkpoint_dtype": str(next(iter(self.state_dict.values())).dtype)}
+        if self.sliding_window is not None:
+            env["checkpoint_sliding_window"] = self.sliding_window
+        return env
 
 
 def _fail(path, layout, prefix, e: BaseException) -> LoadError:
@@ -92,14 +107,37 @@ def load_layer(path, layout: str = "hf-llama", prefix: str = "", *, num_heads: i
             if extra:
                 raise LoadError(f"--checkpoint {path} is a directory: its config.json gives the layer, so "
                                 f"{', '.join(extra)} {'is' if len(extra) == 1 else 'are'} not taken (a single .safetensors file needs them)")
-            sd, config = layouts.read_checkpoint(path, layout, prefix=prefix)
+            window = read_sliding_window(path)
+            sd, config = layouts.read_checkpoint(path, layout, prefix=prefix, ignore_sliding_window=window is not None)
         else:
+            window = None
             sd, config = _read_file(path, layout, prefix, num_heads, num_kv_heads, rope_theta)
     except LoadError:
         raise
     except (OSError, ValueError, TypeError, KeyError, NotImplementedError) as e:
         raise _fail(path, layout, prefix, e) from e
-    return CheckpointLayer(str(path), layout, prefix, sd, config)
+    return CheckpointLayer(str(path), layout, prefix, sd, config, window)
+
+
+def read_sliding_window(directory) -> int | None:
+    """config.json's sliding_window W for a model whose every layer attends to its last W keys (Mistral,
+    Mixtral: `layouts.HF_MODELS` names the field "sliding_window"); None when unset or for another model
+    (Qwen2's use_sliding_window is left to `read_checkpoint`, which refuses it). A W that is not a positive
+    int is a ValueError naming it."""
+    from mha_spec.files import read_json
+    from parity.layouts import HF_MODELS
+
+    config_path = os.path.join(directory, "config.json")
+    if not os.path.isfile(config_path):
+        return None  # read_checkpoint names what is missing
+    cfg = read_json(config_path)
+    model = HF_MODELS.get(cfg.get("model_type")) if isinstance(cfg, dict) else None
+    if model is None or model.sliding_window_field != "sliding_window" or cfg.get("sliding_window") is None:
+        return None
+    W = cfg["sliding_window"]
+    if isinstance(W, bool) or not isinstance(W, int) or W < 1:
+        raise ValueError(f"{config_path}: sliding_window = {W!r} is not a positive integer (the keys a query attends to)")
+    return W
 
 
 def _read_file(path, layout, prefix, num_heads, num_kv_heads, rope_theta):
@@ -154,21 +192,35 @@ class DecoderCase(Case):
         return dataclasses.replace(x, positions=x.key_positions[:, self.shape.S - self.shape.T:].copy())
 
 
-def cases(config: AttentionConfig, B: int, T: int, S: int, redraw: tuple = (), decode: bool = False) -> tuple[Case, ...]:
+def window_binds(sliding_window: int | None, S: int) -> bool:
+    """Whether a sliding window of W keys masks anything among S tokens (W < S)."""
+    return sliding_window is not None and sliding_window < S
+
+
+def cases(config: AttentionConfig, B: int, T: int, S: int, redraw: tuple = (), decode: bool = False,
+          sliding_window: int | None = None) -> tuple[Case, ...]:
     """The checkpoint's cases at B, T, S (see the module docstring); with `redraw` (constant
-    tensors), also "checkpoint-redrawn/causal/nan": the file's weights with those tensors drawn.
+    tensors), also "checkpoint-redrawn/<mask>/nan": the file's weights with those tensors drawn.
     decode: the decode check is selected (with T < S it gets a case of its own; with T == S the causal
-    case is its case either way)."""
+    case is its case either way). sliding_window: config.json's W; with W < S the cases are the window's
+    (window (W - 1, 0), bottom-right aligned), without a decode case."""
     if T > S:
         raise ValueError(f"--shape {B},{T},{S}: a decoder's queries are the newest of its tokens, so T <= S; got T > S")
     shape = Shape.of("checkpoint", Problem(config, B, T, S), cross=T != S)
+    redrawn = Shape.of("checkpoint-redrawn", Problem(config, B, T, S), cross=T != S)
+    if window_binds(sliding_window, S):
+        window = {"window": (sliding_window - 1, 0), "alignment": "bottom-right"}
+        out = tuple(DecoderCase(shape, "window", policy, padded=padded, peers=True, jax_eager=False, **window)
+                    for policy, padded in WINDOW_MASKS)
+        if redraw:
+            out += (DecoderCase(redrawn, "window", WINDOW_MASKS[0][0], jax_eager=False, redraw=tuple(redraw), **window),)
+        return out
     out = tuple(DecoderCase(shape, mask, policy, peers=True, jax_eager=False, decode=mask == "causal" and T == S and S > 1)
                 for mask, policy in MASKS)
     if decode and T < S:
         own = Shape.of("checkpoint-decode", Problem(config, B, S, S), cross=False)
         out += (DecoderCase(own, "causal", "nan", jax_eager=False, decode=True),)
     if redraw:
-        redrawn = Shape.of("checkpoint-redrawn", Problem(config, B, T, S), cross=T != S)
         out += (DecoderCase(redrawn, *MASKS[0], jax_eager=False, redraw=tuple(redraw)),)
     return out
 
@@ -231,6 +283,14 @@ def describe(environment: dict) -> str:
     e = environment
     text = (f"checkpoint {e['checkpoint']} (layout {e['checkpoint_layout']}, prefix {e['checkpoint_prefix']!r}, "
             f"{e['checkpoint_dtype']}): {e['checkpoint_layer']}")
+    W = e.get("checkpoint_sliding_window")
+    if W is not None:
+        S = e.get("checkpoint_tokens")
+        text += (f"\nsliding_window={W}: " + (f"fewer keys than the S={S} tokens, so the cases apply the window "
+                                                f"(is_causal, window ({W - 1}, 0)); no decode case (a KV cache takes no window)"
+                                                if window_binds(W, S) else
+                                                f"at least the S={S} tokens, so the window keeps every causal key: the "
+                                                f"causal cases are the model's (--shape with S > {W} checks the window)"))
     if e.get("checkpoint_constant_tensors"):
         text += (f"\nwarning: {e['checkpoint_constant_tensors'].replace(',', ', ')} hold one value throughout (all zero, "
                  "as freshly initialised): a port that ignores them computes the same, so the case "
@@ -245,18 +305,22 @@ def run_kwargs(args) -> dict:
                        num_kv_heads=args.kv_heads, rope_theta=args.rope_theta)
     B, T, S = args.shape or DEFAULT_SHAPE
     constant = constant_tensors(layer.state_dict)
+    default = WINDOW_CHECKS if window_binds(layer.sliding_window, S) else CHECKS
     try:
-        checks = args.checks if args.checks is not None else CHECKS
-        chosen = cases(layer.config, B, T, S, redraw=constant, decode="decode" in checks)
+        checks = args.checks if args.checks is not None else default
+        chosen = cases(layer.config, B, T, S, redraw=constant, decode="decode" in checks,
+                       sliding_window=layer.sliding_window)
     except ValueError as e:
         raise LoadError(str(e)) from e
     environment = dict(layer.environment)
+    if layer.sliding_window is not None:
+        environment["checkpoint_tokens"] = S
     if constant:
         environment["checkpoint_constant_tensors"] = ",".join(constant)
     return {"cases": chosen, "state_dict": layer.state_dict, "environment": environment,
-            "checks": args.checks if args.checks is not None else CHECKS,
+            "checks": checks,
             "dtypes": args.dtypes if args.dtypes is not None else DTYPES_DEFAULT}
 
 
-__all__ = ["CheckpointLayer", "DecoderCase", "load_layer", "cases", "run_kwargs", "describe", "add_arguments", "usage_problem", "CHECKS", "MASKS",
-           "DEFAULT_SHAPE", "DTYPES_DEFAULT"]
+__all__ = ["CheckpointLayer", "DecoderCase", "load_layer", "read_sliding_window", "window_binds", "cases", "run_kwargs", "describe",
+           "add_arguments", "usage_problem", "CHECKS", "MASKS", "WINDOW_MASKS", "WINDOW_CHECKS", "DEFAULT_SHAPE", "DTYPES_DEFAULT"]

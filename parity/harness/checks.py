@@ -21,6 +21,7 @@ from parity.devices import device_label
 from parity.harness.judge import NOTHING_COMPARED, judge, judge_grads, nan_note, status
 from parity.harness.matrix import Case, Inputs
 from parity.harness.decode import check_decode
+from parity.harness.leak import check_leak
 from parity.harness.report import Row, error_row
 from parity.impls import Implementation, builtin, mask_for
 from parity.peers.common import MissingPackage
@@ -188,13 +189,20 @@ class Unit:
         at = impl.judged_at(self.dtype)
         return "" if at == self.dtype else f"judged at the {at} bound ({impl.name} declares computes_in={impl.computes_in})"
 
+    def structure(self, impl: Implementation) -> tuple | None:
+        """(keywords, padding) for an implementation that takes the structured masks (`structured`) on a
+        structured case; None otherwise (it gets the whole mask, dense)."""
+        if not (impl.structured and self.x.structure):
+            return None
+        return self.x.structure_kw, self.x.padding
+
     def built(self, impl: Implementation, policy: str):
         key = (impl.name, policy)
         if key not in self._built:
             sd = {k: v.copy() for k, v in self.x.state_dict.items()}  # a factory that edits its copy spoils nothing
             positions = self.x.position_kw if impl.takes_problem else {}
             self._built[key] = self.runner(impl).build(impl, sd, self.case.shape.N, policy, self.problem(policy),
-                                                       positions)
+                                                       positions, self.structure(impl))
         return self._built[key]
 
     def decoder(self, impl: Implementation, policy: str):
@@ -674,8 +682,10 @@ def _peer_grad_rows(unit: Unit, peer: Implementation, policy: str, vjp, table, n
     so its input gradient is judged against the sum of the oracle's three."""
     expected, yard = unit.oracle_grads(policy, peer.masked_row_grads)
     x = unit.x
-    got = vjp(x.query, mask_for(peer, x.keep, unit.case.shape.N, x.query.dtype), x.cotangent,
-              **(x.position_kw if peer.takes_problem else {}))
+    structure = unit.structure(peer)
+    keep, kw = (x.keep, {}) if structure is None else (structure[1], structure[0])
+    got = vjp(x.query, mask_for(peer, keep, unit.case.shape.N, x.query.dtype), x.cotangent,
+              **(x.position_kw if peer.takes_problem else {}), **kw)
     expected = dict(expected, input=sum(reference.as_float64(expected[n]) for n in ("query", "key", "value")))
     if yard is not None:  # the sum's error is at most the sum of the three errors
         yard = dict(yard, input=sum(yard[n] for n in ("query", "key", "value")))
@@ -740,6 +750,8 @@ def run_unit(unit: Unit, impls, peers) -> list[Row]:
         rows += check_forward(unit, impls)
     if "gradient" in unit.checks:
         rows += check_gradient(unit, impls)
+    if "leak" in unit.checks:
+        rows += check_leak(unit, impls)
     rows += check_pairs(unit, impls)
     if "training" in unit.checks and unit.case.train:
         rows += check_training(unit)
@@ -748,4 +760,5 @@ def run_unit(unit: Unit, impls, peers) -> list[Row]:
     return rows
 
 
-__all__ = ["Unit", "run_unit", "divergence", "error_row", "check_forward", "check_gradient", "check_training", "check_peers"]
+__all__ = ["Unit", "run_unit", "divergence", "error_row", "check_forward", "check_gradient", "check_leak", "check_training",
+           "check_peers"]

@@ -2,8 +2,12 @@
 
 A case is a problem (`mha_spec.AttentionConfig` and the sizes B, T, S, with self- or
 cross-attention), a mask kind and a masked-row policy; dtypes are a separate axis of
-the run. Inputs are drawn once per case, in float64, from a NumPy generator seeded by
-(seed, case name), so filtering cases never changes another case's numbers; each dtype
+the run. Beside the dense kinds (`mha_spec.MASK_KINDS`) a case may have a structured one
+(`STRUCTURED_MASKS`: packed documents, a sliding window; docs/semantics.md, "Packed sequences,
+sliding windows and causal alignment"), optionally ANDed with padding; its inputs then carry
+the structure (`Inputs.structure`) beside the dense keep-mask it stands for. Inputs are
+drawn once per case, in float64, from a NumPy generator seeded by (seed, case name), so
+filtering cases never changes another case's numbers; each dtype
 then rounds the same draw. A RoPE case also draws its positions (not the default arange);
 the keys of a cross-attention case draw positions of their own, a self-attention case's keys
 have its queries' positions.
@@ -22,10 +26,12 @@ import numpy as np
 from mha_spec import MASK_KINDS, MASKED_ROWS_POLICIES, AttentionConfig, Problem
 from parity import draw
 from parity.dtypes import DTYPES
+from parity.implementation import STRUCTURED_MASKS, UNIT_MASKS
 
-# decode: prefill + single-token steps with a KV cache, on the cases marked decode=True (parity.harness.decode);
-# sharded: with devices >= 2 (parity.sharded)
-CHECKS = ("forward", "gradient", "training", "peers", "decode", "sharded")
+# leak: on the structured mask cases, one document (or the tokens outside a window) perturbed, the rest
+# bit-unchanged (parity.harness.leak); decode: prefill + single-token steps with a KV cache, on the cases
+# marked decode=True (parity.harness.decode); sharded: with devices >= 2 (parity.sharded)
+CHECKS = ("forward", "gradient", "leak", "training", "peers", "decode", "sharded")
 
 
 @dataclass(frozen=True)
@@ -103,19 +109,50 @@ class Case:
     decode: bool = False  # the decode check runs it too: self-attention, causal (parity.harness.decode)
     dtypes: tuple = DTYPES  # the dtypes this case runs in (intersected with the run's)
     redraw: tuple = ()  # with fixed weights (a checkpoint's): these tensors are the case's own draw instead
+    # The structured kinds (STRUCTURED_MASKS). window: (left, right) of a "window" case, causal (Mistral's
+    # sliding_window=W is (W - 1, 0)); alignment: where the queries sit among the keys when T != S;
+    # padded: a key-padding mask ANDed (per row the first L keys, the last row none). A "packed" case draws
+    # 2-3 documents per row (`segment_ids`), causal within each in self-attention; in cross-attention the
+    # keys have documents of their own (an encoder-decoder pack: no causal order between the two).
+    window: tuple | None = None
+    alignment: str = "top-left"
+    padded: bool = False
     name: str = field(default="", compare=False)
 
     def __post_init__(self):
-        if self.mask not in MASK_KINDS:
-            raise ValueError(f"mask {self.mask!r} is not one of {MASK_KINDS}")
+        from parity.reference import ALIGNMENTS, window_sides
+
+        if self.mask not in UNIT_MASKS:
+            raise ValueError(f"mask {self.mask!r} is not one of {UNIT_MASKS}")
         if self.masked_rows not in MASKED_ROWS_POLICIES:
             raise ValueError(f"masked_rows {self.masked_rows!r} is not one of {MASKED_ROWS_POLICIES}")
+        label = self.name or self.shape.name
+        if (self.mask == "window") != (self.window is not None):
+            raise ValueError(f"case {label}: window= is given with mask 'window' and only then, got mask={self.mask!r}, "
+                             f"window={self.window!r}")
+        if self.window is not None:
+            object.__setattr__(self, "window", window_sides(self.window))
+        if self.alignment not in ALIGNMENTS:
+            raise ValueError(f"case {label}: alignment={self.alignment!r} is not one of {ALIGNMENTS}")
+        if self.padded and self.mask not in STRUCTURED_MASKS:
+            raise ValueError(f"case {label}: padded=True combines padding with a structured mask {STRUCTURED_MASKS}; "
+                             f"mask {self.mask!r} has its own kind")
         if self.decode and (self.shape.cross or self.mask != "causal" or self.shape.T < 2):
             raise ValueError(f"case {self.name or self.shape.name}: a decode case is causal self-attention over at least "
                              f"2 tokens (a prompt and a step), got cross={self.shape.cross}, mask={self.mask!r}, "
                              f"T={self.shape.T}")
         if not self.name:
-            object.__setattr__(self, "name", f"{self.shape.name}/{self.mask}/{self.masked_rows}")
+            object.__setattr__(self, "name", f"{self.shape.name}/{self.mask_label}/{self.masked_rows}")
+
+    @property
+    def mask_label(self) -> str:
+        """The mask part of the case's name: its kind, "+padding" when padding is ANDed."""
+        return f"{self.mask}+padding" if self.padded else self.mask
+
+    @property
+    def structured(self) -> bool:
+        """Whether the case's mask is structured (`STRUCTURED_MASKS`): its inputs carry the structure."""
+        return self.mask in STRUCTURED_MASKS
 
     @property
     def config(self) -> AttentionConfig:
@@ -180,6 +217,30 @@ DECODE_SHAPES = {
     )
 }
 
+# The structured masks (`STRUCTURED_MASKS`, the mask cases: `mha-parity --cases masks`): packed documents
+# and sliding windows, as training and serving runs use them. Sizes small and distinct from the other
+# shapes'; no RoPE base is 10000.
+MASK_SHAPES = {
+    s.name: s
+    for s in (
+        # A Llama layer over packed rows (2 or 3 documents a row, each row its own layout), RoPE positions
+        # restarting with each document (segment_positions), as Hugging Face packs through position_ids.
+        Shape("packed-llama", B=3, T=8, S=8, E=24, N=4, cross=False, num_kv_heads=2, qkv_bias=False, out_bias=False,
+              rope="half", rope_theta=500.0),  # H=6
+        # Mistral's layer (grouped heads, rotate-half RoPE at Mistral's base 1e6, no biases) with a window
+        # smaller than T.
+        Shape("window-mistral", B=2, T=8, S=8, E=16, N=4, cross=False, num_kv_heads=2, qkv_bias=False,
+              out_bias=False, rope="half", rope_theta=1e6),  # H=4
+        # The T queries are the last of S keys (a decoder's chunk against its cache): bottom-right alignment.
+        Shape("window-cross", B=2, T=5, S=9, E=12, N=3, cross=True),  # H=4
+        # An encoder-decoder pack: the queries' and the keys' documents apart (key_segment_ids); one query
+        # document of row 0 has no key document, so its rows are fully masked.
+        Shape("packed-cross", B=3, T=6, S=8, E=10, N=2, cross=True),  # H=5
+        # The classic layer (every bias, no RoPE) over packed rows.
+        Shape("packed-classic", B=2, T=7, S=7, E=18, N=3, cross=False),  # H=6
+    )
+}
+
 _WIDE = ("float64", "float32")
 
 
@@ -195,6 +256,7 @@ def default_matrix() -> tuple[Case, ...]:
     (grouped heads, rotate-half RoPE at base 500000, no biases: every stage a port can
     get wrong) and multi-query heads, in float32. One decode case (`decode=True`): a
     Llama layer of its own sizes, a prompt and decode steps with a KV cache, in float64 and float32.
+    One packed case and one sliding-window case (`mask_matrix` has every mask case), in float32.
     """
     base = SHAPES["self"]
     return (
@@ -210,6 +272,7 @@ def default_matrix() -> tuple[Case, ...]:
         Case(SHAPES["large"], "random", "uniform", jax_eager=False),
         *_DEFAULT_VARIANT_CASES,
         _DEFAULT_DECODE_CASE,
+        *_DEFAULT_MASK_CASES,
     )
 
 
@@ -234,13 +297,41 @@ _DECODE_CASES = (
 )
 
 
+_M = MASK_SHAPES
+# A packed Llama layer and a Mistral layer whose window (3, 0) is smaller than T = 8, with the peers; in
+# float32, as the other variant cases of the default run (`mask_matrix` adds float64 on other cases).
+_DEFAULT_MASK_CASES = (
+    Case(_M["packed-llama"], "packed", "nan", peers=True, jax_eager=False, dtypes=("float32",)),
+    Case(_M["window-mistral"], "window", "nan", window=(3, 0), peers=True, jax_eager=False, dtypes=("float32",)),
+)
+
+
+def mask_matrix() -> tuple[Case, ...]:
+    """The structured mask cases (`mha-parity --cases masks`): the default matrix's packed and window
+    cases (float32); the window ANDed with padding (a row of padding only: its rows are fully masked,
+    "uniform"), in float64, float32 and bfloat16; the classic layer packed (float64); a window over a
+    decoder's chunk (T = 5 queries, the last of S = 9 keys, bottom-right; float32); an encoder-decoder
+    pack (query and key documents apart, one query document with no keys: fully masked rows; float64).
+    Every case has the leak check's rows."""
+    return (
+        *_DEFAULT_MASK_CASES,
+        Case(_M["window-mistral"], "window", "uniform", window=(3, 0), padded=True, peers=True, jax_eager=False,
+             dtypes=("float64", "float32", "bfloat16")),
+        Case(_M["packed-classic"], "packed", "zero", peers=True, jax_eager=False, dtypes=("float64",)),
+        Case(_M["window-cross"], "window", "zero", window=(2, 0), alignment="bottom-right", jax_eager=False,
+             dtypes=("float32",)),
+        Case(_M["packed-cross"], "packed", "uniform", jax_eager=False, dtypes=("float64",)),
+    )
+
+
 def modern_matrix() -> tuple[Case, ...]:
     """Every variant case (`mha-parity --cases modern`): each feature alone, every mask kind and
     policy among them, float64 and float32, and the Llama layer also in bfloat16, with peers and
     the training check; includes the default matrix's variant cases. Both RoPE conventions run
     cross-attention with T < S (key positions apart from the query positions) and no RoPE layer
     has the base 10000 (`VARIANT_SHAPES`). The decode cases (`DECODE_SHAPES`): the default one, the
-    classic layer, grouped heads, each RoPE convention and a layer without biases."""
+    classic layer, grouped heads, each RoPE convention and a layer without biases. The default matrix's
+    mask cases (grouped, RoPE and bias-free layers too; `mask_matrix` has them all)."""
     return (
         *_DEFAULT_VARIANT_CASES,
         Case(_V["gqa"], "random", "zero", peers=True, jax_eager=False, dtypes=_WIDE),
@@ -252,6 +343,7 @@ def modern_matrix() -> tuple[Case, ...]:
         Case(_V["llama"], "padding", "uniform", train=True, peers=True, jax_eager=False,
              dtypes=("float64", "float32", "bfloat16")),
         *_DECODE_CASES,
+        *_DEFAULT_MASK_CASES,
     )
 
 
@@ -299,14 +391,14 @@ def declared_shape(name: str, features, like: Shape, self_attention: bool) -> Sh
                  rope_theta=500.0 if rope else 10000.0)
 
 
-CASE_SETS = {"default": default_matrix, "quick": quick_matrix, "modern": modern_matrix}
+CASE_SETS = {"default": default_matrix, "quick": quick_matrix, "modern": modern_matrix, "masks": mask_matrix}
 """Named case sets: `run(cases="modern")`, `mha-parity --cases modern` (a name in --cases selects its set)."""
 
 
 def all_cases() -> tuple[Case, ...]:
     """Every named case once (by name, the first set that has it): what --cases patterns match."""
     seen, out = set(), []
-    for make in (default_matrix, modern_matrix, quick_matrix):
+    for make in (default_matrix, modern_matrix, mask_matrix, quick_matrix):
         for c in make():
             if c.name not in seen:
                 seen.add(c.name)
@@ -327,6 +419,11 @@ class Inputs:
     target: np.ndarray  # (B, T, E), for the training check
     positions: np.ndarray | None = None  # int64 (B, T), RoPE cases only
     key_positions: np.ndarray | None = None  # int64 (B, S); equal to positions in self-attention
+    # A structured case's masks as keywords (`reference.structured_keep`'s, those the case uses: is_causal,
+    # window, segment_ids (B, T) int64, key_segment_ids (B, S), alignment) and the rest of its mask, the
+    # padding (bool (B, 1, T, S) or None): keep is structured_keep(**structure) AND padding.
+    structure: dict | None = None
+    padding: np.ndarray | None = None
 
     def in_dtype(self, dtype: np.dtype) -> Inputs:
         def r(x):
@@ -335,8 +432,14 @@ class Inputs:
         return Inputs(
             r(self.query), r(self.key), r(self.value), self.keep,
             {k: r(v) for k, v in self.state_dict.items()}, r(self.cotangent), r(self.target),
-            self.positions, self.key_positions,
+            self.positions, self.key_positions, self.structure, self.padding,
         )
+
+    @property
+    def structure_kw(self) -> dict:
+        """The structured masks as keywords ({} on a dense case): what the oracle and a `structured`
+        implementation are given."""
+        return dict(self.structure or {})
 
     @property
     def position_kw(self) -> dict:
@@ -365,6 +468,49 @@ def _keep_mask(kind: str, shape: Shape, rng: np.random.Generator) -> np.ndarray 
         keep[0, -1, :] = True  # and at least one full row
     # One layout for every kind (B, 1, T, S), so jitted functions are reused across masks.
     return np.ascontiguousarray(keep[:, None, :, :])
+
+
+def _documents(rng: np.random.Generator, B: int, L: int, counts) -> np.ndarray:
+    """(B, L) int64 document ids 0, 1, ... in runs: row b has counts[b] documents of at least one token,
+    cut at distinct drawn points, and no two rows the same layout (redrawn until they differ)."""
+    if any(n > L for n in counts):
+        raise ValueError(f"{max(counts)} documents do not fit a row of {L} tokens")
+    for _ in range(100):
+        rows = []
+        for n in counts:
+            cuts = np.sort(rng.choice(np.arange(1, L), size=n - 1, replace=False))
+            rows.append(np.searchsorted(cuts, np.arange(L), side="right"))  # (L,): the document of each token
+        ids = np.stack(rows).astype(np.int64)
+        if len({r.tobytes() for r in ids}) == B:
+            return ids
+    raise ValueError(f"no {B} different layouts of {list(counts)} documents in rows of {L} tokens")
+
+
+def _structure(case: Case, rng: np.random.Generator) -> tuple[dict, np.ndarray | None]:
+    """A structured case's masks as keywords and its padding keep-mask (B, 1, T, S) or None."""
+    s = case.shape
+    B, T, S = s.B, s.T, s.S
+    structure = {}
+    if case.mask == "window":
+        structure.update(is_causal=True, window=case.window)
+    else:  # packed: 2 or 3 documents a row
+        counts = [2 + (b % 2) for b in range(B)]
+        structure["segment_ids"] = _documents(rng, B, T, counts)
+        if s.cross:
+            keys = _documents(rng, B, S, counts)
+            keys[0][keys[0] == keys[0].max()] = counts[0]  # row 0's last query document has no keys
+            structure["key_segment_ids"] = keys
+        else:
+            structure["is_causal"] = True
+    if case.alignment != "top-left":
+        structure["alignment"] = case.alignment
+    padding = None
+    if case.padded:
+        lengths = rng.integers(1, S + 1, size=B)
+        lengths[-1] = 0  # a row of padding only: its rows are fully masked
+        padding = np.broadcast_to(np.arange(S)[None, None, None, :] < lengths[:, None, None, None], (B, 1, T, S))
+        padding = np.ascontiguousarray(padding)
+    return structure, padding
 
 
 def _case_rng(seed: int, name: str) -> np.random.Generator:
@@ -408,7 +554,7 @@ def draw_inputs(case: Case, seed: int, state_dict: dict | None = None) -> Inputs
     sd = draw.state_dict(rng, case.config)
     if state_dict is not None:
         sd = {**_fixed_weights(case, state_dict), **{n: sd[n] for n in case.redraw}}
-    keep = _keep_mask(case.mask, s, rng)
+    keep = None if case.structured else _keep_mask(case.mask, s, rng)
     # Scaled so gradient magnitudes stay O(1) whatever B and T are.
     cotangent = rng.standard_normal((s.B, s.T, s.E)) / np.sqrt(s.B * s.T)
     target = rng.standard_normal((s.B, s.T, s.E))
@@ -416,4 +562,14 @@ def draw_inputs(case: Case, seed: int, state_dict: dict | None = None) -> Inputs
     if s.rope is not None:  # drawn last: a classic case's numbers are what they always were
         positions = draw.positions(rng, s.B, s.T)
         key_positions = draw.positions(rng, s.B, s.S) if s.cross else positions.copy()
-    return Inputs(query, key, value, keep, sd, cotangent, target, positions, key_positions)
+    structure = padding = None
+    if case.structured:  # after everything else: the dense cases' draws are untouched
+        from parity.reference import segment_positions, structured_keep
+
+        structure, padding = _structure(case, rng)
+        built = np.broadcast_to(structured_keep(s.T, s.S, **structure), (s.B, 1, s.T, s.S))
+        keep = np.ascontiguousarray(built if padding is None else built & padding)  # (B, 1, T, S)
+        if s.rope is not None and "segment_ids" in structure:  # positions restart with each document
+            positions = segment_positions(structure["segment_ids"])
+            key_positions = segment_positions(structure.get("key_segment_ids", structure["segment_ids"]))
+    return Inputs(query, key, value, keep, sd, cotangent, target, positions, key_positions, structure, padding)

@@ -15,7 +15,7 @@ class Row:
     """One result: one quantity of one implementation against one reference."""
 
     case: str
-    check: str  # forward | gradient | training | peers | decode
+    check: str  # forward | gradient | leak | training | peers | decode
     impl: str
     reference: str  # "oracle" (float64 NumPy) or another implementation's name
     dtype: str
@@ -222,17 +222,21 @@ def verdict_lines(report: Report) -> list[tuple[str, str]]:
             out.append(("bold red", f"{impl.name}: nothing was checked{tail}"))
             continue
         bad = [r for r in ran if r.status in ("fail", "error")]
-        checks = [c for c in ("forward", "gradient", "decode", "peers", "training") if any(r.check == c for r in ran)]
+        checks = [c for c in ("forward", "gradient", "leak", "decode", "peers", "training") if any(r.check == c for r in ran)]
         dtypes = [d for d in ("float64", "float32", "bfloat16", "float16") if any(r.dtype == d for r in ran)]
         at = ""
         if impl.computes_in is not None and any(impl.judged_at(d) != d for d in dtypes):
             at = f" ({', '.join(d for d in dtypes if impl.judged_at(d) != d)} at the {impl.computes_in} bound: computes_in)"
         if not bad:
+            judged = [c for c in checks if c != "leak"]  # the leak rows compare a run with itself, not the oracle
             what = " and ".join({"forward": "forward", "gradient": "gradients", "decode": "decode steps"}.get(c, c)
-                                for c in checks)
-            verb = "matches" if checks == ["forward"] else "match"
-            out.append(("green", f"{impl.name}: {what} {verb} the float64 oracle within {', '.join(dtypes)} bounds{at} "
-                                 f"on {len(cases)} case{'s' if len(cases) != 1 else ''}{tail}"))
+                                for c in judged)
+            verb = "matches" if judged == ["forward"] else "match"
+            leak = "; nothing crosses the structured masks (leak rows bit for bit)" if "leak" in checks else ""
+            text = (f"{what} {verb} the float64 oracle within {', '.join(dtypes)} bounds{at} " if judged
+                    else "leak rows pass ")
+            out.append(("green", f"{impl.name}: {text}on {len(cases)} case{'s' if len(cases) != 1 else ''}"
+                                 f"{leak if judged else ''}{tail}"))
             continue
         parts = []
         for c in checks:

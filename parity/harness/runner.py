@@ -21,15 +21,16 @@ from parity.harness.matrix import (CASE_SETS, CHECKS, SHAPES, Case, all_cases, d
                                    layer_cases, quick_matrix)
 from parity.harness.report import Report, Row, to_json, to_markdown
 from parity.impls import Implementation, select
+from parity.implementation import STRUCTURED_MASKS
 
 
-USER_CHECKS = ("forward", "gradient", "decode")  # the checks that run a user's implementation (the others run ours and the peers)
+USER_CHECKS = ("forward", "gradient", "leak", "decode")  # the checks that run a user's implementation (the others run ours and the peers)
 
 
 def checks_of(impl: Implementation) -> tuple[str, ...]:
     """The checks that run one implementation of the user's: a decoder's is the decode check, the others'
-    forward and gradient."""
-    return ("decode",) if impl.decode else ("forward", "gradient")
+    forward, gradient and leak (the leak check on the structured mask cases only)."""
+    return ("decode",) if impl.decode else ("forward", "gradient", "leak")
 
 
 def select_impls(impls=None, compile: bool = False) -> tuple[Implementation, ...]:
@@ -355,6 +356,10 @@ def coverage(rows, cases, dtypes, checks, impls, device: str) -> list[Row]:
             continue
         if ch == "sharded":
             reason = "it runs with --devices N (N >= 2 simulated devices / processes)"
+        elif ch == "leak":
+            enabled = [c.name for c in cases if c.structured]
+            reason = (f"it runs on the structured mask cases ({', '.join(STRUCTURED_MASKS)}; --cases masks): "
+                      + (", ".join(enabled) if enabled else "none is selected"))
         elif ch in flag:
             enabled = [c.name for c in cases if getattr(c, flag[ch])]
             reason = (f"it runs only on cases with {flag[ch]}=True: "

@@ -98,6 +98,8 @@ class Built:
     cache: dict = field(default_factory=dict)  # (kind, inputs id) -> results of one compiled program
     changed: list = field(default_factory=list)  # always empty: JAX arrays cannot be changed in place
     positions: dict = field(default_factory=dict)  # {"positions", "key_positions"} int32 arrays on a RoPE unit
+    structure: dict = field(default_factory=dict)  # a structured implementation's masks as keywords, passed to every call
+    padding: object = None  # with `structure`: the keep-mask (NumPy) it gets instead of the unit's, the rest (or None)
 
 
 class JaxRunner:
@@ -116,17 +118,27 @@ class JaxRunner:
         return None if x is None else jax.device_put(np.asarray(x), self.device)
 
     def build(self, impl: Implementation, sd: dict, num_heads: int, masked_rows: str, problem=None,
-              positions: dict | None = None) -> Built:
+              positions: dict | None = None, structure: tuple | None = None) -> Built:
         """problem: the unit's mha_spec.Problem (required when impl declares variants); positions:
         {"positions": (B, T), "key_positions": (B, S)} integer NumPy arrays on a RoPE unit, given to every call
-        (int32: JAX's integer without x64; positions are small)."""
+        (int32: JAX's integer without x64; positions are small); structure: (keywords, padding) of a structured
+        unit for an implementation declaring structured=True: the keywords (segment ids as int32 arrays) go to
+        every call, with the padding keep-mask as its mask."""
         dtype = next(iter(sd.values())).dtype
         fn = impl.make(sd, num_heads, masked_rows, self.device, problem)
         pos = {k: self.a(np.asarray(v, np.int32)) for k, v in (positions or {}).items()}
-        return Built(impl, fn, {k: self.a(v) for k, v in sd.items()}, num_heads, dtype, positions=pos)
+        kw, padding = structure if structure is not None else ({}, None)
+        kw = {k: self.a(np.asarray(v, np.int32)) if k.endswith("segment_ids") else v for k, v in kw.items()}
+        return Built(impl, fn, {k: self.a(v) for k, v in sd.items()}, num_heads, dtype, positions=pos, structure=kw,
+                     padding=padding)
+
+    def _keep(self, b: Built, keep):
+        """The mask `b` is given, in its convention: the unit's keep-mask, or a structured one's padding."""
+        return self.a(mask_for(b.impl, b.padding if b.structure else keep, b.num_heads, b.dtype))
 
     def _call(self, b: Built, fn, params, xs, mask):
-        return fn(params, *xs, mask, **b.positions) if b.impl.uses_params else fn(*xs, mask, **b.positions)
+        kw = {**b.positions, **b.structure}
+        return fn(params, *xs, mask, **kw) if b.impl.uses_params else fn(*xs, mask, **kw)
 
     def _checked(self, b: Built, result, q_shape, S):
         return check_result(b.impl, result, jax.Array, q_shape, S, b.num_heads, b.dtype)
@@ -153,15 +165,13 @@ class JaxRunner:
         return b.impl.mode == "jit" and (with_grads or b.impl.role != "peer")
 
     def _store(self, b: Built, kind: str, query, result) -> tuple:
-        out, w, grads = result
-        result = (np.asarray(out), None if w is None else np.asarray(w),
-                  None if grads is None else {n: np.asarray(g) for n, g in grads.items()})
+        result = self._numpy(result)
         b.cache[(kind, id(query))] = result
         return result
 
     def _device_args(self, b: Built, query, key, value, keep, cotangent):
         xs = [self.a(x) for x in (query, key, value)]
-        return xs, self.a(mask_for(b.impl, keep, b.num_heads, b.dtype)), None if cotangent is None else self.a(cotangent)
+        return xs, self._keep(b, keep), None if cotangent is None else self.a(cotangent)
 
     def _results(self, b: Built, query, key, value, keep, cotangent=None):
         kind = "grads" if cotangent is not None else "forward"
@@ -183,18 +193,56 @@ class JaxRunner:
         if not builts:
             return
         args = [self._device_args(b, query, key, value, keep, cotangent) for b in builts]
-        programs = [self._program(b, True, query.shape, key.shape[1]) for b in builts]
-
-        def joint(params, args):
-            return [p(ps, *xs, mask, cot) for p, ps, (xs, mask, cot) in zip(programs, params, args)]
-
         try:
             with jax.default_device(self.device):
-                results = jax.jit(joint)([b.params for b in builts], args)
+                results = self._joint(builts, query.shape, key.shape[1])([b.params for b in builts], args)
         except Exception:  # noqa: BLE001 - each implementation then reports its own error
             return
         for b, result in zip(builts, results):
             self._store(b, "grads", query, result)
+
+    def _joint(self, builts, q_shape, S):
+        """The jitted program of several jit implementations' forward and gradients together, made once per
+        (implementations, shapes) and kept with the first one's results: a later call with other inputs of
+        the same shapes (the leak check's) runs the same compiled program, without compiling again."""
+        key = ("joint", tuple(id(b) for b in builts), tuple(q_shape), S)
+        if key not in builts[0].cache:
+            programs = [self._program(b, True, q_shape, S) for b in builts]
+
+            def joint(params, args):
+                return [p(ps, *xs, mask, cot) for p, ps, (xs, mask, cot) in zip(programs, params, args)]
+
+            builts[0].cache[key] = jax.jit(joint)
+        return builts[0].cache[key]
+
+    def vjp_each(self, builts, inputs, keep, cotangent) -> list[list[tuple]]:
+        """(output, weights, gradients) of each implementation on each of `inputs` [(query, key, value), ...]
+        with the same keep-mask and cotangent, each implementation running ONE program for all of them: the
+        jit implementations one compiled program together (`prefetch`'s, when it ran them), called once per
+        input (so two calls differ only by their inputs, never by the program: the leak check compares them
+        bit for bit); eager ones op by op. result[i][j]: builts[i] on inputs[j]. The results are not cached."""
+        jitted = [b for b in builts if self._jit(b, True)]
+        out = {id(b): [] for b in builts}
+        q_shape, S = inputs[0][0].shape, inputs[0][1].shape[1]
+        programs = {id(b): self._program(b, True, q_shape, S) for b in builts if not self._jit(b, True)}
+        compiled = self._joint(jitted, q_shape, S) if jitted else None
+        with jax.default_device(self.device):
+            for query, key, value in inputs:
+                if jitted:
+                    args = [self._device_args(b, query, key, value, keep, cotangent) for b in jitted]
+                    for b, result in zip(jitted, compiled([b.params for b in jitted], args)):
+                        out[id(b)].append(self._numpy(result))
+                for b in builts:
+                    if not self._jit(b, True):
+                        xs, mask, cot = self._device_args(b, query, key, value, keep, cotangent)
+                        out[id(b)].append(self._numpy(programs[id(b)](b.params, *xs, mask, cot)))
+        return [out[id(b)] for b in builts]
+
+    @staticmethod
+    def _numpy(result) -> tuple:
+        out, w, grads = result
+        return (np.asarray(out), None if w is None else np.asarray(w),
+                None if grads is None else {n: np.asarray(g) for n, g in grads.items()})
 
     def call(self, b: Built, query, key, value, mask=None, params=None):
         """One traceable call on device arrays, unchecked: what the benchmark jits and times."""
@@ -217,7 +265,7 @@ class JaxRunner:
         if fn is None:
             return None
         xs = [self.a(x) for x in (query, key, value)]
-        mask = self.a(mask_for(b.impl, keep, b.num_heads, b.dtype))
+        mask = self._keep(b, keep)
         with jax.default_device(self.device):
             got = self._call(b, fn, b.params, xs, mask)
         return {n: np.asarray(t) for n, t in stages_dict(b.impl, got).items()}
@@ -264,7 +312,7 @@ class JaxRunner:
         else:
             tx = optax.sgd(hp["lr"], momentum=hp["momentum"], nesterov=False)
         xs = [self.a(x) for x in (query, key, value)]
-        mask = self.a(mask_for(b.impl, keep, b.num_heads, b.dtype))
+        mask = self._keep(b, keep)
         tgt = self.a(target)
 
         def loss_fn(params):

@@ -50,6 +50,14 @@ attends to something (so -inf, finfo.min or unmasked values at masked places all
 weights, context and output everywhere. A stage of another shape than the oracle's (a
 k with N heads, repeated before it is reported) is named with both shapes.
 
+Structured masks (the harness's packed and window cases, `parity.implementation.STRUCTURED_MASKS`):
+by default `mask` is the whole mask, dense (`reference.structured_keep` of the case's segment ids,
+window and causality, AND its padding). An implementation declaring `structured=True` (ours do) gets
+the structure as keywords instead -- `is_causal=True`, `window=(left, right)`, `segment_ids=` (B, T),
+`key_segment_ids=` (B, S), `alignment="bottom-right"`, those the case uses, segment ids as framework
+integer arrays (torch int64, JAX int32; NumPy to a peer's `fn.vjp`) -- and `mask` is the rest of the
+case's mask (its padding, or None).
+
 `fn` must not change its arguments: the harness checks after every call that the inputs
 and parameters it passed are bit for bit what they were (a change is a fail row).
 
@@ -153,8 +161,9 @@ _OURS_VARIANTS = {"torch": VARIANT_FEATURES, "jax": VARIANT_FEATURES}
 
 
 def _ours(name, framework, factory, mode, weights, doc, **kw):
+    # structured: our modules take is_causal, window, segment_ids, key_segment_ids and alignment themselves.
     return Implementation(name, framework, factory, mode, weights, masked_rows=None, role="ours",
-                          family=f"ours-{framework}", doc=doc, variants=_OURS_VARIANTS[framework], **kw)
+                          family=f"ours-{framework}", doc=doc, variants=_OURS_VARIANTS[framework], structured=True, **kw)
 
 
 OURS = (

@@ -84,6 +84,8 @@ class Built:
     state: dict = field(default_factory=dict)  # the canonical NumPy state dict the parameters were made from
     changed: list = field(default_factory=list)  # what a call changed in place (inputs, parameters), until read
     positions: dict = field(default_factory=dict)  # {"positions", "key_positions"} tensors on a RoPE unit, passed to every call
+    structure: dict = field(default_factory=dict)  # a structured implementation's masks as keywords, passed to every call
+    padding: object = None  # with `structure`: the keep-mask (NumPy) it gets instead of the unit's, the rest (or None)
 
 
 class TorchRunner:
@@ -98,9 +100,11 @@ class TorchRunner:
         return None if a is None else convert.numpy_to_tensor(np.asarray(a), self.device)
 
     def build(self, impl: Implementation, sd: dict, num_heads: int, masked_rows: str, problem=None,
-              positions: dict | None = None) -> Built:
+              positions: dict | None = None, structure: tuple | None = None) -> Built:
         """problem: the unit's mha_spec.Problem (required when impl declares variants); positions:
-        {"positions": (B, T), "key_positions": (B, S)} integer NumPy arrays on a RoPE unit, given to every call."""
+        {"positions": (B, T), "key_positions": (B, S)} integer NumPy arrays on a RoPE unit, given to every call;
+        structure: (keywords, padding) of a structured unit for an implementation declaring structured=True:
+        the keywords (segment ids as int64 tensors) go to every call, with the padding keep-mask as its mask."""
         dtype = next(iter(sd.values())).dtype
         fn = impl.make(sd, num_heads, masked_rows, self.device, problem)
         if impl.mode == "compile":
@@ -109,19 +113,22 @@ class TorchRunner:
             fn.intermediates = getattr(inner, "intermediates", None)
         params = {k: self.t(a) for k, a in sd.items()}
         pos = {k: self.t(np.asarray(v, np.int64)) for k, v in (positions or {}).items()}
-        return Built(impl, fn, params, num_heads, dtype, state=dict(sd), positions=pos)
+        kw, padding = structure if structure is not None else ({}, None)
+        kw = {k: self.t(np.asarray(v, np.int64)) if k.endswith("segment_ids") else v for k, v in kw.items()}
+        return Built(impl, fn, params, num_heads, dtype, state=dict(sd), positions=pos, structure=kw, padding=padding)
 
     def _args(self, b: Built, query, key, value, keep, grad: bool = False):
         xs = [self.t(a).requires_grad_(grad) for a in (query, key, value)]
-        mask = self.t(mask_for(b.impl, keep, b.num_heads, b.dtype))
+        mask = self.t(mask_for(b.impl, b.padding if b.structure else keep, b.num_heads, b.dtype))
         return xs, mask
 
     def _call(self, b: Built, xs, mask, fn=None, params=None):
         fn = fn or b.fn
-        pos = {k: v.clone() for k, v in b.positions.items()}  # a call that changes them spoils no other
+        # Copies: a call that changes them spoils no other.
+        kw = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in {**b.positions, **b.structure}.items()}
         if b.impl.uses_params:
-            return fn(params or b.params, *xs, mask, **pos)
-        return fn(*xs, mask, **pos)
+            return fn(params or b.params, *xs, mask, **kw)
+        return fn(*xs, mask, **kw)
 
     def _checked(self, b: Built, result, query, key):
         out, w = check_result(b.impl, result, torch.Tensor, query.shape, key.shape[1], b.num_heads, b.dtype)
@@ -157,6 +164,11 @@ class TorchRunner:
         gradients of sum(output * cotangent) w.r.t. query, key, value (and every parameter; None
         where autograd gave none)."""
         return self._run(b, query, key, value, keep, cotangent)
+
+    def vjp_each(self, builts, inputs, keep, cotangent) -> list[list[tuple]]:
+        """`vjp` of each implementation on each of `inputs` [(query, key, value), ...] with the same keep-mask
+        and cotangent (eager: the same calls, differing only by their inputs). result[i][j]: builts[i] on inputs[j]."""
+        return [[self.vjp(b, query, key, value, keep, cotangent) for query, key, value in inputs] for b in builts]
 
     def grads(self, b: Built, query, key, value, keep, cotangent) -> dict:
         """Gradients of sum(output * cotangent) w.r.t. query, key, value (and every parameter)."""

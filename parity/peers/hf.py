@@ -5,6 +5,10 @@
     hf-llama   LlamaAttention (eager) with LlamaRotaryEmbedding: grouped heads, RoPE, any bias set
     hf-llama-decode  the same LlamaAttention as a decoder (decode=True): one token per call against
                a DynamicCache, with generate's 2D attention mask (left padding masked) and position_ids
+    hf-mistral MistralAttention (eager) with the mask MistralModel builds itself (structured=True): a
+               sliding window from config.sliding_window (create_sliding_window_causal_mask, with
+               generate's 2D attention mask), packed documents from position_ids alone (HF's packing:
+               no attention_mask, documents where the positions restart)
 
     to_hf_cache / from_hf_cache     mha_torch.kv_cache.KVCache <-> a one-layer DynamicCache
     hf_attention_mask               the (B, L) 0/1 mask HF keeps beside it (its padding: HF has no
@@ -417,6 +421,140 @@ def hf_llama(sd, num_heads, *, dtype, device, problem):
     return fn
 
 
+# ---------------------------------------------------------------- Mistral: the mask MistralModel builds
+
+
+def hf_mistral_config(config, sliding_window: int | None):
+    """A one-layer MistralConfig for an mha_spec.AttentionConfig (eager attention, no dropout)."""
+    from transformers import MistralConfig
+
+    return MistralConfig(hidden_size=config.embed_dim, num_attention_heads=config.num_heads,
+                         num_key_value_heads=config.kv_heads, head_dim=config.head_size,
+                         rope_parameters={"rope_type": "default", "rope_theta": float(config.rope_theta)},
+                         sliding_window=sliding_window, num_hidden_layers=1, intermediate_size=2 * config.embed_dim,
+                         vocab_size=SMALL_VOCAB, max_position_embeddings=_LLAMA_HEADROOM, attention_dropout=0.0,
+                         attn_implementation="eager")
+
+
+def mistral_sliding_window(is_causal: bool = False, window=None, segment_ids=None, key_segment_ids=None,
+                           alignment: str = "top-left") -> int | None:
+    """The structured masks as MistralConfig.sliding_window (None: no window), or a ValueError naming what
+    Mistral cannot express: it is always causal, its window is the last W keys (window (W - 1, 0)), and its
+    documents come from position_ids (self-attention: no key_segment_ids)."""
+    from parity.reference import window_sides
+
+    if not is_causal:
+        raise ValueError("HF Mistral attention is always causal: the case must have is_causal=True")
+    if key_segment_ids is not None:
+        raise ValueError("HF Mistral packs one sequence (self-attention): key_segment_ids cannot be expressed")
+    left, right = window_sides(window)
+    if window is None:
+        return None
+    if right != 0 or left is None:
+        raise ValueError(f"HF Mistral's sliding_window=W keeps the last W keys, window (W - 1, 0); got window {window!r}")
+    return left + 1
+
+
+def _key_padding_2d(keep, B: int, S: int):
+    """A key-padding keep-mask (B, T, S) as HF's 2D attention mask (B, S) int64; ValueError if its rows differ."""
+    import torch
+
+    if keep is None:
+        return torch.ones(B, S, dtype=torch.int64)
+    keep = np.asarray(keep, bool)
+    if not (keep == keep[:, :1]).all():
+        raise ValueError("HF's 2D attention_mask masks keys for every query alike: the padding must be the same for "
+                         "every query of a row")
+    return torch.from_numpy(keep[:, 0].astype(np.int64))
+
+
+def _packed_from_positions(position_ids, segment_ids) -> None:
+    """HF finds documents where position_ids do not step by 1 (find_packed_sequence_indices): they must be the
+    case's documents, else a ValueError saying where they differ."""
+    from transformers.masking_utils import find_packed_sequence_indices
+
+    found = find_packed_sequence_indices(position_ids)
+    found = np.zeros(tuple(position_ids.shape), np.int64) if found is None else found.numpy()
+    seg = np.asarray(segment_ids)
+    starts = np.ones(seg.shape, bool)
+    starts[:, 1:] = seg[:, 1:] != seg[:, :-1]
+    ours = np.cumsum(starts, axis=1) - 1
+    if not np.array_equal(found, ours):
+        raise ValueError(f"HF finds the documents {found.tolist()} in position_ids {position_ids.tolist()}, the case "
+                         f"has {ours.tolist()}: HF packs by positions restarting, so each document's must")
+
+
+def _mistral_call(sd, config, keep, position_ids, structure: dict, dtype):
+    """(MistralAttention holding sd, call(x) -> its output) with MistralModel's own mask for `structure`."""
+    import torch
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+    from transformers.models.mistral.modeling_mistral import MistralAttention, MistralRotaryEmbedding
+
+    dt = np_dtype(dtype)
+    window = mistral_sliding_window(**structure)
+    hf = hf_mistral_config(config, window)
+    att = MistralAttention(hf, layer_idx=0).to(torch_dtype_of(dt)).eval()
+    att.load_state_dict({k: numpy_to_tensor(np.asarray(v).astype(dt)) for k, v in to_layout(sd, "hf-llama").items()},
+                        strict=True)
+    rotary = MistralRotaryEmbedding(hf)
+    B, T = position_ids.shape
+    if structure.get("segment_ids") is not None:
+        if keep is not None:
+            raise ValueError("HF packs documents from position_ids only when no attention_mask is given: packed "
+                             "documents with padding cannot be expressed")
+        _packed_from_positions(position_ids, structure["segment_ids"])
+        mask2d = None  # the training path: documents from position_ids
+    else:
+        mask2d = _key_padding_2d(keep, B, T)  # generate's path: a 2D mask, ones where nothing is padded
+    make = create_causal_mask if window is None else create_sliding_window_causal_mask
+
+    def call(x):
+        mask = make(config=hf, inputs_embeds=x, attention_mask=mask2d, past_key_values=None, position_ids=position_ids)
+        out, _ = att(x, position_embeddings=rotary(x, position_ids), attention_mask=mask)
+        return out
+
+    return att, call
+
+
+def hf_mistral(sd, num_heads, *, dtype, device, problem):
+    """transformers MistralAttention (eager) with the mask MistralModel builds: see `_mistral_call`."""
+    require("transformers")
+    config = problem.config
+    if config.num_heads != num_heads:
+        raise ValueError(f"hf-mistral: num_heads={num_heads} but the problem's config has {config.num_heads}")
+    names = tuple(sorted(sd))
+
+    def fn(query, key, value, keep, *, positions=None, key_positions=None, **structure):
+        import torch
+
+        q, k, v = (tensor_to_numpy(x) for x in (query, key, value))
+        _self_attention(q, k, v, "HF Mistral")
+        keep = None if keep is None else tensor_to_numpy(keep)
+        structure = {n: tensor_to_numpy(a) if hasattr(a, "detach") else a for n, a in structure.items()}
+        ids = _llama_position_ids(positions, key_positions, *q.shape[:2])
+        _, call = _mistral_call(sd, config, keep, ids, structure, dtype)
+        with torch.no_grad():
+            out = call(_torch_inputs(q, np_dtype(dtype)))
+        return numpy_to_tensor(tensor_to_numpy(out), device)
+
+    def vjp(query, keep, cotangent, *, positions=None, key_positions=None, **structure):
+        """NumPy in and out: {"input": d x, canonical weight name: gradient} of sum(output * cotangent)."""
+        import torch
+
+        dt = np_dtype(dtype)
+        query = np.asarray(query)
+        ids = _llama_position_ids(positions, key_positions, *query.shape[:2])
+        att, call = _mistral_call(sd, config, None if keep is None else np.asarray(keep), ids, structure, dtype)
+        x = _torch_inputs(query, dt).requires_grad_(True)
+        with torch.enable_grad():
+            (call(x) * _torch_inputs(cotangent, dt)).sum().backward()
+        grads = from_layout({n: tensor_to_numpy(p.grad) for n, p in att.named_parameters()}, "hf-llama")
+        return {"input": tensor_to_numpy(x.grad), **{n: grads[n] for n in names}}
+
+    fn.vjp = vjp
+    return fn
+
+
 # ---------------------------------------------------------------- decoding: DynamicCache
 
 
@@ -619,6 +757,16 @@ IMPLEMENTATIONS = (
                    doc="transformers LlamaAttention (eager) with LlamaRotaryEmbedding, position_ids = the positions; "
                    "additive mask 0 / finfo.min, so empty rows are uniform and their gradient flows; cos/sin and softmax "
                    "in float32 (also for float64); interleaved RoPE via HF's q/k row permutation, absent biases as zeros"),
+    # MistralModel's own masks on the structured cases. float64 on packed rows only: a padded window has fully
+    # masked rows, NaN in float64 (finfo(float64).min is -inf in the float32 softmax), as for hf-llama.
+    Implementation("hf-mistral", "torch", f"{__name__}:hf_mistral", masked_rows="uniform", mask_shape="BTS",
+                   uses_params=False, computes_in="float32", role="peer", bench=False, masked_row_grads="flow",
+                   variants=("grouped",), requires=("rope-half", "no-qkv-bias", "no-out-bias"), structured=True,
+                   runs_on=("self/packed/*", "self/window/float32", "self/window/bfloat16", "self/window/float16"),
+                   doc="transformers MistralAttention (eager) with the mask MistralModel builds: sliding_window = W from "
+                   "the window (W - 1, 0) through create_sliding_window_causal_mask and generate's 2D attention mask; "
+                   "packed documents from position_ids alone (restarting positions, no attention_mask); cos/sin and "
+                   "softmax in float32; empty rows uniform (finfo.min added), their gradient flows"),
     # A decoder's only fully masked rows are its left-padding tokens, whose outputs are not judged: it runs
     # in every dtype (in float64 such a row is NaN, finfo(float64).min being -inf in the float32 softmax).
     Implementation("hf-llama-decode", "torch", f"{__name__}:hf_llama_decode", decode=True, masked_rows="uniform",

@@ -3,6 +3,9 @@
     jax-dpa-core   the classic layer: N heads, mask True = attend
     jax-dpa-gqa    grouped/multi-query, rotary and bias-free layers: K key/value heads, which
                    dot_product_attention repeats per group itself
+    jax-dpa-masks  the same layers on the structured mask cases (structured=True), the masks as
+                   dot_product_attention's own arguments: is_causal, local_window_size for a window,
+                   key_value_seq_lengths for the padding; documents (it has no segment ids) as a mask
 
     factory(state_dict, num_heads, *, dtype, device[, problem]) -> fn
     fn(params, query, key, value, keep[, *, positions=None, key_positions=None]) -> output
@@ -116,6 +119,71 @@ def dpa_gqa(sd, num_heads, *, dtype, device, problem):
     return jax.jit(fn)
 
 
+def key_lengths(padding):
+    """A key-padding keep-mask (B, 1, T, S) -> (key_value_seq_lengths (B,) int32, whether it IS that: per row
+    the first L keys for every query). Traceable: under jit the check is a traced bool."""
+    import jax.numpy as jnp
+
+    B, _, T, S = padding.shape
+    lengths = jnp.sum(padding[:, 0, 0, :], axis=-1).astype(jnp.int32)  # (B,)
+    prefix = jnp.arange(S)[None, None, None, :] < lengths[:, None, None, None]  # (B, 1, 1, S)
+    return lengths, jnp.all(padding == prefix)
+
+
+def dpa_masks(sd, num_heads, *, dtype, device, problem):
+    """jax-dpa-gqa with the structured masks as jax.nn.dot_product_attention's arguments (see the module
+    docstring). Its is_causal and local_window_size are top-left aligned (query t at key t), so a
+    bottom-right alignment with T != S is a ValueError; a padding mask that is not a key prefix per row
+    is a ValueError when it is concrete and a NaN output under jit (key_value_seq_lengths says only a length)."""
+    import jax
+    import jax.numpy as jnp
+
+    cfg = problem.config
+    N, K, H = cfg.num_heads, cfg.kv_heads, cfg.head_size
+    if N != num_heads:
+        raise ValueError(f"jax-dpa-masks: num_heads={num_heads} but the problem's config has {N}")
+
+    def fn(params, query, key, value, padding, *, positions=None, key_positions=None, is_causal=False, window=None,
+           segment_ids=None, key_segment_ids=None, alignment="top-left"):
+        B, T, _ = query.shape
+        S = key.shape[1]
+        if alignment == "bottom-right" and T != S:
+            raise ValueError(f"jax.nn.dot_product_attention aligns is_causal and local_window_size top-left (query t "
+                             f"at key t): alignment='bottom-right' with T={T} != S={S} cannot be expressed")
+
+        def proj(x, p, n, L):  # (B, L, E) -> (B, L, n, H); canonical (out, in) weights: x Wᵀ + b
+            y = jnp.einsum("BLE,FE->BLF", x, params[f"{p}.weight"])
+            if f"{p}.bias" in params:
+                y = y + params[f"{p}.bias"]
+            return y.reshape(B, L, n, H)
+
+        q, k, v = proj(query, "q_proj", N, T), proj(key, "k_proj", K, S), proj(value, "v_proj", K, S)
+        if cfg.rope is not None:
+            q, k = rope(q, positions, cfg.rope_theta, cfg.rope), rope(k, key_positions, cfg.rope_theta, cfg.rope)
+        kw = {"is_causal": bool(is_causal)}
+        if window is not None:
+            left, right = (window, window) if isinstance(window, int) else window
+            kw["local_window_size"] = (S if left is None else int(left), S if right is None else int(right))
+        mask, ok = None, True
+        if segment_ids is not None:
+            k_seg = segment_ids if key_segment_ids is None else key_segment_ids
+            mask = segment_ids[:, None, :, None] == k_seg[:, None, None, :]  # (B, 1, T, S)
+        if padding is not None:
+            lengths, ok = key_lengths(padding)
+            if not isinstance(ok, jax.core.Tracer) and not bool(ok):
+                raise ValueError("jax-dpa-masks passes the padding as key_value_seq_lengths: it must keep the first "
+                                 "L keys of a row for every query")
+            kw["key_value_seq_lengths"] = lengths
+        ctx = jax.nn.dot_product_attention(q, k, v, mask=mask, scale=1.0 / math.sqrt(H), implementation="xla",
+                                           **kw)  # (B, T, N, H)
+        out = jnp.einsum("BTF,EF->BTE", ctx.reshape(B, T, N * H), params["out_proj.weight"])
+        out = out + params["out_proj.bias"] if "out_proj.bias" in params else out
+        return jnp.where(ok, out, jnp.nan)
+
+    # Jitted here as dpa_gqa is; the structure is the program's shape, not data.
+    return jax.jit(fn, static_argnames=("is_causal", "window", "alignment"))
+
+
 # ---------------------------------------------------------------- declarations
 
 IMPLEMENTATIONS = (
@@ -131,4 +199,13 @@ IMPLEMENTATIONS = (
                    variants=VARIANT_FEATURES,
                    doc="our projections around jax.nn.dot_product_attention with K key/value heads, RoPE as complex "
                    "pairs; mask True = attend; empty rows uniform; softmax in float32 (also for float64 inputs)"),
+    # Self-attention only: its is_causal and local_window_size are top-left aligned (see dpa_masks). float32
+    # only: it computes in float32 (a float64 unit is judged at the float32 bound) and each unit is two compiles.
+    Implementation("jax-dpa-masks", "jax", f"{__name__}:dpa_masks", "jit", False, masked_rows="uniform",
+                   computes_in="float32", role="peer", bench=False, materializes=True, structured=True,
+                   runs_on=("self/packed/float32", "self/window/float32"),
+                   variants=VARIANT_FEATURES,
+                   doc="jax-dpa-gqa with the structured masks as jax.nn.dot_product_attention's arguments: is_causal, "
+                   "local_window_size=(left, right), key_value_seq_lengths for the padding, documents as a bool mask; "
+                   "empty rows uniform; softmax in float32"),
 )
