@@ -37,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="a small matrix that takes a few seconds")
     p.add_argument("--cases", type=comma_separated(), default=(), metavar="A,B",
                    help="case sets or case name prefixes/globs (e.g. 'self/*,cross'); sets: 'modern' (grouped and "
-                   "multi-query heads, RoPE half/interleaved, projections without bias, a Llama layer), 'default', 'quick'")
+                   "multi-query heads, RoPE half/interleaved, projections without bias, a Llama layer), 'masks' (packed "
+                   "documents and sliding windows, with padding and T != S), 'default', 'quick'")
     p.add_argument("--dtypes", type=comma_separated(DTYPES), default=None, metavar=",".join(DTYPES),
                    help="default: every dtype each case runs in")
     p.add_argument("--checks", type=comma_separated(CHECKS), default=None, metavar=",".join(CHECKS),

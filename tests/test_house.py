@@ -185,11 +185,12 @@ def test_the_former_adapter_module_re_exports_only():
 
 def _vocabularies() -> dict[str, tuple[str, ...]]:
     import mha_spec
-    from parity.implementation import FRAMEWORKS
+    from parity.implementation import FRAMEWORKS, STRUCTURED_MASKS
 
     return {"mha_spec.DTYPE_NAMES": mha_spec.DTYPE_NAMES, "mha_spec.PASSES": mha_spec.PASSES,
             "mha_spec.PROJECTIONS": mha_spec.PROJECTIONS, "mha_spec.SHARDINGS": mha_spec.SHARDINGS,
             "mha_spec.MASK_KINDS": mha_spec.MASK_KINDS, "parity.implementation.FRAMEWORKS": FRAMEWORKS,
+            "parity.implementation.STRUCTURED_MASKS": STRUCTURED_MASKS,
             "mha_spec.MASKED_ROWS_POLICIES": mha_spec.MASKED_ROWS_POLICIES}
 
 

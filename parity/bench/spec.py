@@ -14,7 +14,7 @@ from mha_spec import MASK_KINDS, PASSES, ROPE_CONVENTIONS, AttentionConfig, Prob
 from parity.devices import DevicePlan
 from parity.dtypes import numpy_dtype
 from parity.impls import BUILTIN, Implementation
-from parity.implementation import FRAMEWORKS
+from parity.implementation import FRAMEWORKS, STRUCTURED_MASKS
 from parity.reference import structured_keep
 
 DTYPES = {name: numpy_dtype(name) for name in ("float32", "bfloat16", "float16")}  # what the benchmark times
@@ -55,7 +55,7 @@ CLASSIC_FIELDS = {"rope": None, "bias": "all", "mask": "none"}
 # masked, whose output the implementations' masked-row policies would make differ); and the two
 # parameterised masks of `BenchMask`, window:W and packed:D.
 MASKS = tuple(k for k in MASK_KINDS if k != "random")  # the order of mha_spec.MASK_KINDS
-PARAMETERISED_MASKS = ("window", "packed")  # spelled KIND:N (`BenchMask`)
+PARAMETERISED_MASKS = STRUCTURED_MASKS  # spelled KIND:N (`BenchMask`)
 
 
 @dataclass(frozen=True)
