@@ -84,7 +84,7 @@ from parity.implementation import (
     import_attr,
     unit_kind,
 )
-from parity.peers import equinox, flax, hf, jax_dpa, keras, sdpa, torch_mha
+from parity.peers import equinox, flax, hf, jax_dpa, keras, pallas, sdpa, torch_mha
 
 
 def implementation(**declared):
@@ -188,6 +188,7 @@ PEERS = (
     *hf.IMPLEMENTATIONS,
     *keras.IMPLEMENTATIONS,
     *equinox.IMPLEMENTATIONS,
+    *pallas.IMPLEMENTATIONS,
 )
 
 BUILTIN = OURS + PEERS

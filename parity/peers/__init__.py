@@ -7,6 +7,7 @@
     hf          Hugging Face transformers: BERT, GPT-2, Llama    hf-bert, hf-gpt2, hf-llama
     keras       Keras 3 MultiHeadAttention, GroupQueryAttention  keras-mha, keras-gqa
     equinox     equinox.nn.MultiheadAttention                    equinox-mha
+    pallas      jax's Pallas kernels (interpret mode on CPU)     pallas-gpu-flash, pallas-tpu-flash, pallas-gpu-decode
 
 Each module holds everything about its library: the weight converters to and from the
 canonical state dict (`parity.convert` re-exports the public ones), the factories of the
