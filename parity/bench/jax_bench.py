@@ -14,6 +14,7 @@ import numpy as np
 
 from mha_jax import kernels
 
+from parity import kernel_ran
 from parity.bench.measure import Bench, CpuPeakRss
 from parity.bench.spec import DTYPES, BenchCase, canonical_weights, keep_mask, make_inputs, rope_positions
 from parity.env import pin_jax
@@ -93,7 +94,9 @@ def build(impl: Implementation, case: BenchCase, pass_: str, device: str, seed: 
     holder = {}
 
     def aot_compile():
-        holder["compiled"] = program.lower(*args).compile()
+        traced = program.trace(*args)  # its jaxpr says whether a Pallas or cuDNN kernel is in the program
+        holder["jaxpr"] = traced.jaxpr
+        holder["compiled"] = traced.lower().compile()
 
     def step():
         return holder["compiled"](*args)
@@ -115,6 +118,7 @@ def build(impl: Implementation, case: BenchCase, pass_: str, device: str, seed: 
         out = holder["compiled"](*args) if forward is None else forward(*args)
         return np.asarray(out[0].astype(jnp.float32))
 
+    requested = kernel_of(impl, case, dev)
     if device == "cpu":
         rss = CpuPeakRss()
         memory = lambda: rss(step, sync)  # noqa: E731
@@ -129,8 +133,17 @@ def build(impl: Implementation, case: BenchCase, pass_: str, device: str, seed: 
             return int(total), f"{device}: XLA memory_analysis temp + output bytes of the compiled program", out
     return Bench(
         step=step, sync=sync, aot_compile=aot_compile, recompile=recompile, output=output, memory=memory,
-        kernel=kernel_of(impl, case, dev),
+        kernel=kernel_ran.BenchKernel(requested, lambda: _ran(holder, requested, dev)),
     )
+
+
+def _ran(holder: dict, requested: str, dev) -> tuple[str, str] | None:
+    """(kernel, message) from the compiled program (`kernel_ran.jax_engine`): read once, after the
+    compile, outside the timed calls. A peer whose label is no kernel name gets the engine that ran."""
+    if "compiled" not in holder:
+        return None
+    ran = kernel_ran.jax_engine(holder["jaxpr"], holder["compiled"].as_text() or "", dev.platform)
+    return kernel_ran.jax_verdict(requested, ran)
 
 
 # The peers whose kernel is one of mha_jax's: both call jax.nn.dot_product_attention(implementation="xla").

@@ -62,7 +62,7 @@ def _mem(x) -> str:
 
 
 COLUMNS = ("case", "pass", "implementation", "median", "IQR", "ratio to baseline", "GFLOP/s", "peak", "compile", "recompile",
-           "mem", "out diff", "status")
+           "mem", "out diff", "status", "kernel")
 
 
 def _note(row) -> str:
@@ -77,13 +77,12 @@ def _cells(row) -> list[str]:
     def marked(x, spec):
         return "-" if x is None else spec.format(x) + mark
 
-    # Our JAX fused path chooses its kernel per problem: say which one ran.
-    chosen = f" [{row['kernel']}]" if row.get("kernel") and row["impl"] == "ours-jax" and not row["need_weights"] else ""
+    # What ran (`parity.kernel_ran`): the SDPA backend, the JAX kernel and its blocks; "-" in a file without it.
     return [
-        _case(row), row["pass"], _variant(row) + chosen, _fmt_s(row["median_s"]), _fmt_s(row["iqr_s"]),
+        _case(row), row["pass"], _variant(row), _fmt_s(row["median_s"]), _fmt_s(row["iqr_s"]),
         marked(row["ratio"], "{:.2f}×"), marked(row["gflops"], "{:.1f}"), marked(row["peak_fraction"], "{:.0%}"),
         _fmt_s(row["compile_s"]), _fmt_s(row["recompile_s"]), _mem(row["peak_mem_bytes"]),
-        _fmt(row.get("out_max_diff"), "{:.2g}"), _note(row),
+        _fmt(row.get("out_max_diff"), "{:.2g}"), _note(row), row.get("kernel") or "-",
     ]
 
 

@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-from parity import convert
+from parity import convert, kernel_ran
 from parity.bench.measure import Bench, CpuPeakRss, first_call_overhead
 from parity.bench.spec import DTYPES, BenchCase, canonical_weights, keep_mask, make_inputs, rope_positions
 from parity.dtypes import torch_dtype
@@ -159,14 +159,22 @@ def build(impl: Implementation, case: BenchCase, pass_: str, device: str, seed: 
     step = _step(runner, built, case, pass_, device, seed)
     q, k, v = _tensors(case, device, seed, requires_grad=False)
     mask = _mask(runner, built, case)
+    seen = {}
 
     def output():
-        with torch.inference_mode():
+        # The checked call, once, under the profiler: the SDPA backend it ran (`kernel_ran.torch_observer`).
+        with kernel_ran.torch_observer() as observed, torch.inference_mode():
             out, _ = runner.call(built, q, k, v, mask)
+        seen["label"] = observed
         return out.detach().float().cpu().numpy()
 
+    requested = kernel_label(impl)
+
+    def ran():
+        return None if "label" not in seen else kernel_ran.torch_verdict(requested, seen["label"].label)
+
     return Bench(
-        kernel=kernel_label(impl),
+        kernel=kernel_ran.BenchKernel(requested, ran),
         step=step, sync=sync, compiles_on_first_call=impl.mode == "compile", recompile=recompile,
         output=output, memory=_memory_probe(device, step, sync),
     )

@@ -36,6 +36,7 @@ import traceback
 
 import numpy as np
 
+from parity import kernel_ran
 from parity.bench import verdict
 from parity.bench.measure import InterferenceProbe, flat, pin_threads, prepare, same_output, sample, summary
 from parity.bench.spec import (
@@ -113,7 +114,7 @@ def run_group(mods: dict, group, spec: dict, timing: Timing, clock, probe=None, 
     over every worker process of the case."""
     precision, seed, interleave = spec["precision"], spec["seed"], spec.get("interleave", True)
     named = spec.get("verdict")
-    rows, benches, prepared = {}, {}, {}
+    rows, benches, prepared, notes = {}, {}, {}, {}  # notes: "requested X, ran Y" (`kernel_ran`)
     keys = {item_id: impl.bench_key for item_id, impl, _, _ in group}
     fws = {item_id: impl.framework for item_id, impl, _, _ in group}
     check = OutputCheck(keys, group[0][2].dtype, precision)
@@ -125,9 +126,11 @@ def run_group(mods: dict, group, spec: dict, timing: Timing, clock, probe=None, 
         emit("START", item_id)
         try:
             bench = mods[impl.framework].build(impl, case, pass_, device, seed)
-            rows[item_id]["kernel"] = bench.kernel
+            rows[item_id]["kernel"] = kernel_ran.row_kernel(bench.kernel)[0]  # the request, should prepare fail
             prepared[item_id] = prepare(bench, timing, clock)
             benches[item_id] = bench
+            # What ran, read off the compiled program or the profiled output call of `prepare`, untimed.
+            rows[item_id]["kernel"], notes[item_id] = kernel_ran.row_kernel(bench.kernel)
         except Exception as e:  # noqa: BLE001 - any failure of one item is recorded, the group goes on
             rows[item_id].update(status="error", message=error_message(e))
             traceback.print_exc(file=sys.stderr)
@@ -161,6 +164,8 @@ def run_group(mods: dict, group, spec: dict, timing: Timing, clock, probe=None, 
             continue
         res.pop("samples"), res.pop("output")
         rows[s].update(res, samples=rounds[s], rounds=len(rounds[s]), processes=1)
+        if notes.get(s) and not rows[s].get("message"):
+            rows[s]["message"] = notes[s]
         if s in mismatch:
             rows[s].update(status="error", message=mismatch[s])
     return [(item_id, rows[item_id]) for item_id, *_ in group], probes

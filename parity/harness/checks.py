@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mha_spec import Problem
-from parity import reference
+from parity import kernel_ran, reference
 from parity.canonical import CANONICAL_KEYS
 from parity.devices import device_label
 from parity.harness.judge import NOTHING_COMPARED, judge, judge_grads, nan_note, status
@@ -73,6 +73,7 @@ class Unit:
     _decoders: dict = field(default_factory=dict)
     decode_oracles: dict = field(default_factory=dict)  # policy -> the decode check's oracles (parity.harness.decode)
     results: dict = field(default_factory=dict)  # (check, impl name) -> what it returned: for check_pairs
+    kernels: dict = field(default_factory=dict)  # impl name -> (kernel, message): what its forward call ran
 
     @property
     def tol(self):
@@ -205,6 +206,32 @@ class Unit:
                                                        positions, self.structure(impl))
         return self._built[key]
 
+    def forward(self, impl: Implementation, policy: str):
+        """impl's forward call (output, weights), reading the kernel it ran the first time in this unit
+        (`parity.kernel_ran`): torch by the profiler around this very call, JAX by its forward program's
+        jaxpr (a trace, no compile). torch.compile runs are not read (the first call compiles): ""."""
+        runner, built = self.runner(impl), self.built(impl, policy)
+        if impl.name in self.kernels or impl.mode == "compile":
+            return runner.forward(built, *self.inputs())
+        if impl.framework == "torch":
+            from parity.bench.torch_bench import kernel_label
+
+            with kernel_ran.torch_observer() as seen:
+                result = runner.forward(built, *self.inputs())
+            self.kernels[impl.name] = kernel_ran.torch_verdict(kernel_label(impl), seen.label)
+            return result
+        result = runner.forward(built, *self.inputs())
+        try:
+            q, k, v, keep = self.inputs()
+            xs, mask, _ = runner._device_args(built, q, k, v, keep, None)
+            program = runner._program(built, False, q.shape, k.shape[1])
+            self.kernels[impl.name] = kernel_ran.jax_row_kernel(
+                program, (built.params, *xs, mask, None), runner.device, ours=impl.role == "ours",
+                need_weights=impl.returns_weights)
+        except Exception:  # noqa: BLE001 - the forward ran; only the reading failed: the field stays ""
+            self.kernels[impl.name] = ("", "")
+        return result
+
     def decoder(self, impl: Implementation, policy: str):
         """Our module of `impl` as a decoder (the decode check), built once per unit: a JAX one keeps its
         compiled prompt and step for every run of the unit."""
@@ -248,7 +275,11 @@ class Unit:
             if cmp.nan_mismatch and "NaN" not in kw.get("message", ""):
                 kw["message"] = (kw.get("message", "") + f"; {cmp.nan_mismatch} NaN-placement mismatches").strip("; ")
         device = device_label(self.runner(impl).device)
-        return Row(self.case.name, check, impl.name, ref, self.dtype, device, st, quantity, **nums, **kw)
+        kernel, note = self.kernels.get(impl.name, ("", ""))
+        if note and st != "skip":
+            kw["message"] = "; ".join(m for m in (kw.get("message", ""), note) if m)
+        return Row(self.case.name, check, impl.name, ref, self.dtype, device, st, quantity, **nums,
+                   kernel="" if st == "skip" else kernel, **kw)
 
 
 # ---------------------------------------------------------------- divergence
@@ -419,7 +450,7 @@ def check_forward(unit: Unit, impls) -> list[Row]:
             continue
         policy = impl.policy(unit.case.masked_rows)
         try:
-            out, w = unit.runner(impl).forward(unit.built(impl, policy), *unit.inputs())
+            out, w = unit.forward(impl, policy)
         except Exception as e:
             rows.append(error_row(unit, "forward", impl, "oracle", e))
             continue
@@ -628,7 +659,7 @@ def check_peers(unit: Unit, peers) -> list[Row]:
             note += f"; judged at the {effective} tolerance (the precision it computes in)"
         ours_impl = builtin("torch" if peer.framework == "torch" else "jax-jit")
         try:
-            out, w = unit.runner(peer).forward(unit.built(peer, policy), *unit.inputs())
+            out, w = unit.forward(peer, policy)
             ours = unit.runner(peer).forward(unit.built(ours_impl, policy), *unit.inputs())
         except MissingPackage as e:
             rows.append(unit.row("peers", peer, "oracle", "skip", message=f"{peer.name} not run: {e}"))

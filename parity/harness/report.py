@@ -28,6 +28,7 @@ class Row:
     rtol: float | None = None
     stage: str = ""  # first diverging stage, on failure
     message: str = ""
+    kernel: str = ""  # the attention kernel its forward call ran (`parity.kernel_ran`); "" where not read
 
     def __post_init__(self):
         if self.status not in STATUSES:
@@ -92,7 +93,8 @@ def fmt(x) -> str:
     return str(x)
 
 
-COLUMNS = ("case", "check", "impl", "reference", "dtype", "device", "quantity", "max_abs_err", "max_rel_err", "atol", "rtol", "status", "stage", "message")
+COLUMNS = ("case", "check", "impl", "reference", "dtype", "device", "quantity", "max_abs_err", "max_rel_err", "atol", "rtol",
+           "status", "stage", "kernel", "message")
 
 
 def to_markdown(report: Report) -> str:
