@@ -34,6 +34,9 @@ import tempfile
 from dataclasses import dataclass
 from typing import Callable
 
+SDPA = "sdpa"  # F.scaled_dot_product_attention
+BMM_SOFTMAX = "bmm-softmax"  # baddbmm, softmax, bmm: the weights materialised
+
 UNKNOWN = "unknown"
 
 # ---------------------------------------------------------------- torch
@@ -65,7 +68,6 @@ def _op(name: str) -> str:
 
 def torch_label(op_names) -> str:
     """The label of one call from the aten op names it ran (see the module docstring)."""
-    from parity.bench.torch_bench import BMM_SOFTMAX, SDPA
 
     ops = [_op(n) for n in op_names]
     backends = sorted({SDPA_BACKEND_OPS[o] for o in ops if o in SDPA_BACKEND_OPS})
@@ -215,7 +217,6 @@ def torch_verdict(requested: str | None, ran: str) -> tuple[str, str]:
     """(the row's kernel, a message or "") for a torch row: `requested` "sdpa" (the fused path) is met by any
     SDPA backend, "bmm-softmax (weights)" by a softmax outside SDPA; any other request (a peer's name, a
     user's layer) asks nothing, and the row says what ran."""
-    from parity.bench.torch_bench import BMM_SOFTMAX, SDPA
 
     if requested == SDPA:
         return ran, "" if ran.startswith(f"{SDPA}:") else f"requested {SDPA}, ran {ran}"

@@ -1,5 +1,5 @@
 """The kernel names have one home: `mha_jax.kernels` (EINSUM, CHUNKED, DPA_XLA, DPA_CUDNN and
-`kernel_label`) for JAX, `parity.bench.torch_bench.kernel_label` for torch. No other library
+`kernel_label`) for JAX, `parity.kernel_ran` (SDPA, BMM_SOFTMAX; `parity.bench.torch_bench.kernel_label`) for torch. No other library
 module spells a kernel name, the label reads back, and the benchmark's `kernel` field of our JAX
 module names the kernel the module's dispatch actually runs."""
 
@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LIBRARY = ("mha_spec", "mha_torch", "mha_jax", "parity")
 JAX_NAMES = (EINSUM, CHUNKED, DPA_XLA, DPA_CUDNN)
 TORCH_NAMES = ("sdpa", "bmm-softmax")
-HOMES = {"mha_jax/kernels.py": JAX_NAMES, "parity/bench/torch_bench.py": TORCH_NAMES}
+HOMES = {"mha_jax/kernels.py": JAX_NAMES, "parity/kernel_ran.py": TORCH_NAMES}
 
 
 def _spelled(path: Path, names) -> list[tuple[int, str]]:

@@ -121,8 +121,7 @@ def _step(runner: TorchRunner, built, case: BenchCase, pass_: str, device: str, 
     return step
 
 
-SDPA = "sdpa"  # F.scaled_dot_product_attention
-BMM_SOFTMAX = "bmm-softmax"  # baddbmm, softmax, bmm: the weights materialised
+SDPA, BMM_SOFTMAX = kernel_ran.SDPA, kernel_ran.BMM_SOFTMAX  # the torch kernels' names: kernel_ran's
 # Whose need_weights=False path is F.scaled_dot_product_attention and whose weights path is
 # baddbmm + softmax (mha_torch's two cores; torch.nn.MultiheadAttention's fast and slow paths).
 SDPA_FAMILIES = ("ours-torch", "torch-mha", "torch-sdpa-core", "torch-sdpa-gqa")
