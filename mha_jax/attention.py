@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 from typing import NamedTuple
 
 import jax
@@ -20,8 +19,9 @@ from flax import nnx
 from mha_jax.chunked import accumulation_dtype, chunked_attention, fill_masked_rows, fold_scale, keep_4d, mean_over_keys
 from mha_jax import kernels, pallas
 from mha_jax.kv_cache import KVCache
-from mha_spec import (MASKED_ROWS_POLICIES, AttentionConfig, Stages, check_cache_shapes, check_mask_values, check_positions, check_qkv_shapes,
-                      mask_shape_4d)
+from mha_spec import (ALIGNMENTS, MASKED_ROWS_POLICIES, AttentionConfig, check_cache_shapes,
+                      check_mask_values, check_positions, check_qkv_shapes, mask_shape_4d, Stages,
+                      window_sides)
 
 # Stages (framework-free, in mha_spec) as a pytree, so return_intermediates works under jit.
 jax.tree_util.register_dataclass(Stages, data_fields=[f.name for f in dataclasses.fields(Stages)], meta_fields=[])
@@ -311,31 +311,6 @@ def rotate(x, cos, sin, convention: str):
         x1, x2 = xa[..., 0::2], xa[..., 1::2]
         out = jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).reshape(x.shape)
     return out.astype(x.dtype)
-
-
-ALIGNMENTS = ("top-left", "bottom-right")
-"""Where query t sits among the keys: a(t) = t (top-left) or t + S - T (bottom-right)."""
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
-
-
-def window_sides(window) -> tuple[int | None, int | None]:
-    """window None | w | (left, right) -> (left, right), each an int >= 0 or None (unbounded).
-    Python ints: the window is the program's shape, not data (never traced)."""
-    if window is None:
-        return None, None
-    if _is_int(window):
-        window = (window, window)
-    if not (isinstance(window, (tuple, list)) and len(window) == 2):
-        raise TypeError(f"window must be None, an int or a (left, right) pair, got {window!r}")
-    sides = []
-    for name, w in zip(("left", "right"), window):
-        if w is not None and (not _is_int(w) or w < 0):
-            raise ValueError(f"window {name} must be a non-negative int or None, got {w!r}")
-        sides.append(None if w is None else int(w))
-    return sides[0], sides[1]
 
 
 def _check_segment_ids(x, name: str, batch: int | None, length: int | None, axis: str):

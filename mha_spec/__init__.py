@@ -14,6 +14,7 @@ project:
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
@@ -304,6 +305,32 @@ def check_cache_shapes(k_shape, v_shape, starts_shape, lengths_shape, *, layout:
         if tuple(shape) != (B,):
             raise ValueError(f"cache {name} must have shape ({B},) (one per batch row), got {tuple(shape)}")
     return B, C
+
+
+ALIGNMENTS = ("top-left", "bottom-right")
+"""Where query t sits among the keys: a(t) = t (top-left) or t + S - T (bottom-right)."""
+
+
+def is_int(x) -> bool:
+    """A Python or NumPy integer, not a bool."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def window_sides(window) -> tuple[int | None, int | None]:
+    """window None | w | (left, right) -> (left, right), each an int >= 0 or None (unbounded).
+    Python ints: the window is the program's shape, not data (never traced)."""
+    if window is None:
+        return None, None
+    if is_int(window):
+        window = (window, window)
+    if not (isinstance(window, (tuple, list)) and len(window) == 2):
+        raise TypeError(f"window must be None, an int or a (left, right) pair, got {window!r}")
+    sides = []
+    for name, w in zip(("left", "right"), window):
+        if w is not None and (not is_int(w) or w < 0):
+            raise ValueError(f"window {name} must be a non-negative int or None, got {w!r}")
+        sides.append(None if w is None else int(w))
+    return sides[0], sides[1]
 
 
 STAGE_NAMES = ("q", "k", "v", "scores", "weights", "context", "output")

@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import functools
 import math
-import numbers
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mha_spec import (AttentionConfig, Stages, check_cache_shapes, check_mask_values, check_positions, check_qkv_shapes,
-                      mask_shape_4d)
+from mha_spec import (ALIGNMENTS, AttentionConfig, check_cache_shapes, check_mask_values, check_positions,
+                      check_qkv_shapes, mask_shape_4d, Stages, window_sides)
 from mha_torch.kv_cache import KVCache
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -331,30 +330,6 @@ def rotate(x, pos, theta: float, convention: str):
         x1, x2 = xa[..., 0::2], xa[..., 1::2]
         out = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).reshape(x.shape)
     return out.to(x.dtype)
-
-
-ALIGNMENTS = ("top-left", "bottom-right")
-"""Where query t sits among the keys: a(t) = t (top-left) or t + S - T (bottom-right)."""
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
-
-
-def window_sides(window) -> tuple[int | None, int | None]:
-    """window None | w | (left, right) -> (left, right), each an int >= 0 or None (unbounded)."""
-    if window is None:
-        return None, None
-    if _is_int(window):
-        window = (window, window)
-    if not (isinstance(window, (tuple, list)) and len(window) == 2):
-        raise TypeError(f"window must be None, an int or a (left, right) pair, got {window!r}")
-    sides = []
-    for name, w in zip(("left", "right"), window):
-        if w is not None and (not _is_int(w) or w < 0):
-            raise ValueError(f"window {name} must be a non-negative int or None, got {w!r}")
-        sides.append(None if w is None else int(w))
-    return sides[0], sides[1]
 
 
 def _check_segment_ids(x, name: str, batch: int | None, length: int | None, axis: str) -> torch.Tensor:

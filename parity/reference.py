@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
-from mha_spec import AttentionConfig, check_positions, check_qkv_shapes, mask_shape_4d
+from mha_spec import ALIGNMENTS, window_sides, AttentionConfig, check_positions, check_qkv_shapes, mask_shape_4d
 
 STAGES = ("q", "k", "v", "q_rot", "k_rot", "scores", "weights", "context", "output")
 """Intermediates in the order the data flows; the harness names the first that diverges."""
@@ -426,25 +426,6 @@ def decode(sd, x, *, starts=None, prefill: int, num_heads: int, masked_rows: str
         all_weights.append(weights)
     output = np.concatenate(outputs, axis=1) if outputs else np.zeros((B, 0, E))
     return Decoded(output, k_cache, v_cache, starts, np.full(B, L, np.int64), tuple(all_scores), tuple(all_weights))
-
-
-ALIGNMENTS = ("top-left", "bottom-right")
-
-
-def window_sides(window) -> tuple[int | None, int | None]:
-    """window None | w | (left, right) -> (left, right), each a non-negative int or None (unbounded)."""
-    if window is None:
-        return None, None
-    if isinstance(window, (int, np.integer)) and not isinstance(window, bool):
-        window = (int(window), int(window))
-    if not (isinstance(window, (tuple, list)) and len(window) == 2):
-        raise TypeError(f"window must be None, an int or a (left, right) pair, got {window!r}")
-    sides = []
-    for name, w in zip(("left", "right"), window):
-        if w is not None and (isinstance(w, bool) or not isinstance(w, (int, np.integer)) or w < 0):
-            raise ValueError(f"window {name} must be a non-negative int or None, got {w!r}")
-        sides.append(None if w is None else int(w))
-    return sides[0], sides[1]
 
 
 def structured_keep(T: int, S: int, *, is_causal: bool = False, window=None, segment_ids=None,

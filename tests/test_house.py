@@ -191,7 +191,7 @@ def _vocabularies() -> dict[str, tuple[str, ...]]:
             "mha_spec.PROJECTIONS": mha_spec.PROJECTIONS, "mha_spec.SHARDINGS": mha_spec.SHARDINGS,
             "mha_spec.MASK_KINDS": mha_spec.MASK_KINDS, "parity.implementation.FRAMEWORKS": FRAMEWORKS,
             "parity.implementation.STRUCTURED_MASKS": STRUCTURED_MASKS,
-            "mha_spec.MASKED_ROWS_POLICIES": mha_spec.MASKED_ROWS_POLICIES}
+            "mha_spec.MASKED_ROWS_POLICIES": mha_spec.MASKED_ROWS_POLICIES, "mha_spec.ALIGNMENTS": mha_spec.ALIGNMENTS}
 
 
 def vocabulary_literals(tree: ast.Module, vocabulary: tuple[str, ...]) -> list[int]:
