@@ -170,17 +170,9 @@ def test_keys_rotated_at_the_slot_pass_alone_and_fail_where_the_other_framework_
 
 @pytest.fixture(scope="module")
 def modern_report():
-    """Ours and the example decoders on every modern decode layer; the decoding peers (which the
-    default-case tests and tests/test_peer_decode.py cover) are left out of this run."""
-    from parity.harness import runner as harness_runner
-
-    select = harness_runner.select
     cases = [c for c in modern_matrix() if c.decode and c is not DEFAULT]
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(harness_runner, "select", lambda role=None, *a, **kw: tuple(
-            i for i in select(role, *a, **kw) if role != "peer"))
-        report = run(cases=cases, checks=("decode",), dtypes=("float32",),
-                     impls=("torch", "jax-jit", decoders.decoder, decoders.decoder_position_off_by_one), device="cpu")
+    report = run(cases=cases, checks=("decode",), dtypes=("float32",),
+                 impls=("torch", "jax-jit", decoders.decoder, decoders.decoder_position_off_by_one), device="cpu")
     return cases, report
 
 
