@@ -96,7 +96,10 @@ class GracefulInterrupt:
         if self.requested:
             raise KeyboardInterrupt
         self.requested = True
-        self.console.print("[bold yellow]interrupt: stopping after the current unit (Ctrl-C again to stop now)")
+        # Plain bytes to stderr: the signal may arrive in the middle of an import (torch's takes
+        # seconds), and rich's console imports lazily; an import from inside the handler then
+        # breaks the interrupted import's module lock (importlib's KeyError), measured.
+        os.write(2, b"interrupt: stopping after the current unit (Ctrl-C again to stop now)\n")
 
     def install(self):
         signal.signal(signal.SIGINT, self)
