@@ -17,7 +17,6 @@ tests/test_edges.py).
 
 from __future__ import annotations
 
-import os
 import tempfile
 
 import jax
@@ -47,10 +46,6 @@ PLANT_JOBS = {
 }
 OTHER = {plant: layouts["other"] for plant, (_, _, layouts) in PLANT_JOBS.items()}
 TWO_PROCESS_JOBS = (("sp", "grouped-rope", "random", "uniform", "float64"), ("tp", "classic", "random-heads", "zero", "float32"))
-# XLA's backend optimisation level 0 in the JAX workers: these tests check our sharding, not
-# XLA's optimiser (mha-parity --devices runs at the default level). Measured on this 2-core
-# machine: ~35% less JAX worker CPU time (18.3 s -> 11.7 s for 9 sharded jobs).
-_XLA_TEST_FLAGS = "--xla_backend_optimization_level=0"
 
 
 def _jobs(fw, layer, dtype, per_layout, devices=4):
@@ -81,8 +76,6 @@ def groups(tmp_path_factory):
     worker runs and no scratch directory is left."""
     scratch = tmp_path_factory.mktemp("sharded-scratch")
     saved, tempfile.tempdir = tempfile.tempdir, str(scratch)
-    saved_flags = os.environ.get("XLA_FLAGS")
-    os.environ["XLA_FLAGS"] = f"{saved_flags or ''} {_XLA_TEST_FLAGS}".strip()  # the workers' environment copies it
     try:
         pending = {
             ("jax", 4): start("jax", _main_runs("jax"), devices=4),
@@ -91,10 +84,6 @@ def groups(tmp_path_factory):
         }
     finally:
         tempfile.tempdir = saved
-        if saved_flags is None:
-            del os.environ["XLA_FLAGS"]
-        else:
-            os.environ["XLA_FLAGS"] = saved_flags
     done = {}
 
     def get(key):
