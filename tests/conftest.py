@@ -104,7 +104,8 @@ def forced_kernel(monkeypatch):
 # `make test` runs the files on two pytest-xdist workers (--dist loadfile: a module's tests and
 # fixtures stay in one process). The longest modules go first, so neither worker is left
 # with one of them at the end while the other idles.
-_LONG_FIRST = ("test_sharded.py", "test_modern_peers.py", "test_ecosystem_peers.py", "test_harness.py", "test_docs.py")
+_LONG_FIRST = ("test_sharded.py", "test_jax_attention.py", "test_pallas_kernel.py", "test_chunked.py", "test_harness.py",
+               "test_mask_cases.py", "test_decode_check.py", "test_peer_pallas.py")
 
 
 def pytest_collection_modifyitems(config, items):
