@@ -1,0 +1,54 @@
+"""The chunked JAX kernel alone (mha_jax.chunked.chunked_attention, no projections) with a causal
+sliding window against no mask, B=1 T=S=8192 N=8 H=64 float32, forward + backward under jit,
+medians of a few runs, at several block sizes.
+
+    .venv/bin/python scripts/measure_window_kernel.py [T] [W] [q_chunk x k_chunk ...]
+
+The module's figure (docs/results/bench-masks-8192.md) includes the four projections, which a
+window does not shrink; this is the kernel's own speed-up. Run on a quiet machine.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mha_jax.chunked import block_census, chunked_attention
+
+
+def timed(fn, reps: int = 3) -> float:
+    jax.block_until_ready(fn())  # warm-up (and compile)
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        out.append(time.perf_counter() - t0)
+    return statistics.median(out)
+
+
+def main() -> None:
+    T = int(sys.argv[1]) if len(sys.argv) > 1 else 8192
+    W = int(sys.argv[2]) if len(sys.argv) > 2 else 1024
+    blocks = [tuple(int(n) for n in b.split("x")) for b in sys.argv[3:]] or [(512, 512)]
+    B, N, H = 1, 8, 64
+    q, k, v = (jnp.asarray(np.random.default_rng(s).standard_normal((B, T, N, H)), jnp.float32) for s in range(3))
+    i = np.arange(T)
+    keep = jnp.asarray((i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - W))  # (T, S): the last W keys
+    print(f"{jax.devices()[0].device_kind}; B={B} T=S={T} N={N} H={H} float32 fwd+bwd, window {W}")
+    for cq, ck in blocks:
+        def step(q, k, v, keep):
+            return jax.grad(lambda q, k, v: chunked_attention(q, k, v, keep, q_chunk=cq, k_chunk=ck).sum(), argnums=(0, 1, 2))(q, k, v)
+        f = jax.jit(step)
+        dense = timed(lambda: f(q, k, v, None))
+        window = timed(lambda: f(q, k, v, keep))
+        census = block_census(np.asarray(keep), B, N, T, T, cq, ck)
+        print(f"blocks {cq}x{ck}: unmasked {dense:.2f} s, window {window:.2f} s, speed-up {dense / window:.2f}x; blocks {census}")
+
+
+if __name__ == "__main__":
+    main()
