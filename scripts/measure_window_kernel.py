@@ -3,6 +3,12 @@ sliding window against no mask, B=1 T=S=8192 N=8 H=64 float32, forward + backwar
 medians of a few runs, at several block sizes.
 
     .venv/bin/python scripts/measure_window_kernel.py [T] [W] [q_chunk x k_chunk ...]
+    .venv/bin/python scripts/measure_window_kernel.py --probe [T] [W]   # where the window's time goes
+
+--probe, at 512x512 blocks, times forward and fwd+bwd with no mask, an all-true dense mask, the
+window, and a mask that keeps whole blocks (the window's non-empty blocks, every one FULL): the
+first two differ by the dense mask's own passes, the window and its whole blocks by the partial
+blocks' selects; a mask that keeps nothing runs no block, so its time is the mask's fixed cost.
 
 The module's figure (docs/results/bench-masks-8192.md) includes the four projections, which a
 window does not shrink; this is the kernel's own speed-up. Run on a quiet machine.
@@ -31,15 +37,31 @@ def timed(fn, reps: int = 3) -> float:
     return statistics.median(out)
 
 
+def probe(q, k, v, window, W: int, c: int = 512) -> None:
+    T = q.shape[1]
+    near = np.arange(T)[None, :] // c - np.arange(T)[:, None] // c  # key block - query block
+    whole = jnp.asarray((near <= 0) & (near >= -W // c))  # every block the window touches, kept whole
+    fwd = jax.jit(lambda q, k, v, keep: chunked_attention(q, k, v, keep, q_chunk=c, k_chunk=c))
+    both = jax.jit(lambda q, k, v, keep: jax.grad(lambda q, k, v: chunked_attention(q, k, v, keep, q_chunk=c, k_chunk=c).sum(),
+                                                  argnums=(0, 1, 2))(q, k, v))
+    for name, keep in (("no mask", None), ("all-true mask", jnp.ones((T, T), bool)), ("window", window),
+                       ("the window's blocks, all FULL", whole), ("nothing kept (no block runs)", jnp.zeros((T, T), bool))):
+        census = "" if keep is None else f"; blocks {block_census(np.asarray(keep), 1, q.shape[2], T, T, c, c)}"
+        print(f"{name}: fwd {timed(lambda: fwd(q, k, v, keep)):.2f} s, fwd+bwd {timed(lambda: both(q, k, v, keep)):.2f} s{census}", flush=True)
+
+
 def main() -> None:
-    T = int(sys.argv[1]) if len(sys.argv) > 1 else 8192
-    W = int(sys.argv[2]) if len(sys.argv) > 2 else 1024
-    blocks = [tuple(int(n) for n in b.split("x")) for b in sys.argv[3:]] or [(512, 512)]
+    args = [a for a in sys.argv[1:] if a != "--probe"]
+    T = int(args[0]) if len(args) > 0 else 8192
+    W = int(args[1]) if len(args) > 1 else 1024
+    blocks = [tuple(int(n) for n in b.split("x")) for b in args[2:]] or [(512, 512)]
     B, N, H = 1, 8, 64
     q, k, v = (jnp.asarray(np.random.default_rng(s).standard_normal((B, T, N, H)), jnp.float32) for s in range(3))
     i = np.arange(T)
     keep = jnp.asarray((i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - W))  # (T, S): the last W keys
-    print(f"{jax.devices()[0].device_kind}; B={B} T=S={T} N={N} H={H} float32 fwd+bwd, window {W}")
+    print(f"{jax.devices()[0].device_kind}; B={B} T=S={T} N={N} H={H} float32, window {W}")
+    if "--probe" in sys.argv:
+        return probe(q, k, v, keep, W)
     for cq, ck in blocks:
         def step(q, k, v, keep):
             return jax.grad(lambda q, k, v: chunked_attention(q, k, v, keep, q_chunk=cq, k_chunk=ck).sum(), argnums=(0, 1, 2))(q, k, v)
