@@ -37,13 +37,18 @@ def timed(fn, reps: int = 3) -> float:
     return statistics.median(out)
 
 
+def fwd_bwd(cq: int, ck: int):
+    """The jitted gradients of sum(context) w.r.t. q, k and v: forward and backward in one program."""
+    return jax.jit(lambda q, k, v, keep: jax.grad(lambda q, k, v: chunked_attention(q, k, v, keep, q_chunk=cq, k_chunk=ck).sum(),
+                                                  argnums=(0, 1, 2))(q, k, v))
+
+
 def probe(q, k, v, window, W: int, c: int = 512) -> None:
     T = q.shape[1]
     near = np.arange(T)[None, :] // c - np.arange(T)[:, None] // c  # key block - query block
     whole = jnp.asarray((near <= 0) & (near >= -W // c))  # every block the window touches, kept whole
     fwd = jax.jit(lambda q, k, v, keep: chunked_attention(q, k, v, keep, q_chunk=c, k_chunk=c))
-    both = jax.jit(lambda q, k, v, keep: jax.grad(lambda q, k, v: chunked_attention(q, k, v, keep, q_chunk=c, k_chunk=c).sum(),
-                                                  argnums=(0, 1, 2))(q, k, v))
+    both = fwd_bwd(c, c)
     for name, keep in (("no mask", None), ("all-true mask", jnp.ones((T, T), bool)), ("window", window),
                        ("the window's blocks, all FULL", whole), ("nothing kept (no block runs)", jnp.zeros((T, T), bool))):
         census = "" if keep is None else f"; blocks {block_census(np.asarray(keep), 1, q.shape[2], T, T, c, c)}"
@@ -63,9 +68,7 @@ def main() -> None:
     if "--probe" in sys.argv:
         return probe(q, k, v, keep, W)
     for cq, ck in blocks:
-        def step(q, k, v, keep):
-            return jax.grad(lambda q, k, v: chunked_attention(q, k, v, keep, q_chunk=cq, k_chunk=ck).sum(), argnums=(0, 1, 2))(q, k, v)
-        f = jax.jit(step)
+        f = fwd_bwd(cq, ck)
         dense = timed(lambda: f(q, k, v, None))
         window = timed(lambda: f(q, k, v, keep))
         census = block_census(np.asarray(keep), B, N, T, T, cq, ck)
