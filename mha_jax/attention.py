@@ -177,13 +177,21 @@ def fused_attention_core(q, k, v, keep=None, *, masked_rows="nan", precision=Non
         return pallas.flash(choice.kernel, q, k, v, is_causal=structure.is_causal, segment_ids=structure.q_seg,
                             key_segment_ids=None if shared else structure.k_seg, masked_rows=masked_rows,
                             precision=precision)
+    if choice.kernel == kernels.CHUNKED:
+        # The causal triangle and the window go in as structure (no (T, S) mask; the kernel's
+        # cost follows the blocks they touch); segment ids as a mask ANDed with keep.
+        segments = _build_keep(T, S, structure._replace(is_causal=False, left=None, right=None))  # (B, 1, T, S) | None
+        if segments is not None:
+            keep = segments if keep is None else keep & segments
+        window = None if structure.left is None and structure.right is None else (structure.left, structure.right)
+        return chunked_attention(q, k, v, keep, masked_rows=masked_rows, q_chunk=choice.q_chunk, k_chunk=choice.k_chunk,
+                                 precision=precision, is_causal=structure.is_causal, window=window,
+                                 alignment="bottom-right" if structure.offset else "top-left")
     built = _build_keep(T, S, structure)  # (B|1, 1, T, S) | None
     if built is not None:
         keep = built if keep is None else keep & built  # (B|1, N|1, T, S)
     if choice.kernel == kernels.EINSUM:
         return attention_core(q, k, v, keep, masked_rows=masked_rows, precision=precision)[0]
-    if choice.kernel == kernels.CHUNKED:
-        return chunked_attention(q, k, v, keep, masked_rows=masked_rows, q_chunk=choice.q_chunk, k_chunk=choice.k_chunk, precision=precision)
     # jax.nn.dot_product_attention takes no precision argument (the global default applies);
     # it takes K key/value heads dividing N itself.
     implementation = kernels.DPA_IMPLEMENTATIONS[choice.kernel]

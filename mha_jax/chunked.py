@@ -58,7 +58,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from mha_spec import mask_shape_4d
+import numpy as np
+
+from mha_spec import ALIGNMENTS, mask_shape_4d, window_sides
 
 
 def accumulation_dtype(dtype):
@@ -125,6 +127,45 @@ def mean_over_keys(v):
 EMPTY, FULL, PARTIAL = 0, 1, 2  # block kinds: keep-mask all False, all True, mixed
 
 
+def diagonal_band(T: int, S: int, *, is_causal: bool = False, window=None,
+                  alignment: str = "top-left") -> tuple[int | None, int | None] | None:
+    """The structured keywords without segment ids as the band of diagonals they keep: (lo, hi)
+    such that query t keeps key s exactly when lo <= s - t <= hi (a side of None: unbounded), or
+    None when nothing is asked. Query t sits at key a(t) = t + offset (0 top-left, S - T
+    bottom-right); is_causal keeps s <= a(t); window (left, right) keeps a(t) - left <= s <= a(t) + right
+    (`structured_keep`). Python ints: a band is the program's shape, never data."""
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
+    if not isinstance(alignment, str) or alignment not in ALIGNMENTS:
+        raise ValueError(f"alignment={alignment!r} is not one of {ALIGNMENTS}")
+    left, right = window_sides(window)
+    offset = S - T if alignment == "bottom-right" else 0
+    his = [offset + h for h, on in ((0, is_causal), (right, right is not None)) if on]
+    lo, hi = (None if left is None else offset - left), (min(his) if his else None)
+    return None if lo is None and hi is None else (lo, hi)
+
+
+def band_keep(T: int, S: int, band):
+    """bool (1, 1, T, S) of a `diagonal_band` (lo, hi), built from iotas."""
+    lo, hi = band
+    d = jnp.arange(S)[None, :] - jnp.arange(T)[:, None]  # (T, S): s - t
+    keep = jnp.ones((T, S), bool)
+    keep = keep if lo is None else keep & (d >= lo)
+    return (keep if hi is None else keep & (d <= hi))[None, None]
+
+
+@dataclass(frozen=True)
+class _Band:
+    """A mask given by its structure instead of as data: row r of the kernel's query axis (query
+    heads' rows stacked per key/value head, padded) is query t = r mod T; rows r >= R are padding
+    and keep nothing; row t keeps the keys s < S with lo <= s - t <= hi (None: unbounded)."""
+
+    R: int
+    T: int
+    lo: int | None
+    hi: int | None
+
+
 @dataclass(frozen=True)
 class _Plan:
     """Static facts of one call (hashable: it is a nondiff argument of the custom VJP)."""
@@ -135,11 +176,66 @@ class _Plan:
     scale: float  # left for the scores (1.0 when folded into q)
     precision: object
     single: bool  # one block on both axes: its probabilities are kept for the backward
+    band: _Band | None = None  # the mask, when it is a band (then no keep-mask is passed)
+
+
+def _band_keys(band: _Band, S: int, Rp: int):
+    """NumPy (first, last) kept key of each of Rp kernel rows; first > last on a row that keeps
+    nothing. Static: computed while tracing, so a band costs no pass over a mask at run time."""
+    r = np.arange(Rp)
+    t = r % band.T
+    first = np.zeros(Rp, np.int64) if band.lo is None else np.maximum(0, t + band.lo)
+    last = np.full(Rp, S - 1, np.int64) if band.hi is None else np.minimum(S - 1, t + band.hi)
+    return first, np.where(r < band.R, last, -1)
+
+
+def _band_attends(band: _Band, S: int, Rp: int):
+    """Bool (1, 1, Rp, 1): the rows that keep at least one key under the band."""
+    first, last = _band_keys(band, S, Rp)
+    return jnp.asarray(first <= last)[None, None, :, None]
+
+
+def _band_kinds(plan: _Plan, nq: int, nk: int):
+    """NumPy (nq, nk) block kinds of plan.band from each row's interval of kept keys: exactly the
+    kinds of the same mask given densely."""
+    first, last = (x[:, None] for x in _band_keys(plan.band, plan.S, nq * plan.cq))  # (Rp, 1)
+    starts = np.arange(nk)[None, :] * plan.ck  # (1, nk)
+    ends = starts + plan.ck - 1
+    any_ = (np.maximum(first, starts) <= np.minimum(last, ends)).reshape(nq, plan.cq, nk).any(axis=1)
+    all_ = ((first <= starts) & (last >= ends)).reshape(nq, plan.cq, nk).all(axis=1)
+    return np.where(all_, FULL, np.where(any_, PARTIAL, EMPTY))
+
+
+def _band_visits(plan: _Plan, nq: int, nk: int):
+    """The blocks a band's loops visit, known while tracing, or None (no band: every block):
+    (kinds (nq + 1, nk + 1) int32 with an EMPTY row and column for the padding index,
+    key blocks per query block (nq, L) and query blocks per key block (nk, M), each list the
+    non-EMPTY blocks padded with the EMPTY index nk or nq). The loops then run max-non-empty
+    steps instead of nk or nq, so a window's cost follows its blocks, not T/c of them."""
+    if plan.band is None:
+        return None
+    kinds = _band_kinds(plan, nq, nk)
+
+    def lists(rows, pad):
+        picked = [np.flatnonzero(r != EMPTY) for r in rows]
+        width = max(1, max(len(p) for p in picked))
+        return jnp.asarray(np.stack([np.pad(p, (0, width - len(p)), constant_values=pad) for p in picked]), jnp.int32)
+
+    return jnp.asarray(np.pad(kinds, ((0, 1), (0, 1))), jnp.int32), lists(kinds, nk), lists(kinds.T, nq)
+
+
+def _row_attends(plan: _Plan, keep, Rp: int):
+    """Bool (B|1, N|1, Rp|1, 1): the kernel rows that keep at least one key, from the mask alone."""
+    if plan.band is not None:
+        return _band_attends(plan.band, plan.S, Rp)
+    return jnp.ones((1, 1, 1, 1), bool) if keep is None else keep.any(axis=-1, keepdims=True)
 
 
 def _block_kinds(plan: _Plan, keep, nq: int, nk: int):
-    """(nq|1, nk) int32 block kinds from the padded keep-mask, computed once per call; None when
-    every block is FULL (no mask and no key padding): then no block needs a select or a branch."""
+    """(nq|1, nk) int32 block kinds from the padded keep-mask (or the band), computed once per call;
+    None when every block is FULL (no mask and no key padding): then no block needs a select or a branch."""
+    if plan.band is not None:
+        return jnp.asarray(_band_kinds(plan, nq, nk), jnp.int32)
     if keep is None:
         if plan.S % plan.ck == 0:
             return None
@@ -160,8 +256,18 @@ def _by_kind(kinds, i, j, step, carry):
     return lax.switch(kind, [lambda c: step(None)(c), step(False), step(True)], carry)
 
 
-def _block_mask(plan: _Plan, keep_i, j):
-    """Bool (B|1, N|1, cq|1, ck) for key block j: the keep-mask's slice, or the key-padding mask."""
+def _block_mask(plan: _Plan, keep_i, i, j):
+    """Bool (B|1, N|1, cq|1, ck) for query block i and key block j: the keep-mask's slice, the band
+    from iotas, or the key-padding mask."""
+    if plan.band is not None:
+        band = plan.band
+        r = i * plan.cq + jnp.arange(plan.cq)[:, None]  # (cq, 1) kernel rows
+        s = j * plan.ck + jnp.arange(plan.ck)[None, :]  # (1, ck) keys
+        d = s - r % band.T
+        mask = (r < band.R) & (s < plan.S)
+        mask = mask if band.lo is None else mask & (d >= band.lo)
+        mask = mask if band.hi is None else mask & (d <= band.hi)
+        return mask[None, None]
     if keep_i is not None:
         return lax.dynamic_slice_in_dim(keep_i, j * plan.ck, plan.ck, axis=3)
     return (j * plan.ck + jnp.arange(plan.ck) < plan.S)[None, None, None, :]
@@ -188,8 +294,9 @@ def _forward(plan: _Plan, q, k, v, keep, want_p: bool = False):
     B, N, Tp, H = q.shape
     acc = accumulation_dtype(q.dtype)
     nq, nk = Tp // plan.cq, k.shape[2] // plan.ck
-    row_any = jnp.ones((1, 1, 1, 1), bool) if keep is None else keep.any(axis=-1, keepdims=True)
-    kinds = _block_kinds(plan, keep, nq, nk)
+    row_any = _row_attends(plan, keep, Tp)
+    visits = _band_visits(plan, nq, nk)
+    kinds = _block_kinds(plan, keep, nq, nk) if visits is None else visits[0]
 
     def q_block(i):
         qi, keep_i = _rows(q, i, plan.cq), _rows(keep, i, plan.cq)  # (B, N, cq, H)
@@ -202,7 +309,7 @@ def _forward(plan: _Plan, q, k, v, keep, want_p: bool = False):
                         return carry, (jnp.zeros((B, N, plan.cq, plan.ck), acc) if want_p else None)
                     kj = lax.dynamic_slice_in_dim(k, j * plan.ck, plan.ck, axis=2)  # (B, N, ck, H)
                     vj = lax.dynamic_slice_in_dim(v, j * plan.ck, plan.ck, axis=2)
-                    s = _block_scores(plan, qi, kj, _block_mask(plan, keep_i, j) if masked else None)  # (B, N, cq, ck)
+                    s = _block_scores(plan, qi, kj, _block_mask(plan, keep_i, i, j) if masked else None)  # (B, N, cq, ck)
                     m_new = jnp.maximum(m, s.max(axis=-1, keepdims=True))  # NaN stays NaN
                     # A row that has seen only masked keys keeps max -inf; use 0 so exp() gives 0, not NaN.
                     safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -215,7 +322,7 @@ def _forward(plan: _Plan, q, k, v, keep, want_p: bool = False):
             return _by_kind(kinds, i, j, step, carry)
 
         init = (jnp.zeros((B, N, plan.cq, H), acc), jnp.full((B, N, plan.cq, 1), -jnp.inf, acc), jnp.zeros((B, N, plan.cq, 1), acc))
-        (o, m, l), ps = lax.scan(k_step, init, jnp.arange(nk))
+        (o, m, l), ps = lax.scan(k_step, init, jnp.arange(nk) if visits is None else visits[1][i])
         attends = _rows(row_any, i, plan.cq)  # from the mask, not from l: NaN must stay NaN
         l = jnp.where(attends, l, 1.0)
         o = jnp.where(attends, o / l, 0.0)
@@ -237,7 +344,8 @@ def _backward(plan: _Plan, res, d_o):
     q, k, v, keep, o, lse, p_saved = res
     acc = accumulation_dtype(q.dtype)
     nq, nk = q.shape[2] // plan.cq, k.shape[2] // plan.ck
-    kinds = _block_kinds(plan, keep, nq, nk)
+    visits = _band_visits(plan, nq, nk)
+    kinds = _block_kinds(plan, keep, nq, nk) if visits is None else visits[0]
     d_o = d_o.astype(acc)
     D = jnp.sum(d_o * o, axis=-1, keepdims=True)  # (B, N, Tp, 1)
     dot = partial(jnp.einsum, preferred_element_type=acc, precision=plan.precision)
@@ -255,7 +363,7 @@ def _backward(plan: _Plan, res, d_o):
                     qi, d_oi = _rows(q, i, plan.cq), _rows(d_o, i, plan.cq)  # (B, N, cq, H)
                     p = p_saved  # (B, N, cq, ck), 0 where masked: a single block kept it from the forward
                     if p is None:  # recompute it, once per block
-                        mask = _block_mask(plan, _rows(keep, i, plan.cq), j) if masked else None
+                        mask = _block_mask(plan, _rows(keep, i, plan.cq), i, j) if masked else None
                         p = jnp.exp(_block_scores(plan, qi, kj, mask) - _rows(lse, i, plan.cq))
                     dv = dv + dot("BNTS,BNTH->BNSH", p.astype(v.dtype).astype(acc), d_oi)
                     dp = dot("BNTH,BNSH->BNTS", d_oi, vj.astype(acc))
@@ -269,10 +377,19 @@ def _backward(plan: _Plan, res, d_o):
             return _by_kind(kinds, i, j, step, carry)
 
         zeros = jnp.zeros(kj.shape, acc)
-        (dk, dv), dq_blocks = lax.scan(q_step, (zeros, zeros), jnp.arange(nq))
-        return dq + _unblock(dq_blocks), (dk, dv)
+        if visits is None:
+            (dk, dv), dq_blocks = lax.scan(q_step, (zeros, zeros), jnp.arange(nq))  # (nq, B, N, cq, H)
+            return dq + _unblock(dq_blocks), (dk, dv)
+        rows = visits[2][j]  # (M,): the query blocks this key block reaches, then the EMPTY index nq
+        (dk, dv), dq_blocks = lax.scan(q_step, (zeros, zeros), rows)  # (M, B, N, cq, H)
+        return dq.at[rows].add(dq_blocks), (dk, dv)  # dq by blocks, with a discarded block nq
 
-    dq, (dk, dv) = lax.scan(k_block, jnp.zeros(q.shape, acc), jnp.arange(nk))  # dk, dv: (nk, B, N, ck, H)
+    B, N, Rp, H = q.shape
+    if visits is None:
+        dq, (dk, dv) = lax.scan(k_block, jnp.zeros(q.shape, acc), jnp.arange(nk))  # dk, dv: (nk, B, N, ck, H)
+    else:
+        dq, (dk, dv) = lax.scan(k_block, jnp.zeros((nq + 1, B, N, plan.cq, H), acc), jnp.arange(nk))
+        dq = _unblock(dq[:nq])  # (B, N, Rp, H)
     return dq.astype(q.dtype), _unblock(dk).astype(k.dtype), _unblock(dv).astype(v.dtype), None
 
 
@@ -311,7 +428,8 @@ def _stack_group_rows(keep, K: int, G: int, T: int):
     return grouped.reshape(kb, grouped.shape[1], G * T, ks)
 
 
-def chunked_attention(q, k, v, keep=None, *, masked_rows="nan", q_chunk=512, k_chunk=1024, precision=None):
+def chunked_attention(q, k, v, keep=None, *, masked_rows="nan", q_chunk=512, k_chunk=1024, precision=None,
+                      is_causal: bool = False, window=None, alignment: str = "top-left"):
     """softmax(Q Kᵀ / √H) V without materialising (B, N, T, S), forward or backward.
 
     q (B, T, N, H), k and v (B, S, K, H) with K dividing N: query head h reads key/value
@@ -319,7 +437,10 @@ def chunked_attention(q, k, v, keep=None, *, masked_rows="nan", q_chunk=512, k_c
     G·T rows against that head's keys, so K, V and their gradients stay at K heads (and a
     keep-mask that varies over query rows but not heads is repeated G times, as bools).
     keep: bool keep-mask [T, S], [B, T, S] (a batch axis) or (B|1, N|1, T|1, S|1), or None.
-    Returns the context (B, T, N, H) in q's dtype. Accumulates in float32 for 16-bit inputs,
+    is_causal, window and alignment are the modules' structured keywords (`diagonal_band`), ANDed
+    with keep; without keep the kernel never builds a (T, S) mask: each block's mask comes from
+    iotas, and the block kinds and empty rows from the band while tracing, so a window's cost
+    follows the blocks it touches. Returns the context (B, T, N, H) in q's dtype. Accumulates in float32 for 16-bit inputs,
     float64 for float64. T = 0 or B = 0 gives an empty context; S = 0 is a ValueError (no
     key to attend to).
     """
@@ -333,14 +454,19 @@ def chunked_attention(q, k, v, keep=None, *, masked_rows="nan", q_chunk=512, k_c
     if q_chunk < 1 or k_chunk < 1:
         raise ValueError(f"q_chunk and k_chunk must be positive, got {q_chunk} and {k_chunk}")
     keep = keep_4d(keep, B, N, T, S)  # (B|1, N|1, T|1, S|1)
+    band = diagonal_band(T, S, is_causal=is_causal, window=window, alignment=alignment)
+    if band is not None and keep is not None:
+        keep, band = keep & band_keep(T, S, band), None  # (B|1, N|1, T, S)
     if B == 0 or T == 0:
         return jnp.zeros((B, T, N, H), q.dtype)
-    if keep is not None:
-        q = _query_gradient_as_materialised(q, k, keep)
-    ctx = _chunked(q, k, v, keep, q_chunk=q_chunk, k_chunk=k_chunk, precision=precision)  # (B, N, T, H)
-    if keep is not None:
+    masked = keep is not None or band is not None
+    if masked:
+        row_any = (keep.any(axis=-1, keepdims=True) if keep is not None  # (B|1, N|1, T|1, 1): from the mask alone
+                   else _band_attends(_Band(T, T, *band), S, T))
+        q = _query_gradient_as_materialised(q, k, row_any)
+    ctx = _chunked(q, k, v, keep, q_chunk=q_chunk, k_chunk=k_chunk, precision=precision, band=band)  # (B, N, T, H)
+    if masked:
         G = N // K
-        row_any = keep.any(axis=-1, keepdims=True)  # (B|1, N|1, T|1, 1): from the mask alone
         mean_v = mean_over_keys(v)[:, 0]  # (B, K, H)
         mean_v = (jnp.repeat(mean_v, G, axis=1) if G > 1 else mean_v)[:, :, None, :]  # (B, N, 1, H)
         ctx = fill_masked_rows(ctx, row_any, masked_rows, mean_v)
@@ -364,8 +490,9 @@ def _nan_gradient_where_bwd(flags, g):
 _nan_gradient_where.defvjp(_nan_gradient_where_fwd, _nan_gradient_where_bwd)
 
 
-def _query_gradient_as_materialised(q, k, keep):
-    """q (B, T, N, H), unchanged, with the gradient NaN and zeros of the materialised path.
+def _query_gradient_as_materialised(q, k, row_any):
+    """q (B, T, N, H), unchanged, with the gradient NaN and zeros of the materialised path;
+    row_any (B|1, N|1, T|1, 1): the rows that keep a key.
 
     There q's gradient is dS·K over every key, masked ones included (dS is 0 there, and 0 x NaN
     is NaN): a NaN in a key makes it NaN at that feature on every row of the query heads reading
@@ -376,7 +503,7 @@ def _query_gradient_as_materialised(q, k, keep):
     G = q.shape[2] // k.shape[2]
     k_nan = jnp.isnan(k).any(axis=1)  # (B, K, H)
     k_nan = (jnp.repeat(k_nan, G, axis=1) if G > 1 else k_nan)[:, None]  # (B, 1, N, H)
-    attends = jnp.transpose(keep.any(axis=-1, keepdims=True), (0, 2, 1, 3))  # (B|1, T|1, N|1, 1)
+    attends = jnp.transpose(row_any, (0, 2, 1, 3))  # (B|1, T|1, N|1, 1)
     q = _nan_gradient_where(q, k_nan)  # first: the NaN reaches the rows that keep no key too
     return jnp.where(attends, q, lax.stop_gradient(q))
 
@@ -393,7 +520,8 @@ def _kernel_keep(keep, K: int, G: int, T: int, S: int, Rp: int, Sp: int):
 
 
 def block_census(keep, B: int, N: int, T: int, S: int, q_chunk: int = 512, k_chunk: int = 1024, *,
-                 kv_heads: int | None = None) -> dict[str, int]:
+                 kv_heads: int | None = None, is_causal: bool = False, window=None,
+                 alignment: str = "top-left") -> dict[str, int]:
     """How many (query block, key block) pairs `chunked_attention` finds EMPTY, FULL and PARTIAL for
     this keep-mask and these blocks: {"empty": .., "full": .., "partial": ..}, summing to the blocks of
     the (padded) grid.
@@ -403,8 +531,9 @@ def block_census(keep, B: int, N: int, T: int, S: int, q_chunk: int = 512, k_chu
     `_block_kinds`, that forward and backward branch on. A block is EMPTY only when nothing is kept
     for any batch element or head (one batched matmul serves them all): an EMPTY block runs no
     matmul, in the forward and in the backward; every other block runs its Q·Kᵀ and P·V (in the
-    backward the recomputed Q·Kᵀ and four more), PARTIAL with the mask select. keep: as
-    `chunked_attention` takes it, or None.
+    backward the recomputed Q·Kᵀ and four more), PARTIAL with the mask select. keep, is_causal,
+    window and alignment: as `chunked_attention` takes them (a band alone is summarised from its
+    structure, as the kernel does).
     """
     for name, val in (("B", B), ("N", N), ("T", T), ("S", S), ("q_chunk", q_chunk), ("k_chunk", k_chunk)):
         if isinstance(val, bool) or not isinstance(val, int) or val < (0 if name in ("B", "T") else 1):
@@ -414,12 +543,16 @@ def block_census(keep, B: int, N: int, T: int, S: int, q_chunk: int = 512, k_chu
     if isinstance(K, bool) or not isinstance(K, int) or K < 1 or N % K:
         raise ValueError(f"block_census: kv_heads must divide N={N}, got {kv_heads!r}")
     keep = keep_4d(keep, B, N, T, S)  # (B|1, N|1, T|1, S|1)
+    band = diagonal_band(T, S, is_causal=is_causal, window=window, alignment=alignment)
+    if band is not None and keep is not None:
+        keep, band = keep.astype(bool) & band_keep(T, S, band), None
     if B == 0 or T == 0:  # the kernel returns the empty context without a block
         return {"empty": 0, "full": 0, "partial": 0}
     G = N // K
     cq, ck, Rp, Sp = _blocking(G * T, S, q_chunk, k_chunk)
     keep_p = _kernel_keep(None if keep is None else keep.astype(bool), K, G, T, S, Rp, Sp)
-    plan = _Plan(S=S, cq=cq, ck=ck, scale=1.0, precision=None, single=(Rp, Sp) == (cq, ck))
+    plan = _Plan(S=S, cq=cq, ck=ck, scale=1.0, precision=None, single=(Rp, Sp) == (cq, ck),
+                 band=None if band is None else _Band(G * T, T, *band))
     nq, nk = Rp // cq, Sp // ck
     kinds = _block_kinds(plan, keep_p, nq, nk)  # (nq|1, nk), or None: every block FULL
     kinds = jnp.full((nq, nk), FULL) if kinds is None else jnp.broadcast_to(kinds, (nq, nk))
@@ -428,9 +561,10 @@ def block_census(keep, B: int, N: int, T: int, S: int, q_chunk: int = 512, k_chu
 
 # Compiled once per shapes and blocks: run eagerly, the kernel's loops would otherwise be
 # traced and compiled again on every call (measured 0.46 s a call at B=3 T=5 S=7 N=6).
-@partial(jax.jit, static_argnames=("q_chunk", "k_chunk", "precision"))
-def _chunked(q, k, v, keep, *, q_chunk, k_chunk, precision):
-    """The context (B, N, T, H) in the accumulation dtype, 0 on rows that keep no key."""
+@partial(jax.jit, static_argnames=("q_chunk", "k_chunk", "precision", "band"))
+def _chunked(q, k, v, keep, *, q_chunk, k_chunk, precision, band=None):
+    """The context (B, N, T, H) in the accumulation dtype, 0 on rows that keep no key; band: a
+    `diagonal_band` (lo, hi) when the mask is one (keep is None then)."""
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
     G = N // K
@@ -448,7 +582,8 @@ def _chunked(q, k, v, keep, *, q_chunk, k_chunk, precision):
         # causal mask. The barrier makes them run as compiled code instead.
         keep = lax.optimization_barrier(jnp.asarray(keep))
     keep_p = _kernel_keep(keep, K, G, T, S, Rp, Sp)
-    plan = _Plan(S=S, cq=cq, ck=ck, scale=scale, precision=precision, single=(Rp, Sp) == (cq, ck))
+    plan = _Plan(S=S, cq=cq, ck=ck, scale=scale, precision=precision, single=(Rp, Sp) == (cq, ck),
+                 band=None if band is None else _Band(R, T, *band))
     k_heads, v_heads = (padded(jnp.transpose(x, (0, 2, 1, 3)), S, Sp) for x in (k, v))  # (B, K, Sp, H)
     ctx = _flash(plan, padded(q_rows, R, Rp), k_heads, v_heads, keep_p)[:, :, :R]  # (B, K, G·T, H)
     return ctx.reshape(B, N, T, H)  # head j·G + g: the rows g·T .. g·T + T - 1 of key/value head j

@@ -236,6 +236,24 @@ def test_the_window_and_packed_keep_masks_and_their_kept_fraction():
             keep_mask(BenchCase.of(2, 7, 7, 12, 3, "float32", mask="causal"))).all()
 
 
+def test_structured_implementations_get_the_window_and_packed_masks_as_keywords_for_the_same_mask():
+    from parity.bench.spec import impl_keep_mask, structure_for
+    from parity.impls import BUILTIN
+    from parity.reference import structured_keep
+    ours = next(im for im in BUILTIN if im.structured)
+    dense = next(im for im in BUILTIN if not im.structured)
+    for mask, B, T, S in (("window:3", 2, 5, 7), ("window:100", 1, 5, 9), ("packed:3", 2, 9, 9)):
+        case = BenchCase.of(B, T, S, 12, 3, "float32", mask=mask)
+        kw, padding = structure_for(ours, case)
+        assert padding is None and impl_keep_mask(ours, case) is None  # the keywords are the whole mask
+        # the same mask as the dense one every other implementation gets
+        assert (np.broadcast_to(structured_keep(T, S, **kw), (B, 1, T, S)) == keep_mask(case)).all(), mask
+        assert structure_for(dense, case) is None and (impl_keep_mask(dense, case) == keep_mask(case)).all()
+    for mask in ("none", "causal", "padding"):  # plain kinds stay dense masks (or none) for everyone
+        case = BenchCase.of(2, 5, 7, 12, 3, "float32", mask=mask)
+        assert structure_for(ours, case) is None
+
+
 def test_flops_count_the_attention_over_the_kept_entries():
     # B=1 T=S=8 E=8 N=2 (H=4): projections 2·1·8·4·(2·2·8 + 2·2·8) = 4096; Q·Kᵀ and P·V 2·N·H = 16 FLOPs
     # each per kept (t, s) entry: 64 entries unmasked, 36 causal, window:3 3·4/2 + 5·3 = 21, packed:2

@@ -479,17 +479,19 @@ class TestBlockSkipping:
         monkeypatch.undo()
         chunked._chunked.clear_cache()
 
-    @pytest.mark.parametrize("mask", ["window", "packed"])
+    @pytest.mark.parametrize("mask", ["window", "packed", "window as structure"])
     def test_only_the_non_empty_blocks_run_their_matmuls(self, mask, matmul_counter, rng):
-        keep = self.window_keep(self.T, self.W) if mask == "window" else self.packed_keep(self.T, self.D)
+        keep = self.window_keep(self.T, self.W) if mask.startswith("window") else self.packed_keep(self.T, self.D)
         census = chunked.block_census(keep, 1, 2, self.T, self.T, self.C, self.C)
         running = census["full"] + census["partial"]
+        # The structure (no keep-mask) is the window's: the same blocks run.
+        given = dict(is_causal=True, window=(self.W - 1, 0)) if mask == "window as structure" else dict(keep=keep)
         q, k, v = (jnp.asarray(rng.standard_normal((1, self.T, 2, 8)), jnp.float32) for _ in range(3))
-        chunked_attention(q, k, v, keep, q_chunk=self.C, k_chunk=self.C).block_until_ready()
+        chunked_attention(q, k, v, q_chunk=self.C, k_chunk=self.C, **given).block_until_ready()
         jax.effects_barrier()
         assert len(matmul_counter) == running < sum(census.values())  # one Q·Kᵀ per non-empty block
         matmul_counter.clear()
-        jax.grad(lambda q: chunked_attention(q, k, v, keep, q_chunk=self.C, k_chunk=self.C).sum())(q).block_until_ready()
+        jax.grad(lambda q: chunked_attention(q, k, v, q_chunk=self.C, k_chunk=self.C, **given).sum())(q).block_until_ready()
         jax.effects_barrier()
         assert len(matmul_counter) == 2 * running  # the forward's, and the backward's recomputed P
 
@@ -532,3 +534,82 @@ class TestBlockSkipping:
                                      T=T, S=T, H=64, has_mask=True, materialize_limit=kernels.MATERIALIZE_LIMIT)
                 assert got.kernel == kernels.CHUNKED and got.q_chunk and got.k_chunk, (key, T, got)
         assert kernels.fused_choice(1, 8, 8192, 8192, 64, jnp.float32, has_mask=True).kernel == kernels.CHUNKED
+
+
+class TestBand:
+    """A causal triangle or sliding window given as structure (is_causal / window / alignment, no
+    keep-mask): no (T, S) mask is built, the block kinds and the rows that keep nothing come from the
+    band while tracing, and the loops visit the non-empty blocks only. Output and gradients must be
+    bit-identical to the same mask given densely (the same blocks, kinds and selects run), and the
+    count of each kind the same."""
+
+    # (B, T, S, N, K, keywords, blocks, policy)
+    CASES = [
+        (2, 13, 17, 6, 2, dict(is_causal=True, window=(4, 0)), (4, 3), "nan"),  # G=3: stacked rows cross blocks
+        (1, 7, 5, 3, 3, dict(is_causal=True, alignment="bottom-right"), (2, 3), "nan"),  # rows 0, 1 keep nothing
+        (3, 5, 7, 3, 3, dict(window=(1, 1), alignment="bottom-right"), (2, 2), "uniform"),
+        (1, 16, 16, 4, 2, dict(window=(None, 2)), (64, 64), "zero"),  # one block: the forward keeps P
+        (1, 40, 40, 4, 2, dict(is_causal=True, window=(7, 0)), (8, 8), "nan"),  # EMPTY blocks on both sides
+    ]
+
+    @pytest.mark.parametrize("case", CASES, ids=lambda c: f"T{c[1]}S{c[2]}-{c[6][0]}x{c[6][1]}")
+    def test_output_and_gradients_equal_the_dense_mask_bit_for_bit(self, case, rng):
+        B, T, S, N, K, kw, (cq, ck), policy = case
+        q = jnp.asarray(rng.standard_normal((B, T, N, 4)))
+        k, v = (jnp.asarray(rng.standard_normal((B, S, K, 4))) for _ in range(2))
+        keep = jnp.asarray(reference.structured_keep(T, S, **kw))  # (1, 1, T, S)
+        ct = jnp.asarray(rng.standard_normal((B, T, N, 4)))
+
+        def run(**given):
+            out, vjp = jax.vjp(lambda q, k, v: chunked_attention(q, k, v, masked_rows=policy, q_chunk=cq, k_chunk=ck,
+                                                                 **given), q, k, v)
+            return [np.asarray(x) for x in (out, *vjp(ct))]
+
+        band, dense = run(**kw), run(keep=keep)
+        for what, a, b in zip(("output", "dq", "dk", "dv"), band, dense):
+            np.testing.assert_array_equal(a, b, err_msg=what)
+        assert chunked.block_census(None, B, N, T, S, cq, ck, kv_heads=K, **kw) == \
+            chunked.block_census(keep, B, N, T, S, cq, ck, kv_heads=K)
+        # and the band masks: without it the output differs
+        free = np.asarray(chunked_attention(q, k, v, masked_rows=policy, q_chunk=cq, k_chunk=ck))
+        assert not np.allclose(np.nan_to_num(band[0]), free)
+
+    def test_no_score_sized_array_is_built_and_only_the_non_empty_blocks_are_visited(self):
+        T, W, C = 256, 32, 32
+        kw = dict(is_causal=True, window=(W - 1, 0))
+        q = jnp.zeros((1, T, 2, 4))
+        band = jax.make_jaxpr(jax.grad(lambda q: chunked_attention(q, q, q, q_chunk=C, k_chunk=C, **kw).sum()))(q)
+        assert _largest_intermediate(band.jaxpr) < T * T // 4
+        keep = jnp.asarray(reference.structured_keep(T, T, **kw))  # the same mask as data is padded and sliced
+        dense = jax.make_jaxpr(jax.grad(lambda q: chunked_attention(q, q, q, keep, q_chunk=C, k_chunk=C).sum()))(q)
+        assert _largest_intermediate(dense.jaxpr) >= T * T
+        # Blocks of w: query block i reaches key blocks i-1 and i, key block j query blocks j and j+1,
+        # so each loop runs 2 steps instead of T/c = 8 (the first and last lists padded with the EMPTY index).
+        plan = chunked._Plan(S=T, cq=C, ck=C, scale=1.0, precision=None, single=False,
+                             band=chunked._Band(T, T, *chunked.diagonal_band(T, T, **kw)))
+        kinds, keys, queries = (np.asarray(x) for x in chunked._band_visits(plan, T // C, T // C))
+        n = T // C
+        assert keys.shape == queries.shape == (n, 2) and kinds.shape == (n + 1, n + 1)
+        assert keys[0].tolist() == [0, n] and keys[3].tolist() == [2, 3]
+        assert queries[3].tolist() == [3, 4] and queries[n - 1].tolist() == [n - 1, n]
+        assert (kinds[n] == chunked.EMPTY).all() and (kinds[:, n] == chunked.EMPTY).all()
+
+    def test_diagonal_band_of_each_keyword(self):
+        band = chunked.diagonal_band
+        assert band(5, 7) is None
+        assert band(5, 7, is_causal=True) == (None, 0)
+        assert band(5, 7, is_causal=True, alignment="bottom-right") == (None, 2)
+        assert band(5, 7, window=(3, 1)) == (-3, 1)
+        assert band(5, 7, is_causal=True, window=(3, 1), alignment="bottom-right") == (-1, 2)  # causal caps the right
+        assert band(5, 7, window=(None, 4), is_causal=True) == (None, 0)
+        for kw in (dict(is_causal=True, window=(2, 1)), dict(window=(None, 2), alignment="bottom-right"), dict(window=1)):
+            lo, hi = band(5, 7, **kw)
+            d = np.arange(7)[None, :] - np.arange(5)[:, None]
+            want = np.ones((5, 7), bool) & (True if lo is None else d >= lo) & (True if hi is None else d <= hi)
+            np.testing.assert_array_equal(np.asarray(chunked.band_keep(5, 7, (lo, hi)))[0, 0],
+                                          reference.structured_keep(5, 7, **kw)[0, 0])
+            np.testing.assert_array_equal(want, reference.structured_keep(5, 7, **kw)[0, 0])
+        with pytest.raises(TypeError, match="is_causal must be a bool"):
+            band(5, 7, is_causal=1)
+        with pytest.raises(ValueError, match="alignment='middle' is not one of"):
+            band(5, 7, alignment="middle")

@@ -884,6 +884,34 @@ class TestMasks:
         assert c.passed, (name, c)
         assert np.isnan(exact.output[2, 7]).all() and c.nan_mismatch == 0
 
+    def test_the_chunked_kernel_is_given_a_band_as_structure_and_matches_the_oracle(self, force_kernel, monkeypatch):
+        """The causal and window cases (no segment ids) on the chunked kernel: it gets is_causal, window
+        and alignment and no keep-mask (the band is built into its blocks), and matches the float64 oracle,
+        forward and gradients (the T > S bottom-right case's first rows keep nothing)."""
+        import mha_jax.attention as attention_module
+
+        force_kernel("chunked", 2, 3)
+        seen = []
+
+        def spy(q, k, v, keep=None, **kw):
+            seen.append((keep, {n: kw[n] for n in ("is_causal", "window", "alignment")}))
+            return chunked_attention(q, k, v, keep, **kw)
+
+        monkeypatch.setattr(attention_module, "chunked_attention", spy)
+        for name, layer, T, S, kw, mask in MASK_CASES[:8]:
+            sd, xs = _mask_sd(layer), _mask_inputs(layer, T, S)
+            m = _mask_module(sd, layer, masked_rows="zero")
+            g = np.random.default_rng(5).standard_normal(xs[0].shape)
+            out, vjp = jax.vjp(lambda q, k, v: m(q, k, v, mask, need_weights=False, **kw)[0], *map(jnp.asarray, xs))
+            assert seen[-1][0] is None and seen[-1][1]["is_causal"] == kw.get("is_causal", False), name
+            exact = reference.forward(sd, *xs, mask, masked_rows="zero", **MASK_LAYERS[layer], **kw)
+            c = compare(np.asarray(out), exact.output, tolerance_for("float64").forward)
+            assert c.passed, (name, c)
+            ref = reference.backward(sd, *xs, mask, g, masked_rows="zero", **MASK_LAYERS[layer], **kw)
+            for grad_name, got in zip(("query", "key", "value"), vjp(jnp.asarray(g))):
+                c = compare(np.asarray(got), ref[grad_name], tolerance_for("float64").gradient)
+                assert c.passed, (name, grad_name, c)
+
     def test_every_gradient_matches_the_oracle_backward(self):
         """float64, the "zero" policy (fully masked rows have no gradient)."""
         sds = [_mask_sd(layer, seed=2) for _, layer, *_ in GRAD_CASES]

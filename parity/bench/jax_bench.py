@@ -16,7 +16,7 @@ from mha_jax import kernels
 
 from parity import kernel_ran
 from parity.bench.measure import Bench, CpuPeakRss
-from parity.bench.spec import DTYPES, BenchCase, canonical_weights, keep_mask, make_inputs, rope_positions
+from parity.bench.spec import DTYPES, BenchCase, canonical_weights, impl_keep_mask, make_inputs, rope_positions, structure_for
 from parity.env import pin_jax
 from parity.impls import Implementation
 from parity.impls.jax_impls import JaxRunner
@@ -73,7 +73,7 @@ def _program(runner: JaxRunner, built, pass_: str, self_attention: bool):
 
 def _args(built, case: BenchCase, seed: int, dev) -> tuple:
     """(params, q, k, v, mask), or (params, x, mask) on a self-attention case, on the device."""
-    mask = mask_for(built.impl, keep_mask(case), case.heads, DTYPES[case.dtype])
+    mask = mask_for(built.impl, impl_keep_mask(built.impl, case), case.heads, DTYPES[case.dtype])
     inputs = make_inputs(case, seed)[:1 if case.self_attention else 3]
     return (built.params, *jax.device_put(inputs, dev), None if mask is None else jax.device_put(mask, dev))
 
@@ -86,7 +86,8 @@ def build(impl: Implementation, case: BenchCase, pass_: str, device: str, seed: 
     sd = canonical_weights(case.config, case.dtype, seed)
 
     def built_for(c: BenchCase):
-        return runner.build(impl, sd, c.heads, masked_rows="nan", problem=c.problem, positions=rope_positions(c))
+        return runner.build(impl, sd, c.heads, masked_rows="nan", problem=c.problem, positions=rope_positions(c),
+                            structure=structure_for(impl, c))
 
     built = built_for(case)
     args = _args(built, case, seed, dev)
@@ -103,8 +104,10 @@ def build(impl: Implementation, case: BenchCase, pass_: str, device: str, seed: 
 
     shrunk = case.shrunk()
     args2 = _args(built, shrunk, seed, dev)
-    # RoPE: the positions (constants of the program) have the new lengths, so it is built anew.
-    program2 = _program(runner, built_for(shrunk), pass_, shrunk.self_attention) if case.config.rope else program
+    # RoPE or a structured mask: the positions, window and segment ids (constants of the program) have
+    # the new lengths, so it is built anew.
+    anew = case.config.rope or built.structure
+    program2 = _program(runner, built_for(shrunk), pass_, shrunk.self_attention) if anew else program
 
     def recompile(clock):
         t0 = clock()

@@ -145,6 +145,15 @@ class BenchMask:
             keep = structured_keep(T, S, is_causal=True, window=window, alignment="bottom-right")  # (1, 1, T, S)
         return np.ascontiguousarray(np.broadcast_to(keep, (B, 1, T, S)))
 
+    def structure(self, B: int, T: int, S: int) -> dict | None:
+        """window and packed as the modules' structured keywords (the same mask as `keep`), what an
+        implementation declaring `structured` is given instead of the dense mask; None otherwise."""
+        if self.kind == "window":
+            return {"is_causal": True, "window": (min(self.param, S) - 1, 0), "alignment": "bottom-right"}
+        if self.kind == "packed":
+            return {"is_causal": True, "segment_ids": self.segment_ids(B, T)}
+        return None
+
     def kept(self, B: int, T: int, S: int) -> int:
         """How many (b, t, s) entries the keep-mask keeps, in closed form (no (T, S) array: the
         parent counts FLOPs of T = 32768 cases too); B·T·S without a mask."""
@@ -510,6 +519,19 @@ def rope_positions(case: BenchCase) -> dict[str, np.ndarray]:
 def keep_mask(case: BenchCase) -> np.ndarray | None:
     """The case's keep-mask (B, 1, T, S) bool (True = attend), None without one (`BenchMask.keep`)."""
     return case.bench_mask.keep(case.batch, case.seq_q, case.seq_k)
+
+
+def structure_for(impl: Implementation, case: BenchCase) -> tuple | None:
+    """(keywords, padding None) for an implementation that takes the structured masks on a window or
+    packed case, as the runners' `build(structure=)` takes it (as in the harness: a user of our modules
+    passes window= and segment_ids=, and the kernels see the structure); None otherwise."""
+    kw = case.bench_mask.structure(case.batch, case.seq_q, case.seq_k) if impl.structured else None
+    return None if kw is None else (kw, None)
+
+
+def impl_keep_mask(impl: Implementation, case: BenchCase) -> np.ndarray | None:
+    """The dense mask `impl` is called with: none when it takes the case's structure instead."""
+    return None if structure_for(impl, case) is not None else keep_mask(case)
 
 
 def empty_row(impl: Implementation, case: BenchCase, pass_: str, **kw) -> dict:

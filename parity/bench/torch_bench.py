@@ -8,7 +8,7 @@ import torch
 
 from parity import convert, kernel_ran
 from parity.bench.measure import Bench, CpuPeakRss, first_call_overhead
-from parity.bench.spec import DTYPES, BenchCase, canonical_weights, keep_mask, make_inputs, rope_positions
+from parity.bench.spec import DTYPES, BenchCase, canonical_weights, impl_keep_mask, make_inputs, rope_positions, structure_for
 from parity.dtypes import torch_dtype
 from parity.env import pin_torch
 from parity.impls import Implementation
@@ -91,8 +91,9 @@ def _tensors(case: BenchCase, device: str, seed: int, requires_grad: bool):
 
 
 def _mask(runner: TorchRunner, built, case: BenchCase):
-    """The case's keep-mask (`spec.keep_mask`) in the implementation's convention, on the device; None without one."""
-    return runner.t(mask_for(built.impl, keep_mask(case), case.heads, DTYPES[case.dtype]))
+    """The dense mask the implementation is called with (`spec.impl_keep_mask`: none when it takes the
+    structure), in its convention, on the device; None without one."""
+    return runner.t(mask_for(built.impl, impl_keep_mask(built.impl, case), case.heads, DTYPES[case.dtype]))
 
 
 def _step(runner: TorchRunner, built, case: BenchCase, pass_: str, device: str, seed: int):
@@ -146,14 +147,16 @@ def build(impl: Implementation, case: BenchCase, pass_: str, device: str, seed: 
     sd = canonical_weights(case.config, case.dtype, seed)
 
     def built_for(c: BenchCase):
-        return runner.build(impl, sd, c.heads, masked_rows="nan", problem=c.problem, positions=rope_positions(c))
+        return runner.build(impl, sd, c.heads, masked_rows="nan", problem=c.problem, positions=rope_positions(c),
+                            structure=structure_for(impl, c))
 
     built = built_for(case)
     sync = _sync(device)
     recompile = None
     if impl.mode == "compile":
-        shrunk = case.shrunk()  # RoPE: its positions are of the new lengths, so it is built anew
-        step2 = _step(runner, built_for(shrunk) if case.config.rope else built, shrunk, pass_, device, seed)
+        shrunk = case.shrunk()  # RoPE or a structured mask: positions and ids of the new lengths, built anew
+        anew = case.config.rope or built.structure
+        step2 = _step(runner, built_for(shrunk) if anew else built, shrunk, pass_, device, seed)
         recompile = lambda clock: first_call_overhead(step2, sync, clock)  # noqa: E731
     step = _step(runner, built, case, pass_, device, seed)
     q, k, v = _tensors(case, device, seed, requires_grad=False)
