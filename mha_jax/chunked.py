@@ -23,6 +23,9 @@ a NaN in V at a key that a whole block of queries cannot see does not reach thos
 queries, where the materialised path's 0 × NaN spreads it to every row. (A NaN key's
 0 × NaN in the query gradient is written back outside the kernel, as is the materialised
 path's zero gradient of a row that keeps no key: `_query_gradient_as_materialised`.)
+A causal triangle or window given as structure (`diagonal_band`, no keep-mask) is summarised
+while tracing instead: the kinds and the rows that keep nothing are NumPy constants, each block's
+mask comes from iotas, and both loops visit only the non-empty blocks, so no (T, S) array exists.
 `block_census(keep, B, N, T, S, q_chunk, k_chunk)` counts the blocks of each kind from that same
 summary (a causal sliding window of w keys at T = S leaves about 2·w/T of the blocks non-empty
 with w-sized blocks; D packed causal documents about 1/(2·D)).
