@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# One prepared accelerator run: on a machine with a GPU, run the parity matrix on the GPU and
-# a mha-bench sweep, and write
-#   docs/results/parity-gpu.{json,md,png}  docs/results/bench-gpu.{json,md,png}
-# within about 8 minutes (parity <= 3 min, bench <= 5 min; each is stopped with SIGINT at
-# its limit, and both tools write the report of what finished when interrupted).
+# One prepared accelerator run: on a machine with a GPU (or TPU), run the parity matrix there,
+# the Pallas kernels' peers natively (pallas-gpu-flash, pallas-tpu-flash, pallas-gpu-decode: the
+# packed and decode cases), and a mha-bench sweep, and write
+#   docs/results/parity-gpu.{json,md,png}  docs/results/pallas-gpu.{json,md}  docs/results/bench-gpu.{json,md,png}
+# within about 8 minutes (parity <= 150 s, Pallas peers <= 90 s, bench <= 240 s; each is stopped
+# with SIGINT at its limit, and the tools write the report of what finished when interrupted).
+# On CPU (--device cpu) the same steps run, the Pallas peers in interpret mode: the rehearsal.
 #
 #   scripts/accelerator-run.sh                  # .venv from requirements.lock, plus the CUDA builds
 #   scripts/accelerator-run.sh --system         # the frameworks already installed on the machine
@@ -14,7 +16,8 @@
 #                       .venv-system) and `pip install --no-deps --no-build-isolation -e .`, so
 #                       torch, jax, flax, ... are the ones the machine has (they must be within
 #                       pyproject.toml's ranges: torch 2.11-2.15, jax 0.10.2-0.11.x)
-#   --device gpu|cpu    where parity and bench run (default gpu)
+#   --device gpu|tpu|cpu  where parity, the Pallas peers and bench run (default gpu; nothing is
+#                       installed for tpu: use --system on a TPU machine)
 #   --tiny              a tiny plan (parity --quick, bench T=64, float32, fwd) for a dry run
 #   --out DIR           where the reports go (default docs/results)
 #   --tag NAME          report names parity-NAME.*, bench-NAME.* (default: the device)
@@ -22,7 +25,7 @@
 #   --wheelhouse DIR    install from local wheels (pip --no-index --find-links DIR), for a
 #                       machine that cannot reach the package indexes
 # Environment: TORCH_CUDA_INDEX (default https://download.pytorch.org/whl/cu128),
-#   PARITY_LIMIT_S (180), BENCH_LIMIT_S (300), PYTHON (python3, for --system),
+#   PARITY_LIMIT_S (150), PALLAS_LIMIT_S (90), BENCH_LIMIT_S (240), PYTHON (python3, for --system),
 #   SYSTEM_VENV (.venv-system).
 #
 # Without --system the venv is .venv (make): installing torch's CUDA build there replaces the
@@ -45,14 +48,15 @@ while [[ $# -gt 0 ]]; do
         --no-install) INSTALL=0; shift ;;
         --wheelhouse) WHEELHOUSE="$2"; shift 2 ;;
         --system) SYSTEM=1; shift ;;
-        -h|--help) sed -n '2,29p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,32p' "$0"; exit 0 ;;
         *) echo "accelerator-run.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
-case "$DEVICE" in gpu|cpu) ;; *) echo "accelerator-run.sh: --device must be gpu or cpu, got $DEVICE" >&2; exit 2 ;; esac
+case "$DEVICE" in gpu|tpu|cpu) ;; *) echo "accelerator-run.sh: --device must be gpu, tpu or cpu, got $DEVICE" >&2; exit 2 ;; esac
 TAG="${TAG:-$DEVICE}"
-PARITY_LIMIT_S="${PARITY_LIMIT_S:-180}"
-BENCH_LIMIT_S="${BENCH_LIMIT_S:-300}"
+PARITY_LIMIT_S="${PARITY_LIMIT_S:-150}"
+PALLAS_LIMIT_S="${PALLAS_LIMIT_S:-90}"
+BENCH_LIMIT_S="${BENCH_LIMIT_S:-240}"
 TORCH_CUDA_INDEX="${TORCH_CUDA_INDEX:-https://download.pytorch.org/whl/cu128}"
 
 cd "$(dirname "$0")/.."
@@ -123,8 +127,8 @@ import sys
 import jax, torch
 want = sys.argv[1]
 print("jax", jax.__version__, jax.devices(), "| torch", torch.__version__, "cuda", torch.cuda.is_available())
-if want == "gpu" and jax.default_backend() != "gpu":
-    sys.exit("accelerator-run.sh: JAX sees no GPU (is the CUDA jax wheel installed?)")
+if want in ("gpu", "tpu") and jax.default_backend() != want:
+    sys.exit(f"accelerator-run.sh: JAX sees no {want.upper()} (backend {jax.default_backend()}; is the jax wheel for it installed?)")
 if want == "gpu" and not torch.cuda.is_available():
     print("warning: torch sees no CUDA device: its rows will be skip rows", file=sys.stderr)
 import mha_jax.kernels as k
@@ -149,12 +153,19 @@ timeout -s INT -k 20 "$PARITY_LIMIT_S" "${MHA_PARITY[@]}" --device "$DEVICE" "${
     --json "$OUT/parity-$TAG.json" --markdown "$OUT/parity-$TAG.md" --plot "$OUT/parity-$TAG.png" || status=$?
 log "mha-parity exit $status"
 
+pstatus=0
+log "Pallas kernels' peers on $DEVICE (limit ${PALLAS_LIMIT_S}s; interpret mode on cpu)"
+timeout -s INT -k 20 "$PALLAS_LIMIT_S" "${MHA_PARITY[@]}" --device "$DEVICE" --cases 'packed-llama*,decode*' \
+    --checks peers,decode --dtypes float32 --no-progress \
+    --json "$OUT/pallas-$TAG.json" --markdown "$OUT/pallas-$TAG.md" || pstatus=$?
+log "Pallas peers exit $pstatus"
+
 bstatus=0
 log "mha-bench on $DEVICE (limit ${BENCH_LIMIT_S}s)"
 timeout -s INT -k 20 "$BENCH_LIMIT_S" "${MHA_BENCH[@]}" --device "$DEVICE" "${BENCH_ARGS[@]}" --no-progress \
     --json "$OUT/bench-$TAG.json" --markdown "$OUT/bench-$TAG.md" --plot "$OUT/bench-$TAG.png" || bstatus=$?
 log "mha-bench exit $bstatus"
 
-ls -l "$OUT"/parity-"$TAG".* "$OUT"/bench-"$TAG".* 2>/dev/null || true
-log "done (parity exit $status, bench exit $bstatus)"
-[[ $status == 0 && $bstatus == 0 ]]
+ls -l "$OUT"/parity-"$TAG".* "$OUT"/pallas-"$TAG".* "$OUT"/bench-"$TAG".* 2>/dev/null || true
+log "done (parity exit $status, Pallas peers exit $pstatus, bench exit $bstatus)"
+[[ $status == 0 && $pstatus == 0 && $bstatus == 0 ]]

@@ -109,6 +109,17 @@ def test_a_prompt_in_one_framework_continues_in_the_other(default_report, name, 
     assert f"the prompt by {first}, its cache converted" in rows[0].message
 
 
+def test_decode_rows_say_which_kernel_ran(default_report):
+    """The step's kernel (torch: the profiler around the run; JAX: the step's trace), as in forward rows;
+    a converted prompt's rows name the kernel of the framework that ran the steps."""
+    kernels = {name: {r.kernel for r in _rows(default_report, name) if r.status != "skip"}
+               for name in ("torch", "torch-fused", "jax-jit", "torch->jax", "jax->torch", "pallas-gpu-decode")}
+    assert kernels["torch"] == kernels["jax->torch"] == {"bmm-softmax (weights)"}
+    assert kernels["jax-jit"] == kernels["torch->jax"] == {"einsum"}
+    assert len(kernels["torch-fused"]) == 1 and kernels["torch-fused"].pop().startswith("sdpa:")
+    assert kernels["pallas-gpu-decode"] == {"pallas (interpret)"}, kernels  # its own kernel, interpreted on a CPU
+
+
 def test_eager_jax_is_a_skip_row_saying_why():
     report = run(cases=[DEFAULT], checks=("decode",), dtypes=("float32",), impls=("torch", "jax"), device="cpu")
     rows = _rows(report, "jax")

@@ -209,3 +209,19 @@ def test_parity_rows_that_ran_a_forward_carry_the_kernel(tmp_path):
     rows = json.loads((tmp_path / "r.json").read_text())["rows"]
     assert all("kernel" in r for r in rows) and any(r["kernel"] == "sdpa:flash" for r in rows)
     assert "| kernel |" in (tmp_path / "r.md").read_text()
+
+
+def test_a_pallas_peer_that_reads_its_mask_as_causal_or_segments_names_its_kernel(monkeypatch):
+    """The flash peers read the dense mask's values (causal? which documents?): the kernel is read from a
+    trace in which the mask is a constant, as in the call that ran, so their rows say what ran."""
+    from parity.harness import run, runner
+    from parity.harness.matrix import default_matrix
+
+    every = runner.select  # the peers check with this one peer only: the others cost seconds each
+    monkeypatch.setattr(runner, "select", lambda role=None: tuple(
+        p for p in every(role) if role != "peer" or p.name == "pallas-gpu-flash"))
+    packed = next(c for c in default_matrix() if c.mask == "packed")
+    report = run(cases=[packed], dtypes=["float32"], checks=["peers"], impls=["jax-jit"], device="cpu")
+    rows = [r for r in report.rows if r.impl == "pallas-gpu-flash"]
+    assert rows and all(r.status == "pass" for r in rows), rows
+    assert {r.kernel for r in rows} == {kernel_ran.PALLAS_INTERPRET}

@@ -225,9 +225,11 @@ class Unit:
             q, k, v, keep = self.inputs()
             xs, mask, _ = runner._device_args(built, q, k, v, keep, None)
             program = runner._program(built, False, q.shape, k.shape[1])
+            # The mask is a constant of the traced program, as in the forward that ran: a peer that reads
+            # it as causal / segment ids (the Pallas kernels) can, and no kernel choice depends on its values.
             self.kernels[impl.name] = kernel_ran.jax_row_kernel(
-                program, (built.params, *xs, mask, None), runner.device, ours=impl.role == "ours",
-                need_weights=impl.returns_weights)
+                lambda params, *xs: program(params, *xs, mask, None), (built.params, *xs), runner.device,
+                ours=impl.role == "ours", need_weights=impl.returns_weights)
         except Exception:  # noqa: BLE001 - the forward ran; only the reading failed: the field stays ""
             self.kernels[impl.name] = ("", "")
         return result

@@ -157,6 +157,66 @@ def _run(dec, sch: Schedule, x, calls, cache) -> list[Call]:
     return out
 
 
+def _step_kernel(unit, impl: Implementation, dec, calls: list[Call], x) -> tuple[str, str]:
+    """(kernel, note) of our JAX decoder's last step (`parity.kernel_ran`: the step's jaxpr, a trace from
+    the cache that step was given, no compile), checked against the module's own choice; ("", "") when it
+    cannot be read (one call only) or for torch (read around the run by `_observed`)."""
+    if impl.framework != "jax" or len(calls) < 2:
+        return "", ""
+    from parity import kernel_ran
+
+    last = calls[-1]
+    try:
+        xs = jax_put(np.asarray(x[:, last.lo:last.hi]), dec.device)
+        return kernel_ran.jax_row_kernel(lambda p, c, x: dec._step(p, c, x)[0], (dec.params, calls[-2].cache, xs),
+                                         dec.device, ours=True, need_weights=impl.returns_weights)
+    except Exception:  # noqa: BLE001 - the steps ran; only the reading failed: the field stays ""
+        return "", ""
+
+
+def jax_put(x, device):
+    import jax
+
+    return jax.device_put(x, device)
+
+
+class _observed:
+    """Around a decode run: for a torch implementation, the profiler's reading of the kernels it ran
+    (`kernel`: (kernel, note) after the block); for JAX nothing is observed here."""
+
+    def __init__(self, impl: Implementation):
+        self.impl, self.kernel, self._ctx = impl, ("", ""), None
+
+    def __enter__(self):
+        if self.impl.framework == "torch":
+            from parity import kernel_ran
+
+            self._ctx = kernel_ran.torch_observer()
+            self._seen = self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self._ctx is None:
+            return False
+        self._ctx.__exit__(*exc)
+        if exc[0] is None:
+            from parity import kernel_ran
+            from parity.bench.torch_bench import kernel_label
+
+            self.kernel = kernel_ran.torch_verdict(kernel_label(self.impl) if self.impl.role == "ours" else None,
+                                                   self._seen.label)
+        return False
+
+
+def _with_kernel(rows: list[Row], kernel: tuple[str, str]) -> list[Row]:
+    """The decode rows with the kernel that ran (not on skip rows); a note on a request not met."""
+    k, note = kernel
+    if not k:
+        return rows
+    return [r if r.status == "skip" else dataclasses.replace(
+        r, kernel=k, message="; ".join(m for m in (r.message, note) if m)) for r in rows]
+
+
 def _convert(cache, to: str, unit):
     """Our cache of one framework as the other's (`to`), on the unit's device, bit for bit."""
     from parity import kv_cache
@@ -353,7 +413,8 @@ def _ours(unit, impl: Implementation, sch: Schedule, runs: dict) -> list[Row]:
     try:
         dec = unit.decoder(impl, policy)
         traced = len(getattr(dec, "traces", ()))
-        calls = _run(dec, sch, unit.x.query, sch.calls(), dec.empty(sch.starts.shape[0], sch.capacity, sch.starts))
+        with _observed(impl) as seen:
+            calls = _run(dec, sch, unit.x.query, sch.calls(), dec.empty(sch.starts.shape[0], sch.capacity, sch.starts))
     except Exception as e:
         return [_error(unit, impl, e)]
     runs[impl.name] = calls
@@ -367,7 +428,8 @@ def _ours(unit, impl: Implementation, sch: Schedule, runs: dict) -> list[Row]:
                 "must serve every position (the cache's lengths are data, not shapes)")))
     by = "in one call" + (", under jax.jit" if impl.framework == "jax" else "")
     rows = _rows_of_calls(unit, impl, sch, calls, exact, low, keep, table, by, extra) + rows
-    return rows + [_cache_row(unit, impl, sch, calls[-1].after, exact, low, table)]
+    kernel = seen.kernel if impl.framework == "torch" else _step_kernel(unit, impl, dec, calls, unit.x.query)
+    return _with_kernel(rows + [_cache_row(unit, impl, sch, calls[-1].after, exact, low, table)], kernel)
 
 
 def _cross(unit, sch: Schedule, runs: dict) -> list[Row]:
@@ -382,12 +444,15 @@ def _cross(unit, sch: Schedule, runs: dict) -> list[Row]:
         try:
             dec = unit.decoder(builtin(then), policy)
             cache = _convert(runs[first][0].cache, builtin(then).framework, unit)
-            calls = _run(dec, sch, unit.x.query, sch.calls()[1:], cache)
+            with _observed(builtin(then)) as seen:
+                calls = _run(dec, sch, unit.x.query, sch.calls()[1:], cache)
         except Exception as e:
             rows.append(_error(unit, impl, e))
             continue
         every = f"the prompt by {first}, its cache converted, the steps by {then}"
-        rows += _rows_of_calls(unit, impl, sch, calls, exact, low, keep, unit.table(impl), "", every=every)
+        kernel = seen.kernel if impl.framework == "torch" else _step_kernel(unit, builtin(then), dec, calls, unit.x.query)
+        rows += _with_kernel(_rows_of_calls(unit, impl, sch, calls, exact, low, keep, unit.table(impl), "", every=every),
+                             kernel)
     return rows
 
 
@@ -401,7 +466,9 @@ def _decoder(unit, impl: Implementation, sch: Schedule) -> list[Row]:
     table = unit.table(impl)
     try:
         built = unit.built(impl, policy)
-        out = unit.runner(impl).decode_tokens(built, unit.x.query, sch.positions())  # (B, T, E)
+        with _observed(impl) as seen:
+            out = unit.runner(impl).decode_tokens(built, unit.x.query, sch.positions())  # (B, T, E)
+        kernel = seen.kernel if impl.framework == "torch" else (unit.runner(impl).decode_engine(built, unit.x.query), "")
     except MissingPackage as e:
         return [_skip(unit, impl, f"{impl.name} not run: {e}")]
     except Exception as e:
@@ -425,7 +492,7 @@ def _decoder(unit, impl: Implementation, sch: Schedule) -> list[Row]:
             message += [f"first call off the oracle: {first_call}", where]
         rows.append(unit.row("decode", impl, "oracle", status(c), label, c,
                              message="; ".join(m for m in message if m), **kw))
-    return rows
+    return _with_kernel(rows, kernel)
 
 
 def check_decode(unit, impls, peers) -> list[Row]:

@@ -301,6 +301,22 @@ class JaxRunner:
                 outs.append(np.asarray(out))
         return np.concatenate(outs, axis=1)
 
+    def decode_engine(self, b: Built, x) -> str:
+        """What a decoder's first step runs (`parity.kernel_ran.jax_engine` of its trace on x's first token
+        from no cache, no compile), or "" when it cannot be traced."""
+        from parity import kernel_ran
+
+        xt = self.a(np.ascontiguousarray(x[:, :1]))
+        pos = self.a(np.zeros(x.shape[0], np.int32))
+        args = (b.params, xt, None, pos) if b.impl.uses_params else (xt, None, pos)
+        try:
+            with jax.default_device(self.device):
+                # The inputs are constants of the trace, as in the eager calls that ran: a decoder that
+                # reads them as values (the Pallas one reads its positions) can.
+                return kernel_ran.jax_program_engine(lambda: b.fn(*args)[0], device=self.device)  # the output, not the cache
+        except Exception:  # noqa: BLE001 - the decode ran; only the reading failed
+            return ""
+
     def train(self, b: Built, optimizer: str, hp: dict, steps: int, query, key, value, keep, target):
         """`steps` of optax on mean((output - target)²); (losses, final parameters as NumPy)."""
         import optax
