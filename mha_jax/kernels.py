@@ -196,6 +196,12 @@ BUILTIN: dict[str, tuple[Measured, ...]] = {
         Measured(BN=32, T=512, S=512, fastest=CHUNKED, blocks=(256, 256)),  # 1.02; 128x256 1.11, einsum 1.33
         Measured(BN=32, T=1024, S=1024, fastest=CHUNKED, blocks=(256, 256)),  # 1.00; 256x512 1.07, einsum 1.27
         Measured(BN=32, T=2048, S=2048, fastest=CHUNKED, blocks=(512, 512)),  # 1.02; 1024x1024 1.07, 256x256 1.49
+        # Batch 1 (load average 0.5-1.2); times in docs/results/kernel-table-xeon-avx512-b1.json. With
+        # B·N = 8 head blocks the larger blocks win: 256x256 (the B·N = 32 rows' choice) is 1.4x slower.
+        Measured(BN=8, T=512, S=512, fastest=CHUNKED, blocks=(512, 512)),  # 1.01; einsum 1.06, 256x512 1.07
+        Measured(BN=8, T=1024, S=1024, fastest=CHUNKED, blocks=(512, 512)),  # 1.00; 256x512 1.05, 256x256 1.41
+        Measured(BN=8, T=2048, S=2048, fastest=CHUNKED, blocks=(512, 512)),  # 1.00; 512x1024 1.02, 256x256 1.44
+        Measured(BN=8, T=4096, S=4096, fastest=CHUNKED, blocks=(512, 1024)),  # 1.01; 512x512 1.01, 256x256 1.53
     ),
     # One run (load average below 1.9); times in docs/results/kernel-table-epyc-avx2.json.
     EPYC_AVX2.key: (
