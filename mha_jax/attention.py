@@ -167,7 +167,7 @@ def fused_attention_core(q, k, v, keep=None, *, masked_rows="nan", precision=Non
     keep = keep_4d(keep, B, N, T, S)  # (B|1, N|1, T|1, S|1): what every kernel below indexes
     kind = _mask_kind(keep, structure)
     choice = kernels.fused_choice(B, N, T, S, H, q.dtype, has_mask=kind != kernels.MASK_NONE, mask_kind=kind,
-                                  precision=precision)
+                                  precision=precision, kv_heads=k.shape[2])
     if choice.kernel in kernels.PALLAS_KERNELS:
         refusal = kernels.pallas_refusal(choice.kernel, dtype=q.dtype, T=T, S=S, H=H, mask_kind=kind, precision=precision)
         if refusal is not None:  # a kernel forced past the rule would drop the mask it cannot express

@@ -112,10 +112,14 @@ class Processor:
 
 @dataclass(frozen=True)
 class Measured:
-    """One measured problem (S = T): its fastest kernel (fwd and fwd+bwd together) and the chunked kernel's fastest blocks."""
+    """One measured problem: its fastest kernel (fwd and fwd+bwd together) and the chunked kernel's fastest blocks.
 
-    BN: int  # batch x heads
-    T: int
+    Keyed by the kernel's own shape, which for K key/value heads of G = N/K query heads each is
+    not the layer's: the chunked kernel runs B·K head blocks of G·T query rows (`chunked`), so a
+    grouped layer (B, N, K, T, S) and an ungrouped one of B·K heads and G·T queries are one row."""
+
+    BN: int  # B·K: batch x key/value heads (B·N for an ungrouped layer)
+    T: int  # G·T: query rows per head block
     S: int
     fastest: str
     blocks: tuple[int, int] | None  # (q_chunk, k_chunk)
@@ -190,18 +194,27 @@ BUILTIN: dict[str, tuple[Measured, ...]] = {
         Measured(BN=32, T=2048, S=2048, fastest=CHUNKED, blocks=(256, 256)),  # 1.03; 256x512 1.13, 512x1024 1.31, 256x2048 1.63
         Measured(BN=8, T=8192, S=8192, fastest=CHUNKED, blocks=(512, 512)),  # 1.00; 256x512 1.19, 512x1024 1.29
     ),
-    # One run (load average 4 to 0.3); times in docs/results/kernel-table-xeon-avx512.json.
+    # Two runs on an otherwise idle machine (load average 0.2 before, the run's own ~1.9 during):
+    # batch 1 and 4 in docs/results/kernel-table-xeon-avx512.json, grouped layers (K=2 of N=8:
+    # kernel rows G·T = 4·T against S = T) in kernel-table-xeon-avx512-gqa.json.
     XEON.key: (
-        Measured(BN=32, T=256, S=256, fastest=CHUNKED, blocks=(256, 256)),  # 1.05; einsum 1.27, dpa-xla 1.35
-        Measured(BN=32, T=512, S=512, fastest=CHUNKED, blocks=(256, 256)),  # 1.02; 128x256 1.11, einsum 1.33
-        Measured(BN=32, T=1024, S=1024, fastest=CHUNKED, blocks=(256, 256)),  # 1.00; 256x512 1.07, einsum 1.27
-        Measured(BN=32, T=2048, S=2048, fastest=CHUNKED, blocks=(512, 512)),  # 1.02; 1024x1024 1.07, 256x256 1.49
-        # Batch 1 (load average 0.5-1.2); times in docs/results/kernel-table-xeon-avx512-b1.json. With
-        # B·N = 8 head blocks the larger blocks win: 256x256 (the B·N = 32 rows' choice) is 1.4x slower.
-        Measured(BN=8, T=512, S=512, fastest=CHUNKED, blocks=(512, 512)),  # 1.01; einsum 1.06, 256x512 1.07
-        Measured(BN=8, T=1024, S=1024, fastest=CHUNKED, blocks=(512, 512)),  # 1.00; 256x512 1.05, 256x256 1.41
-        Measured(BN=8, T=2048, S=2048, fastest=CHUNKED, blocks=(512, 512)),  # 1.00; 512x1024 1.02, 256x256 1.44
-        Measured(BN=8, T=4096, S=4096, fastest=CHUNKED, blocks=(512, 1024)),  # 1.01; 512x512 1.01, 256x256 1.53
+        Measured(BN=8, T=512, S=512, fastest=CHUNKED, blocks=(256, 512)),  # 1.03; 512x512 1.05, dpa-xla 1.10
+        Measured(BN=8, T=1024, S=1024, fastest=CHUNKED, blocks=(512, 512)),  # 1.03; 256x512 1.08, 1024x512 1.16
+        Measured(BN=8, T=2048, S=2048, fastest=CHUNKED, blocks=(512, 1024)),  # 1.03; 512x512 1.03, 256x512 1.05
+        Measured(BN=8, T=4096, S=4096, fastest=CHUNKED, blocks=(1024, 512)),  # 1.01; 512x1024 1.03, 512x512 1.06
+        Measured(BN=32, T=512, S=512, fastest=CHUNKED, blocks=(256, 512)),  # 1.00; einsum 1.12, 256x256 1.17
+        Measured(BN=32, T=1024, S=1024, fastest=CHUNKED, blocks=(256, 512)),  # 1.00; 512x512 1.04, 1024x512 1.14
+        Measured(BN=32, T=2048, S=2048, fastest=CHUNKED, blocks=(256, 512)),  # 1.01; 512x512 1.03, 512x1024 1.07
+        Measured(BN=32, T=4096, S=4096, fastest=CHUNKED, blocks=(512, 512)),  # 1.01; 256x512 1.05, 512x1024 1.05
+        # Grouped: fewer, taller head blocks want taller query blocks (B=1: 512x512 is 1.11-1.19x slower).
+        Measured(BN=2, T=2048, S=512, fastest=CHUNKED, blocks=(1024, 512)),  # 1.07; 512x512 1.11, 256x512 1.28
+        Measured(BN=2, T=4096, S=1024, fastest=CHUNKED, blocks=(1024, 1024)),  # 1.02; 512x1024 1.03, 1024x512 1.10
+        Measured(BN=2, T=8192, S=2048, fastest=CHUNKED, blocks=(2048, 512)),  # 1.02; 1024x1024 1.03, 512x1024 1.06
+        Measured(BN=2, T=16384, S=4096, fastest=CHUNKED, blocks=(1024, 1024)),  # 1.02; 2048x512 1.03, 512x1024 1.06
+        Measured(BN=8, T=2048, S=512, fastest=CHUNKED, blocks=(256, 512)),  # 1.03; 1024x512 1.04, 512x512 1.07
+        Measured(BN=8, T=4096, S=1024, fastest=CHUNKED, blocks=(1024, 512)),  # 1.02; 512x1024 1.08, 512x512 1.12
+        Measured(BN=8, T=8192, S=2048, fastest=CHUNKED, blocks=(2048, 512)),  # 1.02; 1024x512 1.02, 1024x1024 1.03
+        Measured(BN=8, T=16384, S=4096, fastest=CHUNKED, blocks=(2048, 512)),  # 1.01; 1024x1024 1.03, 1024x512 1.06
     ),
     # One run (load average below 1.9); times in docs/results/kernel-table-epyc-avx2.json.
     EPYC_AVX2.key: (
@@ -350,6 +363,15 @@ def sources_for(proc: Processor, user: dict[Processor, tuple[Measured, ...]], us
 # ---------------------------------------------------------------- the choice
 
 
+def kernel_space(B: int, N: int, T: int, S: int, kv_heads: int | None = None) -> tuple[int, int, int]:
+    """(B·K, G·T, S): the shape a table row is keyed by (`Measured`) for a layer of N query heads and
+    kv_heads K (None: K = N) key/value heads, G = N/K. ValueError when K does not divide N."""
+    K = N if kv_heads is None else kv_heads
+    if type(K) is not int or K < 1 or N % K:
+        raise ValueError(f"kv_heads must be a positive integer dividing num_heads N={N}, got {kv_heads!r}")
+    return B * K, (N // K) * T, S
+
+
 def _distance(row: Measured, BN: int, T: int, S: int) -> float:
     return abs(math.log(BN / row.BN)) + abs(math.log(T / row.T)) + abs(math.log(S / row.S))
 
@@ -473,12 +495,14 @@ _PALLAS_BY_PLATFORM = {"tpu": PALLAS_TPU, "gpu": PALLAS_GPU, "cuda": PALLAS_GPU}
 
 
 def choose(*, platform: str, sources: tuple[Source, ...], dtype, B: int, N: int, T: int, S: int, H: int, has_mask: bool,
-           materialize_limit: int, mask_kind: str | None = None, precision=None) -> Choice:
+           materialize_limit: int, mask_kind: str | None = None, precision=None, kv_heads: int | None = None) -> Choice:
     """The kernel and chunk sizes for one fused call; pure (no device or file is read).
 
     mask_kind: the mask's structure (MASK_STRUCTURES; None: what has_mask implies, see
-    `resolve_mask_kind`); precision: the call's, which a Pallas kernel must be able to follow."""
+    `resolve_mask_kind`); precision: the call's, which a Pallas kernel must be able to follow;
+    kv_heads: K key/value heads (None: N), the table rows compared in `kernel_space`."""
     dtype = jnp.dtype(dtype)
+    space = kernel_space(B, N, T, S, kv_heads)
     kind = resolve_mask_kind(has_mask=has_mask, mask_kind=mask_kind)
     if B == 0 or T == 0:
         return Choice(CHUNKED, *DEFAULT_BLOCKS, why="B = 0 or T = 0: the chunked kernel returns the empty context", source="rule")
@@ -498,7 +522,7 @@ def choose(*, platform: str, sources: tuple[Source, ...], dtype, B: int, N: int,
         allowed.add(EINSUM)
         if dtype in (jnp.float32, jnp.bfloat16):
             allowed.add(DPA_XLA)
-    ranked = sorted(((_distance(r, B * N, T, S), n, r) for n, src in enumerate(sources) for r in src.rows), key=lambda x: x[:2])
+    ranked = sorted(((_distance(r, *space), n, r) for n, src in enumerate(sources) for r in src.rows), key=lambda x: x[:2])
     if not ranked:
         if pallas is not None:  # an accelerator: never a materialising kernel by default
             return Choice(CHUNKED, *DEFAULT_BLOCKS, why=f"{refused}; no measured rows for this device kind: chunked",
@@ -510,6 +534,8 @@ def choose(*, platform: str, sources: tuple[Source, ...], dtype, B: int, N: int,
     blocks = next((r.blocks for _, _, r in ranked if r.blocks is not None), DEFAULT_BLOCKS)
     kernel = row.fastest if row.fastest in allowed else (EINSUM if fits else CHUNKED)
     why = f"{sources[n].where}: nearest measured B·N={row.BN} T={row.T} S={row.S} ({row.fastest} fastest)"
+    if space[0] != B * N:
+        why += f" to the kernel's B·K={space[0]} G·T={space[1]} S={S}"
     if kernel != row.fastest:
         why += f"; {row.fastest} not allowed for {dtype.name} at B·N·T·S={B * N * T * S}"
     if refused:
@@ -518,18 +544,20 @@ def choose(*, platform: str, sources: tuple[Source, ...], dtype, B: int, N: int,
 
 
 def fused_choice(B: int, N: int, T: int, S: int, H: int, dtype, *, has_mask: bool, mask_kind: str | None = None,
-                 precision=None, device=None) -> Choice:
+                 precision=None, device=None, kv_heads: int | None = None) -> Choice:
     """What `fused_attention_core` runs for these sizes on `device` (default: JAX's first device).
 
     mask_kind: the mask's structure, one of MASK_STRUCTURES (None: MASK_DENSE with a mask,
-    MASK_NONE without); precision: the call's matmul precision (None: jax's default)."""
+    MASK_NONE without); precision: the call's matmul precision (None: jax's default); kv_heads:
+    the key/value heads K (None: N)."""
     device = device or jax.devices()[0]
     path = kernel_table_path()
     sources = sources_for(processor(device), load_user_table(path), str(path))
     if precision is None:
         precision = jax.config.jax_default_matmul_precision
     return choose(platform=device.platform, sources=sources, dtype=dtype, B=B, N=N, T=T, S=S, H=H,
-                  has_mask=has_mask, materialize_limit=MATERIALIZE_LIMIT, mask_kind=mask_kind, precision=precision)
+                  has_mask=has_mask, materialize_limit=MATERIALIZE_LIMIT, mask_kind=mask_kind, precision=precision,
+                  kv_heads=kv_heads)
 
 
 WEIGHTS = "weights"
@@ -537,10 +565,11 @@ WEIGHTS = "weights"
 
 
 def module_choice(B: int, N: int, T: int, S: int, H: int, dtype, *, has_mask: bool, need_weights: bool,
-                  mask_kind: str | None = None, precision=None, device=None) -> Choice:
+                  mask_kind: str | None = None, precision=None, device=None, kv_heads: int | None = None) -> Choice:
     """What `mha_jax.MultiHeadAttention` runs for these sizes: the einsum core when it returns the
     weights, else `fused_choice` (what `fused_attention_core` asks)."""
     if need_weights:
         return Choice(EINSUM, why="need_weights=True: the weights are returned, so the einsum core materialises them",
                       source=WEIGHTS)
-    return fused_choice(B, N, T, S, H, dtype, has_mask=has_mask, mask_kind=mask_kind, precision=precision, device=device)
+    return fused_choice(B, N, T, S, H, dtype, has_mask=has_mask, mask_kind=mask_kind, precision=precision, device=device,
+                        kv_heads=kv_heads)

@@ -2,10 +2,11 @@
 
     python -m mha_jax.tune                         # default sizes: ~5 min on an idle 2-core CPU
     python -m mha_jax.tune --sizes 4x8x2048x64 --blocks 256x256,512x512,512x1024
+    python -m mha_jax.tune --sizes 1x8x1024x64 --kv-heads 2   # a grouped layer: 2 key/value heads
     python -m mha_jax.tune --show                  # which rows this processor uses, and from where
     python -m mha_jax.tune --combine RUN1.json RUN2.json   # summarise saved runs (no timing)
 
-For every size (B x N x T x H, S = T) it compiles each candidate, then times them round-robin
+For every size (B x N x T x H, S = T; K = --kv-heads key/value heads, default N) it compiles each candidate, then times them round-robin
 (the direction reversed each round, so a load drift hits all alike) and keeps the min and
 the median of the repeats; only ratios within one size of one run mean anything on a shared
 machine. Candidates, named by `mha_jax.kernels.kernel_label` as benchmark rows name them: our
@@ -15,6 +16,9 @@ XLA path ("dpa-xla", materialises too) and the chunked kernel at each block size
 scores. Passes (`mha_spec.PASSES`): "fwd" (the context) and "fwd+bwd" (gradient of its sum
 w.r.t. q, k, v). A candidate's score is the geometric mean of its time / the fastest's over
 the passes (1.00 = fastest in both).
+
+A grouped layer's row is keyed by the kernel's shape, B·K head blocks of G·T query rows
+(`mha_jax.kernels.kernel_space`, G = N/K), which is how the choice looks it up.
 
 The rows go into the user's table (`mha_jax.cache.kernel_table_path()`, `--out` to
 choose another file) under this processor's key, next to any other processor's rows in
@@ -62,14 +66,16 @@ DTYPES = DTYPE_NAMES
 EXIT_WRITE = 3  # measured, but a file could not be written (as mha-bench's reports)
 
 
-def candidates(B: int, N: int, T: int, H: int, blocks) -> dict:
-    """{name: f(q, k, v) -> context (B, T, N, H)}; a block larger than T is the whole axis."""
+def candidates(B: int, N: int, T: int, H: int, blocks, K: int | None = None) -> dict:
+    """{name: f(q, k, v) -> context (B, T, N, H)}, k and v with K heads (None: N); a block larger
+    than the kernel's query rows (G·T) or keys (T) is the whole axis."""
+    _, rows, _ = kernels.kernel_space(B, N, T, T, K)
     out = {}
     if B * N * T * T <= kernels.MATERIALIZE_LIMIT:
         out[kernels.kernel_label(kernels.Choice(kernels.EINSUM))] = lambda q, k, v: attention_core(q, k, v)[0]
         out[kernels.kernel_label(kernels.Choice(kernels.DPA_XLA))] = lambda q, k, v: jax.nn.dot_product_attention(
             q, k, v, scale=1.0 / math.sqrt(H), implementation=kernels.DPA_IMPLEMENTATIONS[kernels.DPA_XLA])
-    for cq, ck in dict.fromkeys((min(cq, T), min(ck, T)) for cq, ck in blocks):
+    for cq, ck in dict.fromkeys((min(cq, rows), min(ck, T)) for cq, ck in blocks):
         label = kernels.kernel_label(kernels.Choice(kernels.CHUNKED, cq, ck))
         out[label] = lambda q, k, v, cq=cq, ck=ck: chunked_attention(q, k, v, q_chunk=cq, k_chunk=ck)
     return out
@@ -81,14 +87,16 @@ def _program(f, pass_: str):
     return jax.jit(jax.grad(lambda q, k, v: f(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2)))
 
 
-def measure_size(B, N, T, H, blocks, passes, reps, dtype, budget_s, log=print) -> list[dict]:
-    """Timed rows (one per candidate and pass) for one size."""
+def measure_size(B, N, T, H, blocks, passes, reps, dtype, budget_s, log=print, K=None) -> list[dict]:
+    """Timed rows (one per candidate and pass) for one size, K key/value heads (None: N)."""
+    K = N if K is None else K
     rng = np.random.default_rng(0)
-    q, k, v = (jnp.asarray(rng.standard_normal((B, T, N, H)), dtype) for _ in range(3))
+    q = jnp.asarray(rng.standard_normal((B, T, N, H)), dtype)
+    k, v = (jnp.asarray(rng.standard_normal((B, T, K, H)), dtype) for _ in range(2))
     rows = []
     for pass_ in passes:
         compiled, first = {}, []
-        for name, f in candidates(B, N, T, H, blocks).items():
+        for name, f in candidates(B, N, T, H, blocks, K).items():
             compiled[name] = _program(f, pass_).lower(q, k, v).compile()
             t0 = time.perf_counter()
             jax.block_until_ready(compiled[name](q, k, v))  # warm-up
@@ -103,13 +111,20 @@ def measure_size(B, N, T, H, blocks, passes, reps, dtype, budget_s, log=print) -
                 jax.block_until_ready(compiled[name](q, k, v))
                 times[name].append(time.perf_counter() - t0)
         for name, ts in times.items():
-            rows.append(dict(B=B, N=N, T=T, S=T, H=H, pass_=pass_, candidate=name, min_s=min(ts), median_s=float(np.median(ts)), reps=len(ts)))
-            log(f"B={B} N={N} T={T} H={H} {pass_:7s} {name:18s} min {1e3 * min(ts):9.1f} ms  median {1e3 * np.median(ts):9.1f} ms")
+            rows.append(dict(B=B, N=N, K=K, T=T, S=T, H=H, pass_=pass_, candidate=name, min_s=min(ts),
+                             median_s=float(np.median(ts)), reps=len(ts)))
+            log(f"B={B} N={N} K={K} T={T} H={H} {pass_:7s} {name:18s} min {1e3 * min(ts):9.1f} ms  "
+                f"median {1e3 * np.median(ts):9.1f} ms")
     return rows
 
 
+def row_space(r: dict) -> tuple[int, int, int]:
+    """A timed row's kernel shape (B·K, G·T, S), the key of its table row; rows saved without K are ungrouped."""
+    return kernels.kernel_space(r["B"], r["N"], r["T"], r["S"], r.get("K"))
+
+
 def summarise(runs) -> list[dict]:
-    """Per (B, N, T, S): the fastest kernel and the chunked kernel's fastest blocks.
+    """Per kernel shape (B·K, G·T, S; `row_space`): the fastest kernel and the chunked kernel's fastest blocks.
 
     runs: a list of runs (each a list of rows). Absolute times from different runs on a shared
     machine are not comparable, so a candidate's score is the geometric mean of its time / the
@@ -118,12 +133,12 @@ def summarise(runs) -> list[dict]:
     size, a candidate seen in only one of them is left out.
     """
     out = []
-    sizes = sorted({(r["B"], r["N"], r["T"], r["S"]) for run in runs for r in run})
+    sizes = sorted({row_space(r) for run in runs for r in run})
     for key in sizes:
         ratios, seen = {}, {}
         for n, run in enumerate(runs):
             for pass_ in PASSES:
-                pick = [r for r in run if (r["B"], r["N"], r["T"], r["S"]) == key and OLD_PASSES.get(r["pass_"], r["pass_"]) == pass_]
+                pick = [r for r in run if row_space(r) == key and OLD_PASSES.get(r["pass_"], r["pass_"]) == pass_]
                 for r in pick:
                     ratios.setdefault(r["candidate"], []).append(r["min_s"] / min(x["min_s"] for x in pick))
                     seen.setdefault(r["candidate"], set()).add(n)
@@ -133,7 +148,7 @@ def summarise(runs) -> list[dict]:
         chunked = [c for c in score if kernels.parse_label(c).kernel == kernels.CHUNKED]
         best = kernels.parse_label(min(chunked, key=score.get)) if chunked else None
         blocks = [best.q_chunk, best.k_chunk] if best else None
-        out.append(dict(BN=key[0] * key[1], T=key[2], S=key[3], fastest=fastest.kernel, blocks=blocks,
+        out.append(dict(BN=key[0], T=key[1], S=key[2], fastest=fastest.kernel, blocks=blocks,
                         scores={c: round(v, 3) for c, v in sorted(score.items(), key=lambda kv: kv[1])}))
     return out
 
@@ -254,10 +269,11 @@ def load_run(path: Path) -> list[dict]:
     for n, r in enumerate(rows):
         ok = (isinstance(r, dict) and all(isinstance(r.get(k), int) and not isinstance(r.get(k), bool) for k in "BNTS")
               and r.get("pass_") in PASSES and _is_label(r.get("candidate"))
-              and isinstance(r.get("min_s"), (int, float)) and math.isfinite(r["min_s"]) and r["min_s"] > 0)
+              and isinstance(r.get("min_s"), (int, float)) and math.isfinite(r["min_s"]) and r["min_s"] > 0
+              and ("K" not in r or (type(r["K"]) is int and r["K"] >= 1 and r["N"] % r["K"] == 0)))
         if not ok:
-            raise ValueError(f"{path}: row {n} is not a tune row (integers B, N, T, S; pass_ in {', '.join(PASSES)}; "
-                             "a candidate kernels.kernel_label names; min_s a positive time)")
+            raise ValueError(f"{path}: row {n} is not a tune row (integers B, N, T, S, and K dividing N where given; "
+                             f"pass_ in {', '.join(PASSES)}; a candidate kernels.kernel_label names; min_s a positive time)")
     return rows
 
 
@@ -265,6 +281,8 @@ def parser(prog: str = "python -m mha_jax.tune") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default=DEFAULT_SIZES, type=lambda s: _sizes(s, 4, "BxNxTxH"), help="comma-separated BxNxTxH (S = T)")
+    p.add_argument("--kv-heads", type=_reps, default=None, metavar="K",
+                   help="key/value heads of every size (default N; it must divide each size's N)")
     p.add_argument("--blocks", default=DEFAULT_BLOCKS, type=_blocks, help="comma-separated q_chunk x k_chunk")
     p.add_argument("--passes", default=PASSES, type=_passes, help=f"comma-separated: {', '.join(PASSES)} (default both)")
     add_alias(p, "--reps", p.add_argument("--min-repeats", type=_reps, default=3,
@@ -304,6 +322,9 @@ def run(args, p: argparse.ArgumentParser) -> dict | None:
             p.error(f"--combine: {e}")
         print(json.dumps(summarise(runs), indent=1))
         return None
+    bad = [n for _, n, _, _ in args.sizes if args.kv_heads is not None and n % args.kv_heads]
+    if bad:
+        p.error(f"--kv-heads {args.kv_heads} must divide every size's N, not {', '.join(map(str, bad))}")
     out = check_outputs(args, p)
     proc = kernels.processor()
     load_start = os.getloadavg()
@@ -312,7 +333,7 @@ def run(args, p: argparse.ArgumentParser) -> dict | None:
     with jax.default_matmul_precision("highest"):  # as mha-bench pins it
         for B, N, T, H in args.sizes:
             rows += measure_size(B, N, T, H, args.blocks, args.passes, args.min_repeats, jnp.dtype(args.dtype), args.budget,
-                                 log=lambda s: print(s, flush=True))
+                                 log=lambda s: print(s, flush=True), K=args.kv_heads)
     table = summarise([rows])
     meta = dict(measured=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), jax=jax.__version__,
                 dtype=args.dtype, precision="highest", cores=os.cpu_count(), load_average_start=list(load_start),
@@ -320,7 +341,7 @@ def run(args, p: argparse.ArgumentParser) -> dict | None:
     result = dict(path=out, processor=proc, rows=rows, table=table, meta=meta,
                   write_error=write_outputs(args.json, out, proc, rows, table, meta))
     for t in table:
-        print(f"  B·N={t['BN']} T={t['T']}: {row_text(t['fastest'], t['blocks'])}  {t['scores']}")
+        print(f"  B·K={t['BN']} G·T={t['T']} S={t['S']}: {row_text(t['fastest'], t['blocks'])}  {t['scores']}")
     return result
 
 

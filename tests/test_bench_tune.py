@@ -29,7 +29,7 @@ ROWS = [
 
 def test_each_size_and_pass_compares_the_chosen_candidate_with_the_fastest_of_the_run():
     chosen = {256: "chunked:128x256", 2048: "chunked:512x512"}
-    checks = check_choices(ROWS, lambda B, N, T, S, H: chosen[T])
+    checks = check_choices(ROWS, lambda B, N, K, T, S, H: chosen[T])
     got = {(c.T, c.pass_): (c.chosen, c.best, c.ratio, c.within) for c in checks}
     assert got == {
         (256, "fwd"): ("chunked:128x256", "einsum", pytest.approx(1.04), True),
@@ -75,3 +75,12 @@ def test_a_tiny_tune_writes_the_table_where_asked_and_checks_the_choice_read_bac
     measured = {"einsum", "dpa-xla", "chunked:8x8"}
     assert chosen in measured  # the table's own fastest kind, read back through kernels.choose
     assert f"wrote 1 row(s)" in capsys.readouterr().out
+
+
+def test_a_grouped_rows_choice_is_asked_with_its_key_value_heads():
+    rows = [{**_row(256, "fwd", "chunked:512x256", 1.0, N=4), "K": 2}, _row(256, "fwd", "chunked:256x256", 1.0, N=4)]
+    asked = []
+    checks = check_choices(rows, lambda *size: asked.append(size) or "chunked:512x256")
+    assert asked == [(2, 4, 2, 256, 256, 8), (2, 4, 4, 256, 256, 8)]  # (B, N, K, T, S, H): two sizes, not one
+    assert [c.K for c in checks] == [2, 4]
+    assert "B=2 N=4 K=2 T=256" in "\n".join(report_lines(checks))

@@ -98,9 +98,9 @@ def test_committed_tune_runs_reload_and_summarise_to_their_tables_and_the_built_
     from mha_jax import tune
 
     results = ROOT / "docs" / "results"
-    # The Xeon's rows come from two runs: B=4 (and the rows' B·N = 32), then batch 1 (B·N = 8).
+    # The Xeon's rows come from two runs: batch 1 and 4, then grouped layers (keyed B·K, G·T, S).
     for names, proc in ((("kernel-table-epyc-avx2.json",), kernels.EPYC_AVX2),
-                        (("kernel-table-xeon-avx512.json", "kernel-table-xeon-avx512-b1.json"), kernels.XEON)):
+                        (("kernel-table-xeon-avx512.json", "kernel-table-xeon-avx512-gqa.json"), kernels.XEON)):
         tables = []
         for name in names:
             saved = json.loads((results / name).read_text())
@@ -108,8 +108,8 @@ def test_committed_tune_runs_reload_and_summarise_to_their_tables_and_the_built_
             table = tune.summarise([tune.load_run(results / name)])
             assert table == saved["table"]
             tables += table
-        assert sorted((t["BN"], t["T"], t["fastest"], tuple(t["blocks"])) for t in tables) == sorted(
-            (m.BN, m.T, m.fastest, m.blocks) for m in kernels.BUILTIN[proc.key])
+        assert sorted((t["BN"], t["T"], t["S"], t["fastest"], tuple(t["blocks"])) for t in tables) == sorted(
+            (m.BN, m.T, m.S, m.fastest, m.blocks) for m in kernels.BUILTIN[proc.key])
     runs = [tune.load_run(results / f"flash-blocks-cpu.run{i}.json") for i in (1, 2, 3, 4)]
     combined = sorted((t["BN"], t["T"], t["fastest"], tuple(t["blocks"])) for t in tune.summarise(runs))
     assert combined == sorted((m.BN, m.T, m.fastest, m.blocks) for m in kernels.BUILTIN[kernels.EPYC.key])

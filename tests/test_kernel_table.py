@@ -9,6 +9,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import mha_jax.kernels as kernels
@@ -258,6 +259,63 @@ def test_tune_rejects_bad_arguments(argv):
     with pytest.raises(SystemExit) as e:
         tune.main(argv + ["--out", "/nonexistent/never-written.json"])
     assert e.value.code == 2
+
+
+class TestGroupedHeads:
+    """A grouped layer (K key/value heads of G = N/K query heads) is looked up by the kernel's own
+    shape, B·K head blocks of G·T query rows, which is what `mha_jax.tune --kv-heads` measures."""
+
+    def test_kernel_space(self):
+        assert kernels.kernel_space(3, 8, 5, 7) == (24, 5, 7)
+        assert kernels.kernel_space(3, 8, 5, 7, kv_heads=2) == (6, 20, 7)
+        assert kernels.kernel_space(3, 8, 5, 7, kv_heads=1) == (3, 40, 7)
+        for bad in (3, 0, 2.0):
+            with pytest.raises(ValueError, match="kv_heads must be a positive integer dividing num_heads N=8"):
+                kernels.kernel_space(3, 8, 5, 7, kv_heads=bad)
+
+    def test_choose_compares_rows_in_kernel_space(self):
+        rows = (Measured(BN=8, T=1024, S=1024, fastest="chunked", blocks=(512, 512)),
+                Measured(BN=2, T=4096, S=1024, fastest="chunked", blocks=(1024, 1024)))
+        src = (kernels.Source("built-in rows", rows, "built-in"),)
+        ungrouped = _choose(src, B=1, N=8, T=1024, S=1024)
+        grouped = _choose(src, B=1, N=8, T=1024, S=1024, kv_heads=2)
+        assert (ungrouped.q_chunk, ungrouped.k_chunk) == (512, 512) and "kernel's" not in ungrouped.why
+        assert (grouped.q_chunk, grouped.k_chunk) == (1024, 1024)
+        assert "to the kernel's B·K=2 G·T=4096 S=1024" in grouped.why
+        assert _choose(src, B=1, N=8, T=1024, S=1024, kv_heads=8) == ungrouped  # K = N is the ungrouped layer
+        with pytest.raises(ValueError, match="kv_heads"):
+            _choose(src, N=8, kv_heads=3)
+
+    def test_fused_attention_core_asks_with_its_key_value_heads(self, cache_dir):
+        from parity.kernel_ran import jax_choices
+
+        (cache_dir / "kernels.json").write_text(json.dumps(_table(kernels.processor(), [
+            dict(BN=12, T=5, S=7, fastest="chunked", blocks=[8, 8]),  # B·N of the layer: the wrong key
+            dict(BN=6, T=10, S=7, fastest="chunked", blocks=[4, 4])])))  # B·K, G·T: the kernel's
+        rng = np.random.default_rng(0)
+        q = jnp.asarray(rng.standard_normal((3, 5, 4, 8)), jnp.float32)  # (B, T, N, H)
+        k, v = (jnp.asarray(rng.standard_normal((3, 7, 2, 8)), jnp.float32) for _ in range(2))  # (B, S, K, H)
+        with jax_choices() as made:
+            fused_attention_core(q, k, v)
+            fused_attention_core(q, jnp.repeat(k, 2, axis=2), jnp.repeat(v, 2, axis=2))
+        assert made == ["chunked:4x4", "chunked:8x8"]
+
+    def test_summarise_keys_grouped_rows_by_the_kernels_shape(self):
+        rows = [dict(B=1, N=8, K=2, T=64, S=64, pass_="fwd", candidate=c, min_s=t) for c, t in (("einsum", 2.0), ("chunked:64x64", 1.0))]
+        rows += [dict(B=1, N=8, T=64, S=64, pass_="fwd", candidate="einsum", min_s=1.0)]  # no K: ungrouped (K = N)
+        grouped, ungrouped = tune.summarise([rows])
+        assert (grouped["BN"], grouped["T"], grouped["S"], grouped["fastest"]) == (2, 256, 64, "chunked")
+        assert (ungrouped["BN"], ungrouped["T"], ungrouped["S"], ungrouped["fastest"]) == (8, 64, 64, "einsum")
+
+    def test_tune_measures_a_grouped_layer(self, tmp_path):
+        path, run = tmp_path / "kernels.json", tmp_path / "run.json"
+        code = tune.main(["--sizes", "1x4x8x4", "--kv-heads", "2", "--blocks", "4x4,32x8", "--passes", "fwd",
+                          "--min-repeats", "1", "--budget", "0", "--out", str(path), "--json", str(run)])
+        assert code == 0
+        assert {(r["K"], r["candidate"]) for r in json.loads(run.read_text())["rows"]} == {
+            (2, "einsum"), (2, "dpa-xla"), (2, "chunked:4x4"), (2, "chunked:16x8")}  # 32 clipped to G·T = 16 rows
+        (row,) = json.loads(path.read_text())["processors"][kernels.processor().key]["rows"]
+        assert (row["BN"], row["T"], row["S"]) == (2, 16, 8)
 
 
 class TestPallasRule:

@@ -35,8 +35,8 @@ def measured(monkeypatch):
     """tune.measure_size faked: the sizes it was asked for, with einsum the fastest at every pass."""
     calls = []
 
-    def fake(B, N, T, H, blocks, passes, reps, dtype, budget_s, log=print):
-        calls.append((B, N, T, H))
+    def fake(B, N, T, H, blocks, passes, reps, dtype, budget_s, log=print, K=None):
+        calls.append((B, N, T, H) if K is None else (B, N, T, H, K))
         cq, ck = (min(b, T) for b in blocks[0])
         return [dict(B=B, N=N, T=T, S=T, H=H, pass_=p, candidate=c, min_s=t, median_s=t, reps=reps)
                 for p in passes for c, t in (("einsum", 1e-3), (f"chunked:{cq}x{ck}", 2e-3))]
@@ -68,6 +68,8 @@ def _usage_error(tool, argv, capsys) -> str:
     (["--blocks", "8"], "argument --blocks"), (["--blocks", "0x8"], "argument --blocks"),
     (["--blocks", "16384x16384"], "blocks are at most 8192 (the kernel table's bound)"),
     (["--passes", ""], "argument --passes"), (["--passes", "fwd,bwd"], "argument --passes"),
+    (["--kv-heads", "0"], "argument --kv-heads"),
+    (["--sizes", "1x2x8x4,1x3x8x4", "--kv-heads", "2"], "--kv-heads 2 must divide every size's N, not 3"),
 ])
 def test_bad_arguments_are_usage_errors_before_measuring(tool, argv, message, measured, tmp_path, capsys):
     line = _usage_error(tool, [*TINY, "--out", str(tmp_path / "t.json"), *argv], capsys)

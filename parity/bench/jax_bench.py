@@ -161,7 +161,7 @@ def kernel_of(impl: Implementation, case: BenchCase, device) -> str:
     if impl.family == "ours-jax":
         c = kernels.module_choice(case.batch, case.heads, case.seq_q, case.seq_k, case.config.head_size,
                                   jnp.dtype(case.dtype), has_mask=case.mask != "none", need_weights=impl.returns_weights,
-                                  device=device)
+                                  device=device, kv_heads=case.config.kv_heads)
         return kernels.kernel_label(c, source=True)
     name = impl.family or impl.name
     return kernels.kernel_label(kernels.Choice(PEER_KERNELS[name])) if name in PEER_KERNELS else name

@@ -1,6 +1,6 @@
 """`mha-bench tune`: measure the JAX fused-attention kernels on this machine and check the choice.
 
-    mha-bench tune [--sizes 4x8x2048x64,..] [--blocks 256x256,512x512,..] [--passes fwd,fwd+bwd]
+    mha-bench tune [--sizes 4x8x2048x64,..] [--kv-heads K] [--blocks 256x256,512x512,..] [--passes fwd,fwd+bwd]
                    [--min-repeats R] [--budget S] [--dtype float32] [--out TABLE.json] [--json RUN.json]
     mha-bench tune --show        the rows this processor uses and where they come from
 
@@ -30,10 +30,11 @@ WITHIN = 1.05  # the chosen candidate's time / the best's, per pass, that counts
 
 @dataclass(frozen=True)
 class ChoiceCheck:
-    """For one measured size and pass: the candidate chosen, the fastest measured, and their times."""
+    """For one measured size (K key/value heads) and pass: the candidate chosen, the fastest measured, and their times."""
 
     B: int
     N: int
+    K: int
     T: int
     S: int
     H: int
@@ -54,7 +55,7 @@ class ChoiceCheck:
 
 def candidate_name(kernel: str, q_chunk: int | None, k_chunk: int | None, T: int, S: int) -> str:
     """The name `mha_jax.tune.candidates` gives what `choose` picked: its `kernel_label`, the blocks
-    clipped to T and S as there."""
+    clipped to the kernel's query rows T (G·T for a grouped layer) and keys S as there."""
     from mha_jax.kernels import CHUNKED, Choice, kernel_label
 
     if kernel == CHUNKED:
@@ -62,14 +63,18 @@ def candidate_name(kernel: str, q_chunk: int | None, k_chunk: int | None, T: int
     return kernel_label(Choice(kernel))
 
 
-def check_choices(rows: list[dict], choose: Callable[[int, int, int, int, int], str]) -> list[ChoiceCheck]:
+def _size(r: dict) -> tuple:
+    return r["B"], r["N"], r.get("K", r["N"]), r["T"], r["S"], r["H"], r["pass_"]
+
+
+def check_choices(rows: list[dict], choose: Callable[[int, int, int, int, int, int], str]) -> list[ChoiceCheck]:
     """One `ChoiceCheck` per (size, pass) of a tune run's rows, timed by the min over repeats as tune
-    ranks them; `choose(B, N, T, S, H)` names the candidate the kernel table now picks."""
+    ranks them; `choose(B, N, K, T, S, H)` names the candidate the kernel table now picks."""
     checks = []
-    for key in dict.fromkeys((r["B"], r["N"], r["T"], r["S"], r["H"], r["pass_"]) for r in rows):
-        here = {r["candidate"]: r["min_s"] for r in rows if (r["B"], r["N"], r["T"], r["S"], r["H"], r["pass_"]) == key}
+    for key in dict.fromkeys(_size(r) for r in rows):
+        here = {r["candidate"]: r["min_s"] for r in rows if _size(r) == key}
         best = min(here, key=here.get)
-        chosen = choose(*key[:5])
+        chosen = choose(*key[:6])
         checks.append(ChoiceCheck(*key, chosen=chosen, best=best, chosen_s=here.get(chosen), best_s=here[best]))
     return checks
 
@@ -87,10 +92,10 @@ def report_lines(checks: list[ChoiceCheck]) -> list[str]:
     lines = ["the choice after tune vs the fastest candidate of this run (min over repeats):"]
     sizes: dict = {}
     for c in checks:
-        sizes.setdefault((c.B, c.N, c.T, c.S, c.H), []).append(c)
-    for (B, N, T, S, H), group in sizes.items():
+        sizes.setdefault((c.B, c.N, c.K, c.T, c.S, c.H), []).append(c)
+    for (B, N, K, T, S, H), group in sizes.items():
         mean = mean_ratio(group)
-        lines.append(f"  B={B} N={N} T={T} S={S} H={H}: chosen {group[0].chosen}"
+        lines.append(f"  B={B} N={N}" + (f" K={K}" if K != N else "") + f" T={T} S={S} H={H}: chosen {group[0].chosen}"
                      + (f", mean over passes {mean:.3f}x" if mean is not None else ""))
         for c in group:
             if c.ratio is None:
@@ -120,10 +125,10 @@ def main(argv, console: Console) -> int:
     sources = kernels.sources_for(proc, kernels.load_user_table(path), str(path))
     platform = jax.devices()[0].platform
 
-    def choose(B, N, T, S, H):
+    def choose(B, N, K, T, S, H):
         c = kernels.choose(platform=platform, sources=sources, dtype=dtype, B=B, N=N, T=T, S=S, H=H,
-                           has_mask=False, materialize_limit=kernels.MATERIALIZE_LIMIT)
-        return candidate_name(c.kernel, c.q_chunk, c.k_chunk, T, S)
+                           has_mask=False, materialize_limit=kernels.MATERIALIZE_LIMIT, kv_heads=K)
+        return candidate_name(c.kernel, c.q_chunk, c.k_chunk, kernels.kernel_space(B, N, T, S, K)[1], S)
 
     for line in report_lines(check_choices(result["rows"], choose)):
         console.print(line, markup=False, soft_wrap=True)
