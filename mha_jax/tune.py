@@ -6,8 +6,9 @@
     python -m mha_jax.tune --show                  # which rows this processor uses, and from where
     python -m mha_jax.tune --combine RUN1.json RUN2.json   # summarise saved runs (no timing)
 
-For every size (B x N x T x H, S = T; K = --kv-heads key/value heads, default N) it compiles each candidate, then times them round-robin
-(the direction reversed each round, so a load drift hits all alike) and keeps the min and
+For every size (B x N x T x H, S = T; --kv-heads K key/value heads, default N) it compiles
+each candidate, then times them round-robin (the direction reversed each round, so a load
+drift hits all alike) and keeps the min and
 the median of the repeats; only ratios within one size of one run mean anything on a shared
 machine. Candidates, named by `mha_jax.kernels.kernel_label` as benchmark rows name them: our
 einsum core without weights ("einsum", materialises (B, N, T, S)), `jax.nn.dot_product_attention`'s
@@ -26,7 +27,7 @@ that file; `mha_jax.kernels` reads them first from then on. `--json` also saves 
 time, the load average and the processor.
 
 Exit 0 done; 2 a usage error, found before anything is measured: a bad --sizes, --blocks,
---passes, --min-repeats, --budget or --dtype, an output (--out, --json) that cannot be written or
+--passes, --min-repeats, --budget, --dtype or --kv-heads, an output (--out, --json) that cannot be written or
 both naming one file, a --combine file that is absent, not JSON or not a tune run; 3 the
 run was measured but a file could not be written (--json is written first: when it fails,
 the table is left as it was).
@@ -233,7 +234,7 @@ def _number(convert, ok, what: str):
     return parse
 
 
-_reps = _number(int, lambda v: v >= 1, "a positive integer")
+_positive_int = _number(int, lambda v: v >= 1, "a positive integer")
 # 0: --min-repeats repeats; NaN or inf: no repeat count at all
 _budget = _number(float, lambda v: math.isfinite(v) and v >= 0, "a finite number of seconds >= 0")
 
@@ -281,11 +282,11 @@ def parser(prog: str = "python -m mha_jax.tune") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default=DEFAULT_SIZES, type=lambda s: _sizes(s, 4, "BxNxTxH"), help="comma-separated BxNxTxH (S = T)")
-    p.add_argument("--kv-heads", type=_reps, default=None, metavar="K",
+    p.add_argument("--kv-heads", type=_positive_int, default=None, metavar="K",
                    help="key/value heads of every size (default N; it must divide each size's N)")
     p.add_argument("--blocks", default=DEFAULT_BLOCKS, type=_blocks, help="comma-separated q_chunk x k_chunk")
     p.add_argument("--passes", default=PASSES, type=_passes, help=f"comma-separated: {', '.join(PASSES)} (default both)")
-    add_alias(p, "--reps", p.add_argument("--min-repeats", type=_reps, default=3,
+    add_alias(p, "--reps", p.add_argument("--min-repeats", type=_positive_int, default=3,
                                           help="repeats at least (more for small sizes, see --budget)"))
     p.add_argument("--budget", type=_budget, default=0.5, help="seconds per candidate that set the repeats of small sizes")
     p.add_argument("--dtype", type=_dtype, default="float32", help=f"one of {', '.join(DTYPES)}")
