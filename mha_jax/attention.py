@@ -138,6 +138,19 @@ def attention_core(q, k, v, keep=None, *, masked_rows="nan", precision=None, ret
     return context, weights
 
 
+def _chunked_structured(q, k, v, keep, structure, choice, masked_rows, precision):
+    """The chunked kernel with the causal triangle and the window as structure (no (T, S) mask;
+    its cost follows the blocks they touch), segment ids as a mask ANDed with keep."""
+    T, S = q.shape[1], k.shape[1]
+    segments = _build_keep(T, S, structure._replace(is_causal=False, left=None, right=None))  # (B, 1, T, S) | None
+    if segments is not None:
+        keep = segments if keep is None else keep & segments
+    window = None if structure.left is None and structure.right is None else (structure.left, structure.right)
+    return chunked_attention(q, k, v, keep, masked_rows=masked_rows, q_chunk=choice.q_chunk, k_chunk=choice.k_chunk,
+                             precision=precision, is_causal=structure.is_causal, window=window,
+                             alignment="bottom-right" if structure.offset else "top-left")
+
+
 def fused_attention_core(q, k, v, keep=None, *, masked_rows="nan", precision=None, is_causal: bool = False,
                          window=None, segment_ids=None, key_segment_ids=None, alignment: str = "top-left"):
     """The same context as `attention_core`, without returning (or, when large, building) weights.
@@ -178,15 +191,7 @@ def fused_attention_core(q, k, v, keep=None, *, masked_rows="nan", precision=Non
                             key_segment_ids=None if shared else structure.k_seg, masked_rows=masked_rows,
                             precision=precision)
     if choice.kernel == kernels.CHUNKED:
-        # The causal triangle and the window go in as structure (no (T, S) mask; the kernel's
-        # cost follows the blocks they touch); segment ids as a mask ANDed with keep.
-        segments = _build_keep(T, S, structure._replace(is_causal=False, left=None, right=None))  # (B, 1, T, S) | None
-        if segments is not None:
-            keep = segments if keep is None else keep & segments
-        window = None if structure.left is None and structure.right is None else (structure.left, structure.right)
-        return chunked_attention(q, k, v, keep, masked_rows=masked_rows, q_chunk=choice.q_chunk, k_chunk=choice.k_chunk,
-                                 precision=precision, is_causal=structure.is_causal, window=window,
-                                 alignment="bottom-right" if structure.offset else "top-left")
+        return _chunked_structured(q, k, v, keep, structure, choice, masked_rows, precision)
     built = _build_keep(T, S, structure)  # (B|1, 1, T, S) | None
     if built is not None:
         keep = built if keep is None else keep & built  # (B|1, N|1, T, S)

@@ -293,6 +293,11 @@ def _rows(x, i, c):
     return x if x is None or x.shape[2] == 1 else lax.dynamic_slice_in_dim(x, i * c, c, axis=2)
 
 
+def _columns(x, i, c):
+    """Query block i of a (B, N, 1, Tp) row vector."""
+    return lax.dynamic_slice_in_dim(x, i * c, c, axis=3)
+
+
 def _forward(plan: _Plan, q, k, v, keep, want_p: bool = False):
     """(O, L, P): O (B, N, Tp, H) in the accumulation dtype, 0 on rows with no kept key;
     L (B, N, Tp, 1) the log-sum-exp of each row's scores, 0 on rows with no kept key;
@@ -348,11 +353,9 @@ def _unblock(x):
 def _backward(plan: _Plan, res, d_o):
     """dQ, dK, dV from the saved (q, k, v, keep, O, L, P or None) and dO (B, N, Tp, H).
 
-    Each block works on its probabilities transposed, Pᵀ (B, N, ck, cq), so that every large
-    (ck, cq) operand meets its matmul contracted on its last axis (Pᵀ·dO, dSᵀ·Q) or its first
-    (Kᵀ·dSᵀ): XLA:CPU copies an operand contracted on another axis first, and with the (cq, ck)
-    layout two of the five matmuls transposed a score-sized block (measured at B=1 N=8 H=64,
-    512x512 blocks, 2-core Xeon: 8.6 ms a block, 5.9 ms transposed)."""
+    Each block holds Pᵀ, dSᵀ (B, N, ck, cq): every score-sized operand is then contracted on an
+    axis XLA:CPU takes as laid out, where (cq, ck) blocks had two of them copied transposed
+    (B=1 N=8 H=64, 512x512 blocks, 2-core Xeon: 8.6 ms a block, 5.9 ms as Pᵀ)."""
     q, k, v, keep, o, lse, p_saved = res
     acc = accumulation_dtype(q.dtype)
     nq, nk = q.shape[2] // plan.cq, k.shape[2] // plan.ck
@@ -362,9 +365,6 @@ def _backward(plan: _Plan, res, d_o):
     D = jnp.swapaxes(jnp.sum(d_o * o, axis=-1, keepdims=True), 2, 3)  # (B, N, 1, Tp)
     lse_t = jnp.swapaxes(lse, 2, 3)  # (B, N, 1, Tp)
     dot = partial(jnp.einsum, preferred_element_type=acc, precision=plan.precision)
-
-    def columns(x, i):  # query block i of a (B, N, 1, Tp) row vector
-        return lax.dynamic_slice_in_dim(x, i * plan.cq, plan.cq, axis=3)
 
     def k_block(dq, j):
         kj = lax.dynamic_slice_in_dim(k, j * plan.ck, plan.ck, axis=2)  # (B, N, ck, H)
@@ -381,10 +381,10 @@ def _backward(plan: _Plan, res, d_o):
                         p_t = jnp.swapaxes(p_saved, 2, 3)  # (B, N, ck, cq)
                     else:  # recompute it, once per block
                         mask = jnp.swapaxes(_block_mask(plan, _rows(keep, i, plan.cq), i, j), 2, 3) if masked else None
-                        p_t = jnp.exp(_block_scores(plan, kj, qi, mask) - columns(lse_t, i))  # (B, N, ck, cq)
+                        p_t = jnp.exp(_block_scores(plan, kj, qi, mask) - _columns(lse_t, i, plan.cq))  # (B, N, ck, cq)
                     dv = dv + dot("BNST,BNTH->BNSH", p_t.astype(v.dtype).astype(acc), d_oi)
                     dp_t = dot("BNSH,BNTH->BNST", vj.astype(acc), d_oi)
-                    ds_t = p_t * (dp_t - columns(D, i))
+                    ds_t = p_t * (dp_t - _columns(D, i, plan.cq))
                     if plan.scale != 1.0:
                         ds_t = ds_t * plan.scale
                     dk = dk + dot("BNST,BNTH->BNSH", ds_t, qi.astype(acc))
