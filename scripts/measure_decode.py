@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -33,17 +32,11 @@ import torch
 from flax import nnx
 
 import mha_torch
+from mha_jax import kernels
 from parity import convert
 
 E, N, K = 512, 8, 2
 LAYER = dict(num_kv_heads=K, qkv_bias=False, out_bias=False, rope="half")
-
-
-def processor() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
 
 
 def steppers(batch: int, prefill: int, capacity: int, seed: int = 0):
@@ -152,7 +145,7 @@ def main(argv=None) -> int:
     load_start = os.getloadavg()
     with jax.default_matmul_precision("highest"):
         results = {str(b): measure(b, args.prefill, args.capacity, args.steps) for b in args.batch}
-    report = dict(processor=processor(), cores=os.cpu_count(), torch=torch.__version__, jax=jax.__version__,
+    report = dict(processor=kernels.processor().model, cores=os.cpu_count(), torch=torch.__version__, jax=jax.__version__,
                   prefill=args.prefill, capacity=args.capacity, steps=args.steps, load_average_start=list(load_start),
                   load_average_end=list(os.getloadavg()), omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"),
                   results=results)
