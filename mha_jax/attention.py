@@ -147,7 +147,7 @@ def _chunked_structured(q, k, v, keep, structure, choice, masked_rows, precision
         keep = segments if keep is None else keep & segments
     window = None if structure.left is None and structure.right is None else (structure.left, structure.right)
     return chunked_attention(q, k, v, keep, masked_rows=masked_rows, q_chunk=choice.q_chunk, k_chunk=choice.k_chunk,
-                             precision=precision, is_causal=structure.is_causal, window=window,
+                             head_chunk=choice.head_chunk, precision=precision, is_causal=structure.is_causal, window=window,
                              alignment="bottom-right" if structure.offset else "top-left")
 
 

@@ -24,7 +24,8 @@ in order, and the first that has rows for this processor wins:
 3. the built-in and user rows of every other processor of the same device kind.
 
 Within those rows the nearest measured problem (in log B·N, log T, log S) gives the kernel
-and the chunked kernel's blocks; `Choice.why` says which source and row. Rules that come
+and the chunked kernel's blocks and head chunk (how many of its B·K head blocks run a step:
+fewer keep a taller block's scores in cache); `Choice.why` says which source and row. Rules that come
 before any row, each for a reason that no timing can overrule:
 
 - float64 never runs dpa-* (their softmax is float32: 4e-8 off the float64 oracle);
@@ -123,6 +124,7 @@ class Measured:
     S: int
     fastest: str
     blocks: tuple[int, int] | None  # (q_chunk, k_chunk)
+    head_chunk: int | None = None  # head blocks per step with those blocks (None: all B·K at once)
 
 
 @dataclass(frozen=True)
@@ -132,15 +134,17 @@ class Choice:
     k_chunk: int | None = None
     why: str = ""  # the whole reason, naming the source and the row
     source: str = ""  # short, for a benchmark row: "user table", "built-in", "other cpu", "rule", "no rows"
+    head_chunk: int | None = None  # the chunked kernel's head blocks per step (None: all at once)
 
 
 def kernel_label(choice: Choice, *, source: bool = False) -> str:
     """The one spelling of a kernel choice that benchmark rows and `mha_jax.tune` show.
 
     "einsum", "dpa-xla", "dpa-cudnn", a Pallas kernel's name ("pallas-tpu-flash": its blocks
-    are fixed, `TPU_BLOCK`, `gpu_blocks`), or "chunked:QxK" with its blocks (q_chunk x k_chunk):
-    one token, so a tune run keys its candidates by it. source=True appends where the choice
-    came from, as a benchmark row shows it: "chunked:256x512 (built-in)", "einsum (weights)".
+    are fixed, `TPU_BLOCK`, `gpu_blocks`), or "chunked:QxK" with its blocks (q_chunk x k_chunk),
+    "chunked:QxK/hC" when it runs C of its B·K head blocks a step (head_chunk; absent: all at
+    once): one token, so a tune run keys its candidates by it. source=True appends where the
+    choice came from, as a benchmark row shows it: "chunked:256x512 (built-in)", "einsum (weights)".
     """
     if choice.kernel not in ALL_KERNELS:
         raise ValueError(f"kernel {choice.kernel!r} is not one of {ALL_KERNELS}")
@@ -149,20 +153,27 @@ def kernel_label(choice: Choice, *, source: bool = False) -> str:
         if choice.q_chunk is None or choice.k_chunk is None:
             raise ValueError(f"the chunked kernel's label needs its blocks, got q_chunk={choice.q_chunk} k_chunk={choice.k_chunk}")
         label = f"{CHUNKED}:{choice.q_chunk}x{choice.k_chunk}"
+        if choice.head_chunk is not None:
+            if type(choice.head_chunk) is not int or choice.head_chunk < 1:
+                raise ValueError(f"head_chunk must be a positive integer or None, got {choice.head_chunk!r}")
+            label += f"/h{choice.head_chunk}"
     return f"{label} ({choice.source})" if source and choice.source else label
 
 
 def parse_label(label: str) -> Choice:
-    """`kernel_label`'s inverse (without the source): "chunked:256x512" -> Choice("chunked", 256, 512);
-    ValueError naming the label for anything else."""
+    """`kernel_label`'s inverse (without the source): "chunked:256x512" -> Choice("chunked", 256, 512),
+    "chunked:2048x512/h1" -> Choice("chunked", 2048, 512, head_chunk=1); ValueError naming the label
+    for anything else."""
     kernel, sep, blocks = label.partition(":") if isinstance(label, str) else ("", "", "")
     if kernel in ALL_KERNELS and kernel != CHUNKED and not sep:
         return Choice(kernel)
+    blocks, slash, heads = blocks.partition("/")
     q, x, k = blocks.partition("x")
-    if kernel == CHUNKED and x and _is_positive_decimal(q) and _is_positive_decimal(k):
-        return Choice(CHUNKED, int(q), int(k))
+    heads_ok = not slash or (heads.startswith("h") and _is_positive_decimal(heads[1:]))
+    if kernel == CHUNKED and x and _is_positive_decimal(q) and _is_positive_decimal(k) and heads_ok:
+        return Choice(CHUNKED, int(q), int(k), head_chunk=int(heads[1:]) if slash else None)
     raise ValueError(f"{_short(label)} is not a kernel label: one of {', '.join(k for k in ALL_KERNELS if k != CHUNKED)} "
-                     f"or {CHUNKED}:QxK (positive integer blocks)")
+                     f"or {CHUNKED}:QxK or {CHUNKED}:QxK/hC (positive integer blocks and head chunk)")
 
 
 def _is_positive_decimal(text: str) -> bool:
@@ -294,7 +305,11 @@ def _row(d) -> Measured:
         if not isinstance(blocks, list) or len(blocks) != 2 or not all(_bounded_int(b, 1, MAX_BLOCK) for b in blocks):
             raise ValueError(f"row field blocks must be null or two integers in [1, {MAX_BLOCK}], got {_short(blocks)}")
         blocks = tuple(blocks)
-    return Measured(BN=d["BN"], T=d["T"], S=d["S"], fastest=d["fastest"], blocks=blocks)
+    head_chunk = d.get("head_chunk")
+    if head_chunk is not None and (blocks is None or not _bounded_int(head_chunk, 1, MAX_SIZE)):
+        raise ValueError(f"row field head_chunk must be null, or an integer in [1, {MAX_SIZE}] beside blocks, "
+                         f"got {_short(head_chunk)}")
+    return Measured(BN=d["BN"], T=d["T"], S=d["S"], fastest=d["fastest"], blocks=blocks, head_chunk=head_chunk)
 
 
 def _short(x) -> str:
@@ -531,7 +546,8 @@ def choose(*, platform: str, sources: tuple[Source, ...], dtype, B: int, N: int,
         blocks = DEFAULT_BLOCKS if kernel == CHUNKED else (None, None)
         return Choice(kernel, *blocks, why="no measured rows for this device kind", source="no rows")
     _, n, row = ranked[0]
-    blocks = next((r.blocks for _, _, r in ranked if r.blocks is not None), DEFAULT_BLOCKS)
+    tiled = next((r for _, _, r in ranked if r.blocks is not None), None)  # the nearest row that timed the chunked kernel
+    blocks, head_chunk = (tiled.blocks, tiled.head_chunk) if tiled else (DEFAULT_BLOCKS, None)
     kernel = row.fastest if row.fastest in allowed else (EINSUM if fits else CHUNKED)
     why = f"{sources[n].where}: nearest measured B·N={row.BN} T={row.T} S={row.S} ({row.fastest} fastest)"
     if space[0] != B * N:
@@ -540,7 +556,9 @@ def choose(*, platform: str, sources: tuple[Source, ...], dtype, B: int, N: int,
         why += f"; {row.fastest} not allowed for {dtype.name} at B·N·T·S={B * N * T * S}"
     if refused:
         why += f"; {refused}"
-    return Choice(kernel, *(blocks if kernel == CHUNKED else (None, None)), why=why, source=sources[n].label)
+    if kernel != CHUNKED:
+        return Choice(kernel, why=why, source=sources[n].label)
+    return Choice(kernel, *blocks, why=why, source=sources[n].label, head_chunk=head_chunk)
 
 
 def fused_choice(B: int, N: int, T: int, S: int, H: int, dtype, *, has_mask: bool, mask_kind: str | None = None,

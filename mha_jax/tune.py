@@ -1,7 +1,7 @@
 """Measure the fused-attention kernels and chunk sizes on this machine and write the user's kernel table.
 
     python -m mha_jax.tune                         # default sizes: ~5 min on an idle 2-core CPU
-    python -m mha_jax.tune --sizes 4x8x2048x64 --blocks 256x256,512x512,512x1024
+    python -m mha_jax.tune --sizes 4x8x2048x64 --blocks 256x256,512x512,2048x512/h1
     python -m mha_jax.tune --sizes 1x8x1024x64 --kv-heads 2   # a grouped layer: 2 key/value heads
     python -m mha_jax.tune --show                  # which rows this processor uses, and from where
     python -m mha_jax.tune --combine RUN1.json RUN2.json   # summarise saved runs (no timing)
@@ -12,8 +12,9 @@ drift hits all alike) and keeps the min and
 the median of the repeats; only ratios within one size of one run mean anything on a shared
 machine. Candidates, named by `mha_jax.kernels.kernel_label` as benchmark rows name them: our
 einsum core without weights ("einsum", materialises (B, N, T, S)), `jax.nn.dot_product_attention`'s
-XLA path ("dpa-xla", materialises too) and the chunked kernel at each block size
-("chunked:256x512"); materialising candidates are skipped above `mha_jax.kernels.MATERIALIZE_LIMIT`
+XLA path ("dpa-xla", materialises too) and the chunked kernel at each block size, all B·K
+head blocks a step ("chunked:256x512") or C of them ("chunked:2048x512/h1"; `--blocks` takes
+both spellings); materialising candidates are skipped above `mha_jax.kernels.MATERIALIZE_LIMIT`
 scores. Passes (`mha_spec.PASSES`): "fwd" (the context) and "fwd+bwd" (gradient of its sum
 w.r.t. q, k, v). A candidate's score is the geometric mean of its time / the fastest's over
 the passes (1.00 = fastest in both).
@@ -55,30 +56,41 @@ import numpy as np
 from mha_jax import kernels
 from mha_jax.attention import attention_core
 from mha_jax.cache import kernel_table_path
-from mha_jax.chunked import chunked_attention
+from mha_jax.chunked import chunked_attention, head_steps
 from mha_spec import DTYPE_NAMES, PASSES
 from mha_spec.files import read_json, writable_problem, write_atomic
 from mha_spec.flags import add_alias, warn_deprecated
 
 DEFAULT_SIZES = "4x8x256x64,4x8x512x64,4x8x1024x64,4x8x2048x64,1x8x8192x64"
-DEFAULT_BLOCKS = "128x256,256x256,256x512,512x512,512x1024,1024x1024"
+DEFAULT_BLOCKS = "128x256,256x256,256x512,512x512,512x1024,1024x1024,1024x512/h1,2048x512/h1,2048x1024/h1,1024x1024/h2"
 OLD_PASSES = {"fwdbwd": "fwd+bwd"}  # a deprecated --passes value, and what saved runs' rows may say
 DTYPES = DTYPE_NAMES
 EXIT_WRITE = 3  # measured, but a file could not be written (as mha-bench's reports)
 
 
+def chunked_candidate(B: int, N: int, T: int, S: int, q_chunk: int, k_chunk: int, head_chunk: int | None = None,
+                      K: int | None = None) -> kernels.Choice:
+    """The chunked kernel as it runs these sizes (K key/value heads, None: N) with these blocks: a block
+    larger than the kernel's query rows (G·T) or keys (S) is the whole axis, and the head chunk is the
+    piece of the B·K head blocks a step runs (`mha_jax.chunked.head_steps`; None when that is all of
+    them), so two requests that run alike have one name."""
+    BK, rows, _ = kernels.kernel_space(B, N, T, S, K)
+    bc, kc = head_steps(B, BK // B, head_chunk)
+    return kernels.Choice(kernels.CHUNKED, min(q_chunk, rows), min(k_chunk, S),
+                          head_chunk=None if bc * kc == BK else bc * kc)
+
+
 def candidates(B: int, N: int, T: int, H: int, blocks, K: int | None = None) -> dict:
-    """{name: f(q, k, v) -> context (B, T, N, H)}, k and v with K heads (None: N); a block larger
-    than the kernel's query rows (G·T) or keys (T) is the whole axis."""
-    _, rows, _ = kernels.kernel_space(B, N, T, T, K)
+    """{name: f(q, k, v) -> context (B, T, N, H)}, k and v with K heads (None: N); blocks: (q_chunk,
+    k_chunk, head_chunk or None), each named as it runs (`chunked_candidate`)."""
     out = {}
     if B * N * T * T <= kernels.MATERIALIZE_LIMIT:
         out[kernels.kernel_label(kernels.Choice(kernels.EINSUM))] = lambda q, k, v: attention_core(q, k, v)[0]
         out[kernels.kernel_label(kernels.Choice(kernels.DPA_XLA))] = lambda q, k, v: jax.nn.dot_product_attention(
             q, k, v, scale=1.0 / math.sqrt(H), implementation=kernels.DPA_IMPLEMENTATIONS[kernels.DPA_XLA])
-    for cq, ck in dict.fromkeys((min(cq, rows), min(ck, T)) for cq, ck in blocks):
-        label = kernels.kernel_label(kernels.Choice(kernels.CHUNKED, cq, ck))
-        out[label] = lambda q, k, v, cq=cq, ck=ck: chunked_attention(q, k, v, q_chunk=cq, k_chunk=ck)
+    for c in dict.fromkeys(chunked_candidate(B, N, T, T, *b, K=K) for b in blocks):
+        out[kernels.kernel_label(c)] = lambda q, k, v, c=c: chunked_attention(q, k, v, q_chunk=c.q_chunk, k_chunk=c.k_chunk,
+                                                                              head_chunk=c.head_chunk)
     return out
 
 
@@ -125,7 +137,8 @@ def row_space(r: dict) -> tuple[int, int, int]:
 
 
 def summarise(runs) -> list[dict]:
-    """Per kernel shape (B·K, G·T, S; `row_space`): the fastest kernel and the chunked kernel's fastest blocks.
+    """Per kernel shape (B·K, G·T, S; `row_space`): the fastest kernel and the chunked kernel's fastest
+    blocks and head chunk.
 
     runs: a list of runs (each a list of rows). Absolute times from different runs on a shared
     machine are not comparable, so a candidate's score is the geometric mean of its time / the
@@ -149,7 +162,8 @@ def summarise(runs) -> list[dict]:
         chunked = [c for c in score if kernels.parse_label(c).kernel == kernels.CHUNKED]
         best = kernels.parse_label(min(chunked, key=score.get)) if chunked else None
         blocks = [best.q_chunk, best.k_chunk] if best else None
-        out.append(dict(BN=key[0], T=key[1], S=key[2], fastest=fastest.kernel, blocks=blocks,
+        heads = {"head_chunk": best.head_chunk} if best and best.head_chunk is not None else {}  # absent: all at once
+        out.append(dict(BN=key[0], T=key[1], S=key[2], fastest=fastest.kernel, blocks=blocks, **heads,
                         scores={c: round(v, 3) for c, v in sorted(score.items(), key=lambda kv: kv[1])}))
     return out
 
@@ -180,13 +194,14 @@ def show(path: Path, console=print) -> None:
     for src in kernels.sources_for(proc, kernels.load_user_table(path), str(path)):
         console(src.where)
         for r in src.rows:
-            console(f"    B·N={r.BN} T={r.T} S={r.S}: {row_text(r.fastest, r.blocks)}")
+            console(f"    B·N={r.BN} T={r.T} S={r.S}: {row_text(r.fastest, r.blocks, r.head_chunk)}")
 
 
-def row_text(fastest: str, blocks) -> str:
+def row_text(fastest: str, blocks, head_chunk: int | None = None) -> str:
     """A table row's choice as `show` and a run print it: the fastest kernel, and the chunked
-    kernel's fastest blocks by `kernels.kernel_label` ("chunked:256x512"; alone when chunked is fastest)."""
-    chunked = kernels.kernel_label(kernels.Choice(kernels.CHUNKED, *blocks)) if blocks else None
+    kernel's fastest blocks by `kernels.kernel_label` ("chunked:256x512", "chunked:2048x512/h1";
+    alone when chunked is fastest)."""
+    chunked = kernels.kernel_label(kernels.Choice(kernels.CHUNKED, *blocks, head_chunk=head_chunk)) if blocks else None
     if fastest == kernels.CHUNKED and chunked:
         return chunked
     return fastest + (f", fastest chunked {chunked}" if chunked else "")
@@ -202,10 +217,18 @@ def _sizes(text: str, n: int, what: str) -> list[tuple[int, ...]]:
     return out
 
 
-def _blocks(text: str) -> list[tuple[int, ...]]:
-    """--blocks: QxK pairs within what the kernel table reads back (else the table written would be ignored)."""
-    out = _sizes(text, 2, "QxK")
-    if max(max(b) for b in out) > kernels.MAX_BLOCK:
+def _blocks(text: str) -> list[tuple[int, int, int | None]]:
+    """--blocks: QxK or QxK/hC (C head blocks a step), as `kernels.kernel_label` spells them after
+    "chunked:", within what the kernel table reads back (else the table written would be ignored)."""
+    out = []
+    for item in text.split(","):
+        try:
+            c = kernels.parse_label(f"{kernels.CHUNKED}:{item}")
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated QxK or QxK/hC of positive integers "
+                                             f"(256x512, 2048x512/h1), got {text!r}") from None
+        out.append((c.q_chunk, c.k_chunk, c.head_chunk))
+    if max(max(b[:2]) for b in out) > kernels.MAX_BLOCK:
         raise argparse.ArgumentTypeError(f"blocks are at most {kernels.MAX_BLOCK} (the kernel table's bound), got {text!r}")
     return out
 
@@ -284,7 +307,8 @@ def parser(prog: str = "python -m mha_jax.tune") -> argparse.ArgumentParser:
     p.add_argument("--sizes", default=DEFAULT_SIZES, type=lambda s: _sizes(s, 4, "BxNxTxH"), help="comma-separated BxNxTxH (S = T)")
     p.add_argument("--kv-heads", type=_positive_int, default=None, metavar="K",
                    help="key/value heads of every size (default N; it must divide each size's N)")
-    p.add_argument("--blocks", default=DEFAULT_BLOCKS, type=_blocks, help="comma-separated q_chunk x k_chunk")
+    p.add_argument("--blocks", default=DEFAULT_BLOCKS, type=_blocks,
+                   help="comma-separated q_chunk x k_chunk, each with /hC to run C head blocks a step")
     p.add_argument("--passes", default=PASSES, type=_passes, help=f"comma-separated: {', '.join(PASSES)} (default both)")
     add_alias(p, "--reps", p.add_argument("--min-repeats", type=_positive_int, default=3,
                                           help="repeats at least (more for small sizes, see --budget)"))
@@ -342,7 +366,7 @@ def run(args, p: argparse.ArgumentParser) -> dict | None:
     result = dict(path=out, processor=proc, rows=rows, table=table, meta=meta,
                   write_error=write_outputs(args.json, out, proc, rows, table, meta))
     for t in table:
-        print(f"  B·K={t['BN']} G·T={t['T']} S={t['S']}: {row_text(t['fastest'], t['blocks'])}  {t['scores']}")
+        print(f"  B·K={t['BN']} G·T={t['T']} S={t['S']}: {row_text(t['fastest'], t['blocks'], t.get('head_chunk'))}  {t['scores']}")
     return result
 
 

@@ -13,6 +13,7 @@ import pytest
 from rich.console import Console
 
 from parity.bench import cli
+from mha_jax.kernels import Choice
 from parity.bench.tune import WITHIN, candidate_name, check_choices, mean_ratio, report_lines
 
 
@@ -55,9 +56,17 @@ def test_all_within_says_so():
 
 
 def test_chosen_blocks_are_named_as_tune_names_its_candidates():
-    assert candidate_name("chunked", 512, 1024, 256, 300) == "chunked:256x300"  # clipped to T and S, as tune does
-    assert candidate_name("chunked", 128, 256, 2048, 2048) == "chunked:128x256"
-    assert candidate_name("einsum", None, None, 64, 64) == "einsum"
+    chunked = lambda q, k, h=None: Choice("chunked", q, k, head_chunk=h)  # noqa: E731
+    assert candidate_name(chunked(512, 1024), 1, 8, 8, 256, 300) == "chunked:256x300"  # clipped to T and S, as tune does
+    assert candidate_name(chunked(512, 1024), 1, 8, 2, 256, 300) == "chunked:512x300"  # grouped: G·T = 1024 query rows
+    assert candidate_name(chunked(128, 256), 1, 8, 8, 2048, 2048) == "chunked:128x256"
+    assert candidate_name(Choice("einsum"), 1, 8, 8, 64, 64) == "einsum"
+    # The head chunk as it runs (mha_jax.chunked.head_steps): heads of one batch element, or whole elements.
+    assert candidate_name(chunked(64, 64, 4), 2, 8, 8, 64, 64) == "chunked:64x64/h4"
+    assert candidate_name(chunked(64, 64, 3), 2, 8, 8, 64, 64) == "chunked:64x64/h2"  # 3 does not divide 8 heads
+    assert candidate_name(chunked(64, 64, 12), 4, 4, 4, 64, 64) == "chunked:64x64/h8"  # two of four elements
+    assert candidate_name(chunked(64, 64, 16), 2, 8, 8, 64, 64) == "chunked:64x64"  # all 16: one step
+    assert candidate_name(chunked(64, 64, 1), 1, 8, 1, 64, 64) == "chunked:64x64"  # one head block in all
 
 
 def test_a_tiny_tune_writes_the_table_where_asked_and_checks_the_choice_read_back_from_it(tmp_path, capsys):

@@ -79,7 +79,7 @@ def test_block_kinds_find_the_empty_blocks(kind, rng):
     keep = _mask(kind, rng)
     k4 = jnp.asarray(keep.reshape((1,) * (4 - keep.ndim) + keep.shape))
     padded = chunked._pad_keep(k4, S.S, 6, 9)
-    plan = chunked._Plan(S=S.S, cq=2, ck=3, scale=1.0, precision=None, single=False)
+    plan = chunked._Plan(S=S.S, cq=2, ck=3, scale=1.0, precision=None)
     got = np.asarray(chunked._block_kinds(plan, padded, 3, 3))  # (1, 3) when the mask has no query axis
     want = _expected_kinds(keep, S.T, S.S, 2, 3)
     np.testing.assert_array_equal(np.broadcast_to(got, want.shape), want)
@@ -585,7 +585,7 @@ class TestBand:
         assert _largest_intermediate(dense.jaxpr) >= T * T
         # Blocks of w: query block i reaches key blocks i-1 and i, key block j query blocks j and j+1,
         # so each loop runs 2 steps instead of T/c = 8 (the first and last lists padded with the EMPTY index).
-        plan = chunked._Plan(S=T, cq=C, ck=C, scale=1.0, precision=None, single=False,
+        plan = chunked._Plan(S=T, cq=C, ck=C, scale=1.0, precision=None,
                              band=chunked._Band(T, T, *chunked.diagonal_band(T, T, **kw)))
         kinds, keys, queries = (np.asarray(x) for x in chunked._band_visits(plan, T // C, T // C))
         n = T // C

@@ -108,8 +108,9 @@ def test_committed_tune_runs_reload_and_summarise_to_their_tables_and_the_built_
             table = tune.summarise([tune.load_run(results / name)])
             assert table == saved["table"]
             tables += table
-        assert sorted((t["BN"], t["T"], t["S"], t["fastest"], tuple(t["blocks"])) for t in tables) == sorted(
-            (m.BN, m.T, m.S, m.fastest, m.blocks) for m in kernels.BUILTIN[proc.key])
+        assert sorted((t["BN"], t["T"], t["S"], t["fastest"], tuple(t["blocks"]), t.get("head_chunk") or 0)
+                      for t in tables) == sorted(
+            (m.BN, m.T, m.S, m.fastest, m.blocks, m.head_chunk or 0) for m in kernels.BUILTIN[proc.key])
     runs = [tune.load_run(results / f"flash-blocks-cpu.run{i}.json") for i in (1, 2, 3, 4)]
     combined = sorted((t["BN"], t["T"], t["fastest"], tuple(t["blocks"])) for t in tune.summarise(runs))
     assert combined == sorted((m.BN, m.T, m.fastest, m.blocks) for m in kernels.BUILTIN[kernels.EPYC.key])

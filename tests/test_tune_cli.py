@@ -37,7 +37,7 @@ def measured(monkeypatch):
 
     def fake(B, N, T, H, blocks, passes, reps, dtype, budget_s, log=print, K=None):
         calls.append((B, N, T, H) if K is None else (B, N, T, H, K))
-        cq, ck = (min(b, T) for b in blocks[0])
+        cq, ck = (min(b, T) for b in blocks[0][:2])
         return [dict(B=B, N=N, T=T, S=T, H=H, pass_=p, candidate=c, min_s=t, median_s=t, reps=reps)
                 for p in passes for c, t in (("einsum", 1e-3), (f"chunked:{cq}x{ck}", 2e-3))]
 

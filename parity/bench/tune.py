@@ -53,14 +53,16 @@ class ChoiceCheck:
         return self.ratio is not None and self.ratio <= WITHIN
 
 
-def candidate_name(kernel: str, q_chunk: int | None, k_chunk: int | None, T: int, S: int) -> str:
-    """The name `mha_jax.tune.candidates` gives what `choose` picked: its `kernel_label`, the blocks
-    clipped to the kernel's query rows T (G·T for a grouped layer) and keys S as there."""
+def candidate_name(choice, B: int, N: int, K: int, T: int, S: int) -> str:
+    """The name `mha_jax.tune.candidates` gives what `choose` picked for these sizes: its
+    `kernel_label`, a chunked choice as it runs them (`mha_jax.tune.chunked_candidate`: blocks
+    clipped to the kernel's query rows G·T and keys S, the head chunk to the piece a step runs)."""
     from mha_jax.kernels import CHUNKED, Choice, kernel_label
+    from mha_jax.tune import chunked_candidate
 
-    if kernel == CHUNKED:
-        return kernel_label(Choice(CHUNKED, min(q_chunk, T), min(k_chunk, S)))
-    return kernel_label(Choice(kernel))
+    if choice.kernel == CHUNKED:
+        return kernel_label(chunked_candidate(B, N, T, S, choice.q_chunk, choice.k_chunk, choice.head_chunk, K=K))
+    return kernel_label(Choice(choice.kernel))
 
 
 def _size(r: dict) -> tuple:
@@ -128,7 +130,7 @@ def main(argv, console: Console) -> int:
     def choose(B, N, K, T, S, H):
         c = kernels.choose(platform=platform, sources=sources, dtype=dtype, B=B, N=N, T=T, S=S, H=H,
                            has_mask=False, materialize_limit=kernels.MATERIALIZE_LIMIT, kv_heads=K)
-        return candidate_name(c.kernel, c.q_chunk, c.k_chunk, kernels.kernel_space(B, N, T, S, K)[1], S)
+        return candidate_name(c, B, N, K, T, S)
 
     for line in report_lines(check_choices(result["rows"], choose)):
         console.print(line, markup=False, soft_wrap=True)
