@@ -7,6 +7,8 @@ blocks empty (skipped) and whole rows fully masked."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.extend
 import jax.numpy as jnp
@@ -103,8 +105,9 @@ def test_a_skipped_block_never_reads_its_values():
 def force_kernel(monkeypatch):
     """Make fused_attention_core run one kernel, e.g. force_kernel("chunked", 2, 3)."""
 
-    def force(kernel, q_chunk=None, k_chunk=None):
-        monkeypatch.setattr(kernels, "choose", lambda **kw: kernels.Choice(kernel, q_chunk, k_chunk, "forced by a test"))
+    def force(kernel, q_chunk=None, k_chunk=None, head_chunk=None):
+        monkeypatch.setattr(kernels, "choose", lambda **kw: kernels.Choice(kernel, q_chunk, k_chunk, "forced by a test",
+                                                                          head_chunk=head_chunk))
 
     return force
 
@@ -129,8 +132,11 @@ def _module_fused(m, q, k, v, keep, g):
 
 CASES = [(m, "nan", (2, 3)) for m in ("none", "2d", "3d", "heads", "keys", "queries")]
 CASES += [(m, p, (2, 3)) for m in ("causal", "padding", "holes") for p in POLICIES]  # skipped blocks, every policy
-# one block on both axes: the probabilities are kept from the forward instead of recomputed
-CASES += [("3d", "nan", (8, 8)), ("causal", "uniform", (8, 8))]
+CASES += [("3d", "nan", (8, 8)), ("causal", "uniform", (8, 8))]  # one block on both axes
+# Head steps (B·K = 9 head blocks): one at a time, or one batch element's 3 heads; per-head and
+# per-batch masks, a batch element that keeps nothing ("padding"), skipped blocks.
+CASES += [("heads", "nan", (2, 3, 1)), ("padding", "uniform", (2, 3, 1)), ("holes", "nan", (2, 3, 3)),
+          ("3d", "zero", (8, 8, 1))]
 
 
 @pytest.mark.parametrize(("mask_kind", "policy", "blocks"), CASES)
@@ -534,6 +540,109 @@ class TestBlockSkipping:
                                      T=T, S=T, H=64, has_mask=True, materialize_limit=kernels.MATERIALIZE_LIMIT)
                 assert got.kernel == kernels.CHUNKED and got.q_chunk and got.k_chunk, (key, T, got)
         assert kernels.fused_choice(1, 8, 8192, 8192, 64, jnp.float32, has_mask=True).kernel == kernels.CHUNKED
+
+
+class TestHeadSteps:
+    """`head_chunk`: the kernel runs a piece of its B·K head blocks a step. Which piece (`head_steps`), that
+    the numbers do not change (float64, with masks of every axis, grouped heads, a band and ragged tails),
+    that block skipping is decided per piece (`block_census` and the Q·Kᵀ that run), and that a bad
+    head_chunk is named."""
+
+    @pytest.mark.parametrize(("B", "K", "head_chunk", "steps"), [
+        (3, 4, None, (3, 4)), (3, 4, 12, (3, 4)), (3, 4, 100, (3, 4)),  # all of them: one step
+        (3, 4, 1, (1, 1)), (3, 4, 2, (1, 2)), (3, 4, 3, (1, 2)),  # heads of one element: a divisor of K
+        (3, 4, 4, (1, 4)), (3, 4, 8, (1, 4)), (3, 4, 11, (1, 4)),  # whole elements: K times a divisor of B (3: 1)
+        (4, 4, 8, (2, 4)), (4, 4, 15, (2, 4)), (6, 2, 6, (3, 2)), (6, 2, 10, (3, 2)),
+        (1, 8, 5, (1, 4)), (5, 1, 3, (1, 1)),
+    ])
+    def test_the_piece_a_step_runs(self, B, K, head_chunk, steps):
+        assert chunked.head_steps(B, K, head_chunk) == steps
+
+    @pytest.mark.parametrize(("B", "N", "K", "keep_shape", "structure"), [
+        (4, 6, 6, (4, 6, 9, 11), {}),  # a mask per batch element and head
+        (4, 6, 2, (4, 1, 9, 11), {}),  # grouped: 3 query heads a key/value head, a mask per element
+        (4, 6, 3, (1, 6, 9, 11), {"is_causal": True}),  # a mask per head ANDed with a band
+        (4, 4, 4, None, {"window": (3, 1), "alignment": "bottom-right"}),  # a band alone
+        (4, 4, 4, (4, 1, 1, 11), {}),  # key padding
+    ])
+    def test_output_and_gradients_do_not_change(self, B, N, K, keep_shape, structure, rng):
+        """Each block's arithmetic is the same, only the steps differ: equal bit for bit on a 2-core Xeon;
+        the bound (1e-13 relative) leaves room for another summation order that XLA may
+        pick for a matmul with fewer batch entries on another CPU, far below any real bug's size."""
+        T, Sk, H = 9, 11, 4
+        q = jnp.asarray(rng.standard_normal((B, T, N, H)))
+        k, v = (jnp.asarray(rng.standard_normal((B, Sk, K, H))) for _ in range(2))
+        keep = None if keep_shape is None else rng.random(keep_shape) > 0.4
+        if keep is not None and keep.shape[0] > 1:
+            keep[0] = False  # batch element 0 keeps nothing: a step of its own skips every block
+        ct = jnp.asarray(rng.standard_normal((B, T, N, H)))
+
+        def run(head_chunk):
+            f = lambda q, k, v: chunked_attention(q, k, v, keep, q_chunk=4, k_chunk=3, head_chunk=head_chunk,  # noqa: E731
+                                                  masked_rows="uniform", **structure)
+            out, vjp = jax.vjp(jax.jit(f), q, k, v)
+            return [np.asarray(x) for x in (out, *vjp(ct))]
+
+        want = run(None)
+        assert np.isfinite(want[0]).all() and np.abs(want[1]).max() > 0
+        # One head block a step and one element's heads; in the first case also two blocks and two elements.
+        for head_chunk in (1, K) + ((2, 2 * K) if keep_shape == (4, 6, 9, 11) else ()):
+            for name, a, e in zip(("output", "dq", "dk", "dv"), run(head_chunk), want):
+                np.testing.assert_allclose(a, e, rtol=1e-13, atol=1e-15, err_msg=f"{name}, head_chunk={head_chunk}")
+
+    def test_a_bad_head_chunk_is_named(self, rng):
+        q, k, v = (jnp.asarray(rng.standard_normal((2, 5, 2, 4))) for _ in range(3))
+        for bad in (0, -1, 1.5, True, "2"):
+            with pytest.raises(ValueError, match=f"head_chunk must be a positive integer or None, got {bad!r}"):
+                chunked_attention(q, k, v, head_chunk=bad)
+            with pytest.raises(ValueError, match="head_chunk must be a positive integer or None"):
+                chunked.block_census(None, 2, 2, 5, 5, 4, 4, head_chunk=bad)
+
+    T, C = 256, 32
+
+    def packed_rows(self):
+        """Row 0 packs 4 causal documents of 2 blocks, row 1 two of 4 blocks: (2, 1, T, T)."""
+        seg = np.stack([np.repeat(np.arange(4), 64), np.repeat(np.arange(2), 128)])
+        return reference.structured_keep(self.T, self.T, is_causal=True, segment_ids=seg)
+
+    def test_each_step_skips_the_blocks_its_own_batch_elements_leave_empty(self):
+        # A document of m blocks has m PARTIAL blocks on its diagonal and m(m-1)/2 FULL below. Row 0:
+        # 4 x (2 PARTIAL + 1 FULL); row 1: 2 x (4 + 6). All at once a block is EMPTY only where both rows
+        # keep nothing (20 non-empty of 64, `TestBlockSkipping`); one element a step (2 heads), each row's
+        # own blocks, over 2 grids of 64; one head block a step, each of those twice.
+        keep, n = self.packed_rows(), (self.T // self.C) ** 2
+        census = partial(chunked.block_census, keep, 2, 2, self.T, self.T, self.C, self.C)
+        assert census() == {"empty": 64 - 20, "full": 4, "partial": 16}
+        full, part = 4 * 1 + 2 * 6, 4 * 2 + 2 * 4
+        assert census(head_chunk=2) == {"empty": 2 * n - full - part, "full": full, "partial": part}
+        assert census(head_chunk=1) == {"empty": 4 * n - 2 * (full + part), "full": 2 * full, "partial": 2 * part}
+
+    def test_only_the_blocks_a_step_keeps_run_their_matmuls(self, rng, monkeypatch):
+        calls = []
+        original = chunked._block_scores
+
+        def counted(plan, qi, kj, mask_ij):
+            jax.debug.callback(lambda: calls.append(1))
+            return original(plan, qi, kj, mask_ij)
+
+        chunked._chunked.clear_cache()
+        monkeypatch.setattr(chunked, "_block_scores", counted)
+        try:
+            keep = self.packed_rows()
+            census = chunked.block_census(keep, 2, 2, self.T, self.T, self.C, self.C, head_chunk=2)
+            q, k, v = (jnp.asarray(rng.standard_normal((2, self.T, 2, 8)), jnp.float32) for _ in range(3))
+            run = lambda q: chunked_attention(q, k, v, keep, q_chunk=self.C, k_chunk=self.C, head_chunk=2)  # noqa: E731
+            run(q).block_until_ready()
+            jax.effects_barrier()
+            # 32 blocks of one element each, where all at once 20 blocks of both elements run (40)
+            assert len(calls) == census["full"] + census["partial"] == 32
+            calls.clear()
+            jax.grad(lambda q: run(q).sum())(q).block_until_ready()
+            jax.effects_barrier()
+            assert len(calls) == 2 * 32  # the forward's, and the backward's recomputed P
+        finally:
+            monkeypatch.undo()
+            chunked._chunked.clear_cache()
 
 
 class TestBand:

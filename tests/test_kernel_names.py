@@ -65,6 +65,8 @@ def test_kernels_are_built_from_the_constants():
 @pytest.mark.parametrize("choice, label", [
     (Choice(EINSUM), "einsum"), (Choice(DPA_XLA), "dpa-xla"), (Choice(DPA_CUDNN), "dpa-cudnn"),
     (Choice(CHUNKED, 256, 512), "chunked:256x512"), (Choice(CHUNKED, 1, 8192), "chunked:1x8192"),
+    (Choice(CHUNKED, 2048, 512, head_chunk=1), "chunked:2048x512/h1"),
+    (Choice(CHUNKED, 8, 16, head_chunk=12), "chunked:8x16/h12"),
 ])
 def test_a_label_reads_back_as_its_choice(choice, label):
     assert kernel_label(choice) == label
@@ -79,7 +81,9 @@ def test_the_source_is_appended_for_a_benchmark_row():
 
 
 @pytest.mark.parametrize("text", ["chunked", "chunked:", "chunked:8", "chunked:8x", "chunked:0x8", "chunked:08x8",
-                                  "chunked:-8x8", "chunked:\u0663x8", "chunked 8x8", "einsum:8x8", "flash", "", None, 8])
+                                  "chunked:-8x8", "chunked:\u0663x8", "chunked 8x8", "einsum:8x8", "flash", "", None, 8,
+                                  "chunked:8x8/", "chunked:8x8/h", "chunked:8x8/h0", "chunked:8x8/h01", "chunked:8x8/2",
+                                  "chunked:8x8/hh2", "chunked:8x8/h2/h2", "chunked/h2", "einsum/h2", "chunked:8/h2x8"])
 def test_what_is_not_a_label_is_a_value_error_naming_it(text):
     with pytest.raises(ValueError, match="is not a kernel label"):
         parse_label(text)
@@ -90,6 +94,9 @@ def test_a_label_needs_a_known_kernel_and_the_chunked_blocks():
         kernel_label(Choice("flash"))
     with pytest.raises(ValueError, match="needs its blocks"):
         kernel_label(Choice(CHUNKED))
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match=f"head_chunk must be a positive integer or None, got {bad!r}"):
+            kernel_label(Choice(CHUNKED, 8, 8, head_chunk=bad))
 
 
 def test_committed_tune_runs_reload_and_summarise_to_their_tables_and_the_built_in_rows():

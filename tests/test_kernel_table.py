@@ -12,8 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import mha_jax.attention as attention_module
+import mha_jax.chunked as chunked_attention_module
 import mha_jax.kernels as kernels
-from mha_jax import fused_attention_core, tune
+from mha_jax import attention_core, fused_attention_core, tune
 from mha_jax.kernels import Measured, Processor
 
 X86 = """processor\t: 0
@@ -157,6 +159,10 @@ CORRUPT = {
     "a block larger than allowed": json.dumps(_table(HERE, [{**GOOD_ROW, "blocks": [4, kernels.MAX_BLOCK + 1]}])),
     "a boolean size": json.dumps(_table(HERE, [{**GOOD_ROW, "T": True}])),
     "a float block": json.dumps(_table(HERE, [{**GOOD_ROW, "blocks": [4.0, 4]}])),
+    "a zero head chunk": json.dumps(_table(HERE, [{**GOOD_ROW, "head_chunk": 0}])),
+    "a float head chunk": json.dumps(_table(HERE, [{**GOOD_ROW, "head_chunk": 2.0}])),
+    "a boolean head chunk": json.dumps(_table(HERE, [{**GOOD_ROW, "head_chunk": True}])),
+    "a head chunk without blocks": json.dumps(_table(HERE, [{**GOOD_ROW, "blocks": None, "head_chunk": 2}])),
     "schema true": json.dumps({**_table(HERE, [GOOD_ROW]), "schema": True}),
     "schema 1.0": json.dumps({**_table(HERE, [GOOD_ROW]), "schema": 1.0}),
 }
@@ -200,9 +206,56 @@ def test_the_largest_allowed_numbers_read_back(tmp_path):
 
 def test_a_good_table_reads_back_without_warning(tmp_path):
     path = tmp_path / "kernels.json"
-    path.write_text(json.dumps(_table(HERE, [GOOD_ROW, {**GOOD_ROW, "T": 16, "fastest": "einsum", "blocks": None}])))
-    assert kernels.load_user_table(path) == {HERE: (Measured(2, 8, 8, "chunked", (4, 4)), Measured(2, 16, 8, "einsum", None))}
+    path.write_text(json.dumps(_table(HERE, [GOOD_ROW, {**GOOD_ROW, "T": 16, "fastest": "einsum", "blocks": None},
+                                             {**GOOD_ROW, "T": 32, "head_chunk": 3}, {**GOOD_ROW, "T": 64, "head_chunk": None}])))
+    assert kernels.load_user_table(path) == {HERE: (Measured(2, 8, 8, "chunked", (4, 4)), Measured(2, 16, 8, "einsum", None),
+                                                    Measured(2, 32, 8, "chunked", (4, 4), head_chunk=3),
+                                                    Measured(2, 64, 8, "chunked", (4, 4)))}
     assert kernels.load_user_table(tmp_path / "absent.json") == {}
+
+
+class TestHeadChunk:
+    """A row's head chunk (how many of the kernel's B·K head blocks run a step) travels with its blocks:
+    from the nearest row that timed the chunked kernel into the choice, the module's call, and tune's rows."""
+
+    def test_the_choice_takes_the_head_chunk_of_the_row_its_blocks_come_from(self):
+        rows = (Measured(BN=32, T=512, S=512, fastest="einsum", blocks=None),  # nearest, but no chunked timing
+                Measured(BN=32, T=2048, S=2048, fastest="chunked", blocks=(2048, 512), head_chunk=1),
+                Measured(BN=8, T=8192, S=8192, fastest="chunked", blocks=(512, 1024)))
+        src = (kernels.Source("fake", rows),)
+        c = _choose(src, B=4, N=8, T=4096, S=4096)  # above the memory guard: chunked, the blocks of the T=2048 row
+        assert (c.kernel, c.q_chunk, c.k_chunk, c.head_chunk) == ("chunked", 2048, 512, 1)
+        c = _choose(src, B=1, N=8, T=8192, S=8192)
+        assert (c.kernel, c.q_chunk, c.k_chunk, c.head_chunk) == ("chunked", 512, 1024, None)
+        einsum = _choose(src, B=4, N=8, T=512, S=512)
+        assert (einsum.kernel, einsum.q_chunk, einsum.head_chunk) == ("einsum", None, None)
+
+    def test_the_module_runs_the_chosen_head_chunk(self, cache_dir, monkeypatch):
+        path = cache_dir / "kernels.json"
+        path.write_text(json.dumps(_table(kernels.processor(), [dict(BN=4, T=5, S=7, fastest="chunked", blocks=[2, 3],
+                                                                     head_chunk=2)])))
+        seen = []
+        real = chunked_attention_module.chunked_attention
+        monkeypatch.setattr(attention_module, "chunked_attention",
+                            lambda *a, **kw: seen.append(kw["head_chunk"]) or real(*a, **kw))
+        rng = np.random.default_rng(0)
+        q, k = (jnp.asarray(rng.standard_normal((2, L, 2, 4))) for L in (5, 7))  # B·N = 4 head blocks
+        out = fused_attention_core(q, k, k)
+        want = attention_core(q, k, k)[0]
+        assert seen == [2] and bool(jnp.allclose(out, want, rtol=1e-12, atol=1e-12))
+        assert kernels.kernel_label(kernels.fused_choice(2, 2, 5, 7, 4, jnp.float64, has_mask=False)) == "chunked:2x3/h2"
+
+    def test_tune_names_its_candidates_as_they_run_and_keeps_the_fastest_head_chunk(self):
+        names = list(tune.candidates(2, 4, 8, 4, [(4, 4, None), (4, 4, 2), (4, 4, 3), (4, 4, 8), (16, 4, 1)]))
+        # 3 runs as 2 (a divisor of the 4 heads); 8 is all of B·K = 8 (one step, as no chunk); 16 rows clip to T = 8
+        assert [n for n in names if n.startswith("chunked")] == ["chunked:4x4", "chunked:4x4/h2", "chunked:8x4/h1"]
+        rows = [dict(B=2, N=4, T=8, S=8, pass_=p, candidate=c, min_s=t)
+                for p in ("fwd", "fwd+bwd") for c, t in (("chunked:4x4", 2.0), ("chunked:4x4/h2", 1.0), ("einsum", 3.0))]
+        (t,) = tune.summarise([rows])
+        assert (t["fastest"], t["blocks"], t["head_chunk"]) == ("chunked", [4, 4], 2)
+        assert tune.row_text(t["fastest"], t["blocks"], t["head_chunk"]) == "chunked:4x4/h2"
+        (t,) = tune.summarise([[{**r, "min_s": 1 / r["min_s"]} for r in rows]])  # now all heads at once wins
+        assert "head_chunk" not in t and t["blocks"] == [4, 4]
 
 
 def test_a_corrupt_or_unreadable_table_never_stops_a_fused_call(cache_dir):
