@@ -7,7 +7,9 @@
     python -m mha_jax.tune --combine RUN1.json RUN2.json   # summarise saved runs (no timing)
 
 For every size (B x N x T x H, S = T; --kv-heads K key/value heads, default N) it compiles
-each candidate, then times them round-robin (the direction reversed each round, so a load
+each candidate (glibc's allocator thresholds pinned first, `mha_spec.allocator`, as in
+`mha-bench`'s workers: otherwise a candidate's per-call cost follows what the process ran
+before), then times them round-robin (the direction reversed each round, so a load
 drift hits all alike) and keeps the min and
 the median of the repeats; only ratios within one size of one run mean anything on a shared
 machine. Candidates, named by `mha_jax.kernels.kernel_label` as benchmark rows name them: our
@@ -57,7 +59,7 @@ from mha_jax import kernels
 from mha_jax.attention import attention_core
 from mha_jax.cache import kernel_table_path
 from mha_jax.chunked import chunked_attention, head_steps
-from mha_spec import DTYPE_NAMES, PASSES
+from mha_spec import DTYPE_NAMES, PASSES, allocator
 from mha_spec.files import read_json, writable_problem, write_atomic
 from mha_spec.flags import add_alias, warn_deprecated
 
@@ -352,6 +354,7 @@ def run(args, p: argparse.ArgumentParser) -> dict | None:
         p.error(f"--kv-heads {args.kv_heads} must divide every size's N, not {', '.join(map(str, bad))}")
     out = check_outputs(args, p)
     proc = kernels.processor()
+    alloc = allocator.pin_this_process()  # before anything is compiled or timed
     load_start = os.getloadavg()
     print(f"processor {proc.key!r}, load average {load_start}, {os.cpu_count()} cores", flush=True)
     rows = []
@@ -361,7 +364,8 @@ def run(args, p: argparse.ArgumentParser) -> dict | None:
                                  log=lambda s: print(s, flush=True), K=args.kv_heads)
     table = summarise([rows])
     meta = dict(measured=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), jax=jax.__version__,
-                dtype=args.dtype, precision="highest", cores=os.cpu_count(), load_average_start=list(load_start),
+                dtype=args.dtype, precision="highest", cores=os.cpu_count(), allocator=alloc,
+                load_average_start=list(load_start),
                 load_average_end=list(os.getloadavg()))
     result = dict(path=out, processor=proc, rows=rows, table=table, meta=meta,
                   write_error=write_outputs(args.json, out, proc, rows, table, meta))

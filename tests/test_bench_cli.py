@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
+from mha_spec import allocator
 from parity.bench import cli, sweep, verdict
 from parity.bench.spec import PRESETS, ROW_FIELDS
 
@@ -90,7 +91,7 @@ def test_real_sweep_times_both_frameworks_in_one_worker_and_writes_every_report(
                                   "skip_reason": "", "note": ""}
     # One worker held both frameworks (--isolation run), each pinned to the same single CPU.
     assert env["threads"] == {"torch": 1, "jax": 1} and env["thread_settings"]["torch_threads"] == 1
-    assert env["thread_settings"]["env"] == sweep.thread_env()
+    assert env["thread_settings"]["env"] == sweep.worker_settings()
     assert env["precision_settings"]["jax"]["jax_default_matmul_precision"] == "highest"
     rows = data["rows"]
     assert len(rows) == len(REAL_IMPLS) + len(PLANTED_IMPLS)
@@ -501,14 +502,17 @@ def test_compare_rejects_a_huge_json_integer_in_one_line(tmp_path):
 
 
 def test_thread_settings_default_to_passive_waiting_and_the_environment_wins(monkeypatch, tmp_path):
-    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", *allocator.KNOBS):
+        monkeypatch.delenv(name, raising=False)
     rc, _, calls = _run([*FAST, "--json", str(tmp_path / "a.json")])
     assert rc == 0 and json.loads((tmp_path / "a.json").read_text())["environment"]["thread_settings"]["env"] == {
-        "OMP_WAIT_POLICY": "PASSIVE"}
+        "OMP_WAIT_POLICY": "PASSIVE", "MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "33554432"}
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
     monkeypatch.setenv("GOMP_SPINCOUNT", "10000")
     assert sweep._worker_env(sweep.RunConfig(preset=PRESETS["quick"]), str(tmp_path))["OMP_WAIT_POLICY"] == "ACTIVE"
+    monkeypatch.setenv("MALLOC_MMAP_MAX_", "0")  # an allocator knob of the user's replaces the pinned thresholds
+    env = sweep._worker_env(sweep.RunConfig(preset=PRESETS["quick"]), str(tmp_path))
+    assert env["MALLOC_MMAP_MAX_"] == "0" and "MALLOC_TRIM_THRESHOLD_" not in env
     rc, _, _ = _run([*FAST, "--json", str(tmp_path / "b.json")])
     assert json.loads((tmp_path / "b.json").read_text())["environment"]["thread_settings"]["env"] == {
-        "OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "10000"}
+        "OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "10000", "MALLOC_MMAP_MAX_": "0"}

@@ -17,6 +17,7 @@ import mha_jax.chunked as chunked_attention_module
 import mha_jax.kernels as kernels
 from mha_jax import attention_core, fused_attention_core, tune
 from mha_jax.kernels import Measured, Processor
+from mha_spec import allocator
 
 X86 = """processor\t: 0
 vendor_id\t: GenuineIntel
@@ -296,6 +297,7 @@ def test_tune_writes_this_processors_rows_and_keeps_the_others(tmp_path, capsys)
     entry = data["processors"][proc.key]
     assert (entry["device_kind"], entry["model"], entry["isa"]) == (proc.device_kind, proc.model, proc.isa)
     assert {"measured", "jax", "dtype", "precision", "load_average_start"} <= set(entry)
+    assert entry["allocator"] in (allocator.worker_env(), {})  # pinned, the user's knobs, or not glibc
     (row,) = entry["rows"]
     assert (row["BN"], row["T"], row["S"]) == (2, 8, 8)
     assert set(row["scores"]) == {"einsum", "dpa-xla", "chunked:4x4", "chunked:8x8"}

@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import psutil
 
+from mha_spec import allocator
 from parity.bench import verdict as verdicts
 from parity.bench.measure import apply_peak, summarize
 from parity.bench.measure import interference as measure_interference
@@ -61,6 +62,13 @@ def thread_env() -> dict:
     other spin-wait knobs where the environment sets them (recorded with the run)."""
     env = {k: os.environ.get(k, v) for k, v in THREAD_ENV.items()}
     return env | {k: os.environ[k] for k in ("GOMP_SPINCOUNT", "KMP_BLOCKTIME") if k in os.environ}
+
+
+def worker_settings() -> dict:
+    """Every setting a worker gets through its environment and the run records (`thread_settings.env`):
+    the thread settings and glibc's allocator thresholds pinned (`mha_spec.allocator.worker_env`:
+    XLA:CPU's per-call temporaries otherwise cost what the process allocated before)."""
+    return thread_env() | allocator.worker_env()
 
 
 def device_plan(requested: str) -> DevicePlan:
@@ -175,7 +183,7 @@ def _spawn(spec: dict, env: dict) -> subprocess.Popen:
 
 def _worker_env(cfg: RunConfig, scratch: str) -> dict:
     env = dict(os.environ)
-    env.update(thread_env())
+    env.update(worker_settings())
     # A fresh inductor cache per worker: torch.compile times are cold compiles, not disk-cache hits.
     env["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-", dir=scratch)
     # Allocate GPU memory on demand so that JAX's peak is the program's, not a 75% preallocation.
@@ -508,7 +516,7 @@ def bench_environment(cfg: RunConfig, out: Collected) -> dict:
         "threads_requested": cfg.threads,
         "threads": {fw: len(e.get("cpus", [])) for fw, e in out.envs.items()},
         "thread_settings": {
-            "env": thread_env(), "affinity_cpus": {fw: e.get("cpus") for fw, e in out.envs.items()},
+            "env": worker_settings(), "affinity_cpus": {fw: e.get("cpus") for fw, e in out.envs.items()},
             "torch_threads": out.envs.get("torch", {}).get("torch_threads"),
             "xla_threads": "the process's CPU affinity (XLA sizes its pools from it)",
         },
