@@ -205,28 +205,29 @@ BUILTIN: dict[str, tuple[Measured, ...]] = {
         Measured(BN=32, T=2048, S=2048, fastest=CHUNKED, blocks=(256, 256)),  # 1.03; 256x512 1.13, 512x1024 1.31, 256x2048 1.63
         Measured(BN=8, T=8192, S=8192, fastest=CHUNKED, blocks=(512, 512)),  # 1.00; 256x512 1.19, 512x1024 1.29
     ),
-    # Two runs back to back on an otherwise idle machine (load average 1.3 before, left by earlier
-    # measurements; the runs' own ~1.9 during): batch 1 and 4 in docs/results/kernel-table-xeon-avx512.json,
-    # grouped layers (K=2 of N=8: kernel rows G·T = 4·T against S = T) in kernel-table-xeon-avx512-gqa.json.
-    # "all at once": the best candidate that runs every head block in one step.
+    # Two runs each, combined (--combine), glibc's allocator thresholds pinned (`mha_spec.allocator`), on
+    # an otherwise idle machine (load average 0.7 before the first, the runs' own ~1.9 during): batch 1
+    # and 4 in docs/results/kernel-table-xeon-avx512{,-run2}.json, grouped layers (K=2 of N=8: kernel rows
+    # G·T = 4·T against S = T) in kernel-table-xeon-avx512-gqa{,-run2}.json. "all at once": the best
+    # candidate that runs every head block in one step.
     XEON.key: (
-        Measured(BN=8, T=512, S=512, fastest=CHUNKED, blocks=(256, 512)),  # 1.00; 512x512 1.02, einsum 1.08, dpa-xla 1.10
-        Measured(BN=8, T=1024, S=1024, fastest=CHUNKED, blocks=(1024, 1024), head_chunk=1),  # 1.00; 1024x1024/h2 1.04; all at once 256x512 1.20
-        Measured(BN=8, T=2048, S=2048, fastest=CHUNKED, blocks=(2048, 1024), head_chunk=1),  # 1.00; 2048x512/h1 1.01; all at once 512x512 1.13
-        Measured(BN=8, T=4096, S=4096, fastest=CHUNKED, blocks=(4096, 512), head_chunk=1),  # 1.01; 2048x1024/h1 1.01; all at once 1024x512 1.17
-        Measured(BN=32, T=512, S=512, fastest=CHUNKED, blocks=(512, 512), head_chunk=4),  # 1.00; 512x512/h2 1.10; all at once einsum 1.23
-        Measured(BN=32, T=1024, S=1024, fastest=CHUNKED, blocks=(1024, 1024), head_chunk=1),  # 1.00; 1024x1024/h2 1.04; all at once 256x512 1.30
-        Measured(BN=32, T=2048, S=2048, fastest=CHUNKED, blocks=(2048, 1024), head_chunk=1),  # 1.00; 2048x512/h1 1.02; all at once 256x512 1.27
-        Measured(BN=32, T=4096, S=4096, fastest=CHUNKED, blocks=(4096, 512), head_chunk=1),  # 1.00; 2048x1024/h1 1.01; all at once 256x512 1.34
+        Measured(BN=8, T=512, S=512, fastest=CHUNKED, blocks=(256, 512)),  # 1.00; 512x512 1.03, 512x512/h4 1.09
+        Measured(BN=8, T=1024, S=1024, fastest=CHUNKED, blocks=(1024, 1024), head_chunk=1),  # 1.00; all at once 256x512 1.16
+        Measured(BN=8, T=2048, S=2048, fastest=CHUNKED, blocks=(2048, 1024), head_chunk=1),  # 1.00; all at once 512x512 1.11
+        Measured(BN=8, T=4096, S=4096, fastest=CHUNKED, blocks=(4096, 512), head_chunk=1),  # 1.01; all at once 1024x512 1.13
+        Measured(BN=32, T=512, S=512, fastest=CHUNKED, blocks=(512, 512), head_chunk=4),  # 1.01; all at once 256x512 1.27
+        Measured(BN=32, T=1024, S=1024, fastest=CHUNKED, blocks=(1024, 1024), head_chunk=1),  # 1.00; all at once 256x512 1.27
+        Measured(BN=32, T=2048, S=2048, fastest=CHUNKED, blocks=(2048, 1024), head_chunk=1),  # 1.00; all at once 256x512 1.25
+        Measured(BN=32, T=4096, S=4096, fastest=CHUNKED, blocks=(2048, 1024), head_chunk=1),  # 1.00; all at once 512x512 1.28
         # Grouped: B=1 leaves 2 head blocks of 4·T rows, which gain little from running one at a time.
-        Measured(BN=2, T=2048, S=512, fastest=CHUNKED, blocks=(2048, 512), head_chunk=1),  # 1.05; all at once 1024x512 1.06
-        Measured(BN=2, T=4096, S=1024, fastest=CHUNKED, blocks=(4096, 1024), head_chunk=1),  # 1.02; all at once 1024x1024 1.04
-        Measured(BN=2, T=8192, S=2048, fastest=CHUNKED, blocks=(2048, 512)),  # 1.02; 1024x1024 1.05, 2048x1024/h1 1.05
-        Measured(BN=2, T=16384, S=4096, fastest=CHUNKED, blocks=(2048, 512)),  # 1.02; 4096x512/h1 1.02, 1024x1024 1.03
-        Measured(BN=8, T=2048, S=512, fastest=CHUNKED, blocks=(2048, 512), head_chunk=1),  # 1.02; 2048x512/h2 1.08; all at once 256x512 1.13
-        Measured(BN=8, T=4096, S=1024, fastest=CHUNKED, blocks=(4096, 1024), head_chunk=1),  # 1.02; 4096x512/h1 1.02; all at once 1024x512 1.16
-        Measured(BN=8, T=8192, S=2048, fastest=CHUNKED, blocks=(8192, 512), head_chunk=1),  # 1.01; 4096x512/h1 1.02; all at once 1024x512 1.10
-        Measured(BN=8, T=16384, S=4096, fastest=CHUNKED, blocks=(2048, 1024), head_chunk=1),  # 1.02; 4096x512/h1 1.03; all at once 2048x512 1.15
+        Measured(BN=2, T=2048, S=512, fastest=CHUNKED, blocks=(2048, 512), head_chunk=1),  # 1.04; all at once 1024x512 1.05
+        Measured(BN=2, T=4096, S=1024, fastest=CHUNKED, blocks=(1024, 1024)),  # 1.06; 512x1024 1.09, 1024x1024/h1 1.12
+        Measured(BN=2, T=8192, S=2048, fastest=CHUNKED, blocks=(2048, 512)),  # 1.02; 1024x1024 1.03, 2048x1024/h1 1.04
+        Measured(BN=2, T=16384, S=4096, fastest=CHUNKED, blocks=(2048, 1024), head_chunk=1),  # 1.02; all at once 2048x512 1.03
+        Measured(BN=8, T=2048, S=512, fastest=CHUNKED, blocks=(2048, 512), head_chunk=1),  # 1.00; all at once 256x512 1.11
+        Measured(BN=8, T=4096, S=1024, fastest=CHUNKED, blocks=(4096, 512), head_chunk=1),  # 1.01; all at once 512x512 1.14
+        Measured(BN=8, T=8192, S=2048, fastest=CHUNKED, blocks=(8192, 512), head_chunk=1),  # 1.00; all at once 1024x512 1.10
+        Measured(BN=8, T=16384, S=4096, fastest=CHUNKED, blocks=(8192, 512), head_chunk=1),  # 1.03; all at once 512x1024 1.15
     ),
     # One run (load average below 1.9); times in docs/results/kernel-table-epyc-avx2.json.
     EPYC_AVX2.key: (

@@ -381,6 +381,26 @@ def test_never_builds_the_score_tensor(with_grad):
     assert _largest_intermediate(plain) >= Bq * Nh * L * L
 
 
+@pytest.fixture
+def matmul_counter(monkeypatch):
+    """A list that grows by one each time a block's Q·Kᵀ runs (at run time, through a debug
+    callback in `_block_scores`, which every non-EMPTY branch calls and the EMPTY branch does not).
+    The compiled kernel is cleared before and after, so no program traced without the callback is
+    reused and none with it outlives the test."""
+    calls = []
+    original = chunked._block_scores
+
+    def counted(plan, qi, kj, mask_ij):
+        jax.debug.callback(lambda: calls.append(1))
+        return original(plan, qi, kj, mask_ij)
+
+    chunked._chunked.clear_cache()
+    monkeypatch.setattr(chunked, "_block_scores", counted)
+    yield calls
+    monkeypatch.undo()
+    chunked._chunked.clear_cache()
+
+
 class TestBlockSkipping:
     """The blocks a causal sliding window or packed causal documents rule out are EMPTY, and an EMPTY
     block runs no matmul: `block_census` (the kernel's own summary) against counts derived here by hand
@@ -465,25 +485,6 @@ class TestBlockSkipping:
         with pytest.raises(ValueError, match=r"\(9, 8\)"):  # keep_4d names the shapes
             chunked.block_census(np.ones((9, 8), bool), 1, 4, 8, 8, 4, 4)
         assert chunked.block_census(None, 1, 4, 0, 8, 4, 4) == {"empty": 0, "full": 0, "partial": 0}
-
-    @pytest.fixture
-    def matmul_counter(self, monkeypatch):
-        """A list that grows by one each time a block's Q·Kᵀ runs (at run time, through a debug
-        callback in `_block_scores`, which every non-EMPTY branch calls and the EMPTY branch does not).
-        The compiled kernel is cleared before and after, so no program traced without the callback is
-        reused and none with it outlives the test."""
-        calls = []
-        original = chunked._block_scores
-
-        def counted(plan, qi, kj, mask_ij):
-            jax.debug.callback(lambda: calls.append(1))
-            return original(plan, qi, kj, mask_ij)
-
-        chunked._chunked.clear_cache()
-        monkeypatch.setattr(chunked, "_block_scores", counted)
-        yield calls
-        monkeypatch.undo()
-        chunked._chunked.clear_cache()
 
     @pytest.mark.parametrize("mask", ["window", "packed", "window as structure"])
     def test_only_the_non_empty_blocks_run_their_matmuls(self, mask, matmul_counter, rng):
@@ -617,32 +618,19 @@ class TestHeadSteps:
         assert census(head_chunk=2) == {"empty": 2 * n - full - part, "full": full, "partial": part}
         assert census(head_chunk=1) == {"empty": 4 * n - 2 * (full + part), "full": 2 * full, "partial": 2 * part}
 
-    def test_only_the_blocks_a_step_keeps_run_their_matmuls(self, rng, monkeypatch):
-        calls = []
-        original = chunked._block_scores
-
-        def counted(plan, qi, kj, mask_ij):
-            jax.debug.callback(lambda: calls.append(1))
-            return original(plan, qi, kj, mask_ij)
-
-        chunked._chunked.clear_cache()
-        monkeypatch.setattr(chunked, "_block_scores", counted)
-        try:
-            keep = self.packed_rows()
-            census = chunked.block_census(keep, 2, 2, self.T, self.T, self.C, self.C, head_chunk=2)
-            q, k, v = (jnp.asarray(rng.standard_normal((2, self.T, 2, 8)), jnp.float32) for _ in range(3))
-            run = lambda q: chunked_attention(q, k, v, keep, q_chunk=self.C, k_chunk=self.C, head_chunk=2)  # noqa: E731
-            run(q).block_until_ready()
-            jax.effects_barrier()
-            # 32 blocks of one element each, where all at once 20 blocks of both elements run (40)
-            assert len(calls) == census["full"] + census["partial"] == 32
-            calls.clear()
-            jax.grad(lambda q: run(q).sum())(q).block_until_ready()
-            jax.effects_barrier()
-            assert len(calls) == 2 * 32  # the forward's, and the backward's recomputed P
-        finally:
-            monkeypatch.undo()
-            chunked._chunked.clear_cache()
+    def test_only_the_blocks_a_step_keeps_run_their_matmuls(self, matmul_counter, rng):
+        keep = self.packed_rows()
+        census = chunked.block_census(keep, 2, 2, self.T, self.T, self.C, self.C, head_chunk=2)
+        q, k, v = (jnp.asarray(rng.standard_normal((2, self.T, 2, 8)), jnp.float32) for _ in range(3))
+        run = lambda q: chunked_attention(q, k, v, keep, q_chunk=self.C, k_chunk=self.C, head_chunk=2)  # noqa: E731
+        run(q).block_until_ready()
+        jax.effects_barrier()
+        # 32 blocks of one element each, where all at once 20 blocks of both elements run (40)
+        assert len(matmul_counter) == census["full"] + census["partial"] == 32
+        matmul_counter.clear()
+        jax.grad(lambda q: run(q).sum())(q).block_until_ready()
+        jax.effects_barrier()
+        assert len(matmul_counter) == 2 * 32  # the forward's, and the backward's recomputed P
 
 
 class TestBand:
