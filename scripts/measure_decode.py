@@ -33,6 +33,7 @@ from flax import nnx
 
 import mha_torch
 from mha_jax import kernels
+from mha_spec import allocator
 from parity import convert
 
 E, N, K = 512, 8, 2
@@ -121,7 +122,8 @@ def markdown(report: dict) -> str:
     lines = [f"# One decode step: {report['processor']}, {report['cores']} cores", "",
              f"E={E}, N={N}, K={K}, rope half, no bias, float32; cache of {report['capacity']} slots holding "
              f"{report['prefill']} prefilled tokens; {report['steps']} paired rounds; load average "
-             f"{report['load_average_start'][0]:.2f} -> {report['load_average_end'][0]:.2f}.", "",
+             f"{report['load_average_start'][0]:.2f} -> {report['load_average_end'][0]:.2f}; allocator "
+             f"{report.get('allocator') or 'as the environment gives it'}.", "",
              "| B | implementation | median | IQR / median | min | paired ratio to torch eager | first call |",
              "|---|---|---|---|---|---|---|"]
     for b, rows in report["results"].items():
@@ -142,13 +144,14 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.prefill + args.steps + 10 > args.capacity:
         p.error(f"--capacity {args.capacity} holds fewer than prefill + steps + 10 warm-up steps")
+    alloc = allocator.pin_this_process()  # as mha-bench's workers: the per-call cost without the process's history
     load_start = os.getloadavg()
     with jax.default_matmul_precision("highest"):
         results = {str(b): measure(b, args.prefill, args.capacity, args.steps) for b in args.batch}
     report = dict(processor=kernels.processor().model, cores=os.cpu_count(), torch=torch.__version__, jax=jax.__version__,
                   prefill=args.prefill, capacity=args.capacity, steps=args.steps, load_average_start=list(load_start),
                   load_average_end=list(os.getloadavg()), omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"),
-                  results=results)
+                  allocator=alloc, results=results)
     text = markdown(report)
     print(text)
     if args.json:
