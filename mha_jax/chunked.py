@@ -461,7 +461,9 @@ def chunked_attention(q, k, v, keep=None, *, masked_rows="nan", q_chunk=512, k_c
     iotas, and the block kinds and empty rows from the band while tracing, so a window's cost
     follows the blocks it touches. head_chunk: how many of the kernel's B·K head blocks (batch
     elements x key/value heads) run a step, one step after another (None: all at once;
-    `head_steps` says which piece runs); it changes only the order of the work, not a number.
+    `head_steps` says which piece runs): the same arithmetic per block, in another order, except
+    that a step skips the blocks its own batch elements and heads leave empty (so a NaN in V
+    behind such a block reaches fewer rows, as with block skipping itself).
     Returns the context (B, T, N, H) in q's dtype. Accumulates in float32 for 16-bit inputs,
     float64 for float64. T = 0 or B = 0 gives an empty context; S = 0 is a ValueError (no
     key to attend to).
@@ -475,8 +477,7 @@ def chunked_attention(q, k, v, keep=None, *, masked_rows="nan", q_chunk=512, k_c
                          f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} (B, L, heads, H)")
     if q_chunk < 1 or k_chunk < 1:
         raise ValueError(f"q_chunk and k_chunk must be positive, got {q_chunk} and {k_chunk}")
-    if head_chunk is not None and (type(head_chunk) is not int or head_chunk < 1):
-        raise ValueError(f"head_chunk must be a positive integer or None, got {head_chunk!r}")
+    head_steps(B, K, head_chunk)  # checks head_chunk before anything is traced
     keep = keep_4d(keep, B, N, T, S)  # (B|1, N|1, T|1, S|1)
     band = diagonal_band(T, S, is_causal=is_causal, window=window, alignment=alignment)
     if band is not None and keep is not None:
@@ -569,8 +570,7 @@ def block_census(keep, B: int, N: int, T: int, S: int, q_chunk: int = 512, k_chu
     K = N if kv_heads is None else kv_heads
     if isinstance(K, bool) or not isinstance(K, int) or K < 1 or N % K:
         raise ValueError(f"block_census: kv_heads must divide N={N}, got {kv_heads!r}")
-    if head_chunk is not None and (type(head_chunk) is not int or head_chunk < 1):
-        raise ValueError(f"block_census: head_chunk must be a positive integer or None, got {head_chunk!r}")
+    bc, kc = head_steps(B, K, head_chunk)  # checks head_chunk
     keep = keep_4d(keep, B, N, T, S)  # (B|1, N|1, T|1, S|1)
     band = diagonal_band(T, S, is_causal=is_causal, window=window, alignment=alignment)
     if band is not None and keep is not None:
@@ -583,7 +583,6 @@ def block_census(keep, B: int, N: int, T: int, S: int, q_chunk: int = 512, k_chu
     plan = _Plan(S=S, cq=cq, ck=ck, scale=1.0, precision=None,
                  band=None if band is None else _Band(G * T, T, *band))
     nq, nk = Rp // cq, Sp // ck
-    bc, kc = head_steps(B, K, head_chunk)
     counts = dict.fromkeys(("empty", "full", "partial"), 0)
     for b in range(0, B, bc):
         for h in range(0, K, kc):
@@ -600,7 +599,10 @@ def head_steps(B: int, K: int, head_chunk: int | None) -> tuple[int, int]:
     """(batch elements, key/value heads) of one step when the kernel runs head_chunk of its B·K head
     blocks at a time (None: all): the largest such piece of at most head_chunk head blocks that is
     a whole number of heads of one batch element (a divisor of K) or whole batch elements (K times
-    a divisor of B), so every step is a plain slice and no mask is broadcast."""
+    a divisor of B), so every step is a plain slice and no mask is broadcast. ValueError unless
+    head_chunk is None or a positive integer."""
+    if head_chunk is not None and (type(head_chunk) is not int or head_chunk < 1):
+        raise ValueError(f"head_chunk must be a positive integer or None, got {head_chunk!r}")
     if head_chunk is None or head_chunk >= B * K:
         return B, K
     if head_chunk < K:
