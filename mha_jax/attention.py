@@ -336,7 +336,38 @@ def _check_segment_ids(x, name: str, batch: int | None, length: int | None, axis
     if x.ndim != 2 or any(want is not None and got != want for got, want in zip(x.shape, (batch, length))):
         want = ", ".join(f"{n}={v}" if v is not None else n for n, v in (("B", batch), (axis, length)))
         raise ValueError(f"{name} must have shape (B, {axis}) with {want}, got {tuple(x.shape)}")
-    return jnp.asarray(x)
+    return x
+
+
+def _narrows(x) -> bool:
+    """Whether jnp.asarray would narrow these host ids into other values: 64-bit integers without x64
+    become 32-bit, so ids 7 and 2**32 + 7 would become one document."""
+    if jax.config.jax_enable_x64 or not isinstance(x, np.ndarray) or x.dtype.itemsize <= 4 or x.size == 0:
+        return False
+    info = np.iinfo(np.int32 if x.dtype.kind == "i" else np.uint32)
+    return bool(x.min() < info.min or x.max() > info.max)
+
+
+def _segment_ids_to_device(*ids):
+    """The segment ids as jax arrays with every equality kept: host ids that 32 bits cannot hold (no
+    x64) are renumbered together (only equal ids and runs of them mean anything), never narrowed."""
+    present = [x for x in ids if x is not None]
+    if not any(_narrows(x) for x in present):
+        return tuple(None if x is None else jnp.asarray(x) for x in ids)
+    traced = [x for x in present if not isinstance(x, np.ndarray)]
+    if traced:
+        raise ValueError("segment_ids hold 64-bit ids beyond int32's range and JAX runs without x64: with the other "
+                         "side's ids a jax array they cannot be renumbered together; pass both as numpy arrays, "
+                         "ids that fit in int32, or enable x64")
+    _, inverse = np.unique(np.concatenate([x.ravel() for x in present]), return_inverse=True)
+    out, at = [], 0
+    for x in ids:
+        if x is not None:
+            out.append(jnp.asarray(inverse[at:at + x.size].reshape(x.shape).astype(np.int32)))
+            at += x.size
+        else:
+            out.append(None)
+    return tuple(out)
 
 
 class _Structure(NamedTuple):
@@ -368,6 +399,8 @@ def _check_structure(T: int, S: int, is_causal, window, segment_ids, key_segment
             k_seg = q_seg
         else:
             k_seg = _check_segment_ids(key_segment_ids, "key_segment_ids", q_seg.shape[0], S, "S")
+        q_seg, k_seg = _segment_ids_to_device(q_seg, None if k_seg is q_seg else k_seg)
+        k_seg = q_seg if key_segment_ids is None else k_seg
     return _Structure(bool(is_causal), left, right, S - T if alignment == "bottom-right" else 0, q_seg, k_seg)
 
 
@@ -406,7 +439,7 @@ def segment_positions(segment_ids):
     `parity.reference.segment_positions`: a token's index minus where its run began (the
     cumulative max of the run starts' indices); jit-safe. Integers of jnp's default int dtype
     (int64 with x64, else int32). For RoPE's positions= on packed rows."""
-    seg = _check_segment_ids(segment_ids, "segment_ids", None, None, "L")
+    (seg,) = _segment_ids_to_device(_check_segment_ids(segment_ids, "segment_ids", None, None, "L"))
     B, L = seg.shape
     idx = jnp.broadcast_to(jnp.arange(L), (B, L))  # (B, L)
     prev = jnp.concatenate([seg[:, :1], seg[:, :-1]], axis=1)  # (B, L): the previous token's id (itself at 0)

@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="your own implementation (a parity.impls.Implementation), e.g. parity.examples.jax_port:port; repeatable")
     p.add_argument("--layer", type=parse_layer, default=None, metavar="E=64,N=4,K=2,rope=half,bias=none",
                    help="check on this layer at --shape B,T,S (default 2,5,5) instead of the matrix: causal, padding and "
-                   "random masks (--quick: causal); keys E, N, K, rope (none|half|interleaved), theta, "
+                   "random masks (--quick: causal); keys E, N, K, rope (none|half|interleaved), theta (with rope only), "
                    "bias (all|none|qkv|out)")
     p.add_argument("--compile", action="store_true", help="also run torch.compile of the selected torch implementations (slow on CPU)")
     p.add_argument("--framework-defaults", action="store_true",

@@ -68,7 +68,8 @@ _LAYER_BIASES = {"all": (True, True), "none": (False, False), "qkv": (True, Fals
 def parse_layer(text: str):
     """An argparse `type`: 'E=64,N=4,K=2,rope=half,theta=500,bias=none' -> mha_spec.AttentionConfig.
 
-    E and N are required; K defaults to N, rope to none, theta to 10000, bias to all."""
+    E and N are required; K defaults to N, rope to none, theta to 10000 (only with rope=), bias to all.
+    A key the layer would ignore (theta= without rope=) is an error, not dropped."""
     from mha_spec import ROPE_CONVENTIONS, AttentionConfig
 
     fields = {}
@@ -90,6 +91,10 @@ def parse_layer(text: str):
     rope = fields.get("rope", "none")
     if rope != "none" and rope not in ROPE_CONVENTIONS:
         raise argparse.ArgumentTypeError(f"{text!r}: rope={rope!r} is not none or one of {', '.join(ROPE_CONVENTIONS)}")
+    if rope == "none" and "theta" in fields:
+        # A layer without RoPE has no theta: running it would drop the key the user wrote without a word.
+        raise argparse.ArgumentTypeError(f"{text!r}: theta= is RoPE's base, but the layer has no RoPE "
+                                         f"(rope={rope}); add rope=half or rope=interleaved, or drop theta=")
     bias = fields.get("bias", "all")
     if bias not in _LAYER_BIASES:
         raise argparse.ArgumentTypeError(f"{text!r}: bias={bias!r} is not one of {', '.join(_LAYER_BIASES)}")

@@ -125,10 +125,22 @@ class TestAdapter:
     ("E=64,N=4,bias=q", "bias='q' is not one of all, none, qkv, out"),
     ("E=64,N=4,E=32", "each once"),
     ("E=64,N=0", "expected a positive integer"),
+    ("E=64,N=4,theta=500000", "theta= is RoPE's base, but the layer has no RoPE"),
+    ("E=64,N=4,rope=none,theta=500", "theta= is RoPE's base, but the layer has no RoPE"),
 ])
 def test_the_layer_flag_names_what_is_wrong(text, message):
     with pytest.raises(argparse.ArgumentTypeError, match=message):
         parse_layer(text)
+
+
+def test_a_forgotten_rope_is_a_usage_error_on_the_command_line(capsys):
+    from parity.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--no-progress", "--layer", "E=64,N=4,theta=500000"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "theta=" in err and "no RoPE" in err
 
 
 def test_the_layer_flag_reads_a_llama_layer():
