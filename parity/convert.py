@@ -13,7 +13,9 @@ file format; the peers' pairs live with their libraries in parity/peers/
 (torch.nn.MultiheadAttention, flax linen and nnx, Keras 3 MultiHeadAttention and
 GroupQueryAttention, Equinox) and are re-exported here, as are the checkpoint layouts
 of real models (Hugging Face BERT, ViT, GPT-2, Llama/Mistral/Qwen2) and the
-transformers checkpoint-directory readers of parity/layouts.py.
+transformers checkpoint-directory readers of parity/layouts.py, which account for every
+tensor under a block's prefix (`account`) and refuse what they would leave unread, and a
+config.json describing attention the tool does not model (`unmodelled_features`).
 Grouped key/value heads (k/v weights (K*H, E)) and absent biases (the keys say which)
 convert wherever the target has them: our modules, Keras's GroupQueryAttention, the
 "hf-llama" layout; flax's and torch's MultiheadAttention refuse them by name. Dtypes
@@ -46,7 +48,8 @@ from parity.canonical import (
     tensor_to_numpy,
     torch_dtype_of,
 )
-from parity.layouts import LAYOUTS, from_layout, read_checkpoint, read_hf_config, read_layout, to_layout
+from parity.layouts import (LAYOUTS, account, from_layout, read_checkpoint, read_hf_config, read_layout, to_layout,
+                             unmodelled_features)
 from parity.peers.common import FLAX_NAMES
 from parity.peers.equinox import EQX_NAMES, from_equinox, to_equinox
 from parity.peers.flax import from_flax_linen, from_flax_nnx, is_nnx_mha, to_flax_linen, to_flax_nnx
@@ -62,7 +65,8 @@ __all__ = [
     "from_torch_mha", "to_torch_mha", "from_flax_linen", "to_flax_linen", "from_flax_nnx", "to_flax_nnx",
     "from_keras", "to_keras", "from_equinox", "to_equinox", "FLAX_NAMES", "EQX_NAMES",
     # Hugging Face checkpoint layouts and directories (parity.layouts)
-    "LAYOUTS", "from_layout", "to_layout", "read_layout", "read_checkpoint", "read_hf_config",
+    "LAYOUTS", "from_layout", "to_layout", "read_layout", "read_checkpoint", "read_hf_config", "account",
+    "unmodelled_features",
     # weight files
     "Checkpoint", "save", "load", "FILE_FORMAT", "FILE_FORMAT_VERSION",
 ]

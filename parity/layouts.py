@@ -3,8 +3,14 @@
 Each layout is a total, explicit table (penzai style): every tensor the block owns,
 its name relative to a prefix, its shape in units of E, which canonical tensors it
 holds and how it is stored. Nothing is guessed from a suffix or an ndim; every shape
-is asserted; keys under the prefix that the table does not name (LayerNorm, MLP, the
-rest of the model) are ignored. Dtypes pass through unchanged (bfloat16 included).
+is asserted. Every key under the prefix is accounted for (`account`): the table's weights
+are read; a buffer it names (Llama's rotary_emb.inv_freq, GPT-2's causal mask) is read and
+checked against the layer; a tensor of the block that takes no part in attention (BERT's
+output.LayerNorm) is named as such; anything else is an error naming the tensor and the
+feature it implies (q_norm/k_norm QK-norm, sinks attention sinks, qkv_proj fused
+projections, ...), since checking the rest would judge another attention than the
+checkpoint's. Keys outside the prefix (the MLP, the rest of the model) are not looked at.
+Dtypes pass through unchanged (bfloat16 included).
 
     layout    prefix (one block)            tensors (relative to the prefix)
     hf-bert   encoder.layer.{i}.attention.   self.{query,key,value}.{weight,bias}, output.dense.{weight,bias}
@@ -34,6 +40,7 @@ from collections.abc import Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
 
+import ml_dtypes
 import numpy as np
 
 from mha_spec.files import read_json
@@ -68,6 +75,12 @@ class Layout:
     spellings: tuple[tuple[Stored, ...], ...]  # the first is the one written
     e_key: tuple[str, ...]  # per spelling: the tensor whose last axis is E
     bias_sets: tuple[tuple[bool, bool], ...] = _ALL_BIASES  # the (qkv_bias, out_bias) a block may have
+    # Buffers a checkpoint may hold beside the weights: read and checked against the layer (`_check_buffer`),
+    # never taken as weights.
+    buffers: tuple[str, ...] = ()
+    # (key, why): tensors the block's module holds that take no part in attention (BERT's residual LayerNorm);
+    # named, never read.
+    not_attention: tuple[tuple[str, str], ...] = ()
 
     def keys(self, spelling: int = 0) -> tuple[str, ...]:
         return tuple(s.key for s in self.spellings[spelling])
@@ -91,11 +104,15 @@ def _unfused(q: str, k: str, v: str, o: str) -> tuple[Stored, ...]:
 _QKV_W = ("q_proj.weight", "k_proj.weight", "v_proj.weight")
 _QKV_B = ("q_proj.bias", "k_proj.bias", "v_proj.bias")
 
+_BERT_NORM = ("BertSelfOutput's LayerNorm of output.dense's result plus the block's input: the residual's norm, "
+              "applied after attention")
+
 LAYOUT_TABLES: dict[str, Layout] = {
     "hf-bert": Layout(
         "hf-bert",
         (_unfused("self.query", "self.key", "self.value", "output.dense"),),
         ("output.dense.bias",),
+        not_attention=tuple((f"output.LayerNorm.{p}", _BERT_NORM) for p in ("weight", "bias")),
     ),
     "hf-vit": Layout(
         "hf-vit",
@@ -116,6 +133,7 @@ LAYOUT_TABLES: dict[str, Layout] = {
             ),
         ),
         ("c_proj.bias",),
+        buffers=("bias", "masked_bias"),  # GPT2Attention's causal mask and its fill, persistent before transformers 4.2x
     ),
     "hf-llama": Layout(
         "hf-llama",
@@ -130,6 +148,7 @@ LAYOUT_TABLES: dict[str, Layout] = {
         ("q_proj.weight",),
         # Llama/Mistral: none; Qwen2: q/k/v; Llama with attention_bias=True: all four.
         bias_sets=((False, False), (True, False), (True, True)),
+        buffers=("rotary_emb.inv_freq",),  # persistent in Llama checkpoints written before transformers 4.31
     ),
 }
 LAYOUTS = tuple(LAYOUT_TABLES)
@@ -283,6 +302,132 @@ def _check_canonical(sd, layout: Layout, what: str) -> tuple[int, np.dtype]:
     return E, q.dtype
 
 
+# ---------------------------------------------------------------- every tensor under the prefix
+
+
+# What a tensor the layout does not name implies, by its module's name (any dotted component of its key but
+# the last; a one-component key by itself). "{layout}" is the layout's name. The first match wins.
+_IMPLIED_FEATURES = (
+    (("q_norm", "k_norm", "q_layernorm", "k_layernorm", "query_layernorm", "key_layernorm", "q_ln", "k_ln"),
+     "QK-norm: q and k normalised before their dot product, which the tool does not model"),
+    (("sinks",), "attention sinks: a learned logit per head in the softmax's denominator, which the tool does not model"),
+    (("qkv_proj", "query_key_value", "c_attn", "Wqkv", "wqkv", "qkv", "W_pack", "in_proj_weight", "in_proj_bias"),
+     "fused projections: q, k and v in one tensor, which layout {layout!r} does not read"),
+    (("dense", "c_proj", "o_proj", "out_proj", "wo", "output"),
+     "an output projection under a name layout {layout!r} does not read"),
+    (("q_proj", "k_proj", "v_proj", "query", "key", "value", "wq", "wk", "wv"),
+     "a q/k/v projection under a name layout {layout!r} does not read"),
+    (("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "q_a_layernorm", "kv_a_layernorm"),
+     "low-rank (MLA) projections, which the tool does not model"),
+    (("distance_embedding",), "relative position embeddings, which the tool does not model"),
+    (("rotary_emb",), "RoPE buffers, which layout {layout!r} does not check"),
+    (("bias", "masked_bias"), "a mask buffer, which layout {layout!r} does not check"),
+    (("LayerNorm", "layernorm", "layer_norm", "norm", "ln"), "a norm inside the block, which the tool does not model"),
+)
+_UNKNOWN_TENSOR = "unknown: the tool does not know what it computes"
+_SHOWN = 8  # unread tensors named in a message; the rest are counted
+
+
+def implied_feature(key: str, layout: str = "hf-llama") -> str:
+    """What a tensor a layout does not read implies, in words, from its module's name (`key` relative to the
+    prefix): `q_norm`/`k_norm` QK-norm, `sinks` attention sinks, `qkv_proj`/`query_key_value`/`c_attn` fused
+    projections, ...; anything else is unknown."""
+    parts = key.split(".")
+    names = parts[:-1] if len(parts) > 1 else parts
+    for modules, feature in _IMPLIED_FEATURES:
+        if any(n in modules for n in names):
+            return feature.format(layout=layout)
+    return _UNKNOWN_TENSOR
+
+
+@dataclass(frozen=True)
+class TensorAccount:
+    """Every tensor under a prefix, by what a layout does with it."""
+
+    read: tuple[str, ...]  # the layout's weights, read into the canonical dict
+    buffers: tuple[str, ...]  # buffers read and checked against the layer (RoPE's inv_freq, GPT-2's causal mask)
+    not_attention: dict  # key -> why it takes no part in attention (named, not read)
+    unread: dict  # key -> the feature it implies (`implied_feature`): the reason to refuse
+
+    def describe_unread(self) -> str:
+        """The unread tensors grouped by the feature each implies (the first few named, the rest counted)."""
+        by_feature: dict[str, list[str]] = {}
+        for key, feature in self.unread.items():
+            by_feature.setdefault(feature, []).append(key)
+        shown, parts = 0, []
+        for feature, keys in by_feature.items():
+            names = keys[:max(_SHOWN - shown, 1)]
+            shown += len(names)
+            more = f" and {len(keys) - len(names)} more" if len(keys) > len(names) else ""
+            parts.append(f"{', '.join(repr(k) for k in names)}{more} ({feature})")
+        return "; ".join(parts)
+
+
+def account(keys, layout: str, prefix: str = "") -> TensorAccount:
+    """Sort every key under `prefix` (every key, for prefix "") by what `layout` does with it: read (any of its
+    spellings), a buffer it checks, a tensor of the block that is not attention, or unread."""
+    lay = _layout(layout)
+    own = {s.key for sp in lay.spellings for s in sp}
+    outside = dict(lay.not_attention)
+    read, buffers, not_attention, unread = [], [], {}, {}
+    for key in sorted(k for k in keys if isinstance(k, str) and k.startswith(prefix)):
+        rel = key[len(prefix):]
+        if rel in own:
+            read.append(key)
+        elif rel in lay.buffers:
+            buffers.append(key)
+        elif rel in outside:
+            not_attention[key] = outside[rel]
+        else:
+            unread[key] = implied_feature(rel, lay.name)
+    return TensorAccount(tuple(read), tuple(buffers), not_attention, unread)
+
+
+def unread_error(account_: TensorAccount, layout: str, prefix: str, source: str = "") -> ValueError:
+    """The refusal of a block with tensors its layout does not read: judging the tensors it does read would
+    judge another attention than the checkpoint's."""
+    n = len(account_.unread)
+    return ValueError(f"{source}layout {layout!r} does not read {n} tensor{'s' if n != 1 else ''} under prefix "
+                      f"{prefix!r}: {account_.describe_unread()}. A check of the tensors it reads would judge another "
+                      f"attention than the checkpoint's, so none is read")
+
+
+def _close(stored: np.ndarray, expected: np.ndarray) -> bool:
+    """`stored` is `expected` (float64) rounded once to the stored dtype, give or take a few of its ulps."""
+    info = ml_dtypes.finfo(stored.dtype)
+    gap = np.abs(stored.astype(np.float64) - expected)
+    return bool(np.all(gap <= 16 * float(info.eps) * np.abs(expected) + 2 * float(info.smallest_normal) * float(info.eps)))
+
+
+def _check_buffer(rel: str, arr: np.ndarray, key: str, source: str, E: int, num_heads: int | None,
+                  rope_theta: float | None) -> None:
+    """A layout's buffer (`Layout.buffers`) must say what the layer computes, else a ValueError naming it."""
+    arr = np.asarray(arr)
+    if rel == "rotary_emb.inv_freq":  # RoPE's inverse frequencies: scaled RoPE would show here
+        if num_heads is None or rope_theta is None:
+            raise ValueError(f"{source}{key} holds RoPE's inverse frequencies: give num_heads= and rope_theta= "
+                             f"(config.json's) so they are checked against the layer")
+        H = E // num_heads
+        expected = 1.0 / float(rope_theta) ** (np.arange(0, H, 2, dtype=np.float64) / H)
+        if arr.dtype.kind != "f" or arr.shape != expected.shape or not _close(arr, expected):
+            raise ValueError(f"{source}{key} ({arr.dtype}{list(arr.shape)}) is not the default RoPE's "
+                             f"1 / rope_theta^(2i/H) for rope_theta={rope_theta:g} and H={H} (expected "
+                             f"{expected[:3].tolist()}..., stored {arr.ravel()[:3].tolist()}...): a scaled RoPE or "
+                             f"another base, which the layer would not compute")
+    elif rel == "bias":  # GPT-2's causal mask, (1, 1, P, P) lower-triangular ones
+        P = arr.shape[-1] if arr.ndim == 4 else -1
+        if arr.shape != (1, 1, P, P) or not np.array_equal(arr.astype(bool), np.tril(np.ones((P, P), bool))[None, None]) \
+                or not np.all((arr == 0) | (arr == 1)):
+            raise ValueError(f"{source}{key} {arr.dtype}{list(arr.shape)} is not GPT-2's causal mask (1, 1, P, P) "
+                             f"of lower-triangular ones")
+    elif rel == "masked_bias":  # the fill of masked scores in GPT-2 before transformers 4.2x: it must zero them
+        if arr.size != 1 or arr.dtype.kind != "f" or not float(arr.ravel()[0]) <= -1e4:
+            raise ValueError(f"{source}{key} = {arr.ravel()[:3].tolist()} is not a masked-score fill of -1e4 or "
+                             f"below (GPT-2's, whose weights it zeroes)")
+    else:  # pragma: no cover - a layout naming a buffer this function does not know is a bug in the tables
+        raise ValueError(f"no check for buffer {rel!r}")
+
+
 # ---------------------------------------------------------------- API
 
 
@@ -296,14 +441,26 @@ def _check_finite(arr: np.ndarray, key: str, prefix: str, source: str) -> None:
 
 
 def _from_getter(get, keys, layout: str, prefix: str, source: str = "", num_heads: int | None = None,
-                 finite: bool = False) -> dict[str, np.ndarray]:
+                 finite: bool = False, rope_theta: float | None = None, get_buffer=None) -> dict[str, np.ndarray]:
     """Shared by from_layout and read_layout: `get(key)` returns one tensor, `keys` are all keys.
 
     `source` ("model.safetensors: ") starts every error message about the tensors; `finite`: a
-    tensor holding NaN/inf is a ValueError naming it (the file readers ask for it).
+    tensor holding NaN/inf is a ValueError naming it (the file readers ask for it). Every key under
+    the prefix is accounted for (`account`): one the layout does not read is an error naming it and
+    the feature it implies; a buffer is read with `get_buffer` (default `get`) and checked against
+    the layer (num_heads and rope_theta for RoPE's inv_freq).
     """
     lay = _layout(layout)
-    spelling = _choose_spelling(lay, keys, prefix, source)
+    keys = tuple(keys)
+    tensors = account(keys, layout, prefix)
+    try:
+        spelling = _choose_spelling(lay, keys, prefix, source)
+    except KeyError as e:  # the missing key first; what stands in its place, when anything does
+        if tensors.unread:
+            raise KeyError(f"{e.args[0]}; what is there, unread: {tensors.describe_unread()}") from None
+        raise
+    if tensors.unread:
+        raise unread_error(tensors, layout, prefix, source)
     cache: dict[str, np.ndarray] = {}
 
     def fetch(key):  # each tensor is read once (read_layout reads from disk)
@@ -331,18 +488,25 @@ def _from_getter(get, keys, layout: str, prefix: str, source: str = "", num_head
     # which biases; the dtypes: one of the four, the same for every tensor
     _check_canonical(sd, lay, f"{source}layout {layout!r} under prefix {prefix!r}: ")
     _check_heads(sd, lay, num_heads, prefix, source)
+    for key in tensors.buffers:
+        _check_buffer(key[len(prefix):], _as_numpy((get_buffer or get)(key), key), key, source, E, num_heads, rope_theta)
     return sd
 
 
-def from_layout(tensors: Mapping, layout: str, *, prefix: str = "", num_heads: int | None = None) -> dict[str, np.ndarray]:
+def from_layout(tensors: Mapping, layout: str, *, prefix: str = "", num_heads: int | None = None,
+                rope_theta: float | None = None) -> dict[str, np.ndarray]:
     """One attention block of a checkpoint (a mapping of names to numpy/torch/jax arrays) -> canonical.
 
     num_heads=N, when given, is checked against the shapes (in units of heads for
-    "hf-llama"'s key/value rows); the canonical dict itself carries no N.
+    "hf-llama"'s key/value rows); the canonical dict itself carries no N. Every key under
+    the prefix is accounted for (`account`): a tensor the layout does not read is a
+    ValueError naming it and the feature it implies (`q_norm` QK-norm, `sinks` attention
+    sinks, `qkv_proj` fused projections, ...), and a buffer the layout knows is checked
+    (RoPE's `rotary_emb.inv_freq` against num_heads and rope_theta, which it then needs).
     """
     if not isinstance(tensors, Mapping):
         raise TypeError(f"tensors must be a mapping of name -> array, got {type(tensors).__name__}")
-    return _from_getter(tensors.__getitem__, tensors.keys(), layout, prefix, num_heads=num_heads)
+    return _from_getter(tensors.__getitem__, tensors.keys(), layout, prefix, num_heads=num_heads, rope_theta=rope_theta)
 
 
 def to_layout(sd, layout: str, *, prefix: str = "", spelling: int = 0, num_heads: int | None = None) -> dict[str, np.ndarray]:
@@ -367,16 +531,20 @@ def to_layout(sd, layout: str, *, prefix: str = "", spelling: int = 0, num_heads
     return out
 
 
-def read_layout(path, layout: str, *, prefix: str = "", num_heads: int | None = None) -> dict[str, np.ndarray]:
+def read_layout(path, layout: str, *, prefix: str = "", num_heads: int | None = None,
+                rope_theta: float | None = None) -> dict[str, np.ndarray]:
     """Read one attention block from a .safetensors checkpoint: only its tensors are read (lazily).
 
     Every error names the file: a directory, a missing, truncated or pickle file, a tensor
     in a dtype other than float16/bfloat16/float32/float64 (float8 included), a tensor holding
-    NaN or inf (named with the prefix), a missing key or a wrong shape. For a transformers checkpoint directory (config.json, sharded
-    weights) use `read_checkpoint`.
+    NaN or inf (named with the prefix), a missing key or a wrong shape, a tensor under the
+    prefix the layout does not read (named with the feature it implies, as `from_layout`
+    does), a buffer that does not fit the layer. For a transformers checkpoint directory
+    (config.json, sharded weights) use `read_checkpoint`.
     """
     with open_weight_file(path) as f:
-        return _from_getter(f.get, f.keys, layout, prefix, source=f"{f.path}: ", num_heads=num_heads, finite=True)
+        return _from_getter(f.get, f.keys, layout, prefix, source=f"{f.path}: ", num_heads=num_heads, finite=True,
+                            rope_theta=rope_theta, get_buffer=f.get_buffer)
 
 
 # ---------------------------------------------------------------- transformers checkpoint directories
@@ -490,11 +658,155 @@ def _config_json(source) -> tuple[Mapping, str]:
     return cfg, path
 
 
-def _hf_model(cfg: Mapping, where: str) -> HFModel:
+# ---------------------------------------------------------------- what a config.json sets that the tool does not model
+
+
+# What the attention code of a model_type the tool does not read always does, whatever config.json says
+# (read off transformers' modeling files); what config.json can switch is found by `unmodelled_features`.
+FAMILY_FEATURES: dict[str, tuple[str, ...]] = {
+    "qwen3": ("QK-norm: an RMSNorm over each head of q and k before RoPE (q_norm, k_norm)",),
+    "qwen3_moe": ("QK-norm: an RMSNorm over each head of q and k before RoPE (q_norm, k_norm)",),
+    "gemma3": ("QK-norm: Gemma's RMSNorm (scale 1 + w) over each head of q and k before RoPE (q_norm, k_norm)",),
+    "gemma3_text": ("QK-norm: Gemma's RMSNorm (scale 1 + w) over each head of q and k before RoPE (q_norm, k_norm)",),
+    "olmo2": ("QK-norm: an RMSNorm over the whole q and k projections, all heads at once, before RoPE (q_norm, k_norm)",),
+    "gpt_oss": ("attention sinks: a learned logit per head in the softmax's denominator (sinks)",),
+    "phi3": ("fused projections: q, k and v in one tensor (qkv_proj)",),
+    "gpt_neox": ("fused projections: q, k and v in one tensor, interleaved per head (query_key_value)",),
+}
+
+_QK_NORM_FLAGS = ("use_qk_norm", "qk_layernorm", "qk_norm", "use_qk_layernorm")
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _rope_features(cfg: Mapping, H) -> list[str]:
+    """Scaled, partial or per-layer-type RoPE in config.json's RoPE fields (either spelling, nested or flat)."""
+    out = []
+    for field in _ROPE_FIELDS:
+        params = cfg.get(field)
+        if not isinstance(params, Mapping) or not params:
+            continue
+        nested = {k: v for k, v in params.items() if isinstance(v, Mapping)}
+        if nested:
+            each = ", ".join(f"{k}: {v.get('rope_type', v.get('type', 'default'))} rope_theta="
+                             f"{v.get('rope_theta', '?')}" for k, v in nested.items())
+            out.append(f"{field} per layer type ({each}): a RoPE of its own on each kind of layer")
+        for where, p in ((field, params), *((f"{field}.{k}", v) for k, v in nested.items())):
+            for key in _ROPE_TYPE_KEYS:
+                if p.get(key, "default") != "default":
+                    out.append(f"{where}.{key}={p[key]!r}: scaled RoPE")
+                    break
+            factor = p.get("partial_rotary_factor")
+            if factor is not None and factor != 1:
+                out.append(f"{where}.partial_rotary_factor={factor!r}: RoPE on part of each head only")
+    for field in ("partial_rotary_factor", "rotary_pct"):
+        value = cfg.get(field)
+        if value is not None and value != 1:
+            out.append(f"{field}={value!r}: RoPE on part of each head only")
+    if cfg.get("rotary_dim") is not None and cfg.get("rotary_dim") != H:
+        out.append(f"rotary_dim={cfg['rotary_dim']!r} (head_dim {H}): RoPE on part of each head only")
+    return out
+
+
+def _window_features(cfg: Mapping) -> list[str]:
+    out = []
+    types = cfg.get("layer_types")
+    if isinstance(types, (list, tuple)) and any(t != "full_attention" for t in types):
+        counts = {t: list(types).count(t) for t in dict.fromkeys(types)}
+        out.append(f"layer_types ({', '.join(f'{n} {t}' for t, n in counts.items())}): layers that attend "
+                   f"otherwise than every causal key")
+    if cfg.get("use_sliding_window") is True:
+        out.append(f"use_sliding_window=True (sliding_window={cfg.get('sliding_window')!r}): a sliding window")
+    elif cfg.get("sliding_window") is not None and cfg.get("use_sliding_window") is not False:
+        out.append(f"sliding_window={cfg['sliding_window']!r}: a sliding window")
+    if cfg.get("attention_chunk_size") is not None:
+        out.append(f"attention_chunk_size={cfg['attention_chunk_size']!r}: attention within chunks")
+    if cfg.get("use_bidirectional_attention"):
+        out.append("use_bidirectional_attention: attention to later tokens too")
+    return out
+
+
+def _scale_features(cfg: Mapping, E, N, H) -> list[str]:
+    out = []
+    head_dim = cfg.get("head_dim")
+    if head_dim is not None and (not _number(E) or not _number(N) or not N or E % N or head_dim != E // N):
+        wide = f" = {N * head_dim}" if _number(N) and _number(head_dim) else ""
+        out.append(f"head_dim={head_dim!r}, not hidden_size / num_attention_heads = {E} / {N}: q, k and v are "
+                   f"num_attention_heads·head_dim{wide} wide, not hidden_size")
+    if cfg.get("attn_logit_softcapping") is not None:
+        c = cfg["attn_logit_softcapping"]
+        out.append(f"attn_logit_softcapping={c!r}: the scores soft-capped to {c}·tanh(s / {c}) before the softmax")
+    q = cfg.get("query_pre_attn_scalar")
+    if q is not None and q != H:
+        out.append(f"query_pre_attn_scalar={q!r}: the scores scaled by 1/sqrt({q}), not 1/sqrt(head_dim={H})")
+    m = cfg.get("attention_multiplier")
+    if m is not None and not (_number(m) and _number(H) and H and abs(m - H ** -0.5) <= 1e-12 * H ** -0.5):
+        out.append(f"attention_multiplier={m!r}: the scores scaled by it, not by 1/sqrt(head_dim={H})")
+    if cfg.get("scale_attn_weights") is False:
+        out.append("scale_attn_weights=False: the scores not scaled by 1/sqrt(head_dim)")
+    if cfg.get("scale_attn_by_inverse_layer_idx"):
+        out.append("scale_attn_by_inverse_layer_idx=True: the scores divided by the layer's index + 1 too")
+    if cfg.get("clip_qkv") is not None:
+        out.append(f"clip_qkv={cfg['clip_qkv']!r}: q, k and v clipped")
+    return out
+
+
+def unmodelled_features(cfg: Mapping) -> list[str]:
+    """What a config.json sets that makes attention compute otherwise than the tool's modules, one phrase
+    each naming the field: a head_dim other than E/N, attn_logit_softcapping, query_pre_attn_scalar,
+    attention_multiplier, GPT-2's scale_attn_* flags, clip_qkv, scaled RoPE (rope_scaling / rope_parameters
+    with a rope_type other than default, nested per layer type or not), partial RoPE (partial_rotary_factor,
+    rotary_pct, rotary_dim), layer_types other than full_attention, sliding_window (unless use_sliding_window
+    is False), attention_chunk_size, bidirectional attention, QK-norm flags, ALiBi, relative position
+    embeddings, custom modeling code (auto_map). A multimodal config's text_config is read as well."""
+    out = []
+    for where, holder in (("", cfg), ("text_config.", cfg.get("text_config"))):
+        if not isinstance(holder, Mapping):
+            continue
+        E = holder.get("hidden_size", holder.get("n_embd"))
+        N = holder.get("num_attention_heads", holder.get("n_head"))
+        H = holder.get("head_dim")
+        if H is None and _number(E) and _number(N) and N and not E % N:
+            H = E // N
+        found = [*_scale_features(holder, E, N, H), *_rope_features(holder, H), *_window_features(holder)]
+        found += [f"{f}={holder[f]!r}: QK-norm" for f in _QK_NORM_FLAGS if holder.get(f)]
+        if holder.get("alibi"):
+            found.append("alibi=True: ALiBi position biases on the scores")
+        kind = holder.get("position_embedding_type")
+        if kind not in (None, "absolute", "rope", "rotary"):
+            found.append(f"position_embedding_type={kind!r}: position terms inside the scores")
+        out += [where + f for f in found]
+    if cfg.get("auto_map"):
+        out.append(f"auto_map={dict(cfg['auto_map']) if isinstance(cfg['auto_map'], Mapping) else cfg['auto_map']!r}: "
+                   f"modeling code of its own, whose attention the tool does not read")
+    return out
+
+
+def _unmodelled_message(cfg: Mapping, where: str, unread: TensorAccount | None) -> str:
+    """Why a config.json's model is refused: everything found that the tool does not model, never the
+    model_type alone (`unmodelled_features`, `FAMILY_FEATURES`, the tensors under the prefix it does not read)."""
     model_type = cfg.get("model_type")
-    if model_type not in HF_MODELS:
-        raise _config_error(where, f"model_type {model_type!r} is not one of {sorted(HF_MODELS)}; for another model "
-                                   f"build the mha_spec.AttentionConfig yourself")
+    features = [*FAMILY_FEATURES.get(model_type, ()), *unmodelled_features(cfg)]
+    if unread is not None and unread.unread:
+        features.append(f"under the prefix, tensors the layout does not read: {unread.describe_unread()}")
+    head = (f"{where}: model_type {model_type!r} is not one of {sorted(HF_MODELS)}, the models whose attention this "
+            f"tool reads from config.json" if model_type not in HF_MODELS else f"{where}: model_type {model_type!r}")
+    if features:
+        said = "; ".join(f"({i}) {f}" for i, f in enumerate(features, 1))
+        return (f"{head}; its attention does what the tool does not model: {said}. Its q/k/v/o tensors checked as "
+                f"a Llama layer would judge another attention than this model's, so it is refused")
+    return (f"{head}; config.json sets no field the tool knows to change attention, but this model's attention is "
+            f"its modeling code's, which the tool does not read, so it is refused")
+
+
+def hf_model(cfg: Mapping, where: str, tensors: TensorAccount | None = None) -> HFModel:
+    """The model_type's entry of HF_MODELS; a ValueError naming what the tool does not model otherwise
+    (another model_type, or modeling code of its own: auto_map), with `tensors`' unread ones."""
+    model_type = cfg.get("model_type")
+    if model_type not in HF_MODELS or cfg.get("auto_map"):
+        raise ValueError(_unmodelled_message(cfg, where, tensors))
     return HF_MODELS[model_type]
 
 
@@ -512,7 +824,10 @@ def read_hf_config(source, *, masked_rows: str = "nan", ignore_sliding_window: b
     type, and sliding-window attention (Mistral's sliding_window, Qwen2's
     use_sliding_window) unless ignore_sliding_window=True -- our modules attend to every
     key, which equals a sliding window only while no query sees more keys than the window.
-    masked_rows is not in config.json: it is the caller's choice, passed through.
+    Another model_type, or modeling code of its own (auto_map), is a ValueError naming what
+    its attention does that the tool does not model (`unmodelled_features`, `FAMILY_FEATURES`),
+    never the model_type alone. masked_rows is not in config.json: it is the caller's choice,
+    passed through.
     """
     cfg, where = _config_json(source)
     return _attention_config(cfg, where, masked_rows, ignore_sliding_window)
@@ -521,7 +836,7 @@ def read_hf_config(source, *, masked_rows: str = "nan", ignore_sliding_window: b
 def _attention_config(cfg: Mapping, where: str, masked_rows: str, ignore_sliding_window: bool):
     from mha_spec import AttentionConfig
 
-    model = _hf_model(cfg, where)
+    model = hf_model(cfg, where)
     E = _int_field(cfg, "hidden_size", where)
     N = _int_field(cfg, "num_attention_heads", where)
     K = cfg.get("num_key_value_heads")
@@ -560,7 +875,13 @@ def read_checkpoint(path, layout: str = "hf-llama", *, prefix: str = "", config=
     (`read_hf_config`; its layout must be `layout`); a single file carries none, so it
     then needs config=. A given config is used as it is (config.json is not read) and
     checked against the weights; masked_rows and ignore_sliding_window go to
-    `read_hf_config` when config.json is read. Only the block's tensors are read.
+    `read_hf_config` when config.json is read. Only the block's tensors are read, and every
+    tensor under the prefix is accounted for (`account`): one the layout does not read is a
+    ValueError naming it and the feature it implies. A model_type outside HF_MODELS (or a
+    config.json naming modeling code of its own, auto_map) is a ValueError naming what its
+    attention does that the tool does not model: the fields of config.json that say so
+    (`unmodelled_features`), what its attention code always does (`FAMILY_FEATURES`), and the
+    tensors under the prefix the layout would leave unread.
     """
     from mha_spec import AttentionConfig
 
@@ -572,26 +893,19 @@ def read_checkpoint(path, layout: str = "hf-llama", *, prefix: str = "", config=
         raise path_error(path, problem, "no such checkpoint directory or weight file")
     if os.path.isdir(path):
         if config is None:
-            cfg, where = _config_json(path)
-            if _hf_model(cfg, where).layout != layout:
-                raise ValueError(f"{where}: model_type {cfg['model_type']!r} uses layout "
-                                 f"{_hf_model(cfg, where).layout!r}, not {layout!r}")
-            config = _attention_config(cfg, where, masked_rows, ignore_sliding_window)
-        index = os.path.join(path, "model.safetensors.index.json")
-        single = os.path.join(path, "model.safetensors")
-        if os.path.lexists(single):  # lexists: a link that leads nowhere is named by the reader, not skipped
-            sd = read_layout(single, layout, prefix=prefix, num_heads=config.num_heads)
-        elif os.path.lexists(index):
-            sd = _read_sharded(path, index, layout, prefix, config.num_heads)
+            config = _directory_config(path, layout, prefix, masked_rows, ignore_sliding_window)
+        theta = config.rope_theta if config.rope is not None else None
+        single, index = _weight_files(path)
+        if single is not None:
+            sd = read_layout(single, layout, prefix=prefix, num_heads=config.num_heads, rope_theta=theta)
         else:
-            found = sorted(os.listdir(path))
-            raise FileNotFoundError(f"{path}: no model.safetensors nor model.safetensors.index.json (found {found}); "
-                                    f"weight files are read as safetensors only")
+            sd = _read_sharded(path, index, layout, prefix, config.num_heads, theta)
     else:
         if config is None:
             raise TypeError(f"{path} is a single weight file, which does not say the layer's heads or RoPE: pass "
                             f"config=mha_spec.AttentionConfig(...), or the checkpoint directory holding config.json")
-        sd = read_layout(path, layout, prefix=prefix, num_heads=config.num_heads)
+        sd = read_layout(path, layout, prefix=prefix, num_heads=config.num_heads,
+                         rope_theta=config.rope_theta if config.rope is not None else None)
     from parity.canonical import check_variant_state_dict
 
     try:
@@ -605,24 +919,74 @@ def read_checkpoint(path, layout: str = "hf-llama", *, prefix: str = "", config=
     return sd, config
 
 
-def _read_sharded(directory, index_path, layout, prefix, num_heads):
-    """The block's tensors from the shards model.safetensors.index.json names (each shard opened once)."""
+def _directory_config(path: str, layout: str, prefix: str, masked_rows: str, ignore_sliding_window: bool):
+    """The AttentionConfig a checkpoint directory's config.json describes for `layout`; a model the tool does
+    not model is refused naming what it does, and (given a prefix) the block's tensors the layout would leave
+    unread."""
+    cfg, where = _config_json(path)
+    tensors = None
+    if (cfg.get("model_type") not in HF_MODELS or cfg.get("auto_map")) and prefix:
+        try:  # the tensors are named when they can be listed; the refusal stands either way
+            tensors = account(checkpoint_tensor_names(path), layout, prefix)
+        except (OSError, ValueError):
+            tensors = None
+    model = hf_model(cfg, where, tensors)
+    if model.layout != layout:
+        raise ValueError(f"{where}: model_type {cfg['model_type']!r} uses layout {model.layout!r}, not {layout!r}")
+    return _attention_config(cfg, where, masked_rows, ignore_sliding_window)
+
+
+def _weight_files(directory) -> tuple[str | None, str | None]:
+    """(model.safetensors, None) or (None, model.safetensors.index.json) of a checkpoint directory; a
+    FileNotFoundError naming what is there when it holds neither."""
+    single = os.path.join(directory, "model.safetensors")
+    index = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.lexists(single):  # lexists: a link that leads nowhere is named by the reader, not skipped
+        return single, None
+    if os.path.lexists(index):
+        return None, index
+    found = sorted(os.listdir(directory))
+    raise FileNotFoundError(f"{directory}: no model.safetensors nor model.safetensors.index.json (found {found}); "
+                            f"weight files are read as safetensors only")
+
+
+def _weight_map(index_path) -> Mapping:
     index = read_json(index_path)
     weight_map = index.get("weight_map") if isinstance(index, Mapping) else None
     if weight_map is None:
         raise ValueError(f"{index_path} is not a safetensors index (a JSON object with a 'weight_map')")
     if not isinstance(weight_map, Mapping):
         raise ValueError(f"{index_path}: 'weight_map' is not a mapping")
+    return weight_map
+
+
+def checkpoint_tensor_names(path) -> frozenset:
+    """The names of every tensor of a checkpoint -- a directory (model.safetensors, or the index's weight_map)
+    or one .safetensors file -- read from the headers only."""
+    path = file_path(path)
+    if os.path.isdir(path):
+        single, index = _weight_files(path)
+        if single is None:
+            return frozenset(_weight_map(index))
+        path = single
+    with open_weight_file(path) as f:
+        return f.keys
+
+
+def _read_sharded(directory, index_path, layout, prefix, num_heads, rope_theta=None):
+    """The block's tensors from the shards model.safetensors.index.json names (each shard opened once)."""
+    weight_map = _weight_map(index_path)
     with ExitStack() as stack:
         opened = {}
 
-        def get(key):
+        def shard_of(key):
             shard = weight_map[key]
             if os.path.basename(shard) != shard:
                 raise ValueError(f"{index_path}: shard {shard!r} for {key!r} is not a file name in {directory}")
             if shard not in opened:
                 opened[shard] = stack.enter_context(open_weight_file(os.path.join(directory, shard)))
-            return opened[shard].get(key)
+            return opened[shard]
 
-        return _from_getter(get, weight_map.keys(), layout, prefix, source=f"{index_path}: ", num_heads=num_heads,
-                            finite=True)
+        return _from_getter(lambda key: shard_of(key).get(key), weight_map.keys(), layout, prefix,
+                            source=f"{index_path}: ", num_heads=num_heads, finite=True, rope_theta=rope_theta,
+                            get_buffer=lambda key: shard_of(key).get_buffer(key))

@@ -30,6 +30,7 @@ FILE_DTYPES = {
     "F64": np.dtype(np.float64),
 }
 _SUPPORTED = "float16, bfloat16, float32 and float64"
+BUFFER_DTYPES = ("BOOL", "U8")  # read by WeightFile.get_buffer besides FILE_DTYPES
 
 
 def file_path(path) -> str:
@@ -87,6 +88,13 @@ class WeightFile:
         if arr.dtype != FILE_DTYPES[dtype]:  # the stored dtype, never a reader's cast
             raise TypeError(f"{self.path}: tensor {key!r} is stored as {dtype} but was read as {arr.dtype}")
         return arr
+
+    def get_buffer(self, key: str) -> np.ndarray:
+        """A buffer (a mask, RoPE's frequencies) in its stored dtype: a weight's dtypes, or a bool or uint8 mask
+        (GPT-2's causal mask was stored as either); anything else is a ValueError naming it."""
+        if key in self.keys and self._handle.get_slice(key).get_dtype() in BUFFER_DTYPES:
+            return self._handle.get_tensor(key)
+        return self.get(key)
 
 
 @contextmanager

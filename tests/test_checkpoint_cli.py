@@ -79,14 +79,14 @@ def test_checkpoint_layer_with_a_buggy_port_fails_naming_the_stage(llama_dir, tm
 def test_single_file_needs_heads_and_rope_base(llama_dir, capsys):
     weights = str(llama_dir / "model.safetensors")
     assert main(["--checkpoint", weights, "--prefix", PREFIX, "--no-progress"]) == 2
-    err = capsys.readouterr().out
+    err = capsys.readouterr().err
     assert "--heads" in err and "--rope-theta" in err and weights in err
     assert main(["--checkpoint", weights, "--prefix", PREFIX, "--heads", "6", "--rope-theta", "500", *FAST,
                  "--cases", "checkpoint/causal", "--checks", "forward"]) == 0
     assert "K=2" in capsys.readouterr().out  # read off k_proj's 8 rows: 2 heads of H = 24 / 6
     assert main(["--checkpoint", weights, "--prefix", PREFIX, "--heads", "6", "--kv-heads", "3",
                  "--rope-theta", "500", "--no-progress"]) == 2
-    assert "k_proj" in capsys.readouterr().out
+    assert "k_proj" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("args, named", [
@@ -98,15 +98,15 @@ def test_single_file_needs_heads_and_rope_base(llama_dir, capsys):
 ])
 def test_bad_checkpoint_arguments_are_usage_errors_naming_them(llama_dir, capsys, args, named):
     assert main(["--checkpoint", str(llama_dir), "--prefix", PREFIX, "--no-progress", *args]) == 2
-    assert named in capsys.readouterr().out
+    assert named in capsys.readouterr().err
 
 
 def test_checkpoint_flags_need_checkpoint_and_paths_must_exist(tmp_path, capsys):
     assert main(["--prefix", PREFIX, "--no-progress"]) == 2
-    assert "--checkpoint" in capsys.readouterr().out
+    assert "--checkpoint" in capsys.readouterr().err
     missing = str(tmp_path / "nowhere")
     assert main(["--checkpoint", missing, "--no-progress"]) == 2
-    assert missing in capsys.readouterr().out
+    assert missing in capsys.readouterr().err
 
 
 def test_weights_config_json_does_not_describe_are_named(llama_dir, tmp_path, capsys):
@@ -122,7 +122,7 @@ def test_weights_config_json_does_not_describe_are_named(llama_dir, tmp_path, ca
     tensors[f"{PREFIX}k_proj.weight"] = np.concatenate([k, k[:4]])  # 12 rows: 3 heads of 4
     save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
     assert main(["--checkpoint", str(bad), "--prefix", PREFIX, "--no-progress"]) == 2
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err
     assert "k_proj" in out and str(bad) in out
 
 
@@ -150,7 +150,7 @@ def test_a_non_finite_weight_is_a_usage_error_naming_file_prefix_and_tensor(llam
     single = ["--heads", "6", "--rope-theta", "500"]
     for path, flags in ((bad, []), (bad / "model.safetensors", single)):
         assert main(["--checkpoint", str(path), "--prefix", PREFIX, *FAST, "--checks", "forward", *flags]) == 2
-        out = " ".join(capsys.readouterr().out.split())
+        out = " ".join(capsys.readouterr().err.split())
         assert f"{bad / 'model.safetensors'}: tensor '{PREFIX}q_proj.weight' (prefix '{PREFIX}') {said}" in out, out
 
 
@@ -197,5 +197,5 @@ def test_a_loop_of_symbolic_links_is_named_as_one(llama_dir, tmp_path, capsys):
     looped = tmp_path / "a" / "model.safetensors"
     for path, named in ((tmp_path / "a", tmp_path / "a"), (looped, looped), (inner, inner / "model.safetensors")):
         assert main(["--checkpoint", str(path), "--prefix", PREFIX, "--no-progress"]) == 2
-        out = " ".join(capsys.readouterr().out.split())
+        out = " ".join(capsys.readouterr().err.split())
         assert f"{named}: a loop of symbolic links" in out, out

@@ -93,7 +93,8 @@ def test_the_public_api_is_one_definition_each():
 
     assert all(hasattr(convert, name) for name in convert.__all__)
     for module, names in ((canonical, ("CANONICAL_KEYS", "check_state_dict", "tensor_to_numpy", "numpy_to_tensor")),
-                          (layouts, ("LAYOUTS", "from_layout", "to_layout", "read_layout", "read_checkpoint", "read_hf_config"))):
+                          (layouts, ("LAYOUTS", "from_layout", "to_layout", "read_layout", "read_checkpoint", "read_hf_config",
+                                    "account", "unmodelled_features"))):
         for name in names:
             assert name in convert.__all__ and getattr(convert, name) is getattr(module, name), name
 

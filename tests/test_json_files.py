@@ -64,7 +64,7 @@ def test_the_checkpoint_cli_names_an_undecodable_config_with_exit_2(tmp_path, ca
     (tmp_path / "config.json").write_bytes(data)
     assert main(["--no-progress", "--checkpoint", str(tmp_path), "--impls", "torch", "--checks", "forward",
                  "--dtypes", "float32"]) == 2
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err  # a checkpoint refusal goes to stderr
     assert "config.json" in out and "Traceback" not in out
 
 

@@ -265,16 +265,81 @@ def test_from_layout_takes_torch_and_jax_arrays(kind, sd64):
     assert_bit_identical(convert.from_layout({k: wrap(v) for k, v in tensors.items()}, "hf-gpt2"), sd)
 
 
-def test_unused_keys_under_the_prefix_are_ignored_and_missing_ones_named(sd64):
-    tensors = convert.to_layout(sd64, "hf-bert", prefix="bert.encoder.layer.3.attention.")
-    tensors["bert.encoder.layer.3.attention.output.LayerNorm.weight"] = np.ones(12)
+def test_every_key_under_the_prefix_is_accounted_for_and_missing_ones_named(sd64):
+    """BERT's residual LayerNorm sits under the attention prefix: named as no part of attention, not read.
+    A key the layout does not know under the prefix is refused, named; keys outside the prefix are not looked at."""
+    prefix = "bert.encoder.layer.3.attention."
+    tensors = convert.to_layout(sd64, "hf-bert", prefix=prefix)
+    tensors[f"{prefix}output.LayerNorm.weight"] = np.ones(12)
     tensors["bert.encoder.layer.2.attention.self.query.weight"] = np.ones((5, 5))
-    assert_bit_identical(convert.from_layout(tensors, "hf-bert", prefix="bert.encoder.layer.3.attention."), sd64)
-    del tensors["bert.encoder.layer.3.attention.self.value.bias"]
+    assert_bit_identical(convert.from_layout(tensors, "hf-bert", prefix=prefix), sd64)
+    account = convert.account(tensors, "hf-bert", prefix)
+    assert account.unread == {} and account.buffers == () and len(account.read) == 8
+    assert list(account.not_attention) == [f"{prefix}output.LayerNorm.weight"]
+    assert "LayerNorm" in account.not_attention[f"{prefix}output.LayerNorm.weight"]
+    unknown = dict(tensors, **{f"{prefix}self.distance_embedding.weight": np.ones((9, 4))})
+    with pytest.raises(ValueError, match=re.escape(f"layout 'hf-bert' does not read 1 tensor under prefix {prefix!r}: "
+                                                   f"'{prefix}self.distance_embedding.weight' (relative position embeddings")):
+        convert.from_layout(unknown, "hf-bert", prefix=prefix)
+    del tensors[f"{prefix}self.value.bias"]
     with pytest.raises(KeyError, match=r"layout 'hf-bert': missing 'bert.encoder.layer.3.attention.self.value.bias', expected shape \(E,\)"):
-        convert.from_layout(tensors, "hf-bert", prefix="bert.encoder.layer.3.attention.")
+        convert.from_layout(tensors, "hf-bert", prefix=prefix)
     with pytest.raises(KeyError, match=r"missing 'x.attention.query.weight'.* alternative spelling"):
         convert.from_layout(tensors, "hf-vit", prefix="x.")
+
+
+@pytest.mark.parametrize("key, feature", [
+    ("q_norm.weight", "QK-norm"), ("k_layernorm.weight", "QK-norm"), ("sinks", "attention sinks"),
+    ("qkv_proj.weight", "fused projections"), ("query_key_value.bias", "fused projections"),
+    ("c_attn.weight", "fused projections"), ("dense.weight", "an output projection"),
+    ("kv_a_proj_with_mqa.weight", "low-rank (MLA)"), ("lambda_q1", "unknown"),
+])
+def test_a_tensor_left_over_is_named_with_the_feature_it_implies(key, feature, sd64):
+    tensors = dict(convert.to_layout(sd64, "hf-llama", prefix="blk."), **{f"blk.{key}": np.ones(4)})
+    with pytest.raises(ValueError, match=re.escape(f"'blk.{key}' ({feature}")) as info:
+        convert.from_layout(tensors, "hf-llama", prefix="blk.")
+    assert "would judge another attention than the checkpoint's" in str(info.value)
+
+
+def test_a_fused_block_names_its_fused_tensor_beside_the_missing_key(sd64):
+    """Phi-3's block: qkv_proj in place of q/k/v_proj. The missing key, then what stands in its place."""
+    tensors = convert.to_layout(sd64, "hf-llama", prefix="blk.")
+    fused = {"blk.qkv_proj.weight": np.concatenate([tensors.pop(f"blk.{p}_proj.weight") for p in "qkv"]),
+             "blk.o_proj.weight": tensors["blk.o_proj.weight"]}
+    with pytest.raises(KeyError, match=r"missing 'blk.q_proj.weight'.*what is there, unread: 'blk.qkv_proj.weight' "
+                                       r"\(fused projections"):
+        convert.from_layout(fused, "hf-llama", prefix="blk.")
+
+
+def test_gpt2_s_causal_mask_buffer_is_read_and_checked(sd64, tmp_path):
+    """Old GPT-2 checkpoints hold attn.bias (the causal mask, bool or uint8) and attn.masked_bias (its fill):
+    read and checked; a mask that is not lower-triangular is refused, naming it."""
+    from safetensors.numpy import save_file
+
+    tensors = convert.to_layout(sd64, "hf-gpt2", prefix="h.0.attn.")
+    causal = np.tril(np.ones((6, 6), bool))[None, None]
+    path = tmp_path / "gpt2.safetensors"
+    for mask in (causal, causal.astype(np.uint8)):
+        save_file(dict(tensors, **{"h.0.attn.bias": mask, "h.0.attn.masked_bias": np.array(-1e4, np.float32)}), str(path))
+        assert_bit_identical(convert.read_layout(path, "hf-gpt2", prefix="h.0.attn."), sd64)
+    save_file(dict(tensors, **{"h.0.attn.bias": np.ones((1, 1, 6, 6), bool)}), str(path))
+    with pytest.raises(ValueError, match=r"h.0.attn.bias bool\[1, 1, 6, 6\] is not GPT-2's causal mask"):
+        convert.read_layout(path, "hf-gpt2", prefix="h.0.attn.")
+    with pytest.raises(ValueError, match=r"masked_bias = \[0.0\] is not a masked-score fill"):
+        convert.from_layout(dict(tensors, **{"h.0.attn.masked_bias": np.array(0.0)}), "hf-gpt2", prefix="h.0.attn.")
+
+
+def test_a_rope_buffer_needs_the_layer_to_be_checked_against(sd64):
+    """rotary_emb.inv_freq says the RoPE: read only with num_heads and rope_theta, and checked."""
+    tensors = convert.to_layout(sd64, "hf-llama", prefix="blk.")
+    H = 12 // 3
+    inv_freq = 1.0 / 500.0 ** (np.arange(0, H, 2) / H)
+    tensors["blk.rotary_emb.inv_freq"] = inv_freq.astype(np.float16)
+    with pytest.raises(ValueError, match="holds RoPE's inverse frequencies: give num_heads= and rope_theta="):
+        convert.from_layout(tensors, "hf-llama", prefix="blk.")
+    assert_bit_identical(convert.from_layout(tensors, "hf-llama", prefix="blk.", num_heads=3, rope_theta=500.0), sd64)
+    with pytest.raises(ValueError, match=r"is not the default RoPE's 1 / rope_theta\^\(2i/H\) for rope_theta=10000 and H=4"):
+        convert.from_layout(tensors, "hf-llama", prefix="blk.", num_heads=3, rope_theta=10000.0)
 
 
 def test_two_vit_spellings_under_one_prefix_are_an_error(sd64):

@@ -235,6 +235,25 @@ def test_a_tensor_of_another_dtype_is_named_by_key(reader, dtype, stored, messag
         READERS[reader](path)
 
 
+def test_a_buffer_may_be_a_mask_a_weight_may_not(tmp_path):
+    """get_buffer reads a bool or uint8 mask (GPT-2's causal mask was stored as either) in its dtype; get, the
+    weights' reader, refuses it by key; get_buffer refuses what no buffer is stored as (int64)."""
+    from safetensors.numpy import save_file
+
+    from parity.weight_file import open_weight_file
+
+    mask = np.tril(np.ones((3, 3), bool))
+    path = tmp_path / "buffers.safetensors"
+    save_file({"mask": mask, "mask8": mask.astype(np.uint8), "count": np.arange(3)}, str(path))
+    with open_weight_file(path) as f:
+        assert f.get_buffer("mask").dtype == np.bool_ and np.array_equal(f.get_buffer("mask"), mask)
+        assert f.get_buffer("mask8").dtype == np.uint8 and np.array_equal(f.get_buffer("mask8"), mask)
+        with pytest.raises(ValueError, match=re.escape(f"{path}: tensor 'mask' has dtype BOOL")):
+            f.get("mask")
+        with pytest.raises(ValueError, match=re.escape(f"{path}: tensor 'count' has dtype I64")):
+            f.get_buffer("count")
+
+
 def test_a_reader_that_casts_is_caught(sd64, tmp_path, monkeypatch):
     """The stored dtype is the dtype returned: a reader that hands back another one is an error, not a cast."""
     from parity import weight_file

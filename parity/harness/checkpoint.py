@@ -7,7 +7,19 @@ A transformers checkpoint directory gives the weights and, from its config.json,
 .safetensors file says none of that: it needs --heads and --rope-theta (a hf-llama
 layer always rotates, rotate-half as Hugging Face does); --kv-heads is read off the
 k_proj rows when not given, and checked when it is; the biases are the keys present.
+A config.json beside the file (a save_pretrained directory) is read as well: the layer
+the flags give must be the one it describes.
 (--num-heads and --num-kv-heads are deprecated spellings of --heads and --kv-heads: they warn.)
+
+Only a layer the tool models is checked, so that a green row is about the checkpoint's own
+attention: every tensor under the prefix is read (or is a buffer checked against the layer,
+or a tensor the layout names as no part of attention); one left over is refused, named with
+the feature it implies (q_norm/k_norm QK-norm, sinks attention sinks, qkv_proj fused
+projections, ...); so is a config.json (the directory's, or the one beside a file) of a
+model whose attention the tool does not model, naming what it does (soft-capping, a query
+scale, a head_dim other than E/N, partial or scaled RoPE, per-layer windows, ...:
+`parity.layouts.unmodelled_features`). Refusals are usage errors (exit 2, on stderr), raised
+before anything runs.
 
 The layer runs as a decoder's self-attention at B, T, S (default 2, 5, 5): query, key and
 value are one sequence when T == S; with T < S the T queries are the newest of S tokens
@@ -69,6 +81,10 @@ class CheckpointLayer:
     state_dict: dict
     config: AttentionConfig
     sliding_window: int | None = None  # config.json's sliding_window (Mistral, Mixtral): the last W keys
+    # The other tensors under the prefix, each with what it is: a buffer checked against the layer, or a tensor
+    # of the block that takes no part in attention (`parity.layouts.account`); none of them is judged.
+    other_tensors: tuple[str, ...] = ()
+    config_json: str | None = None  # the config.json read (the directory's, or the one beside a single file)
 
     @property
     def environment(self) -> dict:
@@ -81,6 +97,9 @@ class CheckpointLayer:
                "checkpoint_dtype": str(next(iter(self.state_dict.values())).dtype)}
         if self.sliding_window is not None:
             env["checkpoint_sliding_window"] = self.sliding_window
+        if self.other_tensors:
+            env["checkpoint_other_tensors"] = "; ".join(self.other_tensors)
+        env["checkpoint_config"] = self.config_json or "none: the layer is what the flags and the layout say"
         return env
 
 
@@ -92,7 +111,11 @@ def _fail(path, layout, prefix, e: BaseException) -> LoadError:
 
 def load_layer(path, layout: str = "hf-llama", prefix: str = "", *, num_heads: int | None = None,
                num_kv_heads: int | None = None, rope_theta: float | None = None) -> CheckpointLayer:
-    """Read one attention block; any failure is a `LoadError` naming the path, layout and prefix."""
+    """Read one attention block; any failure is a `LoadError` naming the path, layout and prefix.
+
+    Every tensor under the prefix is accounted for, or the block is refused: one the layout does not read
+    (`parity.layouts.account`), a model config.json describes with attention the tool does not model -- the
+    directory's, or the one beside a single file, which the flags must then agree with."""
     from parity import layouts
     from parity.weight_file import path_problem
 
@@ -109,14 +132,17 @@ def load_layer(path, layout: str = "hf-llama", prefix: str = "", *, num_heads: i
                                 f"{', '.join(extra)} {'is' if len(extra) == 1 else 'are'} not taken (a single .safetensors file needs them)")
             window = read_sliding_window(path)
             sd, config = layouts.read_checkpoint(path, layout, prefix=prefix, ignore_sliding_window=window is not None)
+            config_json = os.path.join(os.fsdecode(path), "config.json")
         else:
-            window = None
-            sd, config = _read_file(path, layout, prefix, num_heads, num_kv_heads, rope_theta)
+            sd, config, window, config_json = _read_file(path, layout, prefix, num_heads, num_kv_heads, rope_theta)
+        tensors = layouts.account(layouts.checkpoint_tensor_names(path), layout, prefix)
     except LoadError:
         raise
     except (OSError, ValueError, TypeError, KeyError, NotImplementedError) as e:
         raise _fail(path, layout, prefix, e) from e
-    return CheckpointLayer(str(path), layout, prefix, sd, config, window)
+    others = (*(f"{k} (a buffer, checked against the layer)" for k in tensors.buffers),
+              *(f"{k} (not attention: {why})" for k, why in tensors.not_attention.items()))
+    return CheckpointLayer(str(path), layout, prefix, sd, config, window, others, config_json)
 
 
 def read_sliding_window(directory) -> int | None:
@@ -141,6 +167,8 @@ def read_sliding_window(directory) -> int | None:
 
 
 def _read_file(path, layout, prefix, num_heads, num_kv_heads, rope_theta):
+    """(state dict, AttentionConfig, sliding window, the config.json read or None) of a single weight file, from
+    the flags; a config.json beside the file is read too (`_beside`), and the flags must agree with it."""
     from parity import layouts
     from parity.canonical import check_variant_state_dict
 
@@ -153,14 +181,58 @@ def _read_file(path, layout, prefix, num_heads, num_kv_heads, rope_theta):
                         f"give {' and '.join(missing)} (or the checkpoint directory holding config.json)")
     if rope is None and rope_theta is not None:
         raise LoadError(f"--rope-theta: layout {layout!r} has no rotary embedding")
-    sd = layouts.read_layout(path, layout, prefix=prefix, num_heads=num_heads)
+    described, window, where = _beside(path, layout, prefix)
+    sd = layouts.read_layout(path, layout, prefix=prefix, num_heads=num_heads, rope_theta=rope_theta)
     E, kv_rows = sd["q_proj.weight"].shape[1], sd["k_proj.weight"].shape[0]
     if num_kv_heads is None:
         num_kv_heads = kv_rows // (E // num_heads)  # read_layout checked: a whole number of heads dividing N
     read, _ = check_variant_state_dict(sd, num_heads, num_kv_heads)
     config = AttentionConfig(E, num_heads, num_kv_heads=num_kv_heads, qkv_bias=read.qkv_bias, out_bias=read.out_bias,
                              rope=rope, rope_theta=10000.0 if rope_theta is None else float(rope_theta))
-    return sd, config
+    if described is not None:
+        _agree(path, config, described)
+    return sd, config, window, where
+
+
+def _beside(path, layout: str, prefix: str):
+    """(AttentionConfig, sliding window, its path) of the config.json in a single weight file's directory (a
+    save_pretrained directory); (None, None, None) when there is none. For hf-llama its model must be one
+    `parity.layouts.read_hf_config` reads; for every layout, what it sets that the tool does not model
+    (`parity.layouts.unmodelled_features`) is refused by name: a file alone cannot say it."""
+    from mha_spec.files import read_json
+    from parity import layouts
+
+    directory = os.path.dirname(os.path.abspath(os.fsdecode(path)))
+    where = os.path.join(directory, "config.json")
+    if not os.path.isfile(where):
+        return None, None, None
+    cfg = read_json(where)
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{where} (beside the weight file) holds a JSON {type(cfg).__name__}, not an object")
+    if layout != "hf-llama":
+        features = layouts.unmodelled_features(cfg)
+        if features:
+            raise ValueError(f"{where} (beside the weight file) describes attention the tool does not model: "
+                             f"{'; '.join(features)}")
+        return None, None, where
+    layouts.hf_model(cfg, where, layouts.account(layouts.checkpoint_tensor_names(path), layout, prefix))
+    window = read_sliding_window(directory)
+    return layouts.read_hf_config(where, ignore_sliding_window=window is not None), window, where
+
+
+def _agree(path, config: AttentionConfig, described: AttentionConfig) -> None:
+    """The layer the flags and the file's tensors give must be the one config.json beside the file describes."""
+    fields = (("--heads", "num_attention_heads", "num_heads"),
+              ("--kv-heads (or k_proj's rows)", "num_key_value_heads", "kv_heads"),
+              ("--rope-theta", "rope_theta", "rope_theta"),
+              ("the file's q/k/v biases", "the model's q/k/v biases", "qkv_bias"),
+              ("the file's out_proj bias", "the model's out_proj bias", "out_bias"),
+              ("E", "hidden_size", "embed_dim"))
+    differ = [f"{flag} {getattr(config, attr)!r} but {field} {getattr(described, attr)!r}"
+              for flag, field, attr in fields if getattr(config, attr) != getattr(described, attr)]
+    if differ:
+        where = os.path.join(os.path.dirname(os.path.abspath(os.fsdecode(path))), "config.json")
+        raise ValueError(f"the layer does not agree with {where}, beside the weight file: {'; '.join(differ)}")
 
 
 def constant_tensors(state_dict: dict) -> tuple[str, ...]:
@@ -246,7 +318,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="check one attention block of a checkpoint: a transformers directory (config.json + "
                    "model.safetensors or its sharded index) or one .safetensors file; runs forward, gradient and peers "
                    "on a causal and a padded case, and decode (a prompt, then single-token steps with a KV cache) "
-                   "(default dtypes float64,float32)")
+                   "(default dtypes float64,float32); a tensor under --prefix the layout does not read, or a model "
+                   "whose attention the tool does not model, is refused by name (exit 2)")
     g.add_argument("--layout", default="hf-llama", metavar="NAME",
                    help=f"how the checkpoint names the block's tensors ({', '.join(LAYOUTS)}; default %(default)s)")
     g.add_argument("--prefix", default="", metavar="PREFIX", help="the block's key prefix, e.g. model.layers.3.self_attn.")
@@ -291,6 +364,11 @@ def describe(environment: dict) -> str:
                                                 if window_binds(W, S) else
                                                 f"at least the S={S} tokens, so the window keeps every causal key: the "
                                                 f"causal cases are the model's (--shape with S > {W} checks the window)"))
+    if e.get("checkpoint_config", "").startswith("none"):
+        text += ("\nno config.json beside the file: the layer is what the flags and the layout say; what a config.json "
+                 "would add (soft-capping, a query scale, sliding windows, scaled RoPE) cannot be seen in a weight file")
+    if e.get("checkpoint_other_tensors"):
+        text += f"\nalso under the prefix, not judged: {e['checkpoint_other_tensors']}"
     if e.get("checkpoint_constant_tensors"):
         text += (f"\nwarning: {e['checkpoint_constant_tensors'].replace(',', ', ')} hold one value throughout (all zero, "
                  "as freshly initialised): a port that ignores them computes the same, so the case "
