@@ -18,7 +18,7 @@ from flax import nnx
 
 from mha_jax.chunked import accumulation_dtype, chunked_attention, fill_masked_rows, fold_scale, keep_4d, mean_over_keys
 from mha_jax import kernels, pallas
-from mha_jax.kv_cache import KVCache
+from mha_jax.kv_cache import KVCache, refuse_no_new_tokens
 from mha_spec import (ALIGNMENTS, MASKED_ROWS_POLICIES, AttentionConfig, check_cache_shapes,
                       check_mask_values, check_positions, check_qkv_shapes, mask_shape_4d, Stages,
                       window_sides)
@@ -232,8 +232,9 @@ def cached_attention(q, k_new, v_new, cache: KVCache, *, masked_rows: str = "nan
     Returns (context (B, T, N, H), weights (B, N, T, C) or None, new_cache); with return_scores
     also the scaled scores (B, N, T, C), -inf where masked (None on the fused path).
     need_weights=True runs `attention_core`, False `fused_attention_core` (whichever kernel it
-    picks). A row without room is a ValueError where the lengths are known; under jit its
-    context, weights and scores are NaN and the new cache leaves it as it was.
+    picks). T = 0 and T > C are ValueErrors (under jit too). A row without room is a ValueError
+    where the lengths are known; under jit its context, weights and scores are NaN and the new
+    cache leaves it as it was.
     """
     if not isinstance(cache, KVCache):
         raise TypeError(f"cache must be a mha_jax.kv_cache.KVCache, got {type(cache).__name__}")
@@ -247,6 +248,7 @@ def cached_attention(q, k_new, v_new, cache: KVCache, *, masked_rows: str = "nan
     for name, x in (("q", q), ("new keys", k_new), ("new values", v_new)):
         if x.dtype != cache.k.dtype:
             raise TypeError(f"{name} have dtype {x.dtype}, the cache holds {cache.k.dtype}")
+    refuse_no_new_tokens(q=qs, k=ks, v=vs)
     T = qs[1]
     fits = cache.fits(T)  # (B,); a ValueError here where the lengths are known
     keep = cache.keep_mask(T)  # (B, 1, T, C): the old lengths say where the new tokens go
@@ -255,8 +257,6 @@ def cached_attention(q, k_new, v_new, cache: KVCache, *, masked_rows: str = "nan
     weights = scores = None
     if need_weights:
         context, weights, scores = attention_core(q, new_cache.k, new_cache.v, keep, return_scores=True, **kw)
-    elif T == 0:  # no queries: nothing for any fused kernel to do
-        context = jnp.zeros(qs, q.dtype)
     else:
         context = fused_attention_core(q, new_cache.k, new_cache.v, keep, **kw)
 
@@ -497,6 +497,8 @@ class MultiHeadAttention(nnx.Module):
     [B, K, T, H]). RoPE positions default to `cache.positions(T)`, the slot minus the row's
     left padding; under jit those are traced, so without jax_enable_x64 their angles are
     float32 (an angle error up to |angle|·2⁻²⁴, see `rope_cos_sin`); with x64 they are float64.
+    T = 0 new tokens, or more than the cache's C slots, is a ValueError (under jit too); a row
+    without room for T tokens is a ValueError where the lengths are known, NaN under jit.
     """
 
     def __init__(
@@ -637,6 +639,8 @@ class MultiHeadAttention(nnx.Module):
             raise ValueError("key_positions= with a cache: the cached keys are stored rotated at their positions")
         if not isinstance(cache, KVCache):
             raise TypeError(f"cache must be a mha_jax.kv_cache.KVCache (see init_cache), got {type(cache).__name__}")
+        # Before the S = 0 check, whose words are about keys.
+        refuse_no_new_tokens(**{n: getattr(x, "shape", ()) for n, x in (("query", query), ("key", key), ("value", value))})
         B, T, S, dtype = self._check_inputs(query, key, value)
         if T != S:
             raise ValueError(f"with a cache, query, key and value are the same new tokens: got query "

@@ -7,10 +7,18 @@ new token i attends the slots starts[b] <= s <= lengths[b] + i; the token in slo
 position s - starts[b]. Keys are stored after RoPE, with the layer's K key/value heads.
 
 A pytree of fixed shapes: the lengths are data, so one jitted step serves every position
-without recompiling. Writes are `jax.lax.dynamic_update_slice` per row. A row without room
-for the new tokens is an error where the lengths are known (outside jit); under jit it is
-left unwritten and `fits` says so (the module returns NaN on that row: never a silent
-overwrite, which dynamic_update_slice's clamped index would be).
+without recompiling. Writes are `jax.lax.dynamic_update_slice` per row. More new tokens than
+the cache has slots (T > C) is a ValueError everywhere, under jit too (both are shapes). A
+row without room for the new tokens is an error where the lengths are known (outside jit);
+under jit it is left unwritten and `fits` says so (the module returns NaN on that row: never
+a silent overwrite, which dynamic_update_slice's clamped index would be).
+
+The constructor checks the types, the shapes and, where they are known (not tracers), the
+values: starts and lengths in [0, C] (a ValueError naming the field and its values). Under
+jit the values are data: a cache made inside a jitted function is checked for its types and
+shapes only, so make caches outside (`init_cache`, or `KVCache(...)` eagerly). A cache JAX
+rebuilds from its leaves (a jitted function's output, `jax.tree.map`) is not re-checked:
+reading the lengths back would wait for the device at every step.
 
 The attention over a cache, `mha_jax.attention.cached_attention` (the pure core on head
 tensors, exported as `mha_jax.cached_attention`), writes into it; this module holds the cache
@@ -45,14 +53,54 @@ def _row_ints(x, batch: int, name: str):
 
 
 def _concrete(x) -> np.ndarray | None:
-    """x's values where they are known (not a tracer), else None."""
-    return None if isinstance(x, jax.core.Tracer) else np.asarray(x)
+    """x's values where they are known (an array, not a tracer), else None."""
+    if isinstance(x, jax.core.Tracer) or not isinstance(x, (jax.Array, np.ndarray)):
+        return None
+    return np.asarray(x)
 
 
-@jax.tree_util.register_dataclass
+def refuse_no_new_tokens(**shapes) -> None:
+    """ValueError for a call with a cache and T = 0 new tokens: `shapes` name the new tokens' arrays (query=,
+    key=, value= (B, T, E), or q=, k=, v= (B, T, n, H)), T their second axis. Each new token is written to
+    the cache and attends it, so T = 0 has nothing to do; the caller skips the call instead."""
+    shapes = {name: tuple(s) for name, s in shapes.items()}
+    if any(len(s) >= 2 and s[1] == 0 for s in shapes.values()):
+        named = ", ".join(f"{name} {s}" for name, s in shapes.items())
+        raise ValueError(f"T = 0 new tokens with a cache: {named} (B, T, ...); a call with a cache writes T >= 1 new "
+                         "tokens and attends the cache with them (skip the call: the cache stays as it is)")
+
+
+_FIELDS = ("k", "v", "starts", "lengths")
+
+
+def _check_fields(cache) -> None:
+    """The constructor's checks (see the module docstring)."""
+    for name in _FIELDS:
+        x = getattr(cache, name)
+        if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+            raise TypeError(f"KVCache.{name} must be a jax or numpy array, got {type(x).__name__}")
+    check_cache_shapes(cache.k.shape, cache.v.shape, cache.starts.shape, cache.lengths.shape, layout="BCKH")
+    if cache.k.dtype != cache.v.dtype or not jnp.issubdtype(cache.k.dtype, jnp.floating):
+        raise TypeError(f"KVCache keys and values must share one floating dtype: k {cache.k.dtype}, v {cache.v.dtype}")
+    capacity = cache.k.shape[1]
+    for name in ("starts", "lengths"):
+        x = getattr(cache, name)
+        if np.dtype(x.dtype).kind not in "iu":
+            raise TypeError(f"KVCache.{name} must be integers (int32), got dtype {x.dtype}")
+        known = _concrete(x)
+        if known is None:
+            continue
+        bad = (known < 0) | (known > capacity)
+        if bad.any():
+            raise ValueError(f"KVCache.{name} must lie in [0, capacity={capacity}] (one count of slots per row), got "
+                             f"{known.tolist()}: rows {np.nonzero(bad)[0].tolist()} out of range")
+
+
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    """k, v (B, C, K, H), starts and lengths (B,) int32. Immutable: `write` returns a new cache."""
+    """k, v (B, C, K, H), starts and lengths (B,) int32. Immutable: `write` returns a new cache.
+
+    starts[b] > lengths[b] is allowed: row b's left padding is not all written yet."""
 
     k: jax.Array  # (B, C, K, H), after RoPE
     v: jax.Array  # (B, C, K, H)
@@ -60,10 +108,7 @@ class KVCache:
     lengths: jax.Array  # (B,) int32: slots written in each row (padding included)
 
     def __post_init__(self):
-        # Under jit or vmap the fields may be tracers (or, while jax rebuilds a pytree, other
-        # placeholders): only shapes that exist are checked.
-        if all(hasattr(getattr(self, n), "shape") for n in ("k", "v", "starts", "lengths")):
-            check_cache_shapes(self.k.shape, self.v.shape, self.starts.shape, self.lengths.shape, layout="BCKH")
+        _check_fields(self)
 
     @classmethod
     def empty(cls, batch: int, capacity: int, num_kv_heads: int, head_dim: int, *, dtype, starts=None) -> KVCache:
@@ -77,10 +122,7 @@ class KVCache:
             raise TypeError(f"KVCache.empty: dtype must be floating, got {dtype}")
         if dtype == jnp.float64 and not jax.config.jax_enable_x64:
             raise TypeError("KVCache.empty: float64 needs jax_enable_x64")
-        starts = _row_ints(starts, batch, "starts")
-        known = _concrete(starts)
-        if known is not None and ((known < 0) | (known > capacity)).any():
-            raise ValueError(f"starts must lie in [0, capacity={capacity}], got {known.tolist()}")
+        starts = _row_ints(starts, batch, "starts")  # its values: checked by the constructor where known
         k = jnp.zeros((batch, capacity, num_kv_heads, head_dim), dtype)
         return cls(k, jnp.zeros_like(k), starts, jnp.zeros((batch,), jnp.int32))
 
@@ -89,8 +131,11 @@ class KVCache:
         return self.k.shape[1]
 
     def fits(self, T: int) -> jax.Array:
-        """bool (B,): whether T more tokens fit in each row. ValueError where the lengths are known
-        and some row has no room."""
+        """bool (B,): whether T more tokens fit in each row. ValueError when T exceeds the capacity
+        (shapes: under jit too), and where the lengths are known and some row has no room."""
+        if T > self.capacity:
+            raise ValueError(f"the cache holds {self.capacity} slots per row: {T} new tokens do not fit in any row "
+                             f"(more tokens than slots)")
         fits = self.lengths + T <= self.capacity
         known = _concrete(self.lengths)
         if known is not None and (known + T > self.capacity).any():
@@ -131,6 +176,23 @@ class KVCache:
         k = jax.vmap(put)(self.k, k_new, self.lengths)
         v = jax.vmap(put)(self.v, v_new, self.lengths)
         keep_old = ~fits[:, None, None, None]
-        return KVCache(jnp.where(keep_old, self.k, k), jnp.where(keep_old, self.v, v), self.starts,
-                       jnp.where(fits, self.lengths + T, self.lengths))
+        return _unchecked(jnp.where(keep_old, self.k, k), jnp.where(keep_old, self.v, v), self.starts,
+                          jnp.where(fits, self.lengths + T, self.lengths))
+
+
+def _unchecked(k, v, starts, lengths) -> KVCache:
+    """A KVCache built without the constructor's checks: JAX rebuilding one from its leaves (which may be
+    tracers or JAX's placeholders), and `write`, whose fields follow from a checked cache."""
+    cache = object.__new__(KVCache)
+    for name, x in zip(_FIELDS, (k, v, starts, lengths)):
+        object.__setattr__(cache, name, x)
+    return cache
+
+
+jax.tree_util.register_pytree_with_keys(
+    KVCache,
+    lambda c: (tuple((jax.tree_util.GetAttrKey(n), getattr(c, n)) for n in _FIELDS), None),
+    lambda _, leaves: _unchecked(*leaves),
+    flatten_func=lambda c: (tuple(getattr(c, n) for n in _FIELDS), None),
+)
 

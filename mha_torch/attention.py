@@ -16,7 +16,7 @@ from torch import nn
 
 from mha_spec import (ALIGNMENTS, AttentionConfig, check_cache_shapes, check_mask_values, check_positions,
                       check_qkv_shapes, mask_shape_4d, Stages, window_sides)
-from mha_torch.kv_cache import KVCache
+from mha_torch.kv_cache import KVCache, refuse_no_new_tokens
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -475,7 +475,8 @@ class MultiHeadAttention(nn.Module):
     default to `cache.positions(T)` (slot minus the row's left padding); positions= (T,) |
     (B, T) overrides them. mask=, key_positions= and the structured masks with a cache are ValueErrors; a cache
     whose dtype is not the parameters' is a TypeError, one with other K, H or B a ValueError,
-    and no room for T tokens in some row a ValueError (eager; not checked under torch.compile).
+    and no room for T tokens in some row a ValueError (eager; not checked under torch.compile);
+    T = 0 new tokens with a cache is a ValueError (nothing to write or attend).
     Stages with a cache: q, k, v, q_rot, k_rot are the NEW tokens' ((B, N, T, H) and
     (B, K, T, H)), scores and weights are over the cache's C slots (B, N, T, C).
     """
@@ -613,6 +614,7 @@ class MultiHeadAttention(nn.Module):
     def _forward_cached(self, query, key, value, cache, *, mask, need_weights, positions, key_positions,
                         return_intermediates):
         """forward with a cache (see the class docstring): self-attention of T new tokens against it."""
+        refuse_no_new_tokens(query, key, value)  # before the S = 0 check, whose words are about keys
         B, T, S = self._check_inputs(query, key, value)
         self._check_cache(cache, B, T, S, mask, key_positions)
         rope = self.config.rope

@@ -32,12 +32,38 @@ def _row_ints(x, batch: int, name: str, device) -> torch.Tensor:
     return x.to(device=device, dtype=torch.int64)
 
 
+def check_slot_counts(x: torch.Tensor, capacity: int, name: str) -> None:
+    """ValueError naming the field and its values unless every row's count lies in [0, capacity]: a negative
+    `starts` would shift every RoPE position (slot - starts), a negative `lengths` write before slot 0.
+    Not checked while torch.compile traces or on the meta device (no values there)."""
+    if torch.compiler.is_compiling() or x.device.type == "meta":
+        return
+    bad = (x < 0) | (x > capacity)
+    if bool(bad.any()):
+        raise ValueError(f"KVCache.{name} must lie in [0, capacity={capacity}] (one count of slots per row), got "
+                         f"{x.tolist()}: rows {bad.nonzero().flatten().tolist()} out of range")
+
+
+def refuse_no_new_tokens(query, key, value) -> None:
+    """ValueError for a call with a cache and T = 0 new tokens (query, key, value (B, 0, E)): each new token is
+    written to the cache and attends it, so T = 0 has nothing to do; the caller skips the call instead."""
+    shapes = [tuple(getattr(x, "shape", ())) for x in (query, key, value)]
+    if any(len(s) == 3 and s[1] == 0 for s in shapes):
+        raise ValueError(f"T = 0 new tokens with a cache: query {shapes[0]}, key {shapes[1]}, value {shapes[2]} "
+                         "(B, T, E); a call with a cache writes T >= 1 new tokens and attends the cache with them "
+                         "(skip the call: the cache stays as it is)")
+
+
 @dataclass(frozen=True)
 class KVCache:
     """k, v (B, K, C, H) (HF's DynamicCache layout), starts and lengths (B,) int64.
 
     Immutable: `write` returns a new cache, so a step is a pure function of (cache, tokens) and a
     prefill can be continued twice (or in the other framework, `parity.kv_cache`).
+
+    The constructor checks the types, the shapes and the values: starts and lengths in [0, C]
+    (a ValueError naming the field and its values; not while torch.compile traces, where there are
+    no values). starts[b] > lengths[b] is allowed: row b's left padding is not all written yet.
     """
 
     k: torch.Tensor  # (B, K, C, H), after RoPE
@@ -56,6 +82,9 @@ class KVCache:
             x = getattr(self, name)
             if x.dtype != torch.int64:
                 raise TypeError(f"KVCache.{name} must be int64, got {x.dtype}")
+        # Values: on the host where they can be read (not while torch.compile traces, not on the meta device).
+        for name in ("starts", "lengths"):
+            check_slot_counts(getattr(self, name), self.capacity, name)
 
     @classmethod
     def empty(cls, batch: int, capacity: int, num_kv_heads: int, head_dim: int, *, dtype, device=None,
@@ -68,9 +97,7 @@ class KVCache:
         if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise TypeError(f"KVCache.empty: dtype must be a floating torch.dtype, got {dtype!r}")
         k = torch.zeros(batch, num_kv_heads, capacity, head_dim, dtype=dtype, device=device)
-        starts = _row_ints(starts, batch, "starts", k.device)
-        if not torch.compiler.is_compiling() and bool(((starts < 0) | (starts > capacity)).any()):
-            raise ValueError(f"starts must lie in [0, capacity={capacity}], got {starts.tolist()}")
+        starts = _row_ints(starts, batch, "starts", k.device)  # its values: checked by the constructor
         return cls(k, torch.zeros_like(k), starts, torch.zeros(batch, dtype=torch.int64, device=k.device))
 
     @property
@@ -113,4 +140,13 @@ class KVCache:
         index = self.slots(T)[:, None, :, None].expand(B, K, T, H)  # (B, K, T, H)
         k = self.k.scatter(2, index, k_new)
         v = self.v.scatter(2, index, v_new)
-        return KVCache(k, v, self.starts, self.lengths + T)
+        return _checked_elsewhere(k, v, self.starts, self.lengths + T)
+
+
+def _checked_elsewhere(k, v, starts, lengths) -> KVCache:
+    """A KVCache built without the constructor's checks: `write`'s, whose fields follow from a checked cache
+    and `check_room`; reading the new lengths back would wait for the device at every step."""
+    cache = object.__new__(KVCache)
+    for name, x in (("k", k), ("v", v), ("starts", starts), ("lengths", lengths)):
+        object.__setattr__(cache, name, x)
+    return cache

@@ -49,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="your own implementation (a parity.impls.Implementation), e.g. parity.examples.jax_port:port; repeatable")
     p.add_argument("--layer", type=parse_layer, default=None, metavar="E=64,N=4,K=2,rope=half,bias=none",
                    help="check on this layer at --shape B,T,S (default 2,5,5) instead of the matrix: causal, padding and "
-                   "random masks (--quick: causal); keys E, N, K, rope (none|half|interleaved), theta (with rope only), "
+                   "random masks (--quick: causal), and with --checks decode a decode of the S tokens; keys E, N, K, rope "
+                   "(none|half|interleaved), theta (with rope only), "
                    "bias (all|none|qkv|out)")
     p.add_argument("--compile", action="store_true", help="also run torch.compile of the selected torch implementations (slow on CPU)")
     p.add_argument("--framework-defaults", action="store_true",
@@ -118,6 +119,12 @@ def _usage_problems(args) -> str | None:
         B, T, S = args.shape or checkpoint.DEFAULT_SHAPE
         if T > S:
             return f"--shape {B},{T},{S}: T <= S (T < S is cross-attention, causal bottom-right aligned)"
+    if args.shape is not None and args.checks and "decode" in args.checks:
+        from parity.harness.decode import tokens_problem
+
+        few = tokens_problem(args.shape[2])  # the decode case runs the S tokens
+        if few:
+            return f"--shape {','.join(map(str, args.shape))} --checks decode: {few} (S)"
     if args.devices is not None and args.devices < 2:
         return f"--devices must be at least 2, got {args.devices}"
     if args.shardings and args.devices is None:
@@ -136,7 +143,7 @@ def _usage_problems(args) -> str | None:
     return None
 
 
-def _run(args, console, stop):
+def _run(args, console, stop, checkpoint_kwargs=None):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from parity.harness.runner import run
@@ -160,8 +167,8 @@ def _run(args, console, stop):
     kw = dict(case_filter=args.cases, dtypes=args.dtypes, checks=args.checks)
     if args.layer is not None:
         kw["cases"] = _layer_cases(args)
-    if args.checkpoint is not None:  # its cases, weights and report entries; a bad path/prefix is a LoadError
-        kw.update(checkpoint.run_kwargs(args))
+    if checkpoint_kwargs is not None:  # its cases, weights and report entries (`checkpoint.run_kwargs`)
+        kw.update(checkpoint_kwargs)
         console.print(checkpoint.describe(kw["environment"]), soft_wrap=True, markup=False)
     with progress:
         return run(
@@ -179,7 +186,8 @@ def _layer_cases(args):
     from parity.harness.matrix import Shape, layer_cases
 
     B, T, S = args.shape or checkpoint.DEFAULT_SHAPE
-    return layer_cases(Shape.of("layer", Problem(args.layer, B, T, S), cross=T != S), quick=args.quick)
+    return layer_cases(Shape.of("layer", Problem(args.layer, B, T, S), cross=T != S), quick=args.quick,
+                       decode="decode" in (args.checks or ()))
 
 
 def _default_ours(args):
@@ -197,15 +205,22 @@ def main(argv=None) -> int:
     stop = GracefulInterrupt(console).install()  # before the slow imports: an early Ctrl-C is still graceful
     args = build_parser().parse_args(argv)
     problem = _usage_problems(args)
-    if problem:
-        console.print(f"[bold red]mha-parity: {problem}", soft_wrap=True)
+    if problem:  # a usage error: on stderr, as argparse's own
+        print(f"mha-parity: {problem}", file=sys.stderr, flush=True)
         return EXIT_USAGE
+    checkpoint_kwargs = None
+    if args.checkpoint is not None:  # read (or refused) before anything compiles; a refusal goes to stderr
+        try:
+            checkpoint_kwargs = checkpoint.run_kwargs(args)
+        except LoadError as e:
+            print(f"mha-parity: {e}", file=sys.stderr, flush=True)
+            return EXIT_USAGE
     try:
         from parity import compile_cache
 
         cache_dir = None if args.no_compile_cache else compile_cache.enable()
         tally = compile_cache.start()
-        report = _run(args, console, stop)
+        report = _run(args, console, stop, checkpoint_kwargs)
     except LoadError as e:  # --impl: any failure to load (SystemExit at import included), one line
         console.print(f"mha-parity: {e}", soft_wrap=True, markup=False, style="bold red")
         return EXIT_USAGE

@@ -28,7 +28,7 @@ _INT32_MAX = np.iinfo(np.int32).max
 @dataclass(frozen=True)
 class NumpyKVCache:
     """k, v (B, K, C, H) NumPy arrays of one floating dtype (bfloat16 as ml_dtypes.bfloat16), after RoPE;
-    starts and lengths (B,) int64."""
+    starts and lengths (B,) int64 in [0, C] (checked, as by the frameworks' caches)."""
 
     k: np.ndarray  # (B, K, C, H)
     v: np.ndarray  # (B, K, C, H)
@@ -43,8 +43,13 @@ class NumpyKVCache:
         if self.k.dtype != self.v.dtype or not _floating(self.k.dtype):
             raise TypeError(f"cache keys and values must share one floating dtype: k {self.k.dtype}, v {self.v.dtype}")
         for name in ("starts", "lengths"):
-            if getattr(self, name).dtype != np.int64:
-                raise TypeError(f"NumpyKVCache.{name} must be int64, got {getattr(self, name).dtype}")
+            x = getattr(self, name)
+            if x.dtype != np.int64:
+                raise TypeError(f"NumpyKVCache.{name} must be int64, got {x.dtype}")
+            bad = (x < 0) | (x > self.capacity)
+            if bad.any():  # the frameworks' caches refuse these too: a negative start shifts every RoPE position
+                raise ValueError(f"NumpyKVCache.{name} must lie in [0, capacity={self.capacity}] (one count of slots "
+                                 f"per row), got {x.tolist()}: rows {np.nonzero(bad)[0].tolist()} out of range")
 
     @property
     def capacity(self) -> int:

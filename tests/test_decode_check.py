@@ -30,15 +30,17 @@ from parity.impls import builtin, implementation
 OURS = ("torch", "torch-fused", "jax-jit", "jax-fused")
 CALLS = ("prefill", "step 1", "step 2", "step 3")
 DEFAULT = next(c for c in default_matrix() if c.decode)
+CLASSIC = next(c for c in default_matrix() if c.decode and not c.config.features)  # the flax decoding peer's layer
 ROPE_FEATURES = {"rope-half", "rope-interleaved"}
 
 
 # ---------------------------------------------------------------- decoders of the test's own
 
 
-def _example_step(position_bias=0, keep_last=None, fail_at=None, drop_feature=False):
-    """The example decoder, changed: keep_last: its cache forgets all but the last n tokens; fail_at: it
-    raises at that call; drop_feature: its output loses one feature (the wrong shape)."""
+def _example_step(position_bias=0, keep_last=None, keep_first=None, fail_at=None, drop_feature=False):
+    """The example decoder, changed: keep_last: its cache forgets all but the last n tokens; keep_first: a cache
+    of n slots that stores nothing more once full (each call still attends the new token: the cache it was
+    given and the token); fail_at: it raises at that call; drop_feature: its output loses one feature."""
 
     def factory(state_dict, num_heads, *, dtype, device, problem):
         inner = decoders.decoder.factory(state_dict, num_heads, dtype=dtype, device=device, problem=problem)
@@ -51,6 +53,8 @@ def _example_step(position_bias=0, keep_last=None, fail_at=None, drop_feature=Fa
             out, cache = inner(p, x_t, cache, position)
             if keep_last is not None and cache.k.shape[2] > keep_last:
                 cache = decoders.Cache(cache.k[:, :, -keep_last:], cache.v[:, :, -keep_last:], cache.real[:, -keep_last:])
+            if keep_first is not None and cache.k.shape[2] > keep_first:
+                cache = decoders.Cache(cache.k[:, :, :keep_first], cache.v[:, :, :keep_first], cache.real[:, :keep_first])
             return (out[..., :-1] if drop_feature else out), cache
 
         return fn
@@ -64,6 +68,8 @@ def _user(name, factory, **kw):
 
 # Keeps one token fewer than the prompt: every prompt token still sees its past, the first step does not.
 FORGETFUL = _user("forgets-the-oldest", _example_step(keep_last=schedule(DEFAULT.shape).prompt - 1))
+# A cache hard-capped at 6 slots: the 7th token still attends the 6 and itself, so only an 8th is wrong.
+CAPPED = _user("capped-at-6", _example_step(keep_first=6))
 RAISES = _user("raises-at-call-3", _example_step(fail_at=3))
 WRONG_SHAPE = _user("drops-a-feature", _example_step(drop_feature=True))
 
@@ -73,7 +79,7 @@ def three_arguments(state_dict, num_heads, *, dtype, device, problem):
     return lambda p, x_t, cache: (x_t, cache)
 
 
-USERS = (decoders.decoder, *decoders.planted, FORGETFUL, RAISES, WRONG_SHAPE, three_arguments)
+USERS = (decoders.decoder, *decoders.planted, FORGETFUL, CAPPED, RAISES, WRONG_SHAPE, three_arguments)
 
 
 @pytest.fixture(scope="module")
@@ -110,14 +116,36 @@ def test_a_prompt_in_one_framework_continues_in_the_other(default_report, name, 
 
 
 def test_decode_rows_say_which_kernel_ran(default_report):
-    """The step's kernel (torch: the profiler around the run; JAX: the step's trace), as in forward rows;
-    a converted prompt's rows name the kernel of the framework that ran the steps."""
-    kernels = {name: {r.kernel for r in _rows(default_report, name) if r.status != "skip"}
+    """Each call's kernel (torch: the profiler around that call; JAX: the trace of that call's program), as in
+    forward rows; a converted prompt's rows name the kernel of the framework that ran the steps; the cache row,
+    written before any attention kernel runs, names none."""
+    kernels = {name: {r.kernel for r in _rows(default_report, name) if r.status != "skip" and r.quantity != "cache"}
                for name in ("torch", "torch-fused", "jax-jit", "torch->jax", "jax->torch", "pallas-gpu-decode")}
+    assert all(r.kernel == "" for name in OURS for r in _rows(default_report, name) if r.quantity == "cache")
     assert kernels["torch"] == kernels["jax->torch"] == {"bmm-softmax (weights)"}
     assert kernels["jax-jit"] == kernels["torch->jax"] == {"einsum"}
     assert len(kernels["torch-fused"]) == 1 and kernels["torch-fused"].pop().startswith("sdpa:")
     assert kernels["pallas-gpu-decode"] == {"pallas (interpret)"}, kernels  # its own kernel, interpreted on a CPU
+
+
+def test_each_call_names_the_kernel_it_ran(tmp_path, monkeypatch):
+    """A kernel table that picks chunked for the prompt and einsum for a single-token step: the prefill row
+    names chunked, the step rows einsum (B·K = 6 key/value head blocks; G·T = 8 prompt rows and 2 step rows
+    per block, against C = 8 slots)."""
+    from mha_jax import kernels
+
+    monkeypatch.setenv("MHA_PARITY_CACHE_DIR", str(tmp_path))
+    proc = kernels.processor()
+    sch = schedule(DEFAULT.shape)
+    G = DEFAULT.shape.N // DEFAULT.shape.K
+    assert (DEFAULT.shape.B * DEFAULT.shape.K, G * sch.prompt, G, sch.capacity) == (6, 8, 2, 8)
+    rows = [dict(BN=6, T=2, S=8, fastest="einsum", blocks=None), dict(BN=6, T=8, S=8, fastest="chunked", blocks=[4, 4])]
+    (tmp_path / "kernels.json").write_text(json.dumps({"schema": kernels.TABLE_SCHEMA, "processors": {
+        proc.key: {"device_kind": proc.device_kind, "model": proc.model, "isa": proc.isa, "rows": rows}}}))
+    report = run(cases=[DEFAULT], checks=("decode",), dtypes=("float32",), impls=("torch", "jax-fused"), device="cpu")
+    fused = {r.quantity: r.kernel for r in _rows(report, "jax-fused")}
+    assert fused == {"prefill": "chunked:4x4", "step 1": "einsum", "step 2": "einsum", "step 3": "einsum", "cache": ""}
+    assert all(r.status == "pass" for r in _rows(report, "jax-fused"))
 
 
 def test_eager_jax_is_a_skip_row_saying_why():
@@ -220,6 +248,83 @@ def test_the_peer_decoders_run_where_their_declarations_allow(default_report, mo
     assert [r.quantity for r in flax] == list(CALLS) and all(r.status == "pass" for r in flax), flax
 
 
+# ---------------------------------------------------------------- 16-bit
+
+
+@pytest.fixture(scope="module")
+def low_report():
+    return run(cases=[DEFAULT], checks=("decode",), dtypes=("bfloat16", "float16"),
+               impls=("torch", "jax-jit", "jax-fused", decoders.decoder, decoders.decoder_position_off_by_one), device="cpu")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_the_default_decode_case_runs_in_16_bit_at_its_bounds(low_report, dtype):
+    """16-bit is what models decode in: the default decode case runs in every dtype, judged three-way
+    against the oracle's own maths in the dtype (the forward check's 16-bit bound); ours and the example
+    pass, a position bug is red."""
+    assert set(DEFAULT.dtypes) >= {"bfloat16", "float16"}
+    for impl in ("torch", "jax-jit", "jax-fused", "torch->jax", "jax->torch"):
+        rows = _rows(low_report, impl, dtype)
+        assert rows and all(r.status == "pass" and r.max_abs_err is not None for r in rows), (impl, rows)
+    assert [r.quantity for r in _rows(low_report, "jax-fused", dtype)] == [*CALLS, "cache"]
+    assert all(r.status == "pass" for r in _rows(low_report, "decoder-example", dtype))
+    bug = _rows(low_report, "decoder-position-off-by-one", dtype)
+    assert bug and all(r.status == "fail" for r in bug)
+
+
+# ---------------------------------------------------------------- the classic layer, longer than 16 tokens
+
+
+def _flax_is_causal(state_dict, num_heads, *, dtype, device):
+    from parity.peers.flax import flax_nnx_decode
+
+    return flax_nnx_decode(state_dict, num_heads, dtype=dtype, device=device, is_causal=True)
+
+
+FLAX_IS_CAUSAL = implementation(name="flax-is-causal", framework="jax", decode=True, masked_rows="uniform",
+                                computes_in="float32")(_flax_is_causal)
+
+
+@pytest.fixture(scope="module")
+def classic_report():
+    return run(cases=[CLASSIC], checks=("decode",), dtypes=("float32",), impls=("torch", "jax-jit", CAPPED, FLAX_IS_CAUSAL),
+               device="cpu")
+
+
+def test_the_default_matrix_decodes_a_classic_layer_longer_than_16_tokens(classic_report):
+    assert CLASSIC.shape.T > 16 and CLASSIC.shape.rope is None and CLASSIC.shape.K == CLASSIC.shape.N
+    assert "float32" in CLASSIC.dtypes
+    for impl in ("torch", "jax-jit", "torch->jax", "jax->torch", "flax-nnx-mha-decode"):
+        rows = _rows(classic_report, impl)
+        assert rows and all(r.status == "pass" for r in rows), (impl, rows)
+    assert [r.quantity for r in _rows(classic_report, "flax-nnx-mha-decode")] == list(CALLS)
+
+
+def test_a_cache_capped_at_6_passes_7_tokens_and_fails_the_long_case(default_report, classic_report):
+    assert DEFAULT.shape.T == 7 and all(r.status == "pass" for r in _rows(default_report, CAPPED.name))
+    rows = _rows(classic_report, CAPPED.name)
+    assert rows[0].quantity == "prefill" and rows[0].status == "fail" and rows[0].stage == "prefill"
+    # row 0 (no padding) stores tokens 0-5: its 8th token (position 7) is the first whose past is lost
+    assert "row 0 position 7" in rows[0].message
+
+
+def test_the_flax_peer_is_judged_with_is_causal_true_as_well(classic_report):
+    """flax's decoding peer with is_causal=True at every call: where the installed flax ignores it at decode
+    (>= 0.12.11) the declared peer passes; before, the declared peer is a skip row naming the releases, and
+    the same peer run anyway (a user's declaration) is red: row 0 attends its slot 0 alone from its second
+    token (position 1), the padded row's slot 0 is padding, so it attends nothing from its first (position 0)."""
+    from parity.peers.flax import CAUSAL_DECODE_FIXED, flax_version
+
+    peer, anyway = _rows(classic_report, "flax-nnx-mha-decode-causal"), _rows(classic_report, FLAX_IS_CAUSAL.name)
+    if flax_version() >= CAUSAL_DECODE_FIXED:
+        assert peer and anyway and all(r.status == "pass" for r in peer + anyway)
+        return
+    assert len(peer) == 1 and peer[0].status == "skip" and "flax >= 0.12.11 is not installed" in peer[0].message
+    assert [r.quantity for r in anyway] == list(CALLS) and all(r.status == "fail" for r in anyway)
+    assert "first call off the oracle: prefill" in anyway[0].message
+    assert "row 0 position 1, row 1 position 0" in anyway[0].message
+
+
 # ---------------------------------------------------------------- decoders
 
 
@@ -296,12 +401,31 @@ def test_the_command_line_exit_status(tmp_path, capsys):
     fast = ("--checks", "decode", "--impls", "torch", "--dtypes", "float32")
     code, rows = _cli(tmp_path, *fast, "--impl", "parity.examples.decoders:decoder")
     assert code == 0 and any(r["impl"] == "decoder-example" and r["status"] == "pass" for r in rows)
-    assert {r["case"] for r in rows if r["status"] == "pass"} == {DEFAULT.name}
+    assert {r["case"] for r in rows if r["status"] == "pass"} == {c.name for c in default_matrix() if c.decode}
     code, rows = _cli(tmp_path, *fast, "--impl", "parity.examples.decoders:decoder_padding_attended")
     assert code == 1 and {r["stage"] for r in rows if r["status"] == "fail"} == {"prefill"}
     capsys.readouterr()
     code, rows = _cli(tmp_path, "--checks", "forward", "--impl", "parity.examples.decoders:decoder")
     assert code == 2 and not rows and "decode" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [["--layer", "E=12,N=3"], ["--checkpoint", "no-such-dir"]])
+@pytest.mark.parametrize("shape", ["1,1,1", "2,1,1"])
+def test_a_decode_of_one_token_is_a_usage_error(capsys, argv, shape):
+    code = main(["--no-progress", *argv, "--shape", shape, "--checks", "decode"])
+    out, err = capsys.readouterr()
+    assert code == 2 and not out
+    assert f"--shape {shape} --checks decode: a decode needs at least 2 tokens" in err and "got 1" in err
+
+
+def test_the_layer_flag_decodes_when_the_decode_check_is_named(tmp_path):
+    """--layer at T = S: its causal case decodes; at T < S a causal self-attention case over the S tokens."""
+    for shape, case in (("2,4,4", "layer/causal/nan"), ("2,3,4", "layer-decode/causal/nan")):
+        code, rows = _cli(tmp_path, "--layer", "E=12,N=3", "--shape", shape, "--checks", "decode", "--impls", "torch",
+                          "--dtypes", "float32")
+        mine = [r for r in rows if r["impl"] == "torch"]
+        assert code == 0 and [r["quantity"] for r in mine] == [*CALLS, "cache"]
+        assert mine and all(r["status"] == "pass" and r["case"] == case for r in mine), mine
 
 
 PREFIX = "model.layers.0.self_attn."

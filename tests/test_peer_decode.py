@@ -303,10 +303,10 @@ def test_flax_nnx_decode_is_the_causal_forward():
     assert compare(out[1, 0], uniform, F32).passed
 
 
-def test_flax_alone_attends_left_padding_and_is_causal_keeps_slot_0():
+def test_flax_alone_attends_left_padding():
     """Measured, not hidden: without our mask flax attends the left-padding slots (its cache has one
     index for the batch and no positions), so the padded rows leave the oracle from their first real
-    token; is_causal=True at decode builds tril(ones(1, C)), which keeps slot 0 only."""
+    token."""
     sd, x = weights(FLAX)
     want = oracle(sd, x, FLAX).output
     alone, _ = decode_flax(sd, x, mask_padding=False)
@@ -314,11 +314,46 @@ def test_flax_alone_attends_left_padding_and_is_causal_keeps_slot_0():
     for b in (1, 2):
         first = STARTS[b]
         assert np.abs(alone[b, first] - want[b, first]).max() > 0.1, b
+
+
+def test_is_causal_at_decode_is_what_the_installed_flax_makes_of_it():
+    """flax >= 0.12.11 ignores is_causal=True at decode (the cache's mask is causal already): the oracle's
+    outputs. Older flax builds tril(ones(1, C)) for the one query, which keeps slot 0 only: every token of
+    row 0 returns token 0's output, and the padded rows, whose slot 0 is padding, attend nothing (uniform)."""
+    from parity.peers.flax import CAUSAL_DECODE_FIXED, flax_version
+
+    sd, x = weights(FLAX)
+    want = oracle(sd, x, FLAX).output
     causal, _ = decode_flax(sd, x, is_causal=True)
+    if flax_version() >= CAUSAL_DECODE_FIXED:
+        assert compare(causal[REAL], want[REAL], F32).passed
+        return
     assert compare(causal[0, 0], want[0, 0], F32).passed  # the first token sees slot 0 anyway
     assert np.abs(causal[0, 1:] - want[0, 1:]).max(axis=-1).min() > 1e-3
-    # what it computes: every query of row 0 attends slot 0 alone, so each output is token 0's
-    assert np.allclose(causal[0], causal[0, :1], rtol=0, atol=1e-12)
+    assert np.allclose(causal[0], causal[0, :1], rtol=0, atol=1e-12)  # slot 0 alone: token 0's output
+    for b in (1, 2):
+        first = STARTS[b]
+        assert np.abs(causal[b, first] - want[b, first]).max() > 0.1, b
+
+
+def test_the_causal_flax_peer_runs_where_flax_ignores_is_causal_at_decode():
+    """flax-nnx-mha-decode-causal passes is_causal=True at every call: with flax >= 0.12.11 it is the plain
+    peer; older flax is a MissingPackage (a skip row) naming both releases and what the old one does."""
+    import jax
+
+    from parity.peers.common import MissingPackage
+    from parity.peers.flax import CAUSAL_DECODE_FIXED, flax_version
+
+    sd, x = weights(FLAX)
+    peer = registry.builtin("flax-nnx-mha-decode-causal")
+    assert peer.decode and peer.role == "peer" and peer.computes_in == "float32" and peer.variants == ()
+    make = lambda: peer.make(sd, FLAX.num_heads, "uniform", jax.devices("cpu")[0])  # noqa: E731
+    if flax_version() >= CAUSAL_DECODE_FIXED:
+        assert callable(make())
+        return
+    installed = ".".join(map(str, flax_version()))
+    with pytest.raises(MissingPackage, match=rf"flax >= 0.12.11 is not installed \(flax {installed} is\).*slot 0 only"):
+        make()
 
 
 # ---------------------------------------------------------------- declarations

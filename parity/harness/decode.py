@@ -10,7 +10,7 @@ layer runs the way generation runs it (docs/semantics.md, "Decoding with a KV ca
 and every call's output is judged against the float64 oracle's ONE causal forward over the T
 tokens (`reference.forward` with `reference.decode_keep(starts, T)` and, with RoPE,
 `reference.decode_positions(starts, T)`), by the forward check's judge and bounds (three-way with
-the oracle's own maths in the dtype for 16-bit: `parity.harness.judge`, `parity.tolerances`).
+the oracle's own maths in the dtype as the yardstick, in every dtype: `parity.harness.judge`, `parity.tolerances`).
 Only real tokens are judged: a left-padding query attends nothing, so its output is the masked-row
 policy's, not a token's.
 
@@ -27,6 +27,16 @@ wrong positions can still give the right outputs: that row, and the cross-framew
   decoders     every Implementation with decode=True (peers and the user's): fn(p, x_t, cache,
                position) -> (out, cache) fed one token per call, prompt included (position -1 for
                a left-padding token); the other implementations of the user's are skip rows
+
+Each row of ours names the kernel of its own call (`kernel`): torch's from the profiler around that
+call, JAX's from the jaxpr of the program that call ran (the prompt's and the step's programs differ,
+so a kernel table may pick one kernel for the prompt and another for a step); the `cache` row names
+none (the keys and values are written before any attention kernel runs). A decoder's rows name what
+its run ran (torch: the profiler around the run; JAX: its first step's trace).
+
+Every dtype the run selects decodes, 16-bit included, judged as the forward check judges it (the
+yardstick of `parity.tolerances` at the dtype the implementation is judged at), for every call and the
+cache.
 
 A failing row of ours names the first stage (`DECODE_STAGES`) of that call that leaves the oracle:
 the cache it was given (keys after RoPE and values at the row's valid slots vs the oracle's k_rot
@@ -48,7 +58,7 @@ from parity.harness.judge import judge, status
 from parity.harness.report import Row, error_row
 from parity.impls import Implementation, builtin
 from parity.peers.common import MissingPackage
-from parity.tolerances import Comparison
+from parity.tolerances import Comparison, envelope, yardstick_runs
 
 STEPS = 3  # single-token steps after the prompt (fewer when the case has fewer tokens)
 STARTS = (0, 2, 1, 3)  # left padding of row b: STARTS[b % 4], capped below the prompt length
@@ -57,6 +67,7 @@ DECODE_STAGES = ("cache", "q", "k", "v", "q_rot", "k_rot", "write", "scores", "w
 DECODER_STAGES = ("prefill", "step output")
 """What a decoder's failing rows name: its cache is its own, so the first call off the oracle."""
 
+NO_KERNEL = ("", "")  # rows of no call (a skip, an error, the cache, a retrace)
 CROSS = (("torch->jax", "torch", "jax-jit"), ("jax->torch", "jax-jit", "torch"))  # (row name, prompt by, steps by)
 EAGER_JAX_DECODE_SKIP = ("decode runs our JAX module jitted (jax-jit, jax-fused): one compiled step for every "
                          "position, as a decoder runs it")
@@ -95,11 +106,22 @@ class Schedule:
                 f"capacity {self.capacity}")
 
 
+MIN_TOKENS = 2  # a prompt of one token, then one step
+
+
+def tokens_problem(tokens: int) -> str | None:
+    """Why a decode over `tokens` tokens cannot run (None: it can)."""
+    if tokens < MIN_TOKENS:
+        return (f"a decode needs at least {MIN_TOKENS} tokens (a prompt of one token, then a step with the cache), "
+                f"got {tokens}")
+    return None
+
+
 def schedule(shape) -> Schedule:
     """The schedule of a decode case's shape (see the module docstring)."""
     T = shape.T
-    if shape.cross or T < 2:
-        raise ValueError(f"shape {shape.name}: decoding needs self-attention over at least 2 tokens, got "
+    if shape.cross or tokens_problem(T):
+        raise ValueError(f"shape {shape.name}: decoding is self-attention over at least {MIN_TOKENS} tokens, got "
                          f"cross={shape.cross}, T={T}")
     steps = min(STEPS, T - 1)
     prompt = T - steps
@@ -107,10 +129,11 @@ def schedule(shape) -> Schedule:
     return Schedule(prompt, steps, T + 1, starts)
 
 
-def _oracle(unit, policy: str):
-    """(float64 intermediates, the same maths in the run dtype or None, the keep-mask (B, 1, T, T)) of the
-    one causal forward the decode case's calls must equal, under the masked-row policy `policy`."""
-    if policy not in unit.decode_oracles:
+def _oracle(unit, policy: str, at: str | None = None):
+    """(float64 intermediates, the yardstick judged at `at` (default the run dtype; `Unit.oracle`'s), the keep-mask
+    (B, 1, T, T)) of the one causal forward the decode case's calls must equal, under the masked-row policy `policy`."""
+    at = at or unit.dtype
+    if (policy, at) not in unit.decode_oracles:
         s, sch = unit.case.shape, schedule(unit.case.shape)
         sd = {k: reference.as_float64(v) for k, v in unit.x.state_dict.items()}
         x = reference.as_float64(unit.x.query)
@@ -121,11 +144,9 @@ def _oracle(unit, policy: str):
             pos = reference.decode_positions(sch.starts, sch.tokens)  # (B, T)
             kw.update(positions=pos, key_positions=pos)
         exact = reference.forward(sd, x, x, x, keep, **kw)
-        low = None
-        if unit.tol.three_way_k is not None:
-            low = reference.forward(sd, x, x, x, keep, dtype=unit.x.query.dtype, **kw)
-        unit.decode_oracles[policy] = (exact, low, keep)
-    return unit.decode_oracles[policy]
+        runs = yardstick_runs(lambda sd, xs, dt: reference.forward(sd, *xs, keep, dtype=dt, **kw), sd, (x, x, x), at)
+        unit.decode_oracles[(policy, at)] = (exact, envelope(exact, runs), keep)
+    return unit.decode_oracles[(policy, at)]
 
 
 # ---------------------------------------------------------------- running ours
@@ -133,7 +154,8 @@ def _oracle(unit, policy: str):
 
 @dataclass
 class Call:
-    """One call of our module: its tokens, what it returned, the cache it was given and the one it returned."""
+    """One call of our module: its tokens, what it returned, the cache it was given and the one it returned,
+    and the kernel it ran."""
 
     label: str
     lo: int
@@ -143,35 +165,46 @@ class Call:
     given: object  # parity.kv_cache.NumpyKVCache, (B, K, C, H)
     cache: object  # the framework's cache it returned
     after: object  # that cache as a NumpyKVCache
+    before: object = None  # the framework's cache it was given
+    kernel: tuple = ("", "")  # (kernel, note): what this call ran (`_read_kernels`)
 
 
-def _run(dec, sch: Schedule, x, calls, cache) -> list[Call]:
-    """Feed `calls` ((label, lo, hi) of the schedule) of x (B, T, E) to `dec` (runner.decoder) from `cache`."""
+def _run(dec, sch: Schedule, x, calls, cache, impl: Implementation) -> list[Call]:
+    """Feed `calls` ((label, lo, hi) of the schedule) of x (B, T, E) to `dec` (runner.decoder) from `cache`;
+    a torch call's kernel is read by the profiler around that call alone."""
     from parity import kv_cache  # both frameworks' caches: imported when a decode unit runs
 
     out = []
     for label, lo, hi in calls:
-        given = kv_cache.to_numpy(cache)
-        y, stages, cache = dec.call(cache, x[:, lo:hi])
-        out.append(Call(label, lo, hi, y, stages, given, cache, kv_cache.to_numpy(cache)))
+        given, before = kv_cache.to_numpy(cache), cache
+        with _observed(impl) as seen:
+            y, stages, cache = dec.call(cache, x[:, lo:hi])
+        out.append(Call(label, lo, hi, y, stages, given, cache, kv_cache.to_numpy(cache), before, seen.kernel))
     return out
 
 
-def _step_kernel(unit, impl: Implementation, dec, calls: list[Call], x) -> tuple[str, str]:
-    """(kernel, note) of our JAX decoder's last step (`parity.kernel_ran`: the step's jaxpr, a trace from
-    the cache that step was given, no compile), checked against the module's own choice; ("", "") when it
-    cannot be read (one call only) or for torch (read around the run by `_observed`)."""
-    if impl.framework != "jax" or len(calls) < 2:
-        return "", ""
+def _read_kernels(impl: Implementation, dec, calls: list[Call], x) -> list[Call]:
+    """The calls with the kernel each ran: torch's as `_run` read them; our JAX decoder's from the jaxpr of
+    the program that call ran (`parity.kernel_ran`: a trace from the cache that call was given, no compile),
+    checked against the module's own choice. The prompt and the steps are different programs (T differs), so
+    a kernel table may pick a kernel for each; the steps are one program (the `compiles` row says so), read
+    once. ("", "") where the reading fails."""
+    if impl.framework != "jax":
+        return calls
     from parity import kernel_ran
 
-    last = calls[-1]
-    try:
-        xs = jax_put(np.asarray(x[:, last.lo:last.hi]), dec.device)
-        return kernel_ran.jax_row_kernel(lambda p, c, x: dec._step(p, c, x)[0], (dec.params, calls[-2].cache, xs),
-                                         dec.device, ours=True, need_weights=impl.returns_weights)
-    except Exception:  # noqa: BLE001 - the steps ran; only the reading failed: the field stays ""
-        return "", ""
+    read: dict[int, tuple[str, str]] = {}
+    for call in calls:
+        T = call.hi - call.lo
+        if T not in read:
+            try:
+                xs = jax_put(np.asarray(x[:, call.lo:call.hi]), dec.device)
+                read[T] = kernel_ran.jax_row_kernel(lambda p, c, x: dec.program(p, c, x)[0],
+                                                    (dec.params, call.before, xs), dec.device, ours=True,
+                                                    need_weights=impl.returns_weights)
+            except Exception:  # noqa: BLE001 - the calls ran; only the reading failed: the field stays ""
+                read[T] = ("", "")
+    return [dataclasses.replace(call, kernel=read[call.hi - call.lo]) for call in calls]
 
 
 def jax_put(x, device):
@@ -181,8 +214,8 @@ def jax_put(x, device):
 
 
 class _observed:
-    """Around a decode run: for a torch implementation, the profiler's reading of the kernels it ran
-    (`kernel`: (kernel, note) after the block); for JAX nothing is observed here."""
+    """Around a decode call (ours) or run (a decoder's): for a torch implementation, the profiler's reading of
+    the kernels it ran (`kernel`: (kernel, note) after the block); for JAX nothing is observed here."""
 
     def __init__(self, impl: Implementation):
         self.impl, self.kernel, self._ctx = impl, ("", ""), None
@@ -206,15 +239,6 @@ class _observed:
             self.kernel = kernel_ran.torch_verdict(kernel_label(self.impl) if self.impl.role == "ours" else None,
                                                    self._seen.label)
         return False
-
-
-def _with_kernel(rows: list[Row], kernel: tuple[str, str]) -> list[Row]:
-    """The decode rows with the kernel that ran (not on skip rows); a note on a request not met."""
-    k, note = kernel
-    if not k:
-        return rows
-    return [r if r.status == "skip" else dataclasses.replace(
-        r, kernel=k, message="; ".join(m for m in (r.message, note) if m)) for r in rows]
 
 
 def _convert(cache, to: str, unit):
@@ -340,7 +364,7 @@ def _cache_row(unit, impl: Implementation, sch: Schedule, final, exact, low, tab
     only through their differences, so this is what makes a cache one the other framework can continue."""
     T = sch.tokens
     if not np.array_equal(final.lengths, np.full_like(final.lengths, T)):
-        return unit.row("decode", impl, "oracle", "fail", "cache", stage="cache",
+        return unit.row("decode", impl, "oracle", "fail", "cache", stage="cache", kernel=NO_KERNEL,
                         message=f"lengths {final.lengths.tolist()} after {T} tokens, expected {T} in every row")
     key = "k_rot" if exact.k_rot is not None else "k"
     valid = (np.arange(T)[None, :] >= sch.starts[:, None])[:, None, :, None]  # (B, 1, T, 1)
@@ -354,7 +378,7 @@ def _cache_row(unit, impl: Implementation, sch: Schedule, final, exact, low, tab
         bad = [n for n, i in (("keys", 0), ("values", 1)) if not _judge_masked(got[i], expected[i], None if yard is None
                                                                               else yard[i], valid, table).passed]
         message += f"; off: {', '.join(bad)}"
-    return unit.row("decode", impl, "oracle", status(c), "cache", c, message=message, **kw)
+    return unit.row("decode", impl, "oracle", status(c), "cache", c, message=message, kernel=NO_KERNEL, **kw)
 
 
 def _call_note(sch: Schedule, label: str, lo: int, by: str) -> str:
@@ -384,7 +408,7 @@ def _rows_of_calls(unit, impl: Implementation, sch: Schedule, calls, exact, low,
         elif n == len(judged) - 1 and not off.any():
             message.append(extra)
         rows.append(unit.row("decode", impl, "oracle", status(c), call.label, c,
-                             message="; ".join(m for m in message if m), **kw))
+                             message="; ".join(m for m in message if m), kernel=call.kernel, **kw))
     return rows
 
 
@@ -392,11 +416,11 @@ def _rows_of_calls(unit, impl: Implementation, sch: Schedule, calls, exact, low,
 
 
 def _skip(unit, impl: Implementation, why: str) -> Row:
-    return unit.row("decode", impl, "oracle", "skip", message=why)
+    return unit.row("decode", impl, "oracle", "skip", message=why, kernel=NO_KERNEL)
 
 
 def _error(unit, impl: Implementation, e: BaseException) -> Row:
-    return error_row(unit, "decode", impl, "oracle", e)
+    return error_row(unit, "decode", impl, "oracle", e, kernel=NO_KERNEL)
 
 
 def _ours(unit, impl: Implementation, sch: Schedule, runs: dict) -> list[Row]:
@@ -408,13 +432,13 @@ def _ours(unit, impl: Implementation, sch: Schedule, runs: dict) -> list[Row]:
     if why:
         return [_skip(unit, impl, why)]
     policy = impl.policy(unit.case.masked_rows)
-    exact, low, keep = _oracle(unit, policy)
+    exact, low, keep = _oracle(unit, policy, unit.judged(impl))
     table = unit.table(impl)
     try:
         dec = unit.decoder(impl, policy)
         traced = len(getattr(dec, "traces", ()))
-        with _observed(impl) as seen:
-            calls = _run(dec, sch, unit.x.query, sch.calls(), dec.empty(sch.starts.shape[0], sch.capacity, sch.starts))
+        calls = _run(dec, sch, unit.x.query, sch.calls(), dec.empty(sch.starts.shape[0], sch.capacity, sch.starts),
+                     impl)
     except Exception as e:
         return [_error(unit, impl, e)]
     runs[impl.name] = calls
@@ -423,13 +447,13 @@ def _ours(unit, impl: Implementation, sch: Schedule, runs: dict) -> list[Row]:
         steps = dec.traces[traced:].count(1)
         extra = f"one jitted step served the {sch.steps} steps" if steps <= 1 else ""
         if steps > 1:
-            rows.append(unit.row("decode", impl, "oracle", "fail", "compiles", message=(
+            rows.append(unit.row("decode", impl, "oracle", "fail", "compiles", kernel=NO_KERNEL, message=(
                 f"the jitted step was traced {steps} times for {sch.steps} single-token steps: one compiled step "
                 "must serve every position (the cache's lengths are data, not shapes)")))
+    calls = _read_kernels(impl, dec, calls, unit.x.query)  # after the retrace count: a reading traces
     by = "in one call" + (", under jax.jit" if impl.framework == "jax" else "")
     rows = _rows_of_calls(unit, impl, sch, calls, exact, low, keep, table, by, extra) + rows
-    kernel = seen.kernel if impl.framework == "torch" else _step_kernel(unit, impl, dec, calls, unit.x.query)
-    return _with_kernel(rows + [_cache_row(unit, impl, sch, calls[-1].after, exact, low, table)], kernel)
+    return rows + [_cache_row(unit, impl, sch, calls[-1].after, exact, low, table)]
 
 
 def _cross(unit, sch: Schedule, runs: dict) -> list[Row]:
@@ -440,19 +464,17 @@ def _cross(unit, sch: Schedule, runs: dict) -> list[Row]:
             continue
         impl = dataclasses.replace(builtin(then), name=name)
         policy = impl.policy(unit.case.masked_rows)
-        exact, low, keep = _oracle(unit, policy)
+        exact, low, keep = _oracle(unit, policy, unit.judged(impl))
         try:
             dec = unit.decoder(builtin(then), policy)
             cache = _convert(runs[first][0].cache, builtin(then).framework, unit)
-            with _observed(builtin(then)) as seen:
-                calls = _run(dec, sch, unit.x.query, sch.calls()[1:], cache)
+            calls = _read_kernels(builtin(then), dec, _run(dec, sch, unit.x.query, sch.calls()[1:], cache, builtin(then)),
+                                  unit.x.query)
         except Exception as e:
             rows.append(_error(unit, impl, e))
             continue
         every = f"the prompt by {first}, its cache converted, the steps by {then}"
-        kernel = seen.kernel if impl.framework == "torch" else _step_kernel(unit, builtin(then), dec, calls, unit.x.query)
-        rows += _with_kernel(_rows_of_calls(unit, impl, sch, calls, exact, low, keep, unit.table(impl), "", every=every),
-                             kernel)
+        rows += _rows_of_calls(unit, impl, sch, calls, exact, low, keep, unit.table(impl), "", every=every)
     return rows
 
 
@@ -462,7 +484,7 @@ def _decoder(unit, impl: Implementation, sch: Schedule) -> list[Row]:
     if why:
         return [_skip(unit, impl, why)]
     policy = impl.policy(unit.case.masked_rows)
-    exact, low, keep = _oracle(unit, policy)
+    exact, low, keep = _oracle(unit, policy, unit.judged(impl))
     table = unit.table(impl)
     try:
         built = unit.built(impl, policy)
@@ -491,8 +513,8 @@ def _decoder(unit, impl: Implementation, sch: Schedule) -> list[Row]:
             kw["stage"] = stage
             message += [f"first call off the oracle: {first_call}", where]
         rows.append(unit.row("decode", impl, "oracle", status(c), label, c,
-                             message="; ".join(m for m in message if m), **kw))
-    return _with_kernel(rows, kernel)
+                             message="; ".join(m for m in message if m), kernel=kernel, **kw))
+    return rows
 
 
 def check_decode(unit, impls, peers) -> list[Row]:
@@ -516,4 +538,5 @@ def check_decode(unit, impls, peers) -> list[Row]:
     return rows
 
 
-__all__ = ["check_decode", "schedule", "Schedule", "DECODE_STAGES", "DECODER_STAGES", "STEPS", "STARTS"]
+__all__ = ["check_decode", "schedule", "Schedule", "tokens_problem", "MIN_TOKENS", "DECODE_STAGES", "DECODER_STAGES", "STEPS",
+           "STARTS"]

@@ -6,6 +6,8 @@
     flax-nnx-mha                      nnx, sow_weights=True
     flax-nnx-mha-fused                nnx without weights, benchmark only
     flax-nnx-mha-decode               nnx, decode=True: one token per call against its cache
+    flax-nnx-mha-decode-causal        the same with is_causal=True at every call (flax >= 0.12.11:
+                                      `CAUSAL_DECODE_FIXED`; older flax: a skip row saying why)
 
 Both store q/k/v kernels (E, N, H), biases (N, H), the output kernel (N, H, E)
 (`parity.peers.common.to_flax_tree`). Mask True = attend; masked scores are finfo.min, so a
@@ -18,6 +20,7 @@ Legend (see mha_spec): B T S N H E.
 from __future__ import annotations
 
 import functools
+import re
 import sys
 from collections.abc import Mapping
 
@@ -28,6 +31,7 @@ from parity.implementation import Implementation
 from parity.peers.common import (
     FLAX_NAMES,
     FRAMEWORK_PEER_CASES,
+    MissingPackage,
     classic_only,
     from_flax_tree,
     linear_leaves,
@@ -154,6 +158,19 @@ flax_nnx_fused = functools.partial(_flax_nnx, need_weights=False)
 
 _DECODE_CAPACITY = 16  # the first cache's slots; a full cache is doubled (zeros appended), which flax's mask ignores
 
+CAUSAL_DECODE_FIXED = (0, 12, 11)
+"""The first flax whose MultiHeadAttention ignores is_causal at decode (`is_causal and not decode`).
+Before it, flax overlays tril(ones(1, C)) on the one query's row: slot 0 only, so every token of a
+row attends its first slot alone (measured on 0.12.8: tests/test_peer_decode.py). flax 0.12.9 and
+later need Python >= 3.12 and jax >= 0.11.1."""
+
+
+def flax_version() -> tuple[int, ...]:
+    """The installed flax's release as integers (0, 12, 8); pre-release suffixes dropped."""
+    import flax
+
+    return tuple(int(re.match(r"\d+", p).group()) for p in flax.__version__.split(".")[:3] if re.match(r"\d+", p))
+
 
 def flax_nnx_decode_step(graphdef, state, params, x_t, cache, real, *, is_causal: bool = False,
                          mask_padding: bool = True):
@@ -228,6 +245,20 @@ def flax_nnx_decode(sd, num_heads, *, dtype, device, is_causal: bool = False, ma
     return fn
 
 
+def flax_nnx_decode_causal(sd, num_heads, *, dtype, device):
+    """`flax_nnx_decode` with is_causal=True at every call, as a model that prefills with is_causal=True keeps
+    it while decoding. flax older than `CAUSAL_DECODE_FIXED` keeps slot 0 only at decode: a `MissingPackage`
+    (a skip row) naming that release, not a run whose rows would be red for flax's reason."""
+    have = flax_version()
+    if have < CAUSAL_DECODE_FIXED:
+        fixed, installed = (".".join(map(str, v)) for v in (CAUSAL_DECODE_FIXED, have))
+        raise MissingPackage(
+            f"flax >= {fixed} is not installed (flax {installed} is): before {fixed}, is_causal=True at decode keeps "
+            "slot 0 only (tril(ones(1, C)) over the cache), so every token attends its row's slot 0 alone (nothing "
+            "where slot 0 is left padding); flax 0.12.9 and later need Python >= 3.12 and jax >= 0.11.1")
+    return flax_nnx_decode(sd, num_heads, dtype=dtype, device=device, is_causal=True)
+
+
 # ---------------------------------------------------------------- declarations
 
 IMPLEMENTATIONS = (
@@ -247,4 +278,8 @@ IMPLEMENTATIONS = (
                    doc="flax.nnx.MultiHeadAttention(decode=True), init_cache, one token per call, one cache_index for "
                    "the batch; left padding masked by a (B, 1, 1, C) mask of the real slots (flax has no per-row "
                    "lengths); a padding query is uniform over the C slots; the classic layer only (no RoPE)"),
+    Implementation("flax-nnx-mha-decode-causal", "jax", f"{__name__}:flax_nnx_decode_causal", decode=True,
+                   masked_rows="uniform", computes_in="float32", role="peer", bench=False, runs_on=("self/*/*",),
+                   doc="flax-nnx-mha-decode with is_causal=True at every call (flax >= 0.12.11 ignores it at decode; "
+                   "older flax keeps slot 0 only: a skip row)"),
 )
