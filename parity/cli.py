@@ -201,7 +201,7 @@ def main(argv=None) -> int:
 
     from parity.impls.registry import LoadError
 
-    console = Console(highlight=False)
+    console = Console(highlight=False, emoji=False)  # names, paths and messages are printed as written
     stop = GracefulInterrupt(console).install()  # before the slow imports: an early Ctrl-C is still graceful
     args = build_parser().parse_args(argv)
     problem = _usage_problems(args)
@@ -240,9 +240,9 @@ def _finish(report, args, console, compile_summary: str = "") -> int:
         console.print(compile_summary, markup=False)
     for label, path in (("JSON", args.json), ("Markdown", args.markdown), ("plot", args.plot)):
         if path and not any(path in e for e in report.write_errors):
-            console.print(f"{label} report: {path}")
+            console.print(f"{label} report: {path}", markup=False)
     for err in report.write_errors:
-        console.print(f"[bold red]mha-parity: {err} (the results are printed above)", soft_wrap=True)
+        console.print(f"mha-parity: {err} (the results are printed above)", soft_wrap=True, markup=False, style="bold red")
     if report.interrupted:
         console.print("[bold red]interrupted: the reports hold what finished")
         return EXIT_INTERRUPTED

@@ -25,3 +25,13 @@ def torch_dtype(name: str):
 
     numpy_dtype(name)  # validates the name
     return getattr(torch, name)
+
+
+def eps(name: str) -> float:
+    """The dtype's machine epsilon (the spacing of its numbers at 1)."""
+    return float(ml_dtypes.finfo(numpy_dtype(name)).eps)
+
+
+def coarser(a: str, b: str) -> str:
+    """Of two dtype names, the one with the coarser resolution (the larger eps); `a` when they are equal."""
+    return b if eps(b) > eps(a) else a

@@ -134,8 +134,10 @@ class Implementation:
                      "no-qkv-bias", "no-out-bias")): it runs only on layers with every one of them (they are
                      added to `variants`); `parity.harness` builds such cases when the selected set has none
     computes_in      the dtype it really computes in when its inputs are wider (e.g. "float32": a float32 softmax
-                     in a float64 model): units of a wider dtype are judged at this dtype's bound, the row says
-                     so, and the stage search uses the same bound; None: the inputs' dtype
+                     in a float64 model; "bfloat16": a layer that casts to bfloat16 inside): units of a wider
+                     dtype are judged at this dtype, its table entry and its yardstick (`judged_at`), in every
+                     row (against the oracle, our modules, another layer of yours) and in the stage search, and
+                     the row says so; None: the inputs' dtype
     names            a `parity.layouts` layout (e.g. "hf-llama"): `params` (and fn.intermediates') arrive under
                      that layout's names, without prefix (q_proj.weight, o_proj.weight, ...); gradients reach
                      the canonical tensors through the renaming. None: the canonical names
@@ -149,6 +151,9 @@ class Implementation:
                      and alignment="bottom-right" the case uses (segment ids as framework integer arrays: torch
                      int64, JAX int32), and `mask` is then the rest of the case's mask alone (its padding, or
                      None). False: `mask` is the whole mask, dense (`reference.structured_keep` AND the padding)
+    takes_is_causal  fn takes is_causal=True (keyword) with `mask` None in place of a dense causal mask: SDPA's own
+                     causal mask, top-left aligned (query t keeps keys 0..t). The benchmark gives it on its causal
+                     cases where top-left is the case's causal mask (T = S); elsewhere `mask` is dense, as without it
     """
 
     name: str
@@ -177,6 +182,7 @@ class Implementation:
     names: str | None = None
     decode: bool = False
     structured: bool = False
+    takes_is_causal: bool = False
     # `runs_on` parsed (None: everywhere); set by __post_init__, so `dataclasses.replace` re-parses it.
     runs_on_rules: tuple[RunsOn, ...] | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -232,6 +238,8 @@ class Implementation:
             raise ValueError(f"implementation {self.name!r}: inputs={self.inputs!r} is not one of {INPUTS}")
         if not isinstance(self.structured, bool):
             raise TypeError(f"implementation {self.name!r}: structured must be a bool, got {self.structured!r}")
+        if not isinstance(self.takes_is_causal, bool):
+            raise TypeError(f"implementation {self.name!r}: takes_is_causal must be a bool, got {self.takes_is_causal!r}")
         if self.structured and self.decode:
             raise ValueError(f"implementation {self.name!r}: a decoder (decode=True) takes no structured masks "
                              "(with a KV cache the cache's own mask applies)")
@@ -290,14 +298,15 @@ class Implementation:
         return None
 
     def judged_at(self, dtype: str) -> str:
-        """The dtype whose bound judges a unit of `dtype`: `computes_in` where it is coarser, else `dtype`."""
+        """The dtype whose bound judges a unit of `dtype`: `computes_in` where it is coarser, else `dtype`. The
+        harness judges such a unit entirely at that dtype: its table entry and its yardstick (the oracle's maths
+        in that dtype, inputs and weights rounded to it), in every row -- against the oracle, our modules, and
+        another layer of the user's."""
         if self.computes_in is None:
             return dtype
-        from parity.dtypes import numpy_dtype
-        import ml_dtypes
+        from parity.dtypes import coarser
 
-        eps = lambda d: float(ml_dtypes.finfo(numpy_dtype(d)).eps)  # noqa: E731
-        return self.computes_in if eps(self.computes_in) > eps(dtype) else dtype
+        return coarser(dtype, self.computes_in)
 
     @property
     def takes_problem(self) -> bool:

@@ -212,7 +212,7 @@ class TestEndToEnd:
         ok = [r for r in rows if r.impl in good and r.reference in ("oracle", "torch", *good)]
         assert ok and all(r.status == "pass" for r in ok), [r for r in ok if r.status != "pass"]
         f64 = [r for r in ok if r.dtype == "float64" and r.reference == "oracle"]
-        assert f64 and all(r.atol == 1e-6 or r.atol == 1e-5 for r in f64)  # float32's bounds (forward, gradient)
+        assert f64 and all(r.atol >= 1e-6 for r in f64)  # float32's bounds: at least its floor, far above float64's
         assert all("judged at the float32 bound" in r.message for r in f64)
         direct = {(r.check, r.quantity) for r in ok if r.reference == "llama-jax-hf-port"}
         assert direct == {("forward", "output"), ("forward", "weights"), ("gradient", "d_inputs"), ("gradient", "d_params")}

@@ -173,3 +173,46 @@ def test_a_token_outside_every_later_window_changes_no_bit_of_their_outputs(fram
     assert _unchanged(base["output"][:, :J], moved["output"][:, :J])  # earlier tokens: causal
     inside = slice(J, J + 3)  # tokens 1..3 do see it
     assert (np.abs(base["output"][:, inside] - moved["output"][:, inside]).max(axis=-1) > 1e-3).all()
+
+
+# ---------------------------------------------------------------- the harness's leak rows
+
+
+def test_a_red_leak_row_has_a_readable_margin_and_a_green_one_zero():
+    """The leak rows' bound is 0 (bit for bit): a leak's margin is its size in units of eps·max|value| (at least
+    1), not error ÷ 0; the console prints it as a number."""
+    from rich.console import Console
+
+    from mha_spec import VARIANT_FEATURES
+    from parity.harness import run
+    from parity.harness.leak import leak_margin
+    from parity.harness.matrix import default_matrix
+    from parity.harness.report import margin, print_report
+    from parity.impls import Implementation, builtin
+
+    def factory(sd, num_heads, **kw):
+        fn = builtin("torch").resolve_factory()(sd, num_heads, **kw)
+
+        def call(params, q, k, v, mask, **kws):  # takes the documents and ignores them
+            return fn(params, q, k, v, mask, **{n: a for n, a in kws.items() if not n.endswith("segment_ids")})
+
+        return call
+
+    leaky = Implementation("ignores-documents", "torch", factory, returns_weights=True, masked_rows=None, role="user",
+                           variants=VARIANT_FEATURES, structured=True)
+    packed = next(c for c in default_matrix() if c.mask == "packed")
+    report = run(cases=[packed], checks=("leak",), dtypes=("float32",), impls=("torch", leaky), device="cpu")
+    red = [r for r in report.rows if r.impl == leaky.name and r.status == "fail"]
+    green = [r for r in report.rows if r.impl == "torch" and r.check == "leak"]
+    assert red and green and all(r.status == "pass" and margin(r) == 0.0 for r in green)
+    for r in red:
+        m = margin(r)
+        # a leak of max_abs_err on values of order 1 in float32: about max_abs_err / 1.2e-7 units, and readable
+        assert 1.0 <= m < 1e12 and math.isfinite(m), (r.quantity, m)
+        assert m >= r.max_abs_err / (1.2e-7 * 1e3)  # no smaller than the leak over the resolution of values <= 1e3
+    console = Console(width=100, record=True, force_terminal=False)
+    print_report(report, console)
+    text = console.export_text()
+    assert "e+299" not in text and "inf" not in text
+    assert leak_margin(0, 0.0, 1.0, "float32") == 0.0 and leak_margin(1, 1e-30, 1.0, "float32") == 1.0
+    assert leak_margin(3, 0.5, 2.0, "float32") == pytest.approx(0.5 / (2.0 * 2.0 ** -23))

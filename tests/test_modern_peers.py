@@ -75,8 +75,8 @@ def test_float64_is_judged_at_the_precision_each_peer_computes_in(peers_report):
                and r.dtype == "float64" and r.quantity == "output" and r.reference == "oracle"}
     for name in ("jax-dpa-gqa", "hf-llama"):  # float32 softmax (and HF's float32 cos/sin)
         assert "judged at the float32 tolerance" in by_name[name].message
-        assert by_name[name].atol == TOLERANCES["float32"].forward.atol
-    assert by_name["torch-sdpa-gqa"].atol == TOLERANCES["float64"].forward.atol  # float64 throughout
+        assert by_name[name].atol >= TOLERANCES["float32"].forward.atol  # float32's bound: at least its floor
+    assert by_name["torch-sdpa-gqa"].atol < 1e-9  # float64 throughout: float64's bound (its floor is 1e-12)
     assert "judged at" not in by_name["torch-sdpa-gqa"].message
 
 

@@ -19,13 +19,16 @@ from parity import kernel_ran, reference
 from parity.canonical import CANONICAL_KEYS
 from parity.devices import device_label
 from parity.harness.judge import NOTHING_COMPARED, judge, judge_grads, nan_note, status
+from parity.harness.judge import margin as judge_margin
 from parity.harness.matrix import Case, Inputs
 from parity.harness.decode import check_decode
 from parity.harness.leak import check_leak
 from parity.harness.report import Row, error_row
 from parity.impls import Implementation, builtin, mask_for
 from parity.peers.common import MissingPackage
-from parity.tolerances import TOLERANCES, Comparison, errors, gradient_floors, reduction_floors
+from parity.dtypes import coarser, numpy_dtype
+from parity.tolerances import (TOLERANCES, Comparison, envelope, errors, gradient_floors, reduction_floors, yardstick_dtype,
+                               yardstick_runs)
 
 TRAIN_STEPS = 5
 TRAIN_DTYPES = ("float64", "float32")  # 16-bit training drifts by design; nothing sharp to compare
@@ -67,7 +70,9 @@ class Unit:
     runners: dict  # framework -> TorchRunner | JaxRunner
     checks: tuple = ()
     _oracle: dict = field(default_factory=dict)
+    _low: dict = field(default_factory=dict)
     _grads: dict = field(default_factory=dict)
+    _yard: dict = field(default_factory=dict)
     _built: dict = field(default_factory=dict)
     _terms: dict = field(default_factory=dict)
     _decoders: dict = field(default_factory=dict)
@@ -90,36 +95,45 @@ class Unit:
         return {"num_heads": s.N, "num_kv_heads": s.num_kv_heads, "rope": s.rope, "rope_theta": s.rope_theta,
                 **self.x.position_kw}
 
-    def oracle(self, policy: str):
-        """(float64 intermediates, same maths in the run dtype or None), on the rounded inputs."""
-        if policy not in self._oracle:
+    def judged(self, impl: Implementation) -> str:
+        """The dtype whose table and yardstick judge `impl` here: its `computes_in` where that is coarser."""
+        return impl.judged_at(self.dtype)
+
+    def oracle(self, policy: str, at: str | None = None):
+        """(float64 intermediates, the yardstick judged at `at` (default: the run dtype): the same maths with
+        each stage rounded to `parity.tolerances.yardstick_dtype(at)`, as one array per stage whose error is
+        the largest of its runs' (`yardstick_runs`, `envelope`)), on the rounded inputs."""
+        at = at or self.dtype
+        if policy not in self._oracle or (policy, at) not in self._low:
             sd, q, k, v = self._args64()
             kw = {**self._layer_kw(), "masked_rows": policy}
-            exact = reference.forward(sd, q, k, v, self.x.keep, **kw)
-            low = None
-            if self.tol.three_way_k is not None:
-                low = reference.forward(sd, q, k, v, self.x.keep, dtype=self.x.query.dtype, **kw)
-            self._oracle[policy] = (exact, low)
-        return self._oracle[policy]
+            if policy not in self._oracle:
+                self._oracle[policy] = reference.forward(sd, q, k, v, self.x.keep, **kw)
+            runs = yardstick_runs(lambda sd, xs, dt: reference.forward(sd, *xs, self.x.keep, dtype=dt, **kw), sd,
+                                  (q, k, v), at)
+            self._low[(policy, at)] = envelope(self._oracle[policy], runs)
+        return self._oracle[policy], self._low[(policy, at)]
 
-    def oracle_grads(self, policy: str, masked_row_grads: str = "stop"):
-        """(float64 gradients, per-key yardstick errors of the same maths in the run dtype or None).
+    def oracle_grads(self, policy: str, masked_row_grads: str = "stop", at: str | None = None):
+        """(float64 gradients, per-key errors of the yardstick judged at `at` (default: the run dtype)).
 
         masked_row_grads: what the implementation declares its fully masked rows do ("stop" | "flow")."""
+        at = at or self.dtype
         key = (policy, masked_row_grads)
-        if key not in self._grads:
+        if key not in self._grads or (*key, at) not in self._yard:
             sd, q, k, v = self._args64()
             cot = reference.as_float64(self.x.cotangent)
             kw = {**self._layer_kw(), "masked_rows": policy, "masked_row_grads": masked_row_grads}
-            exact = reference.backward(sd, q, k, v, self.x.keep, cot, **kw)
-            yard = None
-            if self.tol.three_way_k is not None:
-                low = reference.backward(sd, q, k, v, self.x.keep, cot, dtype=self.x.query.dtype, **kw)
-                yard = {n: errors(low[n], exact[n])[0] for n in exact}
-            self._grads[key] = (exact, yard)
-        return self._grads[key]
+            if key not in self._grads:
+                self._grads[key] = reference.backward(sd, q, k, v, self.x.keep, cot, **kw)
+            runs = yardstick_runs(lambda sd, xs, dt: reference.backward(sd, *xs[:3], self.x.keep, xs[3], dtype=dt, **kw),
+                                  sd, (q, k, v, cot), at)
+            exact = self._grads[key]
+            self._yard[(*key, at)] = {n: max(errors(run[n], exact[n])[0] for run in runs) for n in exact}
+        return self._grads[key], self._yard[(*key, at)]
 
-    def bias_terms(self, policy: str, masked_row_grads: str = "stop", per_query_head: bool = False) -> dict[str, np.ndarray]:
+    def bias_terms(self, policy: str, masked_row_grads: str = "stop", per_query_head: bool = False,
+                   at: str | None = None) -> dict[str, np.ndarray]:
         """{bias gradient: its per-token terms (B·L, F), float64}: the gradient of that projection's output
         at each token, which the bias gradient sums (out_proj's: the cotangent), as the oracle's own maths in
         the run dtype stores it (`reference.backward(dtype=...)`). Read off the oracle with each input
@@ -127,7 +141,8 @@ class Unit:
         [I | 0], bias 0: the same layer and the same stored values, whose input gradient is then the
         projection's output gradient. per_query_head=True: on a grouped layer, k_proj's and v_proj's terms
         are each query head's share (B·G·S, F) before the sum over its group, which XLA folds into the
-        same float16 reduction when it fuses repeat_kv's transpose with the bias gradient's sum."""
+        same float16 reduction when it fuses repeat_kv's transpose with the bias gradient's sum.
+        at: the dtype judged (default the run dtype): the terms are stored as its yardstick stores them."""
         sd, *xs = self._args64()
         cot = reference.as_float64(self.x.cotangent)
         moved, inputs, widths = dict(sd), [], {}
@@ -142,7 +157,7 @@ class Unit:
         terms = {}
         if widths:  # a layer without q/k/v biases needs no second backward
             kw = {**self._layer_kw(), "masked_rows": policy, "masked_row_grads": masked_row_grads}
-            grads = reference.backward(moved, *inputs, self.x.keep, cot, dtype=self.x.query.dtype,
+            grads = reference.backward(moved, *inputs, self.x.keep, cot, dtype=numpy_dtype(yardstick_dtype(at or self.dtype)),
                                        per_query_head=per_query_head, **kw)
             terms = {f"{n}.bias": grads[key][..., :widths[n]].reshape(-1, widths[n])
                      for n, key in (("q_proj", "query"), ("k_proj", "key"), ("v_proj", "value")) if n in widths}
@@ -154,20 +169,21 @@ class Unit:
             terms["out_proj.bias"] = cot.reshape(-1, cot.shape[-1])
         return terms
 
-    def floors(self, policy: str, masked_row_grads: str, expected: dict) -> dict[str, float]:
-        """The 16-bit gradient floors (parity.tolerances): a true-zero gradient's, and each bias gradient's
-        bound when its sum over tokens runs in the dtype -- over the tokens, or on a grouped layer's k/v
-        biases over each query head's share of them (`bias_terms(per_query_head=True)`) -- the largest
-        where several apply. Empty in float64/float32."""
-        floors = gradient_floors(expected, self.dtype)
-        if self.tol.three_way_k is None:
+    def floors(self, policy: str, masked_row_grads: str, expected: dict, at: str | None = None) -> dict[str, float]:
+        """The gradient floors (parity.tolerances) of the dtype judged, `at` (default the run dtype): a true-zero
+        gradient's, and each bias gradient's bound when its sum over tokens runs in the dtype -- over the
+        tokens, or on a grouped layer's k/v biases over each query head's share of them
+        (`bias_terms(per_query_head=True)`) -- the largest where several apply."""
+        at = at or self.dtype
+        floors = gradient_floors(expected, at)
+        if TOLERANCES[at].three_way_k is None:
             return floors
         grouped = (self.case.shape.num_kv_heads or self.case.shape.N) < self.case.shape.N
         for per_query_head in (False, True) if grouped else (False,):
-            key = (policy, masked_row_grads, per_query_head)
+            key = (policy, masked_row_grads, per_query_head, yardstick_dtype(at))
             if key not in self._terms:
-                self._terms[key] = self.bias_terms(policy, masked_row_grads, per_query_head)
-            for n, f in reduction_floors(self._terms[key], expected, self.dtype).items():
+                self._terms[key] = self.bias_terms(policy, masked_row_grads, per_query_head, at)
+            for n, f in reduction_floors(self._terms[key], expected, at).items():
                 floors[n] = max(f, floors.get(n, 0.0))
         return floors
 
@@ -184,7 +200,7 @@ class Unit:
 
     def table(self, impl: Implementation):
         """The tolerance entry `impl` is judged with here: its `computes_in` where that is coarser."""
-        return TOLERANCES[impl.judged_at(self.dtype)]
+        return TOLERANCES[self.judged(impl)]
 
     def judged_note(self, impl: Implementation) -> str:
         at = impl.judged_at(self.dtype)
@@ -268,16 +284,19 @@ class Unit:
             return st, "; ".join(m for m in (why, message) if m)
         return st, message
 
-    def row(self, check, impl: Implementation, ref, st, quantity="", cmp: Comparison | None = None, **kw) -> Row:
+    def row(self, check, impl: Implementation, ref, st, quantity="", cmp: Comparison | None = None, *,
+            kernel: tuple[str, str] | None = None, **kw) -> Row:
+        """kernel: (kernel, note) of the call this row judges; None: the unit's forward call's (`forward`)."""
         nums = {}
         if cmp is not None:
-            nums = dict(max_abs_err=cmp.max_abs_err, max_rel_err=cmp.max_rel_err, atol=cmp.atol, rtol=cmp.rtol)
+            nums = dict(max_abs_err=cmp.max_abs_err, max_rel_err=cmp.max_rel_err, atol=cmp.atol, rtol=cmp.rtol,
+                        margin=judge_margin(cmp))  # Row raises it above 1 where the row fails for another reason
             if cmp.size is not None:
                 st, kw["message"] = self.nonfinite_verdict(st, cmp, kw.get("message", ""))
             if cmp.nan_mismatch and "NaN" not in kw.get("message", ""):
                 kw["message"] = (kw.get("message", "") + f"; {cmp.nan_mismatch} NaN-placement mismatches").strip("; ")
         device = device_label(self.runner(impl).device)
-        kernel, note = self.kernels.get(impl.name, ("", ""))
+        kernel, note = self.kernels.get(impl.name, ("", "")) if kernel is None else kernel
         if note and st != "skip":
             kw["message"] = "; ".join(m for m in (kw.get("message", ""), note) if m)
         return Row(self.case.name, check, impl.name, ref, self.dtype, device, st, quantity, **nums,
@@ -317,7 +336,7 @@ def divergence(unit: Unit, impl: Implementation, policy: str) -> dict:
         return {"message": f"divergence search failed: {type(e).__name__}: {e}"[:300]}
     if got is None:
         return {"message": f"{impl.name} exposes no intermediates (fn.intermediates), so no stage is named"}
-    exact, low = unit.oracle(policy)
+    exact, low = unit.oracle(policy, unit.judged(impl))
     s = unit.case.shape
     views = _stage_views(got, exact, low, unit.x.keep, (s.B, s.N, s.T, s.S))
     for stage in reference.STAGES:
@@ -372,25 +391,36 @@ def _disagreement(c: Comparison, actual, expected) -> str:
 
 
 def _judge_forward(unit: Unit, impl: Implementation, policy: str, out, w, check: str = "forward", note: str = "") -> list[Row]:
-    exact, low = unit.oracle(policy)
+    exact, low = unit.oracle(policy, unit.judged(impl))
     tol, k = unit.table(impl).forward, unit.table(impl).three_way_k
     note = "; ".join(n for n in (note, unit.judged_note(impl)) if n)
     quantities = [("output", out)] + ([] if w is None else [("weights", w)])
     cmps = [(q, a, judge(a, getattr(exact, q), tol, k, None if low is None else getattr(low, q))) for q, a in quantities]
     extra = divergence(unit, impl, policy) if any(not c.passed for *_, c in cmps) else {}
-    if check == "gradient" and extra.get("stage") == "output":
-        # The stage search runs without autograd: every stage agreeing says the difference is autograd's.
-        extra = {"message": "its intermediates (computed without autograd) agree with the oracle: "
-                            "it computes differently with autograd on"}
     rows = []
     for q, a, c in cmps:
         kw = dict(extra) if not c.passed else {}
         message = [note] if note else []
         if not c.passed:
-            message += [_disagreement(c, a, getattr(exact, q)), extra.get("message", "")]
+            autograd = _autograd_note(unit, impl, q, c, tol, k, exact, low) if check == "gradient" else ""
+            message += [_disagreement(c, a, getattr(exact, q)), autograd or extra.get("message", "")]
         kw["message"] = "; ".join(m for m in message if m)
         rows.append(unit.row(check, impl, "oracle", status(c), q, c, **kw))
     return rows
+
+
+def _autograd_note(unit: Unit, impl: Implementation, q: str, c: Comparison, tol, k, exact, low) -> str:
+    """Why the gradient call's `q` fails where it was measured: the forward check's call of the same
+    implementation on the same inputs (autograd off) passing the same bound says the difference is autograd's;
+    "" when the forward check did not run this implementation or failed it too (nothing apart was measured)."""
+    plain = (unit.results.get(("forward", impl.name)) or {}).get(q)
+    if plain is None:
+        return ""
+    off = judge(plain, getattr(exact, q), tol, k, getattr(low, q))
+    if not off.passed:
+        return ""
+    return (f"its forward call (autograd off) passes the same bound (margin {judge_margin(off):.2g}) and this call "
+            f"(autograd on) does not (margin {judge_margin(c):.2g}): it computes differently with autograd on")
 
 
 def _ref_name(unit: Unit, policy: str) -> str:
@@ -417,7 +447,7 @@ def _forward_vs_torch(unit: Unit, impl: Implementation, policy: str, got: dict) 
         base = _torch_reference(unit, policy, "forward")
     except Exception as e:
         return [error_row(unit, "forward", impl, ref, e)]
-    exact, low = unit.oracle(policy)
+    exact, low = unit.oracle(policy, unit.judged(impl))
     rows = []
     for q, a in got.items():
         if a is None or base[q] is None:
@@ -557,8 +587,9 @@ def check_gradient(unit: Unit, impls) -> list[Row]:
             rows.append(unit.row("gradient", impl, "oracle", "skip", message=why))
             continue
         policy = impl.policy(unit.case.masked_rows)
-        expected, yard_err = unit.oracle_grads(policy, impl.masked_row_grads)
-        floors = unit.floors(policy, impl.masked_row_grads, expected)
+        at = unit.judged(impl)
+        expected, yard_err = unit.oracle_grads(policy, impl.masked_row_grads, at)
+        floors = unit.floors(policy, impl.masked_row_grads, expected, at)
         try:
             out, w, got = unit.runner(impl).vjp(unit.built(impl, policy), *unit.inputs(), unit.x.cotangent)
         except Exception as e:
@@ -652,10 +683,10 @@ def check_peers(unit: Unit, peers) -> list[Row]:
             rows.append(unit.row("peers", peer, "oracle", "skip", message=why))
             continue
         policy = peer.policy(unit.case.masked_rows)
-        effective = peer.judged_at(unit.dtype)
+        effective = unit.judged(peer)
         table = TOLERANCES[effective]
         tol, k = table.forward, table.three_way_k
-        exact, low = unit.oracle(policy)
+        exact, low = unit.oracle(policy, effective)
         note = f"masked_rows={policy}: {peer.doc}"
         if effective != unit.dtype:
             note += f"; judged at the {effective} tolerance (the precision it computes in)"
@@ -695,12 +726,13 @@ def check_peers(unit: Unit, peers) -> list[Row]:
 def _peer_autodiff_rows(unit: Unit, peer: Implementation, policy: str, table, note: str) -> list[Row]:
     """A peer that computes with the canonical parameters (uses_params): its framework's autodiff gradients
     w.r.t. query, key, value and every parameter, against the oracle's under the masked-row gradient it declares."""
-    expected, yard = unit.oracle_grads(policy, peer.masked_row_grads)
+    at = unit.judged(peer)
+    expected, yard = unit.oracle_grads(policy, peer.masked_row_grads, at)
     _, _, got = unit.runner(peer).vjp(unit.built(peer, policy), *unit.inputs(), unit.x.cotangent)
     missing = sorted(n for n in expected if got.get(n) is None)
     if missing:
         raise ValueError(f"{peer.name} gave no gradient for {', '.join(missing)}")
-    floors = unit.floors(policy, peer.masked_row_grads, expected)
+    floors = unit.floors(policy, peer.masked_row_grads, expected, at)
     note = f"{note}; masked_row_grads={peer.masked_row_grads}"
     rows = []
     for group in GRAD_GROUPS:
@@ -713,7 +745,8 @@ def _peer_grad_rows(unit: Unit, peer: Implementation, policy: str, vjp, table, n
     """A self-attention peer's own gradients (fn.vjp: w.r.t. its one input and its weights) against the
     oracle's, under the masked-row gradient it declares. Its input is the query, key and value at once,
     so its input gradient is judged against the sum of the oracle's three."""
-    expected, yard = unit.oracle_grads(policy, peer.masked_row_grads)
+    at = unit.judged(peer)
+    expected, yard = unit.oracle_grads(policy, peer.masked_row_grads, at)
     x = unit.x
     structure = unit.structure(peer)
     keep, kw = (x.keep, {}) if structure is None else (structure[1], structure[0])
@@ -722,7 +755,7 @@ def _peer_grad_rows(unit: Unit, peer: Implementation, policy: str, vjp, table, n
     expected = dict(expected, input=sum(reference.as_float64(expected[n]) for n in ("query", "key", "value")))
     if yard is not None:  # the sum's error is at most the sum of the three errors
         yard = dict(yard, input=sum(yard[n] for n in ("query", "key", "value")))
-    floors = unit.floors(policy, peer.masked_row_grads, expected)
+    floors = unit.floors(policy, peer.masked_row_grads, expected, at)
     note = f"{note}; masked_row_grads={peer.masked_row_grads}"
     rows = []
     for quantity, names in (("d_input", ("input",)), ("d_params", _group("d_params", expected))):
@@ -741,12 +774,12 @@ def check_pairs(unit: Unit, impls) -> list[Row]:
         for b in users[n + 1:]:
             if a.framework == b.framework:
                 continue
-            judged = a if TOLERANCES[a.judged_at(unit.dtype)].forward.atol >= TOLERANCES[b.judged_at(unit.dtype)].forward.atol else b
-            table = unit.table(judged)
+            at = coarser(unit.judged(a), unit.judged(b))
+            table = TOLERANCES[at]
             policy = a.policy(unit.case.masked_rows)
             if policy != b.policy(unit.case.masked_rows):
                 continue  # fully masked rows differ by their declarations; each is judged against the oracle
-            exact, low = unit.oracle(policy)
+            exact, low = unit.oracle(policy, at)
             for check in ("forward", "gradient"):
                 ra, rb = unit.results.get((check, a.name)), unit.results.get((check, b.name))
                 if ra is None or rb is None:
@@ -764,8 +797,8 @@ def check_pairs(unit: Unit, impls) -> list[Row]:
                     continue
                 if "x" in ra or "x" in rb:
                     ra, rb = one_input(ra), one_input(rb)
-                expected, yard = unit.oracle_grads(policy, a.masked_row_grads)
-                floors = unit.floors(policy, a.masked_row_grads, expected)
+                expected, yard = unit.oracle_grads(policy, a.masked_row_grads, at)
+                floors = unit.floors(policy, a.masked_row_grads, expected, at)
                 yard = one_input(yard) if "x" in ra else yard
                 for group in GRAD_GROUPS:
                     names = tuple(n for n in _group(group, ra) if rb.get(n) is not None and ra[n] is not None)

@@ -1,17 +1,19 @@
-"""Judging one array against a reference: the table's bound, three-way for 16-bit, NaN placement.
+"""Judging one array against a reference: the table's three-way bound, NaN placement.
 
-  float64/float32  elementwise atol + rtol * |oracle|, NaNs at the same places.
-  16-bit forward   three-way: err(candidate, float64 oracle) <= k * err(oracle's own
-                   maths in that dtype, float64 oracle) + atol.
-  16-bit gradient  three-way as well, the yardstick being `reference.backward(dtype=...)`:
-                   the oracle's backward with every stored stage rounded as the modules
-                   store it.
-Implementation-vs-implementation rows use the same bound, with the 16-bit yardstick
-measured on the oracle (so two candidates may each be off by it).
-A 16-bit gradient whose true value is zero is judged against the floor of
-`parity.tolerances.gradient_floors` (its yardstick is ~0 too).
-The arithmetic is `parity.tolerances` (`compare`, `three_way`); this module picks which applies
-and merges several arrays into one row.
+Every dtype (`parity.tolerances`): err(candidate, float64 oracle) <= k * err(yardstick, float64
+oracle) + atol, the yardstick being the oracle's own maths in that dtype -- each stage rounded as
+the modules store it (`reference.forward(dtype=...)`; gradients: `reference.backward(dtype=...)`),
+in float32 and float64 the largest error of that run and of runs on inputs and weights nudged by
+up to eps (`parity.tolerances.yardstick_runs`); float64's is float32's, with k scaled to float64's
+resolution. So the bound grows with the size of the terms a layer sums, in every dtype.
+Implementation-vs-implementation rows use the same bound with the yardstick doubled (each
+candidate may be off the oracle by it). A gradient whose true value is zero, and a bias gradient
+summed in the dtype, get the floors of `parity.tolerances.gradient_floors` / `reduction_floors`.
+Where no yardstick is given (`k` or the yardstick None: the training rows, the sharded check) the
+elementwise bound atol + rtol·|expected| applies.
+The arithmetic is `parity.tolerances` (`compare`, `three_way`), which also computes each
+comparison's margin from the same numbers as its verdict; this module picks which applies and
+merges several arrays into one row.
 """
 
 from __future__ import annotations
@@ -19,15 +21,17 @@ from __future__ import annotations
 import numpy as np
 
 from parity import reference
-from parity.tolerances import Comparison, Tolerance, compare, errors, three_way
+from parity.tolerances import Comparison, Tolerance, compare, errors, ratio, settled_margin, three_way
 
 
 def judge(actual, expected, tol: Tolerance, k: float | None = None, yardstick=None, yard_err: float | None = None,
           floor: float = 0.0) -> Comparison:
     """The table's judgement; three-way when k is set and a yardstick is known.
 
-    floor: the least bound a 16-bit three-way judgement allows (a true-zero gradient's,
-    see parity.tolerances.gradient_floors); 0 leaves the bound as the table makes it.
+    yardstick: the yardstick's array (`expected` is the oracle); yard_err: its error, given when
+    `expected` is another candidate (the pair bound: twice the yardstick). floor: the least bound a
+    three-way judgement allows (parity.tolerances.gradient_floors, reduction_floors); 0 leaves the
+    bound as the table makes it.
     """
     if k is None or (yardstick is None and yard_err is None):
         return compare(actual, expected, tol)
@@ -69,9 +73,10 @@ def judge_grads(got: dict, expected: dict, tol: Tolerance, names, k=None, yard_e
     worst = max(names, key=badness)
     c = cmps[worst]
     total_nan = sum(x.nan_mismatch for x in cmps.values())
+    # the worst is a failing array whenever one fails, so the merged margin is above 1 exactly when the row fails
     merged = Comparison(c.max_abs_err, c.max_rel_err, c.atol, c.rtol, total_nan, all(x.passed for x in cmps.values()),
                         all(x.values_ok is not False for x in cmps.values()),
-                        sum(x.compared for x in cmps.values()), sum(x.size for x in cmps.values()))
+                        sum(x.compared for x in cmps.values()), sum(x.size for x in cmps.values()), margin=c.margin)
     note = f"worst: {worst}" + ("" if c.passed else " (fails)")
     empty = [n for n in names if cmps[n].nothing_compared]
     if empty and len(empty) < len(names):  # all of them: the row's own message says so (checks.Unit.row)
@@ -86,5 +91,8 @@ def judge_grads(got: dict, expected: dict, tol: Tolerance, names, k=None, yard_e
 
 
 def margin(c: Comparison) -> float:
-    """max error ÷ the bound it was allowed (at |expected| = 1): < 1 passes, the smaller the more room."""
-    return c.max_abs_err / ((c.atol or 0.0) + (c.rtol or 0.0) or 1e-300)
+    """max error ÷ the bound it was allowed, as the comparison computed it with its verdict: at most 1 passes,
+    the smaller the more room (`parity.tolerances.settled_margin`)."""
+    if c.margin is not None:
+        return c.margin
+    return settled_margin(ratio(c.max_abs_err, (c.atol or 0.0) + (c.rtol or 0.0)), c.passed)

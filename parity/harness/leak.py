@@ -15,7 +15,9 @@ input gradients that only unaffected queries reach -- the query gradient at an u
 the key and value gradients at a key that is not perturbed and that only unaffected queries keep.
 A tolerance would hide a small leak (a masked key at weight 1e-9, a window one token too wide);
 exact equality cannot (a masked weight is exactly 0, and 0 times a finite value adds nothing).
-Rows: check "leak", reference "unperturbed", quantity "output" and "d_inputs".
+Rows: check "leak", reference "unperturbed", quantity "output" and "d_inputs". Their bound is 0, so
+their margin (`leak_margin`) is the largest change in units of eps·max|value|: 0 when bit for bit,
+at least 1 on any change.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 from parity import reference
+from parity.dtypes import eps
 from parity.harness.report import Row, error_row
 
 CHECK = "leak"
@@ -79,17 +82,32 @@ def _perturb(x, where, rng):
     return out.astype(x.dtype)
 
 
-def _compare(base, other, rows_ok) -> tuple[int, int, float, tuple | None]:
-    """(values compared, values that differ, max |difference| among finite ones, first differing (b, t))."""
+def _compare(base, other, rows_ok) -> tuple[int, int, float, tuple | None, float]:
+    """(values compared, values that differ, max |difference| among finite ones, first differing (b, t),
+    the largest finite |value| on either side)."""
     a, b = reference.as_float64(base)[rows_ok], reference.as_float64(other)[rows_ok]
     same = (a == b) | (np.isnan(a) & np.isnan(b))
-    diff = np.abs(a - b)
+    with np.errstate(invalid="ignore"):
+        diff = np.abs(a - b)
     worst = float(diff[np.isfinite(diff)].max()) if np.isfinite(diff).any() and not same.all() else 0.0
     first = None
     if not same.all():
         bt = np.argwhere(rows_ok)[np.flatnonzero(~same.reshape(len(a), -1).all(axis=-1))[0]]
         first = tuple(int(i) for i in bt)
-    return int(a.size), int((~same).sum()), worst, first
+    both = np.concatenate([a.ravel(), b.ravel()])
+    finite = np.abs(both[np.isfinite(both)])
+    return int(a.size), int((~same).sum()), worst, first, float(finite.max()) if finite.size else 0.0
+
+
+def leak_margin(changed: int, worst: float, scale: float, dtype: str) -> float:
+    """A leak row's margin. Its bound is 0 (bit for bit), so error ÷ bound says nothing: the margin is the
+    largest change in units of the dtype's resolution at the largest value compared, eps·max|value| -- how
+    far above rounding the leak is -- and at least 1 when anything changed (a change of any size fails);
+    0 when nothing did."""
+    if not changed:
+        return 0.0
+    unit = eps(dtype) * scale
+    return max(1.0, worst / unit) if unit > 0 else 1.0  # unit 0: every value compared is 0 or changed to NaN/inf
 
 
 def _skip(unit, impl) -> str | None:
@@ -145,21 +163,22 @@ def check_leak(unit, impls) -> list[Row]:
 def _rows(unit, impl, result, uq, uk, where) -> list[Row]:
     (out, _, grads), (out2, _, grads2) = result
     rows = []
-    n, bad, worst, first = _compare(out, out2, uq)
-    rows.append(_row(unit, impl, "output", n, bad, worst, first, where,
+    n, bad, worst, first, scale = _compare(out, out2, uq)
+    rows.append(_row(unit, impl, "output", n, bad, worst, first, scale, where,
                      f"the output rows of the {int(uq.sum())} queries that keep no perturbed token"))
     masks = {"query": uq & uk if impl.inputs == "self" else uq, "key": uk, "value": uk}
-    total = [0, 0, 0.0, None]
+    total = [0, 0, 0.0, None, 0.0]
     named = []
     for name, ok in masks.items():
         g, g2 = (grads or {}).get(name), (grads2 or {}).get(name)
         if g is None or g2 is None or not ok.any():
             continue
-        n, bad, worst, first = _compare(g, g2, ok)
+        n, bad, worst, first, scale = _compare(g, g2, ok)
         named.append(name)
         total[0] += n
         total[1] += bad
         total[2] = max(total[2], worst)
+        total[4] = max(total[4], scale)
         if bad and total[3] is None:
             total[3] = (name, *first)
     if named:
@@ -168,16 +187,18 @@ def _rows(unit, impl, result, uq, uk, where) -> list[Row]:
     return rows
 
 
-def _row(unit, impl, quantity, n, bad, worst, first, where, what) -> Row:
+def _row(unit, impl, quantity, n, bad, worst, first, scale, where, what) -> Row:
     if n == 0:
         return unit.row(CHECK, impl, REFERENCE, "skip", quantity, message=f"{where} perturbed: nothing is left unaffected")
     if not bad:
-        return unit.row(CHECK, impl, REFERENCE, "pass", quantity, max_abs_err=0.0, atol=0.0, rtol=0.0,
+        return unit.row(CHECK, impl, REFERENCE, "pass", quantity, max_abs_err=0.0, atol=0.0, rtol=0.0, margin=0.0,
                         message=f"{where} perturbed; {what}: {n} values bit for bit unchanged")
     at = f"(batch, token) {first}" if len(first) == 2 else f"{first[0]} at (batch, token) {tuple(first[1:])}"
-    return unit.row(CHECK, impl, REFERENCE, "fail", quantity, max_abs_err=worst, atol=0.0, rtol=0.0,
-                    message=f"{where} perturbed; {what}: {bad} of {n} values changed (by up to {worst:.3g}; first "
-                            f"{at}): the perturbed tokens reach what the mask keeps them from")
+    m = leak_margin(bad, worst, scale, unit.dtype)
+    return unit.row(CHECK, impl, REFERENCE, "fail", quantity, max_abs_err=worst, atol=0.0, rtol=0.0, margin=m,
+                    message=f"{where} perturbed; {what}: {bad} of {n} values changed (by up to {worst:.3g}, "
+                            f"{m:.2g} x eps·max|value| (margin); first {at}): the perturbed tokens reach what the mask "
+                            "keeps them from")
 
 
 __all__ = ["check_leak", "perturbed_tokens", "unaffected", "CHECK", "REFERENCE"]

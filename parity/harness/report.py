@@ -7,6 +7,8 @@ import math
 import traceback
 from dataclasses import asdict, dataclass, field
 
+from parity.tolerances import ratio
+
 STATUSES = ("pass", "fail", "error", "skip")
 
 
@@ -29,18 +31,25 @@ class Row:
     stage: str = ""  # first diverging stage, on failure
     message: str = ""
     kernel: str = ""  # the attention kernel its forward call ran (`parity.kernel_ran`); "" where not read
+    # max error ÷ the bound it was allowed, computed with the verdict (`parity.tolerances.Comparison.margin`):
+    # at most 1 on a pass, above 1 on a fail; None: not judged by a bound (skip, error, a row without numbers)
+    margin: float | None = None
 
     def __post_init__(self):
         if self.status not in STATUSES:
             raise ValueError(f"status {self.status!r} is not one of {STATUSES}")
+        if self.margin is not None and self.status == "fail" and not self.margin > 1:
+            # it fails on something other than the size of its error (NaN placement, values that could not
+            # be compared): no bound covers that
+            object.__setattr__(self, "margin", math.inf)
 
 
-def error_row(unit, check: str, impl, ref: str, exc: BaseException) -> Row:
+def error_row(unit, check: str, impl, ref: str, exc: BaseException, **kw) -> Row:
     """The row of a call that raised: `unit.row` (parity.harness.checks.Unit) with status "error", the
-    exception's type and message and where it was raised."""
+    exception's type and message and where it was raised; kw: more of `unit.row`'s keywords."""
     last = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
     where = f" (at {last[0].filename.rsplit('/', 1)[-1]}:{last[0].lineno})" if last else ""
-    return unit.row(check, impl, ref, "error", message=f"{type(exc).__name__}: {exc}"[:500] + where)
+    return unit.row(check, impl, ref, "error", message=f"{type(exc).__name__}: {exc}"[:500] + where, **kw)
 
 
 @dataclass
@@ -94,7 +103,12 @@ def fmt(x) -> str:
 
 
 COLUMNS = ("case", "check", "impl", "reference", "dtype", "device", "quantity", "max_abs_err", "max_rel_err", "atol", "rtol",
-           "status", "stage", "kernel", "message")
+           "margin", "status", "stage", "kernel", "message")
+
+
+def cell(r: Row, column: str) -> str:
+    """One of COLUMNS of a row, as the tables print it."""
+    return fmt_margin(margin(r)) if column == "margin" else fmt(getattr(r, column))
 
 
 def to_markdown(report: Report) -> str:
@@ -116,7 +130,7 @@ def to_markdown(report: Report) -> str:
     lines += [f"- **{k}**: {v}" for k, v in env.items()]
     lines += ["", "## Rows", "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for r in report.rows:
-        cells = [fmt(getattr(r, c)).replace("|", "\\|").replace("\n", " ") for c in COLUMNS]
+        cells = [cell(r, c).replace("|", "\\|").replace("\n", " ") for c in COLUMNS]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -142,10 +156,20 @@ def grouped(rows) -> list[dict]:
 
 
 def margin(r: Row) -> float | None:
-    """max_abs_err ÷ (atol + rtol): the fraction of its allowance a row used (< 1 passes)."""
+    """The fraction of its bound a row used: `Row.margin`, as its judge computed it with the verdict (at most
+    1 passes, above 1 fails). A row made without one (by hand, or an older report's) gets max_abs_err ÷
+    (atol + rtol) -- 0 for no error, inf for an error where the bound is 0 -- and inf if it fails within it."""
+    if r.margin is not None:
+        return r.margin
     if r.max_abs_err is None or r.atol is None or not isinstance(r.max_abs_err, float):
         return None
-    return r.max_abs_err / ((r.atol or 0.0) + (r.rtol or 0.0) or 1e-300)
+    m = ratio(r.max_abs_err, (r.atol or 0.0) + (r.rtol or 0.0))
+    return m if r.status != "fail" or m > 1 else math.inf
+
+
+def fmt_margin(m: float | None) -> str:
+    """A margin as the tables print it: two significant digits, "inf" for an unbounded one."""
+    return "" if m is None else ("inf" if math.isinf(m) else f"{m:.2g}")
 
 
 GROUP_COLUMNS = ("check", "impl", "vs", "dtype", "qty", "rows", "margin", "status")
@@ -168,7 +192,7 @@ def group_cells(rows, wide: bool = False) -> list[tuple[list[str], str]]:
         worst = g["worst"][1] if g["worst"] else None
         st = group_status(g)
         counts = f"{g['pass']}/{g['rows']}" if st in ("pass", "fail") else f"{g[st]}/{g['rows']}"
-        m = f"{g['worst'][0]:.2g}" if g["worst"] else ""
+        m = fmt_margin(g["worst"][0]) if g["worst"] else ""
         cells = [_SHORT.get(check, check), impl, ref, _SHORT.get(dtype, dtype), _SHORT.get(qty, qty), counts, m, st]
         if wide:
             cells += [fmt(getattr(worst, c)) if worst else "" for c in WIDE_COLUMNS]
@@ -198,7 +222,7 @@ def summary_cells(rows) -> list[tuple[list[str], str]]:
         st = group_status(g)
         judged = g["rows"] - g["skip"]
         counts = f"{g['pass']}/{judged}" if st in ("pass", "fail", "error") else f"{g['skip']} skip"
-        m = "" if g["worst"] is None else f"{g['worst']:.2g}"
+        m = fmt_margin(g["worst"])
         out.append(([impl, _SHORT.get(check, check), _SHORT.get(dtype, dtype), counts, m, st], st))
     return out
 
@@ -253,31 +277,32 @@ def verdict_lines(report: Report) -> list[tuple[str, str]]:
 
 
 def _table(report: Report, all_rows: bool, all_columns: bool, details: bool):
-    """The console table: the summary (default), every row (all_rows), or the per-group one (details)."""
+    """The console table: the summary (default), every row (all_rows), or the per-group one (details). Every
+    cell is a rich Text: names and messages are printed as written (no markup, no emoji codes)."""
     from rich import box
-    from rich.markup import escape
     from rich.table import Table
+    from rich.text import Text
 
     def styled(cells, columns, st):
-        cells = [escape(c) for c in cells]
-        cells[columns.index("status")] = f"[{_STYLE[st]}]{st}[/]"
+        cells = [Text(c) for c in cells]
+        cells[columns.index("status")] = Text(st, style=_STYLE[st])
         return cells
 
     if not all_rows and not details and not all_columns:
-        table = Table(title="per implementation, check, dtype; margin = worst error ÷ bound (< 1 passes)",
+        table = Table(title=Text("per implementation, check, dtype; margin = worst error ÷ bound (< 1 passes)"),
                       box=box.SIMPLE_HEAD, pad_edge=False, title_justify="left")
         for c in SUMMARY_COLUMNS:
             table.add_column(c, justify="right" if c in ("rows", "margin") else "left", no_wrap=True)
         for cells, st in summary_cells(report.rows):
             table.add_row(*styled(cells, SUMMARY_COLUMNS, st))
     elif all_rows:
-        table = Table(title="mha-parity: every row", box=box.SIMPLE_HEAD)
+        table = Table(title=Text("mha-parity: every row"), box=box.SIMPLE_HEAD)
         for c in COLUMNS:
             table.add_column(c, overflow="fold")
         for r in report.rows:
-            table.add_row(*styled([fmt(getattr(r, c)) for c in COLUMNS], COLUMNS, r.status))
+            table.add_row(*styled([cell(r, c) for c in COLUMNS], COLUMNS, r.status))
     else:
-        table = Table(title="worst row of each group; margin = error ÷ bound (< 1 passes)", box=box.SIMPLE_HEAD,
+        table = Table(title=Text("worst row of each group; margin = error ÷ bound (< 1 passes)"), box=box.SIMPLE_HEAD,
                       pad_edge=False, title_justify="left")
         for c in GROUP_COLUMNS + (WIDE_COLUMNS if all_columns else ()):
             numeric = c in ("rows", "margin") + WIDE_COLUMNS
@@ -288,59 +313,80 @@ def _table(report: Report, all_rows: bool, all_columns: bool, details: bool):
     return table
 
 
+def print_table(console, table) -> None:
+    """`table` printed line by line without the spaces rich pads its cells with at the end of a line."""
+    from rich.text import Text
+
+    for line in console.render_lines(table, console.options, pad=False, new_lines=False):
+        text = Text()
+        for segment in line:
+            if not segment.control:
+                text.append(segment.text, segment.style)
+        text.rstrip()
+        console.print(text, soft_wrap=True)
+
+
+def _say(console, *parts) -> None:
+    """One line of text: each part a str (printed as written: no markup, no emoji codes) or (str, style)."""
+    from rich.text import Text
+
+    console.print(Text.assemble(*parts), soft_wrap=True)
+
+
 def print_report(report: Report, console, all_rows: bool = False, all_columns: bool = False,
                  details: bool = False) -> None:
     """The summary table (one line per implementation, check and dtype; readable at 80 columns), failures
     with their stage, the skip reasons, the counts and one line in words per user implementation.
     details: one line per (check, implementation, reference, dtype, quantity) instead, and every skip
-    reason; all_rows: every row."""
-    from rich.markup import escape
-
+    reason; all_rows: every row. Everything is printed as text (rich Text): what a layer's name or message
+    says is never read as markup or emoji codes; no line ends in spaces."""
     env = report.environment
-    console.print(
-        f"[bold]mha-parity[/] seed={env.get('seed')} device={env.get('device')} x64={env.get('jax_enable_x64')} "
-        f"precision: jax={env.get('jax_default_matmul_precision')} torch={env.get('torch_float32_matmul_precision')}"
-    )
-    console.print(_table(report, all_rows, all_columns, details))
+    _say(console, ("mha-parity", "bold"),
+         f" seed={env.get('seed')} device={env.get('device')} x64={env.get('jax_enable_x64')} "
+         f"precision: jax={env.get('jax_default_matmul_precision')} torch={env.get('torch_float32_matmul_precision')}")
+    print_table(console, _table(report, all_rows, all_columns, details))
     _print_failures(report, console, all_rows)
     skips = sorted({r.message for r in report.rows if r.status == "skip" and r.message})
     if details or all_rows or len(skips) <= MAX_SKIP_LINES:
         for msg in skips:
-            console.print(f"[yellow]skip:[/] {escape(msg)}", soft_wrap=True)
+            _say(console, ("skip:", "yellow"), f" {msg}")
     else:
-        console.print(f"[yellow]skip:[/] {len(skips)} distinct reasons (--details prints them; the reports hold them)")
+        _say(console, ("skip:", "yellow"), f" {len(skips)} distinct reasons (--details prints them; the reports hold them)")
     s = report.summary()
     style = "green" if report.ok else "bold red"
-    console.print(
-        f"[{style}]{s['total']} rows: {s['pass']} pass, {s['fail']} fail, {s['error']} error, {s['skip']} skip"
-        f"{' (interrupted)' if report.interrupted else ''} in {s['elapsed_s']} s[/]"
-    )
+    _say(console, (f"{s['total']} rows: {s['pass']} pass, {s['fail']} fail, {s['error']} error, {s['skip']} skip"
+                   f"{' (interrupted)' if report.interrupted else ''} in {s['elapsed_s']} s", style))
     if report.checked_nothing:
-        console.print("[bold red]nothing was checked: no row passed (see the skip reasons above)[/]")
+        _say(console, ("nothing was checked: no row passed (see the skip reasons above)", "bold red"))
     elif report.unchecked:
-        console.print(f"[bold red]nothing was checked for {escape(', '.join(report.unchecked))}: every unit skipped it "
-                      "(see the skip reasons above)[/]")
+        _say(console, (f"nothing was checked for {', '.join(report.unchecked)}: every unit skipped it "
+                       "(see the skip reasons above)", "bold red"))
     for style, text in verdict_lines(report):
-        console.print(f"[{style}]{escape(text)}[/]", soft_wrap=True)
+        _say(console, (text, style))
+
+
+def failure_numbers(r: Row) -> str:
+    """A failing row's numbers, as its margin says them: "margin 2.3: err 2.3e-06 > bound 1.00e-06"; an
+    elementwise bound (atol + rtol·|expected|) or a row failing within its bound (NaN placement, values not
+    compared: margin inf) shows its bound without a comparison sign."""
+    if r.max_abs_err is None:
+        return ""
+    bound = f"{fmt(r.atol)}" + (f" + {fmt(r.rtol)}·|expected|" if r.rtol else "")
+    over = not r.rtol and r.atol is not None and r.max_abs_err > r.atol
+    return f" margin {fmt_margin(margin(r))}: err {fmt(r.max_abs_err)}" + (f" > bound {bound}" if over else f", bound {bound}")
 
 
 def _print_failures(report: Report, console, all_rows: bool) -> None:
     """Each failure or error as a short block: it has room for its stage and message at 80 columns."""
-    from rich.markup import escape
-
     bad = [r for r in report.rows if r.status in ("fail", "error")]
     if not bad or all_rows:
         return
-    console.print(f"[bold red]{len(bad)} failure(s)/error(s):[/]")
+    _say(console, (f"{len(bad)} failure(s)/error(s):", "bold red"))
     for r in bad[:40]:
         where = f" stage={r.stage}" if r.stage else ""
-        nums = ""
-        if r.max_abs_err is not None:  # a NaN-placement failure can be within the bound: say which
-            over = r.max_abs_err > (r.atol or 0.0) + (r.rtol or 0.0)
-            nums = f" err {fmt(r.max_abs_err)} {'>' if over else '<='} bound {fmt(r.atol)}"
-        console.print(f"[{_STYLE[r.status]}]{r.status}[/] {escape(r.case)} {escape(r.check)} {escape(r.impl)} vs "
-                      f"{escape(r.reference)} {r.dtype} {escape(r.quantity)}{nums}{where}", soft_wrap=True)
+        _say(console, (r.status, _STYLE[r.status]),
+             f" {r.case} {r.check} {r.impl} vs {r.reference} {r.dtype} {r.quantity}{failure_numbers(r)}{where}")
         if r.message:
-            console.print(f"    {escape(r.message)}", soft_wrap=True)
+            _say(console, f"    {r.message}")
     if len(bad) > 40:
-        console.print(f"... and {len(bad) - 40} more; see the JSON/Markdown report")
+        _say(console, f"... and {len(bad) - 40} more; see the JSON/Markdown report")

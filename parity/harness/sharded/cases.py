@@ -199,7 +199,7 @@ def judge_job(job: Job, inp: JobInputs, sharded: dict, one_device: dict, device:
             c, note = judge_grads(sharded, expected, t, names)
             rows.append(Row(
                 job.case, "sharded", job.impl, ref_name, job.dtype, device, status(c), quantity,
-                c.max_abs_err, c.max_rel_err, c.atol, c.rtol,
+                c.max_abs_err, c.max_rel_err, c.atol, c.rtol, margin=c.margin,
                 stage="" if c.passed else f"{job.sharding}:{'forward' if quantity == 'output' else 'backward'}",
                 message=f"{job.sharding} over {job.devices} devices; {note}",
             ))
