@@ -104,10 +104,12 @@ def _quiet_fd2():
 
 
 class TorchObserved:
-    """What `torch_observer` saw: the aten op names, and their label (filled when the block ends)."""
+    """What `torch_observer` saw: the aten op names, and their label (filled when the block ends); with
+    record_shapes, `sdpa_calls`: (op name, input shapes, concrete inputs) of every SDPA op (how its mask came)."""
 
     def __init__(self):
         self.ops: list[str] = []
+        self.sdpa_calls: list[tuple] = []
 
     @property
     def label(self) -> str:
@@ -115,7 +117,7 @@ class TorchObserved:
 
 
 @contextlib.contextmanager
-def torch_observer():
+def torch_observer(record_shapes: bool = False):
     """`with torch_observer() as seen: call()`; then `seen.label` ("sdpa:flash", "bmm-softmax", "unknown")."""
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -123,9 +125,12 @@ def torch_observer():
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     seen = TorchObserved()
     with _quiet_fd2():
-        with profile(activities=activities) as prof:
+        with profile(activities=activities, record_shapes=record_shapes) as prof:
             yield seen
     seen.ops = sorted({e.name for e in prof.events()})
+    if record_shapes:
+        seen.sdpa_calls = [(e.name, list(e.input_shapes or ()), list(getattr(e, "concrete_inputs", None) or ()))
+                           for e in prof.events() if "scaled_dot_product" in e.name]
 
 
 # ---------------------------------------------------------------- JAX

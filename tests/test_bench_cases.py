@@ -236,20 +236,21 @@ def test_the_window_and_packed_keep_masks_and_their_kept_fraction():
             keep_mask(BenchCase.of(2, 7, 7, 12, 3, "float32", mask="causal"))).all()
 
 
-def test_structured_implementations_get_the_window_and_packed_masks_as_keywords_for_the_same_mask():
+def test_structured_implementations_get_the_causal_window_and_packed_masks_as_keywords_for_the_same_mask():
     from parity.bench.spec import impl_keep_mask, structure_for
     from parity.impls import BUILTIN
     from parity.reference import structured_keep
     ours = next(im for im in BUILTIN if im.structured)
-    dense = next(im for im in BUILTIN if not im.structured)
-    for mask, B, T, S in (("window:3", 2, 5, 7), ("window:100", 1, 5, 9), ("packed:3", 2, 9, 9)):
+    dense = next(im for im in BUILTIN if not im.structured and not im.takes_is_causal)
+    for mask, B, T, S in (("causal", 2, 5, 7), ("causal", 2, 6, 6), ("window:3", 2, 5, 7), ("window:100", 1, 5, 9),
+                          ("packed:3", 2, 9, 9)):
         case = BenchCase.of(B, T, S, 12, 3, "float32", mask=mask)
         kw, padding = structure_for(ours, case)
         assert padding is None and impl_keep_mask(ours, case) is None  # the keywords are the whole mask
         # the same mask as the dense one every other implementation gets
         assert (np.broadcast_to(structured_keep(T, S, **kw), (B, 1, T, S)) == keep_mask(case)).all(), mask
         assert structure_for(dense, case) is None and (impl_keep_mask(dense, case) == keep_mask(case)).all()
-    for mask in ("none", "causal", "padding"):  # plain kinds stay dense masks (or none) for everyone
+    for mask in ("none", "padding"):  # the others stay dense masks (or none) for everyone
         case = BenchCase.of(2, 5, 7, 12, 3, "float32", mask=mask)
         assert structure_for(ours, case) is None
 

@@ -354,7 +354,7 @@ def test_noisy_rows_are_measured_and_do_not_veto_a_tight_paired_verdict(tmp_path
     rc, text, calls = _run([*seq16, "--json", str(out)], load=(1.0, 1.6), cost={OURS: 1.5e-3})
     assert rc == 0, text  # noisy is not a failure of the implementation: the exit code is unchanged
     data = json.loads(out.read_text())
-    assert data["schema"] == "mha-bench/3" and len(calls) == 2
+    assert data["schema"] == "mha-bench/4" and len(calls) == 2
     assert [(r["status"], r["processes"], r["rounds"], r["repeats"]) for r in data["rows"]] == [("noisy", 2, 6, 24)] * 2
     v = data["verdicts"][0]
     assert (v["faster"], v["slower"], v["conclusive"], v["processes"], v["rounds"]) == (SDPA, OURS, True, 2, 6)

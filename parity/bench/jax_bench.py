@@ -8,6 +8,9 @@ traversal, which would be timed as framework overhead).
 
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -67,8 +70,10 @@ def _program(runner: JaxRunner, built, pass_: str, self_attention: bool):
         out, _ = f(params, *inputs)
         return out.astype(jnp.float32).sum()
 
-    # Gradient w.r.t. parameters and every input: x once, or query, key and value.
-    return jax.jit(jax.grad(loss, argnums=(0, 1) if self_attention else (0, 1, 2, 3)))
+    # Gradient w.r.t. every input (x once, or query, key and value) and the parameters where fn computes
+    # with them (uses_params; else it computes none, as torch's step: `gradient_names`).
+    inputs = (1,) if self_attention else (1, 2, 3)
+    return jax.jit(jax.grad(loss, argnums=(0, *inputs) if built.impl.uses_params else inputs))
 
 
 def _args(built, case: BenchCase, seed: int, dev) -> tuple:
@@ -95,8 +100,9 @@ def build(impl: Implementation, case: BenchCase, pass_: str, device: str, seed: 
     holder = {}
 
     def aot_compile():
-        traced = program.trace(*args)  # its jaxpr says whether a Pallas or cuDNN kernel is in the program
-        holder["jaxpr"] = traced.jaxpr
+        with choices() as made:  # what our module's dispatch chose while tracing (`kernels.fused_choice`)
+            traced = program.trace(*args)  # its jaxpr says whether a Pallas or cuDNN kernel is in the program
+        holder["jaxpr"], holder["choices"] = traced.jaxpr, made
         holder["compiled"] = traced.lower().compile()
 
     def step():
@@ -122,29 +128,97 @@ def build(impl: Implementation, case: BenchCase, pass_: str, device: str, seed: 
         return np.asarray(out[0].astype(jnp.float32))
 
     requested = kernel_of(impl, case, dev)
+
+    def mask_path():
+        return None if "choices" not in holder else jax_mask_path(case, built, holder["choices"])
+
+    return Bench(
+        step=step, sync=sync, aot_compile=aot_compile, recompile=recompile, output=output,
+        memory=_memory_probe(device, step, holder), mask_path=mask_path,
+        kernel=kernel_ran.BenchKernel(requested, lambda: _ran(holder, requested, dev)),
+        gradients=None if pass_ == "fwd" else functools.partial(gradient_names, case, built),
+    )
+
+
+def _memory_probe(device: str, step, holder: dict):
+    """One call under the peak-memory probe: (bytes, source, the call's output). A CPU's RSS growth, else
+    the compiled program's (holder["compiled"]) XLA memory analysis."""
     if device == "cpu":
         rss = CpuPeakRss()
-        memory = lambda: rss(step, sync)  # noqa: E731
-    else:
-        def memory():
-            out = step()
-            sync(out)
-            ma = holder["compiled"].memory_analysis()
-            if ma is None:
-                return None, "unavailable (no XLA memory analysis on this backend)", out
-            total = ma.temp_size_in_bytes + ma.output_size_in_bytes
-            return int(total), f"{device}: XLA memory_analysis temp + output bytes of the compiled program", out
-    return Bench(
-        step=step, sync=sync, aot_compile=aot_compile, recompile=recompile, output=output, memory=memory,
-        kernel=kernel_ran.BenchKernel(requested, lambda: _ran(holder, requested, dev)),
-    )
+        return lambda: rss(step, sync)
+
+    def memory():
+        out = step()
+        sync(out)
+        ma = holder["compiled"].memory_analysis()
+        if ma is None:
+            return None, "unavailable (no XLA memory analysis on this backend)", out
+        total = ma.temp_size_in_bytes + ma.output_size_in_bytes
+        return int(total), f"{device}: XLA memory_analysis temp + output bytes of the compiled program", out
+
+    return memory
+
+
+def gradient_names(case: BenchCase, built, grads) -> dict[str, np.ndarray]:
+    """A fwd+bwd step's gradients (`_program`: the parameters' dict first where it computes them, then the
+    inputs') by the names torch's step gives them (`torch_bench.gradient_names`)."""
+    grads = list(grads)
+    named = {}
+    if built.impl.uses_params:
+        named.update(grads.pop(0))
+    inputs = ["x"] if case.self_attention else ["query", "key", "value"]
+    if len(grads) != len(inputs):
+        raise ValueError(f"{built.impl.name}: {len(grads)} input gradients for {inputs}")
+    named = {**dict(zip(inputs, grads)), **named}
+    return {n: np.asarray(g.astype(jnp.float32)) for n, g in named.items()}
+
+
+@contextlib.contextmanager
+def choices():
+    """`with choices() as made: trace()`: every `mha_jax.kernels.Choice` our module's dispatch made meanwhile."""
+    made: list = []
+    original = kernels.fused_choice
+
+    def spy(*a, **kw):
+        choice = original(*a, **kw)
+        made.append(choice)
+        return choice
+
+    kernels.fused_choice = spy
+    try:
+        yield made
+    finally:
+        kernels.fused_choice = original
+
+
+def jax_mask_path(case: BenchCase, built, made: list) -> str:
+    """The row's `mask_path` (`spec.MASK_PATHS`). Our module: by the kernel its dispatch chose while the program
+    was traced (`choices`; none: the weights path's einsum core): the chunked kernel takes a causal or windowed
+    band as structure and skips the key blocks a dense mask leaves empty (`mha_jax.chunked.block_census`), a
+    Pallas kernel takes the structure, the others apply a dense mask to every score. Any other implementation:
+    what it was given, the structure (a structured layer of the user's) or a dense mask."""
+    if case.mask == "none":
+        return "none"
+    band = any(k in built.structure for k in ("is_causal", "window"))
+    if built.impl.family != "ours-jax":
+        return "structure" if built.structure else "dense"
+    kernel = made[0].kernel if made else kernels.EINSUM
+    if kernel == kernels.CHUNKED:
+        return "structure" if band else "blocks-skipped"
+    if kernel in kernels.PALLAS_KERNELS:
+        return "structure"
+    return "dense"
 
 
 def _ran(holder: dict, requested: str, dev) -> tuple[str, str] | None:
     """(kernel, message) from the compiled program (`kernel_ran.jax_engine`): read once, after the
-    compile, outside the timed calls. A peer whose label is no kernel name gets the engine that ran."""
+    compile, outside the timed calls. A peer whose label is no kernel name gets the engine that ran. Our
+    module's request is the choice its dispatch made while tracing (it sees the structure it was given)."""
     if "compiled" not in holder:
         return None
+    made = holder.get("choices")
+    if made:
+        requested = kernels.kernel_label(made[0], source=True)
     ran = kernel_ran.jax_engine(holder["jaxpr"], holder["compiled"].as_text() or "", dev.platform)
     return kernel_ran.jax_verdict(requested, ran)
 

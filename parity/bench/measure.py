@@ -88,6 +88,12 @@ class Bench:
     # stands in for the last warm-up call, so that slow cases pay no extra call for it.
     memory: Callable[[], tuple[int | None, str, Any]] | None = None
     kernel: str | None = None  # what actually ran (e.g. the JAX fused path's choice), for the row
+    # fwd+bwd: the gradients of one step's result, named ("x" or "query", "key", "value", then the canonical
+    # parameter names where it computes them) as NumPy arrays: compared with the reference's (`same_gradients`).
+    # Read off the memory probe's call, which stands in for a warm-up call.
+    gradients: Callable[[Any], dict[str, np.ndarray]] | None = None
+    # How the case's mask reached the kernel (`spec.MASK_PATHS`), read once the bench is prepared.
+    mask_path: Callable[[], str | None] | None = None
 
 
 @dataclass
@@ -96,6 +102,7 @@ class Prepared:
     first_call_s: float | None  # torch.compile's compiling call, None otherwise
     fields: dict  # row fields measured while preparing (memory)
     output: np.ndarray | None
+    gradients: dict[str, np.ndarray] | None = None  # fwd+bwd: `Bench.gradients` of one step
 
 
 def prepare(bench: Bench, timing: Timing, clock: Clock) -> Prepared:
@@ -117,10 +124,16 @@ def prepare(bench: Bench, timing: Timing, clock: Clock) -> Prepared:
         warmup -= 1
     for _ in range(max(warmup, 0)):
         timed_call(bench.step, bench.sync, clock)
-    fields = {}
+    fields, result = {}, None
     if bench.memory is not None:
-        fields["peak_mem_bytes"], fields["mem_source"], _ = bench.memory()
-    return Prepared(compile_s, first, fields, output)
+        fields["peak_mem_bytes"], fields["mem_source"], result = bench.memory()
+    gradients = None
+    if bench.gradients is not None:
+        if bench.memory is None:
+            result = bench.step()
+            bench.sync(result)
+        gradients = bench.gradients(result)
+    return Prepared(compile_s, first, fields, output, gradients)
 
 
 def sample(
@@ -363,18 +376,19 @@ def output_bound(dtype: str, precision: str = "highest") -> tuple[float, float, 
 
     From the tolerance table (`parity.tolerances`): each implementation may be off the exact
     answer by the table's forward bound, so two of them may differ by twice it, elementwise:
-    |out - ref| <= 2·atol + 2·rtol·|ref|. 16-bit dtypes (and float32 matmuls at "default"
-    precision, which may round their inputs to bfloat16 on an accelerator): the table judges
-    those against the oracle's own maths in that dtype (three-way), which the benchmark does
-    not run, so the yardstick is k units of rounding (k = the table's three_way_k) of the
-    output's largest value, for each of the two: |out - ref| <= 2·atol + 2·k·eps·max|ref|.
+    |out - ref| <= 2·atol + 2·rtol·|ref| (float32, float64: the table's atol and rtol, its bound
+    where no yardstick is run, as here). 16-bit dtypes, whose table entry has no rtol (and float32
+    matmuls at "default" precision, which may round their inputs to bfloat16 on an accelerator):
+    the table judges those against the oracle's own maths in that dtype (three-way), which the
+    benchmark does not run, so the yardstick is k units of rounding (k = the table's three_way_k)
+    of the output's largest value, for each of the two: |out - ref| <= 2·atol + 2·k·eps·max|ref|.
     """
     from parity.bench.spec import DTYPES
     from parity.tolerances import tolerance_for
 
     judged = "bfloat16" if dtype == "float32" and precision == "default" else dtype
     tol = tolerance_for(DTYPES[judged])
-    if tol.three_way_k is None:
+    if tol.forward.rtol > 0:
         return 2 * tol.forward.atol, 2 * tol.forward.rtol, True
     return 2 * tol.forward.atol, 2 * tol.three_way_k * float(ml_dtypes.finfo(DTYPES[judged]).eps), False
 
@@ -404,6 +418,86 @@ def same_output(out: np.ndarray, ref: np.ndarray, dtype: str, precision: str = "
     scale = "|ref|" if elementwise else "max|ref|"
     return shown, (f"max |out - reference| {worst:.3g} > {atol:.3g} + {rtol:.3g}·{scale} at index "
                    f"{tuple(int(x) for x in at)} ({int(np.count_nonzero(over))} of {diff.size} elements)")
+
+
+def gradient_bound(dtype: str, precision: str = "highest", bias_terms: int | None = None) -> tuple[float, float]:
+    """(atol, r) for |g - reference| between two implementations' gradients of one case, per gradient:
+    |g - g_ref| <= atol + r·scale, scale = the largest |g_ref| of that gradient (of its projection's
+    family for a bias: k_proj's is zero by the maths, its values only rounding of the family's terms).
+
+    From the tolerance table's gradient entry (`parity.tolerances`), as `output_bound` reads its forward
+    entry: each implementation may be off by the table's bound, so two by twice it. float32 (float64):
+    r = 2·rtol (the entry's atol and rtol, its bound where no yardstick is run) at the gradient's scale
+    rather than elementwise: a gradient element is a sum over B·T (or B·S) terms that may cancel to near
+    0, where an elementwise bound would count the order of summation as a difference. 16-bit dtypes
+    (and float32 matmuls at "default" precision), whose entry has no rtol: r = 2·k·eps, k the table's
+    three_way_k, as for the output; a bias gradient (`bias_terms`: the per-token terms it sums)
+    at least 2·(eps/2)·√n: an implementation that sums it in the dtype (JAX's x @ W.T + b) rounds every
+    partial sum, about eps/2·√n of the scale (the table's BIAS GRADIENTS; docs/benchmark.md has the
+    measurement)."""
+    from parity.bench.spec import DTYPES
+    from parity.tolerances import tolerance_for
+
+    judged = "bfloat16" if dtype == "float32" and precision == "default" else dtype
+    tol = tolerance_for(DTYPES[judged])
+    if tol.gradient.rtol > 0:
+        return 2 * tol.gradient.atol, 2 * tol.gradient.rtol
+    eps = float(ml_dtypes.finfo(DTYPES[judged]).eps)
+    return 2 * tol.gradient.atol, max(2 * tol.three_way_k * eps, eps * math.sqrt(bias_terms or 0))
+
+
+def _gradient_scales(ref: dict) -> dict[str, float]:
+    """{gradient name: its scale for `gradient_bound`}: its largest finite |value|; a bias's, the largest of its
+    projection's family (`parity.tolerances.GRADIENT_FAMILIES`: its input, weight and bias)."""
+    from parity.tolerances import GRADIENT_FAMILIES
+
+    def absmax(a):
+        a = np.abs(np.asarray(a, np.float64))
+        a = a[np.isfinite(a)]
+        return float(a.max()) if a.size else 0.0
+
+    own = {n: absmax(a) for n, a in ref.items()}
+    scales = dict(own)
+    for members in GRADIENT_FAMILIES.values():
+        family = max((own[n] for n in members if n in own), default=0.0)
+        scales.update({n: family for n in members if n in own and n.endswith(".bias")})
+    return scales
+
+
+def same_gradients(grads: dict, ref: dict, dtype: str, precision: str = "highest",
+                   bias_terms: int | None = None) -> tuple[float | None, str | None]:
+    """(largest |g - g_ref| / scale over the gradients compared, None) if `grads` are the reference's
+    (`gradient_bound`; bias_terms: the per-token terms a bias gradient sums), else (that, why not).
+    Compared: the gradients both have; an input gradient the reference has and `grads` lacks is a
+    difference, a parameter gradient it lacks is not (a row with uses_params=False computes none:
+    `spec.NO_PARAM_GRADS`). NaNs must sit at the same places."""
+    scales = _gradient_scales(ref)
+    worst, bad = 0.0, []
+    missing = [n for n in ref if n not in grads and "." not in n]  # inputs: x, query, key, value
+    for name in (n for n in ref if n in grads):
+        a, e = np.asarray(grads[name], np.float64), np.asarray(ref[name], np.float64)
+        if a.shape != e.shape:
+            bad.append(f"{name} has shape {a.shape}, the reference's {e.shape}")
+            continue
+        nan_a, nan_e = np.isnan(a), np.isnan(e)
+        if np.any(nan_a != nan_e):
+            bad.append(f"{name} has NaN at {int(np.count_nonzero(nan_a != nan_e))} place(s) the reference has not, "
+                       "or the reverse")
+            continue
+        with np.errstate(invalid="ignore"):  # inf - inf: NaN, replaced where the two are equal
+            diff = float(np.where(nan_e | (a == e), 0.0, np.abs(a - e)).max(initial=0.0))
+        scale = scales[name]
+        atol, r = gradient_bound(dtype, precision, bias_terms if name.endswith(".bias") else None)
+        if scale > 0 and math.isfinite(diff):
+            worst = max(worst, diff / scale)
+        if not diff <= atol + r * scale:
+            bad.append(f"{name} max |g - reference| {diff:.3g} > {atol:.3g} + {r:.3g}·{scale:.3g} (its scale)")
+    if missing:
+        bad.insert(0, f"no gradient for {', '.join(missing)}")
+    if not bad:
+        return worst, None
+    more = f" (and {len(bad) - 2} more)" if len(bad) > 2 else ""
+    return worst, f"gradients differ: {'; '.join(bad[:2])}{more}"
 
 
 def apply_peak(row: dict, flops: int, peak_gflops: float | None) -> dict:

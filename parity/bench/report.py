@@ -24,15 +24,17 @@ from mha_spec import PASSES, ROPE_CONVENTIONS
 from mha_spec.files import JSONFileError, atomic_path, parse_json, write_atomic
 from parity.bench import verdict as verdicts
 from parity.bench.spec import (
-    BIASES, MEASURED, NOISY_IQR, ROW_FIELDS, STATUSES, BenchMask, case_label, row_key, variant_fields,
+    BIASES, MASK_PATHS, MEASURED, NO_PARAM_GRADS, NOISY_IQR, ROW_FIELDS, STATUSES, BenchMask, case_label, row_key,
+    variant_fields,
 )
 
 # /2: the `noisy` status and `verdicts`. The variant fields (kv_heads, rope, bias) were added
 # without a new schema: a row without them is the classic layer, which is what it measured.
 # /3: rows gain mask, rounds, processes, process_medians_s and baseline (the ratio's); verdicts
 # gain rounds, processes, interference and reason, and their ci is null where there is no interval.
-SCHEMA = "mha-bench/3"
-READABLE_SCHEMAS = ("mha-bench/1", "mha-bench/2", SCHEMA)
+# /4: rows gain mask_path, grad_rel_diff and param_grads; verdicts gain note.
+SCHEMA = "mha-bench/4"
+READABLE_SCHEMAS = ("mha-bench/1", "mha-bench/2", "mha-bench/3", SCHEMA)
 CONSOLE_WIDTH = 100
 # What a row must have; two rows of a file (or of two files compared) are the same item when these
 # and the variant fields (`spec.variant_fields`) agree.
@@ -62,7 +64,7 @@ def _mem(x) -> str:
 
 
 COLUMNS = ("case", "pass", "implementation", "median", "IQR", "ratio to baseline", "GFLOP/s", "peak", "compile", "recompile",
-           "mem", "out diff", "status", "kernel")
+           "mem", "out diff", "grad diff", "param grads", "status", "kernel", "mask path")
 
 
 def _note(row) -> str:
@@ -82,7 +84,9 @@ def _cells(row) -> list[str]:
         _case(row), row["pass"], _variant(row), _fmt_s(row["median_s"]), _fmt_s(row["iqr_s"]),
         marked(row["ratio"], "{:.2f}×"), marked(row["gflops"], "{:.1f}"), marked(row["peak_fraction"], "{:.0%}"),
         _fmt_s(row["compile_s"]), _fmt_s(row["recompile_s"]), _mem(row["peak_mem_bytes"]),
-        _fmt(row.get("out_max_diff"), "{:.2g}"), _note(row), row.get("kernel") or "-",
+        _fmt(row.get("out_max_diff"), "{:.2g}"), _fmt(row.get("grad_rel_diff"), "{:.2g}"),
+        {True: "yes", False: "no"}.get(row.get("param_grads"), "-"), _note(row), row.get("kernel") or "-",
+        row.get("mask_path") or "-",
     ]
 
 
@@ -120,6 +124,9 @@ def print_table(rows, console: Console | None = None) -> None:
         if row["status"] == "error" and row.get("message"):
             console.print(f"error: {row_key(row)} {row['pass']} {_case(row)}: {row['message']}",
                           markup=False, style=_STATUS_STYLE["error"], width=width)
+        elif row.get("param_grads") is False and row["status"] in MEASURED:
+            console.print(f"note: {row_key(row)} {row['pass']} {_case(row)}: {NO_PARAM_GRADS}", markup=False,
+                          width=width)
     skips = collections.Counter(row.get("message") or "" for row in rows if row["status"] == "skip")
     for message, n in skips.items():
         console.print(f"skip: {n} row(s): {message}", markup=False, style="dim", width=width)
@@ -259,6 +266,8 @@ def verdict_short(v: dict) -> str:
     reason = reason if len(reason) <= 90 else reason[:87] + "..."  # the report has it whole
     state = "conclusive" if v["conclusive"] else f"inconclusive ({reason})"
     text = f"{v['pass']} {v['case']}: {v['faster']} {v['ratio']:.3g}x faster than {v['slower']}, {span}, {state}"
+    if v.get("note"):
+        text += f"; {v['note']}"
     return textwrap.fill(text, 140)  # a figure two passes wide holds about 140 characters at this size
 
 
@@ -412,10 +421,11 @@ _STR_FIELDS = ("impl", "mode", "pass", "dtype")
 # value (">0" positive, ">=0" non-negative). Each may be null, except median_s and iqr_s of a
 # measured (ok, noisy) row, which compare and the noise rule divide by and subtract.
 _NUMBERS = {"median_s": ">0", "iqr_s": ">=0", "ratio": ">0", "gflops": ">=0", "peak_fraction": ">=0",
-            "compile_s": ">=0", "recompile_s": ">=0", "peak_mem_bytes": ">=0", "out_max_diff": ">=0"}
+            "compile_s": ">=0", "recompile_s": ">=0", "peak_mem_bytes": ">=0", "out_max_diff": ">=0",
+            "grad_rel_diff": ">=0"}
 # Fields a file may lack: the variant fields and out_max_diff came later, and kernel and message
 # are read with a default. Every other field above is in every file any version wrote.
-_OPTIONAL = ("kv_heads", "rope", "bias", "kernel", "message", "out_max_diff")
+_OPTIONAL = ("kv_heads", "rope", "bias", "kernel", "message", "out_max_diff", "grad_rel_diff")
 _TEXTS = ("kernel", "message", "baseline")  # null or a string
 _COUNTS = ("rounds", "processes")  # null or a positive integer (mha-bench/3; absent before)
 _REQUIRED = ("status", *(k for k in _NUMBERS if k not in _OPTIONAL))  # besides MATCH_KEY
@@ -528,8 +538,9 @@ def _verdict_problem(v) -> str | None:
     interference = v.get("interference")
     if interference is not None and not (isinstance(interference, list) and all(isinstance(t, str) for t in interference)):
         return f"interference = {_short(interference)}: not null or a list of strings"
-    if not isinstance(v.get("reason"), (str, type(None))):
-        return f"reason = {_short(v['reason'])}: not a string or null"
+    bad = [k for k in ("reason", "note") if not isinstance(v.get(k), (str, type(None)))]
+    if bad:
+        return f"{', '.join(f'{k} = {_short(v[k])}' for k in bad)}: not a string or null"
     return None
 
 
@@ -613,6 +624,10 @@ def _row_problem(row) -> str | None:
     bad = [k for k in _COUNTS if row.get(k) is not None and not (_is_int(row[k]) and 0 < row[k] < 2**63)]
     if bad:
         return f"{', '.join(f'{k} = {_short(row[k])}' for k in bad)}: not a positive integer or null"
+    if row.get("mask_path") not in (None, *MASK_PATHS):
+        return f"mask_path = {_short(row['mask_path'])}: not null or one of {', '.join(MASK_PATHS)}"
+    if not isinstance(row.get("param_grads"), (bool, type(None))):
+        return f"param_grads = {_short(row['param_grads'])}: not a bool or null"
     medians = row.get("process_medians_s")
     if medians is not None and not (isinstance(medians, list) and all(_finite(x) and x > 0 for x in medians)):
         return f"process_medians_s = {_short(medians)}: not null or a list of finite positive numbers"
@@ -690,6 +705,8 @@ def compare(base: dict, new: dict, threshold: float = 0.10) -> Comparison:
         else:
             why = [f"{name} {x['iqr_s'] / x['median_s']:.1%}" for name, x in (("base", b), ("new", r)) if noisy(x)]
             v = "noisy" if why else verdict(b["median_s"], b["iqr_s"], r["median_s"], r["iqr_s"], threshold)
+            if None not in (b.get("mask_path"), r.get("mask_path")) and b["mask_path"] != r["mask_path"]:
+                why.append(f"the mask reached the kernel as {b['mask_path']} in base, {r['mask_path']} in new")
             entry.update(change=r["median_s"] / b["median_s"] - 1, note="; ".join(why),
                          noise=(b["iqr_s"] + r["iqr_s"]) / 2 / b["median_s"], verdict=v, regression=v == "REGRESSION")
         out.entries.append(entry)

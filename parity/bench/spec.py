@@ -22,10 +22,25 @@ DTYPES = {name: numpy_dtype(name) for name in ("float32", "bfloat16", "float16")
 # One result row, in this order in the JSON and the Markdown.
 ROW_FIELDS = (
     "impl", "framework", "mode", "pass", "batch", "seq_q", "seq_k", "embed", "heads", "kv_heads", "rope", "bias", "mask",
-    "dtype", "need_weights", "kernel", "device", "compile_s", "recompile_s", "median_s", "iqr_s", "min_s", "repeats",
-    "rounds", "processes", "process_medians_s", "ratio", "baseline", "gflops", "peak_gflops", "peak_fraction",
-    "peak_mem_bytes", "mem_source", "out_max_diff", "status", "message",
+    "dtype", "need_weights", "kernel", "mask_path", "device", "compile_s", "recompile_s", "median_s", "iqr_s", "min_s",
+    "repeats", "rounds", "processes", "process_medians_s", "ratio", "baseline", "gflops", "peak_gflops", "peak_fraction",
+    "peak_mem_bytes", "mem_source", "out_max_diff", "grad_rel_diff", "param_grads", "status", "message",
 )
+# mask_path: how the case's mask reached the kernel that computes the attention (`MASK_PATHS`).
+# grad_rel_diff (fwd+bwd): the largest |gradient - the reference's| / its scale over the gradients compared
+# (`measure.same_gradients`); param_grads (fwd+bwd): whether the row computes the parameters' gradients
+# (`Implementation.uses_params`), null for fwd.
+MASK_PATHS = {
+    "none": "the case has no mask",
+    "structure": "the kernel was told the structure (SDPA is_causal=True; a causal or windowed band): it computes "
+                 "only the blocks the mask keeps",
+    "blocks-skipped": "a dense mask reached the kernel, which skips the key blocks it leaves empty "
+                      "(ours-jax's chunked kernel)",
+    "dense": "a dense mask reached the kernel, applied to every score: every block is computed",
+}
+# A fwd+bwd row that computes no parameter gradients does less backward work than one that does.
+NO_PARAM_GRADS = ("no parameter gradients (uses_params=False): less backward work than a row that computes them, "
+                  "so not ranked against one")
 # ok: measured and trusted; noisy: measured, but its spread is above NOISY_IQR (never ok, never
 # in a conclusive verdict); error: failed, or measured and rejected; skip: not run, with the reason.
 STATUSES = ("ok", "noisy", "error", "skip")
@@ -146,8 +161,10 @@ class BenchMask:
         return np.ascontiguousarray(np.broadcast_to(keep, (B, 1, T, S)))
 
     def structure(self, B: int, T: int, S: int) -> dict | None:
-        """window and packed as the modules' structured keywords (the same mask as `keep`), what an
+        """causal, window and packed as the modules' structured keywords (the same mask as `keep`), what an
         implementation declaring `structured` is given instead of the dense mask; None otherwise."""
+        if self.kind == "causal":
+            return {"is_causal": True, "alignment": "bottom-right"}
         if self.kind == "window":
             return {"is_causal": True, "window": (min(self.param, S) - 1, 0), "alignment": "bottom-right"}
         if self.kind == "packed":
@@ -235,6 +252,12 @@ class BenchCase:
     @property
     def bias(self) -> str:
         return bias_name(self.config.qkv_bias, self.config.out_bias)
+
+    @property
+    def bias_terms(self) -> int:
+        """The most per-token terms a bias gradient of the layer sums: B·max(T, S), times the query heads per
+        key/value head (under jit XLA may sum k's and v's over each query head's copy: `parity.tolerances`)."""
+        return self.batch * max(self.seq_q, self.seq_k) * (self.heads // self.kv_heads)
 
     @property
     def self_attention(self) -> bool:
@@ -522,11 +545,17 @@ def keep_mask(case: BenchCase) -> np.ndarray | None:
 
 
 def structure_for(impl: Implementation, case: BenchCase) -> tuple | None:
-    """(keywords, padding None) for an implementation that takes the structured masks on a window or
-    packed case, as the runners' `build(structure=)` takes it (as in the harness: a user of our modules
-    passes window= and segment_ids=, and the kernels see the structure); None otherwise."""
-    kw = case.bench_mask.structure(case.batch, case.seq_q, case.seq_k) if impl.structured else None
-    return None if kw is None else (kw, None)
+    """(keywords, padding None) for an implementation that takes the case's mask as structure, as the runners'
+    `build(structure=)` takes it; None otherwise. As its users write it: our modules (`structured`) get
+    is_causal=, window= and segment_ids= on causal, window and packed cases; an SDPA layer (`takes_is_causal`)
+    gets is_causal=True on a causal case whose mask is SDPA's top-left triangle (T = S)."""
+    mask = case.bench_mask
+    if impl.structured:
+        kw = mask.structure(case.batch, case.seq_q, case.seq_k)
+        return None if kw is None else (kw, None)
+    if impl.takes_is_causal and mask.kind == "causal" and case.seq_q == case.seq_k:
+        return {"is_causal": True}, None
+    return None
 
 
 def impl_keep_mask(impl: Implementation, case: BenchCase) -> np.ndarray | None:
@@ -539,7 +568,7 @@ def empty_row(impl: Implementation, case: BenchCase, pass_: str, **kw) -> dict:
     row = dict.fromkeys(ROW_FIELDS)
     row.update(
         impl=impl.family or impl.name, framework=impl.framework, mode=impl.mode, need_weights=impl.returns_weights,
-        **case.fields(),
+        **case.fields(), param_grads=impl.uses_params if pass_ == "fwd+bwd" else None,
     )
     row["pass"] = pass_
     row.update(kw)

@@ -39,8 +39,8 @@ from parity.bench.measure import apply_peak, summarize
 from parity.bench.measure import interference as measure_interference
 from parity.bench.measure import interference_notes
 from parity.bench.spec import (
-    FLOPS_FORMULA, MEASURED, NOISY_IQR, BenchCase, Preset, Timing, empty_row, estimate_bytes, framework_device, pass_flops,
-    row_key, unsupported,
+    FLOPS_FORMULA, MEASURED, NO_PARAM_GRADS, NOISY_IQR, BenchCase, Preset, Timing, empty_row, estimate_bytes,
+    framework_device, pass_flops, row_key, unsupported,
 )
 from parity.bench.worker import TAG
 from parity.devices import DevicePlan, resolve_device
@@ -378,6 +378,9 @@ def merge_rows(parts: list[dict]) -> dict:
             bad = dict(r)
             if len(parts) > 1 and r.get("message"):
                 bad["message"] = f"{r['message']} (worker process {i + 1} of {len(parts)})"
+            # A row measured and rejected keeps its samples as every merged row does (processes -> rounds):
+            # a verdict named with --verdict still reads them.
+            bad["samples"] = [p["samples"] for p in parts] if all(p.get("samples") for p in parts) else None
             return bad
     if any(not r.get("samples") for r in parts):  # a worker that sent no samples: nothing to pool
         return dict(parts[0], processes=len(parts), process_medians_s=[r["median_s"] for r in parts])
@@ -397,7 +400,8 @@ def merge_rows(parts: list[dict]) -> dict:
                rounds=sum(r.get("rounds") or len(r["samples"]) for r in parts), processes=len(parts),
                process_medians_s=[r["median_s"] for r in parts], compile_s=median_of("compile_s"),
                recompile_s=median_of("recompile_s"), peak_mem_bytes=max_of("peak_mem_bytes"),
-               out_max_diff=max_of("out_max_diff"), status="noisy" if noise else "ok", message=noise,
+               out_max_diff=max_of("out_max_diff"), grad_rel_diff=max_of("grad_rel_diff"),
+               status="noisy" if noise else "ok", message=noise,
                samples=[r["samples"] for r in parts])
     return row
 
@@ -443,6 +447,9 @@ def finish_verdicts(cfg: RunConfig, items: list[Item], rows: list[dict], out: Co
     for (label, pass_), members in groups.items():
         timed = {it.id: (it, row) for it, row in members if row.get("samples") and row.get("median_s")}
         usable = timed if cfg.verdict else {i: m for i, m in timed.items() if m[1]["status"] in MEASURED}
+        if not cfg.verdict:  # a row doing less backward work is not ranked against one doing more
+            same = verdicts.same_work({i: row.get("param_grads") for i, (_, row) in usable.items()})
+            usable = {i: m for i, m in usable.items() if i in same}
         keys = {i: it.impl.bench_key for i, (it, _) in usable.items()}
         pair = verdicts.choose_pair(keys, {i: it.impl.framework for i, (it, _) in usable.items()},
                                     {i: row["median_s"] for i, (_, row) in usable.items()}, cfg.verdict)
@@ -484,19 +491,26 @@ def _ratios(items, rows, baseline: str | None = None) -> None:
     """ratio = median / the baseline's median in the same (case, pass) (`baseline_of`), named in
     the row's `baseline`; a baseline is a measured row (ok or noisy: an error row's time is not trusted).
 
-    Rows flagged `error` after timing keep a ratio too (shown marked), against the baseline."""
+    Rows flagged `error` after timing keep a ratio too (shown marked), against the baseline. A fwd+bwd row
+    that does other backward work than the baseline (`param_grads` differs) has no ratio: its message
+    says why (`spec.NO_PARAM_GRADS`)."""
     groups: dict = {}
     for it, row in zip(items, rows):
         groups.setdefault((it.case, it.pass_), []).append(row)
+        if row.get("param_grads") is False and row["status"] != "skip":
+            row["message"] = "; ".join(m for m in (row.get("message"), NO_PARAM_GRADS) if m)
     for members in groups.values():
-        measured = [row_key(r) for r in members if r["status"] in MEASURED and r.get("median_s")]
-        key = baseline_of(measured, baseline)
+        measured = {row_key(r): r.get("param_grads") for r in members if r["status"] in MEASURED and r.get("median_s")}
+        same = verdicts.same_work(measured)  # by default, a row doing the most backward work
+        key = baseline_of([k for k in measured if k in same or k == baseline], baseline)
         if key is None:
             continue
-        base = next(r for r in members if row_key(r) == key)["median_s"]
+        base_row = next(r for r in members if row_key(r) == key)
         for row in members:
+            if row.get("param_grads") != base_row.get("param_grads"):
+                continue
             if row["status"] in ("ok", "noisy", "error") and row.get("median_s"):
-                row["ratio"], row["baseline"] = row["median_s"] / base, key
+                row["ratio"], row["baseline"] = row["median_s"] / base_row["median_s"], key
 
 
 def bench_environment(cfg: RunConfig, out: Collected) -> dict:

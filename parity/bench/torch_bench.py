@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 
+import numpy as np
 import torch
 
 from parity import convert, kernel_ran
@@ -164,8 +166,9 @@ def build(impl: Implementation, case: BenchCase, pass_: str, device: str, seed: 
     seen = {}
 
     def output():
-        # The checked call, once, under the profiler: the SDPA backend it ran (`kernel_ran.torch_observer`).
-        with kernel_ran.torch_observer() as observed, torch.inference_mode():
+        # The checked call, once, under the profiler: the SDPA backend it ran and the arguments its mask
+        # came in (`kernel_ran.torch_observer`).
+        with kernel_ran.torch_observer(record_shapes=True) as observed, torch.inference_mode():
             out, _ = runner.call(built, q, k, v, mask)
         seen["label"] = observed
         return out.detach().float().cpu().numpy()
@@ -175,11 +178,74 @@ def build(impl: Implementation, case: BenchCase, pass_: str, device: str, seed: 
     def ran():
         return None if "label" not in seen else kernel_ran.torch_verdict(requested, seen["label"].label)
 
+    def mask_path():
+        return None if "label" not in seen else torch_mask_path(case, bool(built.structure), seen["label"])
+
     return Bench(
         kernel=kernel_ran.BenchKernel(requested, ran),
         step=step, sync=sync, compiles_on_first_call=impl.mode == "compile", recompile=recompile,
-        output=output, memory=_memory_probe(device, step, sync),
+        output=output, memory=_memory_probe(device, step, sync), mask_path=mask_path,
+        gradients=None if pass_ == "fwd" else functools.partial(gradient_names, case, built),
     )
+
+
+def gradient_names(case: BenchCase, built, grads) -> dict[str, np.ndarray]:
+    """A fwd+bwd step's gradients (`_step`: the inputs', then the parameters' where it computes them) by name:
+    "x" (a self-attention case) or "query", "key", "value", then the canonical parameter names."""
+    names = ["x"] if case.self_attention else ["query", "key", "value"]
+    if built.impl.uses_params:
+        names += list(built.params)
+    if len(grads) != len(names):
+        raise ValueError(f"{built.impl.name}: {len(grads)} gradients for {len(names)} names {names}")
+    return {n: g.detach().float().cpu().numpy() for n, g in zip(names, grads)}
+
+
+# Where an SDPA op of the profiler takes its mask and its is_causal: (mask argument index or None, is_causal
+# argument index), by the aten schemas. The public op first: it is what the layer called.
+SDPA_MASK_ARGS = {
+    "scaled_dot_product_attention": (3, 5),
+    "_scaled_dot_product_flash_attention_for_cpu": (5, 4),
+    "_scaled_dot_product_attention_math": (3, 5),
+    "_scaled_dot_product_efficient_attention": (3, 6),
+    "_scaled_dot_product_cudnn_attention": (3, 6),
+    "_scaled_dot_product_flash_attention": (None, 4),
+}
+
+
+def sdpa_mask_path(calls) -> str | None:
+    """How the mask reached SDPA in profiled calls [(op name, input shapes, concrete inputs)]: "dense" when a
+    call got an attn_mask, "structure" when every call got is_causal=True and none a mask, "none" when no call
+    got either; None when no call of SDPA_MASK_ARGS was recorded (the public op's calls when there are any)."""
+    ops = [(n.split("::")[-1], shapes, values) for n, shapes, values in calls]
+    ops = [c for c in ops if c[0] in SDPA_MASK_ARGS]
+    public = [c for c in ops if c[0] == "scaled_dot_product_attention"]
+    paths = set()
+    for op, shapes, values in public or ops:
+        at_mask, at_causal = SDPA_MASK_ARGS[op]
+        if at_mask is not None and at_mask < len(shapes) and shapes[at_mask]:
+            paths.add("dense")
+        elif at_causal < len(values) and values[at_causal] is True:
+            paths.add("structure")
+        else:
+            paths.add("none")
+    for path in ("dense", "structure", "none"):
+        if path in paths:
+            return path
+    return None
+
+
+def torch_mask_path(case: BenchCase, given_structure: bool, observed) -> str:
+    """The row's `mask_path` (`spec.MASK_PATHS`) from the profiled output call (`kernel_ran.TorchObserved`
+    with record_shapes): what SDPA was given; a softmax outside SDPA applies the mask to every score
+    ("dense"); else what the implementation was given (the structure, or a dense mask)."""
+    if case.mask == "none":
+        return "none"
+    path = sdpa_mask_path(observed.sdpa_calls)
+    if path is not None:
+        return path
+    if observed.label == BMM_SOFTMAX:
+        return "dense"
+    return "structure" if given_structure else "dense"
 
 
 def peak_gflops(dtype: str, sizes, device: str, timing, clock) -> tuple[float, int]:

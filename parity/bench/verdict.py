@@ -23,9 +23,12 @@ median log tB - median log tA, both resampled the same way (the processes drawn 
 
 The rules:
   - a verdict is conclusive only if its whole interval lies on one side of 1, it rests on at
-    least MIN_PROCESSES processes and MIN_ROUNDS rounds, neither row is an `error`, and no
-    interference was seen during the run; a `noisy` row (its own IQR above 10 %) does not veto
-    a tight paired interval, it stays marked for the reader;
+    least MIN_PROCESSES processes and MIN_ROUNDS rounds, neither row is an `error`, both do the
+    same backward work (a fwd+bwd row without parameter gradients is not ranked against one with
+    them: `same_work`), and no interference was seen during the run; a `noisy` row (its own IQR
+    above 10 %) does not veto a tight paired interval, it stays marked for the reader;
+  - a verdict between rows whose masks reached their kernels differently (`mask_path`) says so in
+    its `note` (`mask_note`), conclusive or not;
   - a worker stops sampling early once its own interval's half-width is at most CI_TARGET of
     the ratio.
 """
@@ -44,7 +47,7 @@ N_RESAMPLES = 2000
 SEED = 0  # the bootstrap's resampling is seeded: the same samples give the same interval
 # The fields of a verdict, in this order in the JSON; a file of schema mha-bench/2 has the first eight.
 VERDICT_FIELDS = ("case", "pass", "faster", "slower", "ratio", "ci", "conclusive", "repeats", "rounds", "processes",
-                  "interference", "reason")
+                  "interference", "reason", "note")
 VERDICT_FIELDS_2 = VERDICT_FIELDS[:8]
 
 
@@ -188,13 +191,34 @@ def sample_reason(verdict: dict) -> str | None:
 
 
 def finalize(verdict: dict, rows_by_key: dict, interference=()) -> dict:
-    """Conclusive only if the samples say so, neither row is an error (or missing), and the run saw no
-    interference; `reason` says why not, in words."""
+    """Conclusive only if the samples say so, neither row is an error (or missing), both do the same
+    backward work, and the run saw no interference; `reason` says why not, in words, and `note` where the
+    two rows' masks reached their kernels differently (`mask_note`)."""
     out = dict(verdict)
     out["interference"] = list(interference)
     out["reason"] = why_inconclusive(out, rows_by_key)
     out["conclusive"] = out["reason"] is None
+    out["note"] = mask_note(out, rows_by_key)
     return out
+
+
+def same_work(work: dict) -> set:
+    """The slots a default verdict may pair, {slot: param_grads} (True / False on fwd+bwd, None on fwd): where
+    any computes the parameters' gradients, those that do (a row that computes none does less backward work);
+    else all of them."""
+    if any(w is True for w in work.values()):
+        return {s for s, w in work.items() if w is not False}
+    return set(work)
+
+
+def mask_note(verdict: dict, rows_by_key: dict) -> str | None:
+    """In words, how the mask reached each row's kernel, where the two rows' `mask_path`s differ (None where
+    they agree or are not known): the ratio then also measures that difference, not the kernels alone."""
+    paths = {k: (rows_by_key.get(verdict[k]) or {}).get("mask_path") for k in ("faster", "slower")}
+    if None in paths.values() or paths["faster"] == paths["slower"]:
+        return None
+    return (f"the mask reached the kernels differently: {verdict['faster']} {paths['faster']}, "
+            f"{verdict['slower']} {paths['slower']}")
 
 
 def why_inconclusive(verdict: dict, rows_by_key: dict) -> str | None:
@@ -203,6 +227,10 @@ def why_inconclusive(verdict: dict, rows_by_key: dict) -> str | None:
         status = (rows_by_key.get(verdict[k]) or {}).get("status")
         if status not in ("ok", "noisy"):
             return f"{verdict[k]} is {status or 'missing'}"
+    grads = {k: (rows_by_key.get(verdict[k]) or {}).get("param_grads") for k in ("faster", "slower")}
+    if {grads["faster"], grads["slower"]} == {True, False}:
+        less = verdict["faster"] if grads["faster"] is False else verdict["slower"]
+        return f"{less} computes no parameter gradients: less backward work than the other row"
     if verdict.get("interference"):
         return f"interference during the run: {verdict['interference'][0].removeprefix('interference: ')}"
     return sample_reason(verdict)
@@ -217,6 +245,9 @@ def sentence(verdict: dict, rows_by_key: dict | None = None) -> str:
     counts = ", ".join(f"{verdict[k]} {k}" for k in ("processes", "rounds") if verdict.get(k) is not None)
     body = (f"{verdict['faster']} is {verdict['ratio']:.3g}x faster than {verdict['slower']} "
             f"({span}, {counts + ', ' if counts else ''}{verdict['repeats']} repeats)")
+    note = verdict.get("note") or mask_note(verdict, rows_by_key or {})
+    if note:
+        body += f"; {note}"
     if verdict["conclusive"]:
         return body
     why = verdict.get("reason") or why_inconclusive(verdict, rows_by_key or {}) or "not conclusive"

@@ -38,7 +38,9 @@ import numpy as np
 
 from parity import kernel_ran
 from parity.bench import verdict
-from parity.bench.measure import InterferenceProbe, flat, pin_threads, prepare, same_output, sample, summary
+from parity.bench.measure import (
+    InterferenceProbe, flat, pin_threads, prepare, same_gradients, same_output, sample, summary,
+)
 from parity.bench.spec import (
     IMPLS, PEAK_TIMING, BenchCase, Timing, empty_row, framework_device, impl_by_key, pass_flops,
 )
@@ -62,26 +64,28 @@ def error_message(e: BaseException) -> str:
 
 
 class OutputCheck:
-    """Every implementation's output against the reference's (`measure.same_output`), compared as
-    soon as the reference is known, so that at most the reference's array is kept: the reference
-    is the first of REFERENCE_ORDER present, else the first implementation with an output."""
+    """Every implementation's output, and on fwd+bwd its gradients, against the reference's
+    (`measure.same_output`, `measure.same_gradients`), compared as soon as the reference is known, so
+    that at most the reference's arrays are kept: the reference is the first of REFERENCE_ORDER present,
+    else the first implementation with an output."""
 
-    def __init__(self, keys: dict[int, str], dtype: str, precision: str):
+    def __init__(self, keys: dict[int, str], dtype: str, precision: str, bias_terms: int | None = None):
         order = list(keys)
-        self.keys, self.dtype, self.precision = keys, dtype, precision
+        self.keys, self.dtype, self.precision, self.bias_terms = keys, dtype, precision, bias_terms
         self.rank = {s: (REFERENCE_ORDER.index(k) if k in REFERENCE_ORDER else len(REFERENCE_ORDER), order.index(s))
                      for s, k in keys.items()}
         self.pending = set(keys)  # slots whose output may still come
-        self.held: dict[int, object] = {}
+        self.held: dict[int, tuple] = {}  # slot -> (output, gradients or None)
         self.ref: int | None = None
         self.diffs: dict[int, float | None] = {}
+        self.grad_diffs: dict[int, float | None] = {}
         self.mismatch: dict[int, str] = {}
 
-    def add(self, slot: int, output) -> None:
-        """`slot` is prepared (output None: it has none, or it failed)."""
+    def add(self, slot: int, output, gradients: dict | None = None) -> None:
+        """`slot` is prepared (output None: it has none, or it failed; gradients: fwd+bwd's, by name)."""
         self.pending.discard(slot)
         if output is not None:
-            self.held[slot] = output
+            self.held[slot] = (output, gradients)
         self._compare()
 
     def _compare(self) -> None:
@@ -90,13 +94,21 @@ class OutputCheck:
             if best is None or any(self.rank[s] < self.rank[best] for s in self.pending):
                 return  # a better-ranked reference may still come
             self.ref = best
+        ref_out, ref_grads = self.held[self.ref]
         for s in [s for s in self.held if s != self.ref]:
-            out = self.held.pop(s)
+            out, grads = self.held.pop(s)
             try:
-                diff, why = same_output(out, self.held[self.ref], self.dtype, self.precision)
+                diff, why = same_output(out, ref_out, self.dtype, self.precision)
             except Exception as e:  # noqa: BLE001 - an output that cannot be compared is this item's failure
                 diff, why = None, f"its output could not be compared: {error_message(e)}"
             self.diffs[s] = diff
+            if grads is not None and ref_grads is not None:
+                try:
+                    self.grad_diffs[s], grad_why = same_gradients(grads, ref_grads, self.dtype, self.precision,
+                                                                  self.bias_terms)
+                except Exception as e:  # noqa: BLE001 - as above
+                    self.grad_diffs[s], grad_why = None, f"its gradients could not be compared: {error_message(e)}"
+                why = "; ".join(w for w in (why, grad_why) if w) or None
             if why:
                 self.mismatch[s] = f"not the same computation as {self.keys[self.ref]}: {why}"
 
@@ -104,22 +116,23 @@ class OutputCheck:
         self.held.clear()  # the reference's array too: free before timing
 
 
-def run_group(mods: dict, group, spec: dict, timing: Timing, clock, probe=None, plan: DevicePlan | None = None):
-    """All implementations of one (case, pass): build, check outputs, time, summarise.
+def read_mask_path(bench) -> str | None:
+    """The row's `mask_path` (`spec.MASK_PATHS`) from a prepared bench; None where it has no reading, or the
+    reading failed (a diagnosis: its failure must not lose the measured row; the traceback goes to stderr)."""
+    if bench.mask_path is None:
+        return None
+    try:
+        return bench.mask_path()
+    except Exception:  # noqa: BLE001
+        traceback.print_exc(file=sys.stderr)
+        return None
 
-    group: [(item id, Implementation, BenchCase, pass)]; plan: the run's device plan (`main` reads it
-    once per process; None: read from spec["device"], for a caller that runs one group).
-    Returns ([(item id, row)], [the interference probe's record of each round]); each timed row
-    carries its raw `samples` (rounds of seconds), from which the parent computes the verdict
-    over every worker process of the case."""
-    precision, seed, interleave = spec["precision"], spec["seed"], spec.get("interleave", True)
-    named = spec.get("verdict")
-    rows, benches, prepared, notes = {}, {}, {}, {}  # notes: "requested X, ran Y" (`kernel_ran`)
-    keys = {item_id: impl.bench_key for item_id, impl, _, _ in group}
-    fws = {item_id: impl.framework for item_id, impl, _, _ in group}
-    check = OutputCheck(keys, group[0][2].dtype, precision)
-    if plan is None:
-        plan = DevicePlan.from_dict(spec["device"])
+
+def prepare_group(mods: dict, group, plan: DevicePlan, seed: int, timing: Timing, clock, check: OutputCheck):
+    """Build and prepare every implementation of one (case, pass) (`measure.prepare`), read what ran and how
+    its mask came, and check its output and gradients (`check`). Returns (rows by item id, benches and their
+    `Prepared` by item id for those that are ready to time, kernel notes "requested X, ran Y" by item id)."""
+    rows, benches, prepared, notes = {}, {}, {}, {}
     for item_id, impl, case, pass_ in group:
         device = framework_device(impl.framework, plan)
         rows[item_id] = empty_row(impl, case, pass_, device=device)
@@ -131,21 +144,44 @@ def run_group(mods: dict, group, spec: dict, timing: Timing, clock, probe=None, 
             benches[item_id] = bench
             # What ran, read off the compiled program or the profiled output call of `prepare`, untimed.
             rows[item_id]["kernel"], notes[item_id] = kernel_ran.row_kernel(bench.kernel)
+            rows[item_id]["mask_path"] = read_mask_path(bench)
         except Exception as e:  # noqa: BLE001 - any failure of one item is recorded, the group goes on
             rows[item_id].update(status="error", message=error_message(e))
             traceback.print_exc(file=sys.stderr)
-        output = prepared[item_id].output if item_id in prepared else None
+        output = gradients = None
         if item_id in prepared:
-            prepared[item_id].output = None
-        check.add(item_id, output)
+            output, gradients = prepared[item_id].output, prepared[item_id].gradients
+            prepared[item_id].output = prepared[item_id].gradients = None  # the check holds what it needs
+        check.add(item_id, output, gradients)
     check.done()
-    mismatch = check.mismatch
     for s, diff in check.diffs.items():
         rows[s]["out_max_diff"] = diff
+    for s, diff in check.grad_diffs.items():
+        rows[s]["grad_rel_diff"] = diff
+    return rows, benches, prepared, notes
+
+
+def run_group(mods: dict, group, spec: dict, timing: Timing, clock, probe=None, plan: DevicePlan | None = None):
+    """All implementations of one (case, pass): build, check outputs, time, summarise.
+
+    group: [(item id, Implementation, BenchCase, pass)]; plan: the run's device plan (`main` reads it
+    once per process; None: read from spec["device"], for a caller that runs one group).
+    Returns ([(item id, row)], [the interference probe's record of each round]); each timed row
+    carries its raw `samples` (rounds of seconds), from which the parent computes the verdict
+    over every worker process of the case."""
+    precision, interleave, named = spec["precision"], spec.get("interleave", True), spec.get("verdict")
+    keys = {item_id: impl.bench_key for item_id, impl, _, _ in group}
+    fws = {item_id: impl.framework for item_id, impl, _, _ in group}
     case, pass_ = group[0][2], group[0][3]
+    check = OutputCheck(keys, case.dtype, precision, case.bias_terms)
+    plan = DevicePlan.from_dict(spec["device"]) if plan is None else plan
+    rows, benches, prepared, notes = prepare_group(mods, group, plan, spec["seed"], timing, clock, check)
+    mismatch = check.mismatch
+    work = {s: impl.uses_params if pass_ == "fwd+bwd" else None for s, impl, _, _ in group}
+    ranked = set(work) if named else verdict.same_work(work)  # `spec.NO_PARAM_GRADS`
 
     def settled(rounds):
-        medians = {s: float(np.median(flat(r))) for s, r in rounds.items() if s not in mismatch and r}
+        medians = {s: float(np.median(flat(r))) for s, r in rounds.items() if s not in mismatch and s in ranked and r}
         pair = verdict.choose_pair(keys, fws, medians, named)
         if pair is None:
             return False

@@ -73,6 +73,7 @@ class OursDecoder:
             return out, new, stages_dict(impl, stages)
 
         self._step = jax.jit(step)
+        self.program = self._step  # public: program(params, cache, x) -> (out, new cache, stages), traced by the decode check
 
     def empty(self, batch: int, capacity: int, starts):
         with jax.default_device(self.device):

@@ -5,12 +5,14 @@
                       K key/value heads (query head h reads key/value head h // (N / K))
 
     factory(state_dict, num_heads, *, dtype, device[, problem]) -> fn
-    fn(params, query, key, value, keep[, *, positions=None, key_positions=None]) -> output
+    fn(params, query, key, value, keep, *[, positions=None, key_positions=None], is_causal=False) -> output
 
 keep: bool (B, 1, T, S), True = attend (SDPA's own polarity); a fully masked row gives 0
-(the "zero" policy). The rotary embedding is its own code, written the way the ecosystem
-writes it (`x·cos + rotate_half(x)·sin` as in GPT-NeoX/Hugging Face, `rotate_every_two` as
-in GPT-J), not `mha_torch.rotate`: a shared RoPE bug could not hide behind agreement.
+(the "zero" policy). is_causal=True, keep None: SDPA's own top-left causal mask, as a torch
+user writes a causal layer (`takes_is_causal`). The rotary embedding is its own code, written
+the way the ecosystem writes it (`x·cos + rotate_half(x)·sin` as in GPT-NeoX/Hugging Face,
+`rotate_every_two` as in GPT-J), not `mha_torch.rotate`: a shared RoPE bug could not hide
+behind agreement.
 No converter: it computes with the canonical parameters themselves. torch is imported on
 first use.
 Legend (see mha_spec): B T S N K H E.
@@ -38,7 +40,7 @@ OWNS = ("scaled_dot_product_attention",)
 def sdpa_core(sd, num_heads, *, dtype, device):
     import torch.nn.functional as F
 
-    def fn(params, query, key, value, keep):
+    def fn(params, query, key, value, keep, *, is_causal=False):
         B, T, E = query.shape
         S, N, H = key.shape[1], num_heads, E // num_heads
 
@@ -46,7 +48,8 @@ def sdpa_core(sd, num_heads, *, dtype, device):
             return F.linear(x, params[f"{p}.weight"], params[f"{p}.bias"]).view(B, L, N, H).transpose(1, 2)
 
         ctx = F.scaled_dot_product_attention(proj(query, "q_proj", T), proj(key, "k_proj", S), proj(value, "v_proj", S),
-                                             attn_mask=keep, scale=1.0 / math.sqrt(H))  # (B, N, T, H)
+                                             attn_mask=keep, is_causal=is_causal,
+                                             scale=1.0 / math.sqrt(H))  # (B, N, T, H)
         return F.linear(ctx.transpose(1, 2).reshape(B, T, E), params["out_proj.weight"], params["out_proj.bias"])
 
     return fn
@@ -105,7 +108,7 @@ def sdpa_gqa(sd, num_heads, *, dtype, device, problem):
     if N != num_heads:
         raise ValueError(f"torch-sdpa-gqa: num_heads={num_heads} but the problem's config has {N}")
 
-    def fn(params, query, key, value, keep, *, positions=None, key_positions=None):
+    def fn(params, query, key, value, keep, *, positions=None, key_positions=None, is_causal=False):
         B, T, _ = query.shape
         S = key.shape[1]
 
@@ -116,7 +119,7 @@ def sdpa_gqa(sd, num_heads, *, dtype, device, problem):
         if rope is not None:
             q = apply_rope(q, *rope_cos_sin(positions, T, H, cfg.rope_theta, q.dtype, q.device), rope)
             k = apply_rope(k, *rope_cos_sin(key_positions, S, H, cfg.rope_theta, k.dtype, k.device), rope)
-        ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=1.0 / math.sqrt(H),
+        ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, is_causal=is_causal, scale=1.0 / math.sqrt(H),
                                              enable_gqa=K != N)  # (B, N, T, H)
         return F.linear(ctx.transpose(1, 2).reshape(B, T, N * H), params["out_proj.weight"],
                         params.get("out_proj.bias"))
@@ -128,12 +131,12 @@ def sdpa_gqa(sd, num_heads, *, dtype, device, problem):
 
 IMPLEMENTATIONS = (
     Implementation("torch-sdpa-core", "torch", f"{__name__}:sdpa_core", masked_rows="zero", role="peer",
-                   runs_on=FRAMEWORK_PEER_CASES,
+                   runs_on=FRAMEWORK_PEER_CASES, takes_is_causal=True,
                    doc="the same projections around F.scaled_dot_product_attention; bool mask True = attend; "
                    "fully masked rows give 0"),
     # float64/float32: 16-bit adds compiles and transformers calls to the default run and proves no more.
     Implementation("torch-sdpa-gqa", "torch", f"{__name__}:sdpa_gqa", masked_rows="zero", role="peer",
-                   bench=True, runs_on=("*/*/float64", "*/*/float32"), variants=VARIANT_FEATURES,
+                   bench=True, runs_on=("*/*/float64", "*/*/float32"), variants=VARIANT_FEATURES, takes_is_causal=True,
                    doc="our projections around F.scaled_dot_product_attention(enable_gqa=True) on the K key/value "
                    "heads, RoPE by its own rotate_half/rotate_every_two; bool mask True = attend; empty rows give 0"),
 )
