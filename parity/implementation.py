@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mha_spec import DTYPE_NAMES, MASK_KINDS, MASKED_ROWS_POLICIES, VARIANT_FEATURES, AttentionConfig, Problem
+from parity.contract import to_contract
 
 FRAMEWORKS = ("torch", "jax")
 MODES = ("eager", "jit", "compile")
@@ -371,8 +372,6 @@ class Implementation:
         if not callable(fn):
             raise TypeError(f"{self.name}: the factory returned {type(fn).__name__}, not a callable")
         if self.inputs != "qkv" or self.names is not None:
-            from parity.impls.adapt import to_contract
-
             fn = to_contract(self, fn)
         return fn
 

@@ -6,6 +6,8 @@
 # within about 8 minutes (parity <= 150 s, Pallas peers <= 90 s, bench <= 240 s; each is stopped
 # with SIGINT at its limit, and the tools write the report of what finished when interrupted).
 # On CPU (--device cpu) the same steps run, the Pallas peers in interpret mode: the rehearsal.
+# It measures nothing of its own: it installs the accelerator builds (unless --system or
+# --no-install), then runs mha-parity, the Pallas peers and mha-bench, each under its time limit.
 #
 #   scripts/accelerator-run.sh                  # .venv from requirements.lock, plus the CUDA builds
 #   scripts/accelerator-run.sh --system         # the frameworks already installed on the machine

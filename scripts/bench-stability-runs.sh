@@ -4,6 +4,10 @@
 # causal mask at B=4 T=2048. Writes docs/results/bench-stability-*.{json,md,png,log}; prints the
 # verdicts of every run side by side. Run it with nothing else on the machine (about 15 minutes on
 # 2 cores).
+#
+# Beyond one mha-bench run: it repeats one mha-bench command on a quiet machine and beside a busy
+# core and prints the runs' verdicts side by side; `mha-bench compare` flags median regressions
+# between two runs, not whether their verdicts agree.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BENCH=.venv/bin/mha-bench

@@ -14,6 +14,10 @@
 # Then it checks the default-setting runs (quiet, busy): no two conclusive verdicts disagree, and
 # every conclusive interval excludes 1; it prints every run's verdicts and medians.
 #
+# Beyond one mha-bench run: it sets what a run does not set itself (a core kept busy beside it,
+# OMP_WAIT_POLICY=ACTIVE) and holds seven runs' verdicts against each other; `mha-bench compare`
+# compares two runs' medians, not their verdicts.
+#
 #   scripts/bench-verdict-runs.sh                     # B=2 T=S=512 E=256 N=4 float32 into docs/results
 #   OUT=/tmp/v SEQ=16 EMBED=12 HEADS=3 BATCH=1 scripts/bench-verdict-runs.sh   # a tiny rehearsal
 #

@@ -1,5 +1,10 @@
 """Causal against unmasked attention on both fused paths, round-robin in one process.
 
+Beyond mha-bench: it pairs one implementation's causal and unmasked times in each round and
+reports their ratio with its per-round range. mha-bench pairs implementations within one case;
+`mha-bench --mask none,causal --impls ours-torch:eager:fused,ours-jax:jit:fused` times the two
+masks as separate cases, so it gives both medians but no paired causal/unmasked ratio.
+
 What a causal keep-mask buys: torch's fused path runs SDPA with is_causal=True when it
 recognises the mask; the JAX chunked kernel skips the blocks above the diagonal (forward and
 backward). Both modules share one set of weights (convert.torch_to_jax), float32, precision

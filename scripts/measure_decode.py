@@ -1,6 +1,9 @@
 """One decode step (one new token against a KV cache): our JAX module under one jax.jit against our
 torch module eager and under torch.compile, paired round-robin in one process.
 
+Beyond mha-bench: mha-bench times whole-sequence passes (fwd, fwd+bwd) only; one decode step
+against a prefilled KV cache, each implementation continuing its own cache, is not among them.
+
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python scripts/measure_decode.py [--batch 1,4] [--prefill 1024]
         [--capacity 2048] [--steps 200] [--json PATH] [--markdown PATH]
 

@@ -1,5 +1,9 @@
 """Measure what the real libraries' attention does: mask polarity, fully masked rows, softmax precision.
 
+Beyond mha-bench, which times and never asks what a library computes: this measures behaviour, and
+beyond `mha-parity --checks peers`, which judges each peer under the convention its adapter declares,
+it measures which convention the library itself has (the evidence behind those declarations).
+
     .venv/bin/python scripts/measure_ecosystem.py            # ~17 s of CPU; prints a Markdown table
 
 Every library runs through its peer adapter in parity/peers/ (hf.py, keras.py, equinox.py) on the

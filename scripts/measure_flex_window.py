@@ -1,6 +1,9 @@
 """torch on CPU with a sliding window: SDPA with the dense keep-mask against FlexAttention's
 block-sparse mask, B=1 T=S=8192 N=8 H=64 float32, forward + backward, medians of a few runs.
 
+Beyond mha-bench: FlexAttention is no implementation of mha-bench (`mha-bench --help` lists them),
+and this times the attention kernels alone, without the layer's projections.
+
     .venv/bin/python scripts/measure_flex_window.py [T] [W]
 
 Prints one line per kernel; a kernel that cannot run here prints why. Run on a quiet machine.

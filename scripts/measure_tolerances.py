@@ -1,5 +1,8 @@
 """Measure the errors the tolerance table in parity/tolerances.py must admit.
 
+Beyond mha-bench, which measures speed: this measures the raw errors against the float64 oracle
+across sizes and seeds, before any tolerance judges them (`mha-parity` reports them judged).
+
 For each dtype and a few sizes and seeds: the max abs error of ours-torch and ours-jax
 (weights path and fused path) against the float64 oracle, and for 16-bit dtypes the ratio
 of that error to the oracle's own maths in the dtype (the three-way yardstick).

@@ -1,5 +1,7 @@
 """torch.nn.MultiheadAttention on a fully masked row, measured on every path: eval/train, grad/no_grad, need_weights, key_padding_mask/attn_mask.
 
+Beyond mha-bench, which measures speed: this records what torch computes on each of those paths.
+
 Run: .venv/bin/python scripts/measure_torch_mha_rows.py (its result is in docs/semantics.md)."""
 import torch
 torch.manual_seed(0)

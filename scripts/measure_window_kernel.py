@@ -2,6 +2,11 @@
 sliding window against no mask, B=1 T=S=8192 N=8 H=64 float32, forward + backward under jit,
 medians of a few runs, at several block sizes.
 
+Beyond mha-bench: `mha-bench tune` times the kernel alone but unmasked only, and mha-bench's
+`--mask window:W` times the whole layer with the kernel table's blocks; this times the kernel
+alone with the window, as structure and as a dense mask, at the blocks given, and `--probe`
+splits the window's time into its parts.
+
     .venv/bin/python scripts/measure_window_kernel.py [T] [W] [q_chunk x k_chunk ...]
     .venv/bin/python scripts/measure_window_kernel.py --probe [T] [W]   # where the window's time goes
 

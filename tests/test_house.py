@@ -168,13 +168,19 @@ def test_convert_re_exports_the_peers_converters_themselves():
         assert name in convert.__all__ and getattr(convert, name) is getattr(_peer(module), name), name
 
 
-def test_the_former_adapter_module_re_exports_only():
-    """parity.ecosystem is kept for imports written against it: it defines nothing of its own."""
-    from parity import ecosystem
+def test_the_former_adapter_module_re_exports_only_and_warns_on_import():
+    """parity.ecosystem is kept for imports written against it until its removal date: importing it
+    warns, naming the date and the modules to import instead, and it defines nothing of its own."""
+    import sys
+
+    sys.modules.pop("parity.ecosystem", None)  # imported before in this process: import it afresh
+    with pytest.warns(DeprecationWarning, match=r"removed after \d{4}-\d{2}-\d{2}: import its names from parity\.peers"):
+        ecosystem = importlib.import_module("parity.ecosystem")
 
     tree = ast.parse((ROOT / "parity" / "ecosystem.py").read_text())
     own = [n for n in tree.body if not isinstance(n, (ast.ImportFrom, ast.Expr)) and not (
-        isinstance(n, ast.Assign) and [t.id for t in n.targets if isinstance(t, ast.Name)] == ["__all__"])]
+        isinstance(n, ast.Assign) and [t.id for t in n.targets if isinstance(t, ast.Name)] == ["__all__"]) and not (
+        isinstance(n, ast.Import) and [a.name for a in n.names] == ["warnings"])]
     assert not own, [ast.dump(n)[:80] for n in own]
     owners = [_peer(m) for m in ("hf", "keras", "equinox")]
     for name in ecosystem.__all__:

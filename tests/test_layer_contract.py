@@ -104,7 +104,7 @@ class TestAdapter:
             assert np.abs(got[name] - grads[name]).max() < 1e-4 * np.abs(grads[name]).max(), name
 
     def test_names_maps_every_tensor_of_the_layout(self):
-        from parity.impls.adapt import renamer
+        from parity.contract import renamer
 
         rng = np.random.default_rng(0)
         import torch

@@ -55,6 +55,7 @@ from parity.canonical import check_state_dict, numpy_to_tensor, tensor_to_numpy,
 from parity.implementation import Implementation
 from parity.layouts import from_layout, to_layout
 from parity.peers.common import cast_state_dict, np_dtype, require
+from parity.rope_layout import permute_rope
 
 SMALL_VOCAB = 11  # the models are built only for their attention block; the vocabulary is never used
 
@@ -282,8 +283,6 @@ def _llama_parts(sd, config, dtype):
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
 
-    from parity.convert import permute_rope
-
     dt = np_dtype(dtype)
     sd = {k: np.asarray(v).astype(dt) for k, v in sd.items()}
     names = tuple(sorted(sd))
@@ -401,8 +400,6 @@ def hf_llama(sd, num_heads, *, dtype, device, problem):
     def vjp(query, keep, cotangent, *, positions=None, key_positions=None):
         """NumPy in and out: {"input": d x, canonical weight name: gradient} of sum(output * cotangent)."""
         import torch
-
-        from parity.convert import permute_rope
 
         dt = np_dtype(dtype)
         query = np.asarray(query)
