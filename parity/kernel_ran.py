@@ -271,8 +271,8 @@ def row_kernel(kernel) -> tuple[str | None, str]:
 
 @contextlib.contextmanager
 def jax_choices():
-    """`with jax_choices() as made: trace()`: every `mha_jax.kernels.fused_choice` our module made meanwhile
-    (what `fused_attention_core` dispatched on), as `kernel_label`s."""
+    """`with jax_choices() as made: trace()`: every `mha_jax.kernels.Choice` that `kernels.fused_choice` made
+    for our module meanwhile (what `fused_attention_core` dispatched on)."""
     from mha_jax import kernels
 
     made: list[str] = []
@@ -280,7 +280,7 @@ def jax_choices():
 
     def spy(*a, **kw):
         choice = original(*a, **kw)
-        made.append(kernels.kernel_label(choice))
+        made.append(choice)
         return choice
 
     kernels.fused_choice = spy
@@ -296,8 +296,9 @@ def jax_row_kernel(program, args, device, ours: bool, need_weights: bool) -> tup
     import jax
     from mha_jax import kernels
 
-    with jax_choices() as made:
+    with jax_choices() as choices:
         traced = jax.jit(program).trace(*args)
+    made = [kernels.kernel_label(c) for c in choices]
     ran = jax_engine(traced.jaxpr, "", device.platform)
     if not ours:
         return ran, ""

@@ -8,7 +8,6 @@ traversal, which would be timed as framework overhead).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import jax
@@ -100,7 +99,7 @@ def build(impl: Implementation, case: BenchCase, pass_: str, device: str, seed: 
     holder = {}
 
     def aot_compile():
-        with choices() as made:  # what our module's dispatch chose while tracing (`kernels.fused_choice`)
+        with kernel_ran.jax_choices() as made:  # what our module's dispatch chose while tracing
             traced = program.trace(*args)  # its jaxpr says whether a Pallas or cuDNN kernel is in the program
         holder["jaxpr"], holder["choices"] = traced.jaxpr, made
         holder["compiled"] = traced.lower().compile()
@@ -173,27 +172,9 @@ def gradient_names(case: BenchCase, built, grads) -> dict[str, np.ndarray]:
     return {n: np.asarray(g.astype(jnp.float32)) for n, g in named.items()}
 
 
-@contextlib.contextmanager
-def choices():
-    """`with choices() as made: trace()`: every `mha_jax.kernels.Choice` our module's dispatch made meanwhile."""
-    made: list = []
-    original = kernels.fused_choice
-
-    def spy(*a, **kw):
-        choice = original(*a, **kw)
-        made.append(choice)
-        return choice
-
-    kernels.fused_choice = spy
-    try:
-        yield made
-    finally:
-        kernels.fused_choice = original
-
-
 def jax_mask_path(case: BenchCase, built, made: list) -> str:
     """The row's `mask_path` (`spec.MASK_PATHS`). Our module: by the kernel its dispatch chose while the program
-    was traced (`choices`; none: the weights path's einsum core): the chunked kernel takes a causal or windowed
+    was traced (`kernel_ran.jax_choices`; none: the weights path's einsum core): the chunked kernel takes a causal or windowed
     band as structure and skips the key blocks a dense mask leaves empty (`mha_jax.chunked.block_census`), a
     Pallas kernel takes the structure, the others apply a dense mask to every score. Any other implementation:
     what it was given, the structure (a structured layer of the user's) or a dense mask."""
