@@ -295,31 +295,33 @@ def _where_off(sch: Schedule, off: np.ndarray) -> str:
     return text
 
 
+def _cache_stage(sch: Schedule, exact, low, table, c, first: int, end: int, length: int, stage: str) -> dict | None:
+    """{"stage", "message"} where the cache c leaves the oracle: its lengths (`length` in every row), then its
+    keys (after RoPE where there is one) and values over slots [first, end), valid slots only; else None."""
+    if not np.array_equal(c.lengths, np.full_like(c.lengths, length)):
+        return {"stage": stage, "message": f"{stage}: lengths {c.lengths.tolist()}, expected {length} in every row"}
+    if end <= first:
+        return None
+    valid = (np.arange(first, end)[None, :] >= sch.starts[:, None])[:, None, :, None]  # (B, 1, n, 1)
+    key = "k_rot" if exact.k_rot is not None else "k"
+    for name, got, oracle in (("keys", c.k[:, :, first:end], key), ("values", c.v[:, :, first:end], "v")):
+        e = getattr(exact, oracle)[:, :, first:end]
+        y = None if low is None else getattr(low, oracle)[:, :, first:end]
+        if not _judge_masked(got, e, y, valid, table).passed:
+            return {"stage": stage, "message": f"{stage}: the {name} at slots {first}..{end - 1} are off the "
+                                               f"oracle's {oracle} (valid slots only)"}
+    return None
+
+
 def _stage(unit, sch: Schedule, call: Call, exact, low, keep, table) -> dict:
     """{"stage": the first of DECODE_STAGES where this call leaves the oracle, "message": what differs there}."""
     lo, hi, T = call.lo, call.hi, sch.tokens
-    key = "k_rot" if exact.k_rot is not None else "k"
-
-    def cache_view(c, first, end):
-        """(k, v, valid) of the cache c over slots [first, end): (B, K, n, H) vs the oracle's columns."""
-        valid = (np.arange(first, end)[None, :] >= sch.starts[:, None])[:, None, :, None]  # (B, 1, n, 1)
-        return c.k[:, :, first:end], c.v[:, :, first:end], valid
 
     def side(name, first, end):
         return getattr(exact, name)[:, :, first:end], None if low is None else getattr(low, name)[:, :, first:end]
 
     def cache_stage(c, first, end, length, stage):
-        if not np.array_equal(c.lengths, np.full_like(c.lengths, length)):
-            return {"stage": stage, "message": f"{stage}: lengths {c.lengths.tolist()}, expected {length} in every row"}
-        if end <= first:
-            return None
-        k, v, valid = cache_view(c, first, end)
-        for name, got, oracle in (("keys", k, key), ("values", v, "v")):
-            e, y = side(oracle, first, end)
-            if not _judge_masked(got, e, y, valid, table).passed:
-                return {"stage": stage, "message": f"{stage}: the {name} at slots {first}..{end - 1} are off the "
-                                                   f"oracle's {oracle} (valid slots only)"}
-        return None
+        return _cache_stage(sch, exact, low, table, c, first, end, length, stage)
 
     found = cache_stage(call.given, 0, lo, lo, "cache")
     if found:
