@@ -237,19 +237,13 @@ def backward(sd, query, key, value, mask, cotangent, *, num_heads: int, masked_r
     B, T, _ = g.shape
     S = xk.shape[1]
     qs = f.q if f.q_rot is None else f.q_rot
-    ks = f.k if f.k_rot is None else f.k_rot
 
     grads = {"out_proj.weight": r(np.einsum("BTF,BTE->FE", g, f.context))}
     if "out_proj.bias" in sd:
         grads["out_proj.bias"] = r(g.sum(axis=(0, 1)))
     d_context = r(g @ W["out_proj.weight"]).reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4)  # (B, K, G, T, H)
-    w = f.weights.reshape(B, K, G, T, S)
-    d_weights = r(np.einsum("BKGTH,BKSH->BKGTS", d_context, f.v)).reshape(B, N, T, S)
-    d_v = r(np.einsum("BKGTS,BKGTH->BKSH", w, d_context))
     keep = _combined_keep(mask, B, N, T, S, structured)
-    d_scores = _scores_backward(f.weights, d_weights, keep, flow, H, acc, r).reshape(B, K, G, T, S)
-    d_q = r(np.einsum("BKGTS,BKSH->BKGTH", d_scores, ks)).reshape(B, N, T, H)
-    d_k = r(np.einsum("BKGTS,BKGTH->BKSH", d_scores, qs.reshape(B, K, G, T, H)))
+    d_q, d_k, d_v, d_scores = _core_backward(f, d_context, keep, flow, acc, r)
     key_angles = None
     if rope is not None:  # the transpose of a rotation is the rotation by minus the angle
         (cq, sq), key_angles = _rope_cos_sin(positions, key_positions, B, T, S, H, rope_theta, acc)
@@ -257,8 +251,25 @@ def backward(sd, query, key, value, mask, cotangent, *, num_heads: int, masked_r
     for name, d_heads, x, grad_key in (("q_proj", d_q, xq, "query"), ("k_proj", d_k, xk, "key"), ("v_proj", d_v, xv, "value")):
         grads.update(_projection_grads(name, grad_key, d_heads, x, W, r))
     if per_query_head:
-        grads.update(_per_query_head_shares(d_scores, qs, w, d_context, key_angles, rope, r))
+        grads.update(_per_query_head_shares(d_scores, qs, f.weights.reshape(d_scores.shape), d_context, key_angles,
+                                            rope, r))
     return grads
+
+
+def _core_backward(f: Intermediates, d_context, keep, flow: bool, acc, r):
+    """The attention core's backward, from the context's gradient d_context (B, K, G, T, H) to the heads' q
+    (B, N, T, H; before RoPE's backward), k and v (B, K, S, H) gradients, and d_scores (B, K, G, T, S)."""
+    B, K, G, T, H = d_context.shape
+    N, S = K * G, f.weights.shape[-1]
+    qs = f.q if f.q_rot is None else f.q_rot
+    ks = f.k if f.k_rot is None else f.k_rot
+    w = f.weights.reshape(B, K, G, T, S)
+    d_weights = r(np.einsum("BKGTH,BKSH->BKGTS", d_context, f.v)).reshape(B, N, T, S)
+    d_v = r(np.einsum("BKGTS,BKGTH->BKSH", w, d_context))
+    d_scores = _scores_backward(f.weights, d_weights, keep, flow, H, acc, r).reshape(B, K, G, T, S)
+    d_q = r(np.einsum("BKGTS,BKSH->BKGTH", d_scores, ks)).reshape(B, N, T, H)
+    d_k = r(np.einsum("BKGTS,BKGTH->BKSH", d_scores, qs.reshape(B, K, G, T, H)))
+    return d_q, d_k, d_v, d_scores
 
 
 def _scores_backward(weights, d_weights, keep, flow: bool, H: int, acc, r) -> np.ndarray:
@@ -379,7 +390,7 @@ def decode(sd, x, *, starts=None, prefill: int, num_heads: int, masked_rows: str
     """
     cfg = config_of(sd, num_heads, masked_rows=masked_rows, num_kv_heads=num_kv_heads, rope=rope,
                     rope_theta=rope_theta)
-    E, N, K, H, G = cfg.embed_dim, cfg.num_heads, cfg.kv_heads, cfg.head_size, cfg.group
+    E, N, K, H = cfg.embed_dim, cfg.num_heads, cfg.kv_heads, cfg.head_size
     x = np.asarray(x)
     if x.ndim != 3 or x.shape[-1] != E:
         raise ValueError(f"x must have shape (B, L, E={E}), got {x.shape}")
@@ -409,23 +420,32 @@ def decode(sd, x, *, starts=None, prefill: int, num_heads: int, masked_rows: str
             cos, sin = _round(np.cos(angles), acc), _round(np.sin(angles), acc)
             q, k = _round(rotate(q, cos, sin, rope), dtype), _round(rotate(k, cos, sin, rope), dtype)
         k_cache[:, :, lo:hi], v_cache[:, :, lo:hi] = k, v
-        scores = np.einsum("BKGTH,BKCH->BKGTC", q.reshape(B, K, G, T, H), k_cache).reshape(B, N, T, C)
-        scores = _round(scores / np.sqrt(H), acc)
-        keep = _cache_keep(slots, starts, C)  # (B, 1, T, C)
-        scores = np.where(keep, scores, -np.inf)
-        attends = keep.any(axis=-1, keepdims=True)  # (B, 1, T, 1)
-        safe = np.where(attends, scores, 0.0)
-        e = np.exp(safe - safe.max(axis=-1, keepdims=True))  # exactly 0 where not attended
-        weights = e / e.sum(axis=-1, keepdims=True)
-        fill = {"nan": np.nan, "zero": 0.0, "uniform": 1.0 / C}[masked_rows]
-        weights = _round(_round(np.where(attends, weights, fill), acc), dtype)
-        context = _round(np.einsum("BKGTC,BKCH->BKGTH", weights.reshape(B, K, G, T, C), v_cache), dtype)
-        context = context.reshape(B, N, T, H).transpose(0, 2, 1, 3).reshape(B, T, N * H)
+        scores, weights, context = _attend_cache(q, k_cache, v_cache, _cache_keep(slots, starts, C), masked_rows,
+                                                 dtype, acc)
         outputs.append(_linear(context, sd, "out_proj", dtype))
         all_scores.append(scores)
         all_weights.append(weights)
     output = np.concatenate(outputs, axis=1) if outputs else np.zeros((B, 0, E))
     return Decoded(output, k_cache, v_cache, starts, np.full(B, L, np.int64), tuple(all_scores), tuple(all_weights))
+
+
+def _attend_cache(q, k_cache, v_cache, keep, masked_rows: str, dtype, acc):
+    """One decode call's attention of its queries q (B, N, T, H) over the cache (B, K, C, H) under keep
+    (B, 1, T, C) -> scores, weights (B, N, T, C) and the context (B, T, N*H), each rounded as `forward` rounds it."""
+    B, N, T, H = q.shape
+    K, C = k_cache.shape[1], k_cache.shape[2]
+    G = N // K
+    scores = np.einsum("BKGTH,BKCH->BKGTC", q.reshape(B, K, G, T, H), k_cache).reshape(B, N, T, C)
+    scores = _round(scores / np.sqrt(H), acc)
+    scores = np.where(keep, scores, -np.inf)
+    attends = keep.any(axis=-1, keepdims=True)  # (B, 1, T, 1)
+    safe = np.where(attends, scores, 0.0)
+    e = np.exp(safe - safe.max(axis=-1, keepdims=True))  # exactly 0 where not attended
+    weights = e / e.sum(axis=-1, keepdims=True)
+    fill = {"nan": np.nan, "zero": 0.0, "uniform": 1.0 / C}[masked_rows]
+    weights = _round(_round(np.where(attends, weights, fill), acc), dtype)
+    context = _round(np.einsum("BKGTC,BKCH->BKGTH", weights.reshape(B, K, G, T, C), v_cache), dtype)
+    return scores, weights, context.reshape(B, N, T, H).transpose(0, 2, 1, 3).reshape(B, T, N * H)
 
 
 def structured_keep(T: int, S: int, *, is_causal: bool = False, window=None, segment_ids=None,

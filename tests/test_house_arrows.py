@@ -1,4 +1,4 @@
-"""Two house rules read from the files themselves (ast and the directory listing).
+"""House rules read from the files themselves (ast and the directory listing).
 
 - Imports point down: the declaration of an implementation (parity.implementation, with the
   wrapper it calls, parity.contract), the layouts it names and every peer module build on
@@ -10,6 +10,9 @@
   without a line saying what it is and what produced it.
 - Each program in scripts/ says at its head (a Python module's docstring, a shell script's leading
   comments) what it does that mha-bench does not, or which mha-bench command replaces it.
+- No function outside tests/ is 60 lines or more: a long one is split into named steps.
+- The peers that compute q/k/v around a library's attention core project them with one helper per
+  array library (`parity.peers.common.jax_project`, `torch_project`), not a copy each.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import ast
 import pathlib
 import re
 
+import numpy as np
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -134,3 +138,87 @@ def test_the_head_reader_stops_at_the_first_command(tmp_path):
 def test_each_script_says_what_mha_bench_cannot_do(path):
     assert "mha-bench" in head_text(ROOT / "scripts" / path), (
         f"scripts/{path}: say at its head what it measures that mha-bench cannot, or which mha-bench command replaces it")
+
+
+# ---------------------------------------------------------------- function length
+
+LONGEST = 59  # lines of one function, its def line to its last line, decorators and docstring included
+
+
+def long_functions(source: str, filename: str) -> list[str]:
+    """'file:line name (n lines)' for every function or method of `source`, nested ones included,
+    longer than LONGEST."""
+    found = []
+    for node in ast.walk(ast.parse(source, filename=filename)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            lines = node.end_lineno - node.lineno + 1
+            if lines > LONGEST:
+                found.append(f"{filename}:{node.lineno} {node.name} ({lines} lines)")
+    return found
+
+
+def test_the_length_reader_counts_every_function_and_method():
+    body = "".join(f"    x{i} = {i}\n" for i in range(LONGEST - 1))  # with the def line: LONGEST lines
+    fits = f"def f():\n{body}"
+    assert long_functions(fits, "a.py") == []
+    assert long_functions(fits + "    return x0\n", "a.py") == [f"a.py:1 f ({LONGEST + 1} lines)"]
+    nested = "class C:\n    async def m(self):\n" + "".join("    " + line + "\n" for line in body.splitlines()) + "        pass\n"
+    assert long_functions(nested, "b.py") == [f"b.py:2 m ({LONGEST + 1} lines)"]
+
+
+def test_no_function_outside_tests_is_60_lines_or_more():
+    files = [p for top in ("mha_spec", "mha_torch", "mha_jax", "parity", "scripts") for p in (ROOT / top).rglob("*.py")]
+    files += list(ROOT.glob("*.py"))
+    assert len(files) > 50, "the walk found too few files"
+    found = [hit for p in sorted(files) for hit in long_functions(p.read_text(), str(p.relative_to(ROOT)))]
+    assert not found, f"split these where a reader would want (a named helper for a coherent step): {found}"
+
+
+# ---------------------------------------------------------------- one q/k/v projection for the peers
+
+
+def per_name_projections(source: str) -> list[int]:
+    """Lines of the einsum/linear/matmul calls that read a weight by a formatted name (params[f"{p}.weight"]):
+    a projection written for any of q/k/v, which the peers take from parity.peers.common."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call):
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            if name in ("einsum", "linear", "matmul", "dot") and any(
+                    isinstance(sub, ast.Subscript) and isinstance(sub.slice, ast.JoinedStr) for sub in ast.walk(node)):
+                found.append(node.lineno)
+    return found
+
+
+def test_the_projection_reader_sees_einsum_and_linear():
+    assert per_name_projections('y = jnp.einsum("BLE,FE->BLF", x, params[f"{p}.weight"])\n'
+                                'z = F.linear(x, w[f"{n}.weight"], None)\n') == [1, 2]
+    assert per_name_projections('y = F.linear(x, params["out_proj.weight"], params["out_proj.bias"])\n') == []
+
+
+def test_the_peers_project_q_k_v_in_one_place():
+    peers = sorted((ROOT / "parity" / "peers").glob("*.py"))
+    assert per_name_projections((ROOT / "parity" / "peers" / "common.py").read_text()), "common.py lost its projections"
+    elsewhere = {p.name: lines for p in peers if p.name != "common.py" and (lines := per_name_projections(p.read_text()))}
+    assert not elsewhere, f"call parity.peers.common.jax_project / torch_project instead: {elsewhere}"
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_jax_and_torch_project_are_x_w_transpose_plus_b_split_into_heads(bias):
+    import jax.numpy as jnp
+    import torch
+
+    from parity.peers.common import jax_project, torch_project
+
+    B, L, E, K, H = 3, 7, 12, 2, 4  # grouped: K heads of H, K*H != E
+    rng = np.random.default_rng(0)
+    x, weight, b = rng.standard_normal((B, L, E)), rng.standard_normal((K * H, E)), rng.standard_normal(K * H)
+    params = {"k_proj.weight": weight, **({"k_proj.bias": b} if bias else {})}
+    want = (np.einsum("ble,fe->blf", x, weight) + (b if bias else 0.0)).reshape(B, L, K, H)  # feature n*H + h
+    got = jax_project(jnp.asarray(x, jnp.float32), {k: jnp.asarray(v, jnp.float32) for k, v in params.items()},
+                      "k_proj", K, H)
+    # float32: a 12-term dot product of unit normals rounds by ~12 * 2**-24 * its terms' size, well under 1e-5
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+    got = torch_project(torch.from_numpy(x), {k: torch.from_numpy(v) for k, v in params.items()}, "k_proj", K, H)
+    assert tuple(got.shape) == (B, K, L, H)  # heads first, as F.scaled_dot_product_attention takes them
+    np.testing.assert_allclose(got.numpy(), want.transpose(0, 2, 1, 3), rtol=1e-12, atol=1e-12)

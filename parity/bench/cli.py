@@ -69,6 +69,18 @@ def run_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", choices=sorted(PRESETS), default="quick", help="grid and timing preset (default quick)")
     p.add_argument("--device", choices=("cpu", "gpu", "tpu", "auto"), default="cpu",
                    help="the device kind; auto = best present (gpu, tpu, cpu); torch runs on cpu beside a TPU")
+    _add_grid_arguments(p)
+    _add_timing_arguments(p)
+    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--markdown", metavar="PATH")
+    p.add_argument("--plot", metavar="PATH.png")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--list", action="store_true", help="print the planned items and exit")
+    return p
+
+
+def _add_grid_arguments(p: argparse.ArgumentParser) -> None:
+    """What is measured: the implementations, passes, dtypes and the grid of cases (shapes, masks, layers)."""
     p.add_argument("--impls", help="comma-separated name[:mode[:weights|fused]] patterns, e.g. ours-torch:eager,jax-dpa-core")
     p.add_argument("--impl", action="append", default=[], metavar="MODULE:ATTR",
                    help="also time your own implementation (a parity.impls.Implementation), e.g. parity.examples.jax_port:port")
@@ -91,6 +103,10 @@ def run_parser() -> argparse.ArgumentParser:
                    help="rotary embedding of q and k (positions arange): none, half (rotate-half) or interleaved")
     p.add_argument("--bias", choices=tuple(BIASES), default="all",
                    help="projections with a bias: all (default), qkv (q/k/v only), out (out_proj only), none")
+
+
+def _add_timing_arguments(p: argparse.ArgumentParser) -> None:
+    """How it is measured: threads, precision, repeats, worker processes, the verdict's pair and the seed."""
     p.add_argument("--threads", type=positive_int, help="CPU threads per worker (affinity + framework thread pools)")
     p.add_argument("--precision", choices=("highest", "default"), default="highest",
                    help="highest: pin float32 matmuls to full precision in both frameworks (default)")
@@ -113,12 +129,6 @@ def run_parser() -> argparse.ArgumentParser:
                    "verdict compares (default: the fastest of each framework)")
     p.add_argument("--item-timeout", type=positive_float, default=1800.0, help="seconds before a stuck item is killed")
     p.add_argument("--seed", type=nonnegative_int, default=0, help="NumPy seed for weights and inputs (>= 0)")
-    p.add_argument("--json", metavar="PATH")
-    p.add_argument("--markdown", metavar="PATH")
-    p.add_argument("--plot", metavar="PATH.png")
-    p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--list", action="store_true", help="print the planned items and exit")
-    return p
 
 
 def bench_masks(text: str) -> tuple[str, ...]:

@@ -148,25 +148,20 @@ def run(
     entries for the report's environment (e.g. the file checked); dtypes, checks: names to keep (None: whatever the
     cases run, all checks; named ones that nothing runs get a skip row saying why); impls: names of
     ours and/or `parity.impls.Implementation` objects (your own; see `select_impls`).
-    on_start(total_units) and on_progress(description) drive a progress bar;
-    should_stop() is asked between units (a graceful Ctrl-C). devices >= 2 adds the sharded
-    check (`parity.harness.sharded`: tensor-, sequence- and data-parallel shardings over that many
-    simulated CPU devices / gloo processes; `shardings` filters them (`layouts`: its old spelling, warns); job_timeout_s: how long a
-    sharded worker group may go without finishing a job, default
-    parity.harness.sharded.launch.DEFAULT_JOB_TIMEOUT_S; should_stop() is polled while the workers run,
-    and they stop between jobs). A unit that raises
-    becomes error rows; KeyboardInterrupt stops the loop, and the report of what
-    finished is still written (report.interrupted is True).
+    on_start(total_units) and on_progress(description) drive a progress bar; should_stop() is asked between units (a
+    graceful Ctrl-C). devices >= 2 adds the sharded check (`parity.harness.sharded`: tensor-, sequence- and
+    data-parallel shardings over that many simulated CPU devices / gloo processes; `shardings` filters them
+    (`layouts`: its old spelling, warns); job_timeout_s: how long a sharded worker group may go without finishing a
+    job, default parity.harness.sharded.launch.DEFAULT_JOB_TIMEOUT_S; should_stop() is polled while the workers run,
+    and they stop between jobs). A unit that raises becomes error rows; KeyboardInterrupt stops the loop, and the
+    report of what finished is still written (report.interrupted is True).
     """
     started = time.perf_counter()
-    p = _plan(cases, case_filter, dtypes, checks, impls, device, quick, compile, (json_path, markdown_path, plot_path))
-    if state_dict is not None:
-        for c in p.cases:  # every case's layer checked against the weights before anything runs
-            case_inputs(c, seed, state_dict)
-    extra = {**(environment or {}), "dtypes": ",".join(p.dtypes), "checks": ",".join(p.checks), "cases": len(p.cases),
-             "implementations": ",".join(i.name for i in p.impls), "x64_enabled_for_run": p.x64}
+    paths = (json_path, markdown_path, plot_path)
+    p = _plan(cases, case_filter, dtypes, checks, impls, device, quick, compile, paths)
+    _check_weights(p.cases, seed, state_dict)
     with pinned(framework_defaults, p.x64):
-        report = Report(_environment(p.device, seed, framework_defaults, extra))
+        report = Report(_environment(p.device, seed, framework_defaults, _run_entries(p, environment)))
         if on_start is not None:
             on_start(len(p.units))
         try:
@@ -175,13 +170,31 @@ def run(
         except KeyboardInterrupt:
             report.interrupted = True
         finally:
-            if not report.interrupted:  # what an interrupted run did not reach is not a "cannot run"
-                report.rows += coverage(report.rows, p.cases, *p.coverage_of, p.impls, device_label(p.device.name))
-                report.unchecked = unchecked(report.rows, p.impls)
-            report.users = [i for i in p.impls if i.role == "user"]
-            report.elapsed_s = time.perf_counter() - started
-            report.write_errors = write_reports(report, json_path, markdown_path, plot_path)
+            _finish(report, p, started, paths)
     return report
+
+
+def _check_weights(cases, seed: int, state_dict) -> None:
+    """Every case's layer checked against the fixed weights (None: drawn ones) before anything runs."""
+    if state_dict is not None:
+        for c in cases:
+            case_inputs(c, seed, state_dict)
+
+
+def _run_entries(p, environment) -> dict:
+    """The report's environment entries of this run: the caller's, then what the plan selected."""
+    return {**(environment or {}), "dtypes": ",".join(p.dtypes), "checks": ",".join(p.checks), "cases": len(p.cases),
+            "implementations": ",".join(i.name for i in p.impls), "x64_enabled_for_run": p.x64}
+
+
+def _finish(report, p, started: float, paths) -> None:
+    """Close the report, finished or interrupted: the coverage rows, the users, the time, then the files written."""
+    if not report.interrupted:  # what an interrupted run did not reach is not a "cannot run"
+        report.rows += coverage(report.rows, p.cases, *p.coverage_of, p.impls, device_label(p.device.name))
+        report.unchecked = unchecked(report.rows, p.impls)
+    report.users = [i for i in p.impls if i.role == "user"]
+    report.elapsed_s = time.perf_counter() - started
+    report.write_errors = write_reports(report, *paths)
 
 
 def _fill(report, p, seed, on_progress, should_stop, state_dict, sharded) -> None:

@@ -1,5 +1,6 @@
 """What several peers share: the optional-package skip, dtypes and casts, the classic-layer refusal,
-flax's per-head weight layout (Keras's MultiHeadAttention stores it too), and the wrappers that
+the q/k/v projections of the peers that compute them around a library's attention core (`jax_project`,
+`torch_project`), flax's per-head weight layout (Keras's MultiHeadAttention stores it too), and the wrappers that
 plug canonical parameters into a flax module (`linear_leaves`, `merged`: our JAX module is an nnx
 module too, so parity.impls.jax_impls uses them as well).
 
@@ -64,6 +65,34 @@ def classic_only(sd, target: str) -> None:
         raise ValueError(f"{target} has no grouped key/value heads and always has all four biases; this layer has "
                          f"{' and '.join(what)}: convert it with to_torch/to_jax, or to_keras(..., num_kv_heads=K) "
                          f"(keras.layers.GroupQueryAttention)")
+
+
+# ---------------------------------------------------------------- the input projections around an attention core
+
+
+def jax_project(x, params, name: str, heads: int, head_dim: int):
+    """x (B, L, E) through the canonical projection `name` (q_proj, k_proj, v_proj), split into heads:
+    (B, L, heads, head_dim), the layout of jax.nn.dot_product_attention and the Pallas kernels' callers.
+
+    x Wᵀ + b with the (out, in) weight, the bias when the layer has one; jax arrays, traced ones too.
+    """
+    import jax.numpy as jnp
+
+    y = jnp.einsum("BLE,FE->BLF", x, params[f"{name}.weight"])
+    if f"{name}.bias" in params:
+        y = y + params[f"{name}.bias"]
+    return y.reshape(x.shape[0], x.shape[1], heads, head_dim)
+
+
+def torch_project(x, params, name: str, heads: int, head_dim: int):
+    """`jax_project` in torch, heads first: (B, heads, L, head_dim), the layout of F.scaled_dot_product_attention.
+
+    F.linear(x, W, b) with the (out, in) weight, the bias when the layer has one.
+    """
+    import torch.nn.functional as F
+
+    y = F.linear(x, params[f"{name}.weight"], params.get(f"{name}.bias"))
+    return y.view(x.shape[0], x.shape[1], heads, head_dim).transpose(1, 2)
 
 
 # ---------------------------------------------------------------- flax's per-head layout

@@ -28,7 +28,7 @@ import numpy as np
 
 from mha_spec import VARIANT_FEATURES
 from parity.implementation import Implementation
-from parity.peers.common import FRAMEWORK_PEER_CASES
+from parity.peers.common import FRAMEWORK_PEER_CASES, jax_project
 
 
 # What no other file of parity/ calls (tests/test_house.py).
@@ -43,13 +43,10 @@ def dpa_core(sd, num_heads, *, dtype, device):
 
     def fn(params, query, key, value, keep):
         B, T, E = query.shape
-        S, N, H = key.shape[1], num_heads, E // num_heads
-
-        def proj(x, p, L):  # (B, L, E) -> (B, L, N, H); canonical (out, in) weights: x Wᵀ + b
-            return (jnp.einsum("BLE,FE->BLF", x, params[f"{p}.weight"]) + params[f"{p}.bias"]).reshape(B, L, N, H)
-
-        ctx = jax.nn.dot_product_attention(proj(query, "q_proj", T), proj(key, "k_proj", S), proj(value, "v_proj", S),
-                                           mask=keep, scale=1.0 / math.sqrt(H), implementation="xla")  # (B, T, N, H)
+        N, H = num_heads, E // num_heads
+        q, k, v = (jax_project(x, params, p, N, H) for x, p in ((query, "q_proj"), (key, "k_proj"), (value, "v_proj")))
+        ctx = jax.nn.dot_product_attention(q, k, v, mask=keep, scale=1.0 / math.sqrt(H),
+                                           implementation="xla")  # (B, T, N, H)
         return jnp.einsum("BTF,EF->BTE", ctx.reshape(B, T, E), params["out_proj.weight"]) + params["out_proj.bias"]
 
     return fn
@@ -99,15 +96,8 @@ def dpa_gqa(sd, num_heads, *, dtype, device, problem):
 
     def fn(params, query, key, value, keep, *, positions=None, key_positions=None):
         B, T, _ = query.shape
-        S = key.shape[1]
-
-        def proj(x, p, n, L):  # (B, L, E) -> (B, L, n, H); canonical (out, in) weights: x Wᵀ + b
-            y = jnp.einsum("BLE,FE->BLF", x, params[f"{p}.weight"])
-            if f"{p}.bias" in params:
-                y = y + params[f"{p}.bias"]
-            return y.reshape(B, L, n, H)
-
-        q, k, v = proj(query, "q_proj", N, T), proj(key, "k_proj", K, S), proj(value, "v_proj", K, S)
+        q = jax_project(query, params, "q_proj", N, H)  # (B, T, N, H)
+        k, v = jax_project(key, params, "k_proj", K, H), jax_project(value, params, "v_proj", K, H)  # (B, S, K, H)
         if cfg.rope is not None:
             q, k = rope(q, positions, cfg.rope_theta, cfg.rope), rope(k, key_positions, cfg.rope_theta, cfg.rope)
         ctx = jax.nn.dot_product_attention(q, k, v, mask=keep, scale=1.0 / math.sqrt(H),
@@ -150,14 +140,8 @@ def dpa_masks(sd, num_heads, *, dtype, device, problem):
         if alignment == "bottom-right" and T != S:
             raise ValueError(f"jax.nn.dot_product_attention aligns is_causal and local_window_size top-left (query t "
                              f"at key t): alignment='bottom-right' with T={T} != S={S} cannot be expressed")
-
-        def proj(x, p, n, L):  # (B, L, E) -> (B, L, n, H); canonical (out, in) weights: x Wᵀ + b
-            y = jnp.einsum("BLE,FE->BLF", x, params[f"{p}.weight"])
-            if f"{p}.bias" in params:
-                y = y + params[f"{p}.bias"]
-            return y.reshape(B, L, n, H)
-
-        q, k, v = proj(query, "q_proj", N, T), proj(key, "k_proj", K, S), proj(value, "v_proj", K, S)
+        q = jax_project(query, params, "q_proj", N, H)  # (B, T, N, H)
+        k, v = jax_project(key, params, "k_proj", K, H), jax_project(value, params, "v_proj", K, H)  # (B, S, K, H)
         if cfg.rope is not None:
             q, k = rope(q, positions, cfg.rope_theta, cfg.rope), rope(k, key_positions, cfg.rope_theta, cfg.rope)
         kw = {"is_causal": bool(is_causal)}

@@ -83,7 +83,7 @@ import numpy as np
 
 from mha_spec import VARIANT_FEATURES
 from parity.implementation import Implementation
-from parity.peers.common import MissingPackage
+from parity.peers.common import MissingPackage, jax_project
 from parity.peers.jax_dpa import rope
 
 # What no other file of parity/ uses (tests/test_house.py): the Pallas package and its kernels.
@@ -289,16 +289,6 @@ def tpu_flash_core(q, k, v, *, causal: bool, segment_ids, sm_scale: float, inter
 # ---------------------------------------------------------------- factories (parity.impls.registry's contract)
 
 
-def _proj(params, x, p: str, n: int, H: int):
-    """(B, L, E) -> (B, L, n, H); canonical (out, in) weights: x Wᵀ + b (the bias when the layer has one)."""
-    import jax.numpy as jnp
-
-    y = jnp.einsum("BLE,FE->BLF", x, params[f"{p}.weight"])
-    if f"{p}.bias" in params:
-        y = y + params[f"{p}.bias"]
-    return y.reshape(x.shape[0], x.shape[1], n, H)
-
-
 def _out(params, ctx):
     """context (B, L, N*H) -> output (B, L, E)."""
     import jax.numpy as jnp
@@ -320,7 +310,8 @@ def _flash_peer(name: str, core, num_heads: int, device, problem):
         B, T, _ = query.shape
         S = key.shape[1]
         causal, seg = _mask_args(name, keep, is_causal, segment_ids, B, T, S)  # before any compile: a skip is cheap
-        q, k, v = _proj(params, query, "q_proj", N, H), _proj(params, key, "k_proj", K, H), _proj(params, value, "v_proj", K, H)
+        q = jax_project(query, params, "q_proj", N, H)  # (B, T, N, H)
+        k, v = jax_project(key, params, "k_proj", K, H), jax_project(value, params, "v_proj", K, H)  # (B, S, K, H)
         if cfg.rope is not None:
             q, k = rope(q, positions, cfg.rope_theta, cfg.rope), rope(k, key_positions, cfg.rope_theta, cfg.rope)
         if K != N:  # query head h reads key/value head h // (N / K)
@@ -385,9 +376,9 @@ def decode_step(params, x_t, cache: DecodeCache | None, position, *, config, int
         if length == cache.capacity:  # full: GPU_BLOCK more slots (a new kernel shape)
             grow = jnp.zeros((B, GPU_BLOCK, K, Hp), x_t.dtype)
             k_all, v_all = jnp.concatenate([k_all, grow], axis=1), jnp.concatenate([v_all, grow], axis=1)
-    q = _proj(params, x_t, "q_proj", N, H)  # (B, 1, N, H)
-    k = _proj(params, x_t, "k_proj", K, H)  # (B, 1, K, H)
-    v = _proj(params, x_t, "v_proj", K, H)
+    q = jax_project(x_t, params, "q_proj", N, H)  # (B, 1, N, H)
+    k = jax_project(x_t, params, "k_proj", K, H)  # (B, 1, K, H)
+    v = jax_project(x_t, params, "v_proj", K, H)
     if config.rope is not None:
         at = jnp.asarray(np.where(pad, 0, pos)[:, None])  # (B, 1): a padding token's position is never seen
         q, k = rope(q, at, config.rope_theta, config.rope), rope(k, at, config.rope_theta, config.rope)

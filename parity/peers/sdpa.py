@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from mha_spec import VARIANT_FEATURES
 from parity.implementation import Implementation
-from parity.peers.common import FRAMEWORK_PEER_CASES
+from parity.peers.common import FRAMEWORK_PEER_CASES, torch_project
 
 if TYPE_CHECKING:
     import torch
@@ -42,13 +42,9 @@ def sdpa_core(sd, num_heads, *, dtype, device):
 
     def fn(params, query, key, value, keep, *, is_causal=False):
         B, T, E = query.shape
-        S, N, H = key.shape[1], num_heads, E // num_heads
-
-        def proj(x, p, L):  # (B, L, E) -> (B, N, L, H)
-            return F.linear(x, params[f"{p}.weight"], params[f"{p}.bias"]).view(B, L, N, H).transpose(1, 2)
-
-        ctx = F.scaled_dot_product_attention(proj(query, "q_proj", T), proj(key, "k_proj", S), proj(value, "v_proj", S),
-                                             attn_mask=keep, is_causal=is_causal,
+        N, H = num_heads, E // num_heads
+        q, k, v = (torch_project(x, params, p, N, H) for x, p in ((query, "q_proj"), (key, "k_proj"), (value, "v_proj")))
+        ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, is_causal=is_causal,
                                              scale=1.0 / math.sqrt(H))  # (B, N, T, H)
         return F.linear(ctx.transpose(1, 2).reshape(B, T, E), params["out_proj.weight"], params["out_proj.bias"])
 
@@ -111,11 +107,8 @@ def sdpa_gqa(sd, num_heads, *, dtype, device, problem):
     def fn(params, query, key, value, keep, *, positions=None, key_positions=None, is_causal=False):
         B, T, _ = query.shape
         S = key.shape[1]
-
-        def proj(x, p, n, L):  # (B, L, E) -> (B, n, L, H)
-            return F.linear(x, params[f"{p}.weight"], params.get(f"{p}.bias")).view(B, L, n, H).transpose(1, 2)
-
-        q, k, v = proj(query, "q_proj", N, T), proj(key, "k_proj", K, S), proj(value, "v_proj", K, S)
+        q = torch_project(query, params, "q_proj", N, H)  # (B, N, T, H)
+        k, v = torch_project(key, params, "k_proj", K, H), torch_project(value, params, "v_proj", K, H)  # (B, K, S, H)
         if rope is not None:
             q = apply_rope(q, *rope_cos_sin(positions, T, H, cfg.rope_theta, q.dtype, q.device), rope)
             k = apply_rope(k, *rope_cos_sin(key_positions, S, H, cfg.rope_theta, k.dtype, k.device), rope)
