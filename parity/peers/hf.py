@@ -38,7 +38,12 @@ softmax is softmax(dtype=float32), cast back: a float64 run computes in float32
 (computes_in="float32", 2e-8..5e-8 off the oracle) and is judged at the float32 entry. Its
 eager mask is additive 0 / finfo(dtype).min, and finfo(float64).min becomes -inf in the
 float32 softmax, so in float64 it runs only where no row is fully masked (unmasked and
-causal self-attention). torch and transformers are imported on first use (transformers takes ~3 s);
+causal self-attention). In float16 the same holds for a different reason: finfo(float16).min is
+-65504, where float16's spacing is 32, so a fully masked row's scores s + min round to -65504 ± 32
+or overflow to -inf wherever |s| exceeds 16 (weights of std 0.3 reach that), and the row is no
+longer the uniform average its policy says (measured: margin 100-200 on `padding/uniform`);
+BERT and Llama therefore run float16 only where no row is fully masked, Mistral's window cases
+not in float16. torch and transformers are imported on first use (transformers takes ~3 s);
 a missing transformers is a `MissingPackage` when a peer is built.
 Legend (see mha_spec): B T S N K H E.
 """
@@ -738,19 +743,24 @@ def hf_llama_decode(sd, num_heads, *, dtype, device, problem):
 
 # ---------------------------------------------------------------- declarations
 
+# The float16 units without a fully masked row, where an additive finfo(float16).min mask is exact.
+NO_EMPTY_ROWS_FLOAT16 = ("self/none/float16", "self/causal/float16")
+
 IMPLEMENTATIONS = (
+    # float16 only where no row is fully masked (none, causal self-attention): see the module docstring.
     Implementation("hf-bert", "torch", f"{__name__}:hf_bert", masked_rows="uniform", mask_shape="BTS",
-                   uses_params=False, role="peer", bench=False, runs_on=("self/*/*",), masked_row_grads="flow",
+                   uses_params=False, role="peer", bench=False, masked_row_grads="flow",
+                   runs_on=("self/*/float64", "self/*/float32", "self/*/bfloat16", *NO_EMPTY_ROWS_FLOAT16),
                    doc="transformers BertAttention (self + output.dense), eager; additive mask 0 / finfo.min, "
                    "so empty rows are uniform, and their gradient flows into the query and key gradients"),
     Implementation("hf-gpt2", "torch", f"{__name__}:hf_gpt2", masked_rows="uniform", mask_shape="BTS",
                    uses_params=False, role="peer", bench=False, runs_on=("self/causal/*",), masked_row_grads="flow",
                    doc="transformers GPT2Attention, eager; causal by its mask (create_causal_mask), "
                    "a query with only padding is uniform over all keys"),
-    # float64 only where no row is fully masked (none, causal self-attention): see the module docstring.
+    # float64 and float16 only where no row is fully masked (none, causal self-attention): see the module docstring.
     Implementation("hf-llama", "torch", f"{__name__}:hf_llama", masked_rows="uniform", mask_shape="BTS", uses_params=False,
                    computes_in="float32", role="peer", bench=False, masked_row_grads="flow", variants=VARIANT_FEATURES,
-                   runs_on=("self/none/*", "self/causal/*", "self/*/float32", "self/*/bfloat16", "self/*/float16"),
+                   runs_on=("self/none/*", "self/causal/*", "self/*/float32", "self/*/bfloat16"),
                    doc="transformers LlamaAttention (eager) with LlamaRotaryEmbedding, position_ids = the positions; "
                    "additive mask 0 / finfo.min, so empty rows are uniform and their gradient flows; cos/sin and softmax "
                    "in float32 (also for float64); interleaved RoPE via HF's q/k row permutation, absent biases as zeros"),
@@ -759,7 +769,7 @@ IMPLEMENTATIONS = (
     Implementation("hf-mistral", "torch", f"{__name__}:hf_mistral", masked_rows="uniform", mask_shape="BTS",
                    uses_params=False, computes_in="float32", role="peer", bench=False, masked_row_grads="flow",
                    variants=("grouped",), requires=("rope-half", "no-qkv-bias", "no-out-bias"), structured=True,
-                   runs_on=("self/packed/*", "self/window/float32", "self/window/bfloat16", "self/window/float16"),
+                   runs_on=("self/packed/*", "self/window/float32", "self/window/bfloat16"),
                    doc="transformers MistralAttention (eager) with the mask MistralModel builds: sliding_window = W from "
                    "the window (W - 1, 0) through create_sliding_window_causal_mask and generate's 2D attention mask; "
                    "packed documents from position_ids alone (restarting positions, no attention_mask); cos/sin and "
