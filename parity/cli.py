@@ -143,7 +143,7 @@ def _usage_problems(args) -> str | None:
     return None
 
 
-def _run(args, console, stop, checkpoint_kwargs=None):
+def _run(args, console, stop, checkpoint_run=None):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from parity.harness.runner import run
@@ -167,9 +167,9 @@ def _run(args, console, stop, checkpoint_kwargs=None):
     kw = dict(case_filter=args.cases, dtypes=args.dtypes, checks=args.checks)
     if args.layer is not None:
         kw["cases"] = _layer_cases(args)
-    if checkpoint_kwargs is not None:  # its cases, weights and report entries (`checkpoint.run_kwargs`)
-        kw.update(checkpoint_kwargs)
-        console.print(checkpoint.describe(kw["environment"]), soft_wrap=True, markup=False)
+    if checkpoint_run is not None:  # its cases, weights and report entries (`checkpoint.prepare`)
+        kw.update(checkpoint_run.run_kwargs)
+        console.print(checkpoint_run.describe(), soft_wrap=True, markup=False)
     with progress:
         return run(
             **kw, impls=impls, device=args.device,
@@ -208,10 +208,10 @@ def main(argv=None) -> int:
     if problem:  # a usage error: on stderr, as argparse's own
         print(f"mha-parity: {problem}", file=sys.stderr, flush=True)
         return EXIT_USAGE
-    checkpoint_kwargs = None
+    checkpoint_run = None
     if args.checkpoint is not None:  # read (or refused) before anything compiles; a refusal goes to stderr
         try:
-            checkpoint_kwargs = checkpoint.run_kwargs(args)
+            checkpoint_run = checkpoint.prepare(args)
         except LoadError as e:
             print(f"mha-parity: {e}", file=sys.stderr, flush=True)
             return EXIT_USAGE
@@ -220,7 +220,7 @@ def main(argv=None) -> int:
 
         cache_dir = None if args.no_compile_cache else compile_cache.enable()
         tally = compile_cache.start()
-        report = _run(args, console, stop, checkpoint_kwargs)
+        report = _run(args, console, stop, checkpoint_run)
     except LoadError as e:  # --impl: any failure to load (SystemExit at import included), one line
         console.print(f"mha-parity: {e}", soft_wrap=True, markup=False, style="bold red")
         return EXIT_USAGE

@@ -643,8 +643,9 @@ def _int_field(cfg: Mapping, field: str, source: str, default=None) -> int:
     return value
 
 
-def _config_json(source) -> tuple[Mapping, str]:
-    """(parsed config.json, where it came from) of a directory, a file path or a dict."""
+def read_config_json(source) -> tuple[Mapping, str]:
+    """(parsed config.json, where it came from) of a directory, a file path or a dict: read once, the pair
+    goes to `attention_config` and `read_checkpoint(config_json=...)`."""
     if isinstance(source, Mapping):
         return source, "config"
     path = file_path(source)
@@ -829,11 +830,12 @@ def read_hf_config(source, *, masked_rows: str = "nan", ignore_sliding_window: b
     never the model_type alone. masked_rows is not in config.json: it is the caller's choice,
     passed through.
     """
-    cfg, where = _config_json(source)
-    return _attention_config(cfg, where, masked_rows, ignore_sliding_window)
+    cfg, where = read_config_json(source)
+    return attention_config(cfg, where, masked_rows=masked_rows, ignore_sliding_window=ignore_sliding_window)
 
 
-def _attention_config(cfg: Mapping, where: str, masked_rows: str, ignore_sliding_window: bool):
+def attention_config(cfg: Mapping, where: str, *, masked_rows: str = "nan", ignore_sliding_window: bool = False):
+    """`read_hf_config` of a config.json already parsed (`read_config_json`); `where` names it in errors."""
     from mha_spec import AttentionConfig
 
     model = hf_model(cfg, where)
@@ -866,7 +868,7 @@ def _attention_config(cfg: Mapping, where: str, masked_rows: str, ignore_sliding
 
 
 def read_checkpoint(path, layout: str = "hf-llama", *, prefix: str = "", config=None, masked_rows: str = "nan",
-                    ignore_sliding_window: bool = False):
+                    ignore_sliding_window: bool = False, config_json: tuple[Mapping, str] | None = None):
     """One attention block of a checkpoint -> (canonical state dict, mha_spec.AttentionConfig).
 
     `path` is a transformers checkpoint directory (config.json with model.safetensors, or
@@ -875,13 +877,15 @@ def read_checkpoint(path, layout: str = "hf-llama", *, prefix: str = "", config=
     (`read_hf_config`; its layout must be `layout`); a single file carries none, so it
     then needs config=. A given config is used as it is (config.json is not read) and
     checked against the weights; masked_rows and ignore_sliding_window go to
-    `read_hf_config` when config.json is read. Only the block's tensors are read, and every
-    tensor under the prefix is accounted for (`account`): one the layout does not read is a
-    ValueError naming it and the feature it implies. A model_type outside HF_MODELS (or a
-    config.json naming modeling code of its own, auto_map) is a ValueError naming what its
-    attention does that the tool does not model: the fields of config.json that say so
-    (`unmodelled_features`), what its attention code always does (`FAMILY_FEATURES`), and the
-    tensors under the prefix the layout would leave unread.
+    `read_hf_config` when config.json is read; config_json, the directory's config.json as
+    `read_config_json` parsed it (contents, path), is used instead of reading the file again.
+    Only the block's tensors are read, and every tensor under the prefix is accounted for
+    (`account`): one the layout does not read is a ValueError naming it and the feature it
+    implies. A model_type outside HF_MODELS (or a config.json naming modeling code of its
+    own, auto_map) is a ValueError naming what its attention does that the tool does not
+    model: the fields of config.json that say so (`unmodelled_features`), what its attention
+    code always does (`FAMILY_FEATURES`), and the tensors under the prefix the layout would
+    leave unread.
     """
     from mha_spec import AttentionConfig
 
@@ -893,7 +897,7 @@ def read_checkpoint(path, layout: str = "hf-llama", *, prefix: str = "", config=
         raise path_error(path, problem, "no such checkpoint directory or weight file")
     if os.path.isdir(path):
         if config is None:
-            config = _directory_config(path, layout, prefix, masked_rows, ignore_sliding_window)
+            config = _directory_config(path, layout, prefix, masked_rows, ignore_sliding_window, config_json)
         theta = config.rope_theta if config.rope is not None else None
         single, index = _weight_files(path)
         if single is not None:
@@ -919,11 +923,12 @@ def read_checkpoint(path, layout: str = "hf-llama", *, prefix: str = "", config=
     return sd, config
 
 
-def _directory_config(path: str, layout: str, prefix: str, masked_rows: str, ignore_sliding_window: bool):
+def _directory_config(path: str, layout: str, prefix: str, masked_rows: str, ignore_sliding_window: bool,
+                      parsed: tuple[Mapping, str] | None = None):
     """The AttentionConfig a checkpoint directory's config.json describes for `layout`; a model the tool does
     not model is refused naming what it does, and (given a prefix) the block's tensors the layout would leave
-    unread."""
-    cfg, where = _config_json(path)
+    unread. parsed: the directory's config.json already read (`read_config_json`)."""
+    cfg, where = read_config_json(path) if parsed is None else parsed
     tensors = None
     if (cfg.get("model_type") not in HF_MODELS or cfg.get("auto_map")) and prefix:
         try:  # the tensors are named when they can be listed; the refusal stands either way
@@ -933,7 +938,7 @@ def _directory_config(path: str, layout: str, prefix: str, masked_rows: str, ign
     model = hf_model(cfg, where, tensors)
     if model.layout != layout:
         raise ValueError(f"{where}: model_type {cfg['model_type']!r} uses layout {model.layout!r}, not {layout!r}")
-    return _attention_config(cfg, where, masked_rows, ignore_sliding_window)
+    return attention_config(cfg, where, masked_rows=masked_rows, ignore_sliding_window=ignore_sliding_window)
 
 
 def _weight_files(directory) -> tuple[str | None, str | None]:

@@ -87,20 +87,66 @@ class CheckpointLayer:
     config_json: str | None = None  # the config.json read (the directory's, or the one beside a single file)
 
     @property
+    def dtype(self) -> str:
+        return str(next(iter(self.state_dict.values())).dtype)
+
+    @property
+    def layer_text(self) -> str:
+        c = self.config
+        return (f"E={c.embed_dim} N={c.num_heads} K={c.kv_heads} H={c.head_size} qkv_bias={c.qkv_bias} "
+                f"out_bias={c.out_bias} rope={c.rope} rope_theta={c.rope_theta:g}")
+
+    @property
     def environment(self) -> dict:
         """What the report records about the layer checked."""
-        c = self.config
         env = {"checkpoint": self.path, "checkpoint_layout": self.layout, "checkpoint_prefix": self.prefix,
-               "checkpoint_layer": (f"E={c.embed_dim} N={c.num_heads} K={c.kv_heads} H={c.head_size} "
-                                    f"qkv_bias={c.qkv_bias} out_bias={c.out_bias} rope={c.rope} "
-                                    f"rope_theta={c.rope_theta:g}"),
-               "checkpoint_dtype": str(next(iter(self.state_dict.values())).dtype)}
+               "checkpoint_layer": self.layer_text, "checkpoint_dtype": self.dtype}
         if self.sliding_window is not None:
             env["checkpoint_sliding_window"] = self.sliding_window
         if self.other_tensors:
             env["checkpoint_other_tensors"] = "; ".join(self.other_tensors)
         env["checkpoint_config"] = self.config_json or "none: the layer is what the flags and the layout say"
         return env
+
+    def describe(self, tokens: int | None = None, constant: tuple[str, ...] = ()) -> str:
+        """What is checked, before the table (the report's environment carries the same): the layer, with
+        `tokens` (S) its cases' keys against the sliding window, and a warning naming the `constant` tensors,
+        which blind the forward check (see `constant_tensors`)."""
+        text = f"checkpoint {self.path} (layout {self.layout}, prefix {self.prefix!r}, {self.dtype}): {self.layer_text}"
+        W, S = self.sliding_window, tokens
+        if W is not None:
+            text += (f"\nsliding_window={W}: " + (f"fewer keys than the S={S} tokens, so the cases apply the window "
+                                                    f"(is_causal, window ({W - 1}, 0)); no decode case (a KV cache takes no window)"
+                                                    if window_binds(W, S) else
+                                                    f"at least the S={S} tokens, so the window keeps every causal key: the "
+                                                    f"causal cases are the model's (--shape with S > {W} checks the window)"))
+        if self.config_json is None:
+            text += ("\nno config.json beside the file: the layer is what the flags and the layout say; what a config.json "
+                     "would add (soft-capping, a query scale, sliding windows, scaled RoPE) cannot be seen in a weight file")
+        if self.other_tensors:
+            text += f"\nalso under the prefix, not judged: {'; '.join(self.other_tensors)}"
+        if constant:
+            text += (f"\nwarning: {', '.join(constant)} hold one value throughout (all zero, "
+                     "as freshly initialised): a port that ignores them computes the same, so the case "
+                     "checkpoint-redrawn/causal/nan checks the layer with them drawn")
+        return text
+
+    def __str__(self) -> str:
+        return self.describe()
+
+
+@dataclass(frozen=True)
+class CheckpointRun:
+    """A --checkpoint run: its layer, the S tokens of its cases, the layer's constant tensors (drawn in one case),
+    and the `parity.harness.run` arguments (cases, fixed weights, the report's environment, checks, dtypes)."""
+
+    layer: CheckpointLayer
+    tokens: int
+    constant: tuple[str, ...]
+    run_kwargs: dict
+
+    def describe(self) -> str:
+        return self.layer.describe(self.tokens, self.constant)
 
 
 def _fail(path, layout, prefix, e: BaseException) -> LoadError:
@@ -130,9 +176,11 @@ def load_layer(path, layout: str = "hf-llama", prefix: str = "", *, num_heads: i
             if extra:
                 raise LoadError(f"--checkpoint {path} is a directory: its config.json gives the layer, so "
                                 f"{', '.join(extra)} {'is' if len(extra) == 1 else 'are'} not taken (a single .safetensors file needs them)")
-            window = read_sliding_window(path)
-            sd, config = layouts.read_checkpoint(path, layout, prefix=prefix, ignore_sliding_window=window is not None)
-            config_json = os.path.join(os.fsdecode(path), "config.json")
+            parsed = layouts.read_config_json(path)  # read once: the window, then the layer
+            window = sliding_window(*parsed)
+            sd, config = layouts.read_checkpoint(path, layout, prefix=prefix, ignore_sliding_window=window is not None,
+                                                 config_json=parsed)
+            config_json = parsed[1]
         else:
             sd, config, window, config_json = _read_file(path, layout, prefix, num_heads, num_kv_heads, rope_theta)
         tensors = layouts.account(layouts.checkpoint_tensor_names(path), layout, prefix)
@@ -146,23 +194,29 @@ def load_layer(path, layout: str = "hf-llama", prefix: str = "", *, num_heads: i
 
 
 def read_sliding_window(directory) -> int | None:
-    """config.json's sliding_window W for a model whose every layer attends to its last W keys (Mistral,
-    Mixtral: `layouts.HF_MODELS` names the field "sliding_window"); None when unset or for another model
-    (Qwen2's use_sliding_window is left to `read_checkpoint`, which refuses it). A W that is not a positive
-    int is a ValueError naming it."""
+    """config.json's sliding_window W of a checkpoint directory (`sliding_window`); None when it holds no
+    config.json."""
     from mha_spec.files import read_json
-    from parity.layouts import HF_MODELS
 
     config_path = os.path.join(directory, "config.json")
     if not os.path.isfile(config_path):
         return None  # read_checkpoint names what is missing
-    cfg = read_json(config_path)
+    return sliding_window(read_json(config_path), config_path)
+
+
+def sliding_window(cfg, where: str) -> int | None:
+    """A parsed config.json's sliding_window W for a model whose every layer attends to its last W keys
+    (Mistral, Mixtral: `layouts.HF_MODELS` names the field "sliding_window"); None when unset or for another
+    model (Qwen2's use_sliding_window is left to `read_checkpoint`, which refuses it). A W that is not a
+    positive int is a ValueError naming it and `where` (the config.json's path)."""
+    from parity.layouts import HF_MODELS
+
     model = HF_MODELS.get(cfg.get("model_type")) if isinstance(cfg, dict) else None
     if model is None or model.sliding_window_field != "sliding_window" or cfg.get("sliding_window") is None:
         return None
     W = cfg["sliding_window"]
     if isinstance(W, bool) or not isinstance(W, int) or W < 1:
-        raise ValueError(f"{config_path}: sliding_window = {W!r} is not a positive integer (the keys a query attends to)")
+        raise ValueError(f"{where}: sliding_window = {W!r} is not a positive integer (the keys a query attends to)")
     return W
 
 
@@ -216,8 +270,8 @@ def _beside(path, layout: str, prefix: str):
                              f"{'; '.join(features)}")
         return None, None, where
     layouts.hf_model(cfg, where, layouts.account(layouts.checkpoint_tensor_names(path), layout, prefix))
-    window = read_sliding_window(directory)
-    return layouts.read_hf_config(where, ignore_sliding_window=window is not None), window, where
+    window = sliding_window(cfg, where)
+    return layouts.attention_config(cfg, where, ignore_sliding_window=window is not None), window, where
 
 
 def _agree(path, config: AttentionConfig, described: AttentionConfig) -> None:
@@ -350,35 +404,9 @@ def usage_problem(args) -> str | None:
     return None
 
 
-def describe(environment: dict) -> str:
-    """What is checked, before the table (the reports carry the same entries): the layer, and a warning
-    naming the constant tensors, which blind the forward check (see `constant_tensors`)."""
-    e = environment
-    text = (f"checkpoint {e['checkpoint']} (layout {e['checkpoint_layout']}, prefix {e['checkpoint_prefix']!r}, "
-            f"{e['checkpoint_dtype']}): {e['checkpoint_layer']}")
-    W = e.get("checkpoint_sliding_window")
-    if W is not None:
-        S = e.get("checkpoint_tokens")
-        text += (f"\nsliding_window={W}: " + (f"fewer keys than the S={S} tokens, so the cases apply the window "
-                                                f"(is_causal, window ({W - 1}, 0)); no decode case (a KV cache takes no window)"
-                                                if window_binds(W, S) else
-                                                f"at least the S={S} tokens, so the window keeps every causal key: the "
-                                                f"causal cases are the model's (--shape with S > {W} checks the window)"))
-    if e.get("checkpoint_config", "").startswith("none"):
-        text += ("\nno config.json beside the file: the layer is what the flags and the layout say; what a config.json "
-                 "would add (soft-capping, a query scale, sliding windows, scaled RoPE) cannot be seen in a weight file")
-    if e.get("checkpoint_other_tensors"):
-        text += f"\nalso under the prefix, not judged: {e['checkpoint_other_tensors']}"
-    if e.get("checkpoint_constant_tensors"):
-        text += (f"\nwarning: {e['checkpoint_constant_tensors'].replace(',', ', ')} hold one value throughout (all zero, "
-                 "as freshly initialised): a port that ignores them computes the same, so the case "
-                 "checkpoint-redrawn/causal/nan checks the layer with them drawn")
-    return text
-
-
-def run_kwargs(args) -> dict:
-    """`parity.harness.run` arguments for --checkpoint: the cases, the fixed weights, the report's environment,
-    and the checks/dtypes defaults (the ones given on the command line win)."""
+def prepare(args) -> CheckpointRun:
+    """The --checkpoint run the arguments ask for: the layer read (a `LoadError` otherwise), its cases, and the
+    checks/dtypes defaults (the ones given on the command line win)."""
     layer = load_layer(args.checkpoint, args.layout, args.prefix, num_heads=args.heads,
                        num_kv_heads=args.kv_heads, rope_theta=args.rope_theta)
     B, T, S = args.shape or DEFAULT_SHAPE
@@ -395,10 +423,16 @@ def run_kwargs(args) -> dict:
         environment["checkpoint_tokens"] = S
     if constant:
         environment["checkpoint_constant_tensors"] = ",".join(constant)
-    return {"cases": chosen, "state_dict": layer.state_dict, "environment": environment,
-            "checks": checks,
-            "dtypes": args.dtypes if args.dtypes is not None else DTYPES_DEFAULT}
+    return CheckpointRun(layer, S, constant, {"cases": chosen, "state_dict": layer.state_dict,
+                                              "environment": environment, "checks": checks,
+                                              "dtypes": args.dtypes if args.dtypes is not None else DTYPES_DEFAULT})
 
 
-__all__ = ["CheckpointLayer", "DecoderCase", "load_layer", "read_sliding_window", "window_binds", "cases", "run_kwargs", "describe",
+def run_kwargs(args) -> dict:
+    """`parity.harness.run` arguments for --checkpoint (`prepare(args).run_kwargs`)."""
+    return prepare(args).run_kwargs
+
+
+__all__ = ["CheckpointLayer", "CheckpointRun", "DecoderCase", "load_layer", "read_sliding_window", "sliding_window",
+           "window_binds", "cases", "prepare", "run_kwargs",
            "add_arguments", "usage_problem", "CHECKS", "MASKS", "WINDOW_MASKS", "WINDOW_CHECKS", "DEFAULT_SHAPE", "DTYPES_DEFAULT"]
