@@ -18,10 +18,10 @@ from flax import nnx
 
 from mha_jax.chunked import accumulation_dtype, chunked_attention, fill_masked_rows, fold_scale, keep_4d, mean_over_keys
 from mha_jax import kernels, pallas
-from mha_jax.kv_cache import KVCache, refuse_no_new_tokens
+from mha_jax.kv_cache import KVCache
 from mha_spec import (ALIGNMENTS, MASKED_ROWS_POLICIES, AttentionConfig, check_cache_shapes,
-                      check_mask_values, check_positions, check_qkv_shapes, mask_shape_4d, Stages,
-                      window_sides)
+                      check_mask_values, check_positions, check_qkv_shapes, mask_shape_4d, refuse_no_new_tokens,
+                      Stages, window_sides)
 
 # Stages (framework-free, in mha_spec) as a pytree, so return_intermediates works under jit.
 jax.tree_util.register_dataclass(Stages, data_fields=[f.name for f in dataclasses.fields(Stages)], meta_fields=[])

@@ -59,17 +59,6 @@ def _concrete(x) -> np.ndarray | None:
     return np.asarray(x)
 
 
-def refuse_no_new_tokens(**shapes) -> None:
-    """ValueError for a call with a cache and T = 0 new tokens: `shapes` name the new tokens' arrays (query=,
-    key=, value= (B, T, E), or q=, k=, v= (B, T, n, H)), T their second axis. Each new token is written to
-    the cache and attends it, so T = 0 has nothing to do; the caller skips the call instead."""
-    shapes = {name: tuple(s) for name, s in shapes.items()}
-    if any(len(s) >= 2 and s[1] == 0 for s in shapes.values()):
-        named = ", ".join(f"{name} {s}" for name, s in shapes.items())
-        raise ValueError(f"T = 0 new tokens with a cache: {named} (B, T, ...); a call with a cache writes T >= 1 new "
-                         "tokens and attends the cache with them (skip the call: the cache stays as it is)")
-
-
 _FIELDS = ("k", "v", "starts", "lengths")
 
 

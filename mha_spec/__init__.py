@@ -286,6 +286,18 @@ def check_positions(shape, batch: int, length: int, name: str) -> None:
         raise ValueError(f"{name} must have shape ({length},) or ({batch}, {length}), got {shape}")
 
 
+def refuse_no_new_tokens(**shapes) -> None:
+    """ValueError for a call with a cache and T = 0 new tokens: `shapes` name the new tokens' arrays' shapes
+    (B, T, ...), T their second axis: query=, key=, value= (B, T, E), or q=, k=, v= (B, T, n, H)). Each new
+    token is written to the cache and attends it, so T = 0 has nothing to do; the caller skips the call
+    instead."""
+    shapes = {name: tuple(s) for name, s in shapes.items()}
+    if any(len(s) >= 2 and s[1] == 0 for s in shapes.values()):
+        named = ", ".join(f"{name} {s}" for name, s in shapes.items())
+        raise ValueError(f"T = 0 new tokens with a cache: {named} (B, T, ...); a call with a cache writes T >= 1 new "
+                         "tokens and attends the cache with them (skip the call: the cache stays as it is)")
+
+
 def check_cache_shapes(k_shape, v_shape, starts_shape, lengths_shape, *, layout: str,
                        kv_heads: int | None = None, head_dim: int | None = None) -> tuple[int, int]:
     """A KV cache's arrays: keys and values of one shape, (B, K, C, H) for layout "BKCH" (torch,

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from mha_spec import (ALIGNMENTS, AttentionConfig, check_cache_shapes, check_mask_values, check_positions,
-                      check_qkv_shapes, mask_shape_4d, Stages, window_sides)
-from mha_torch.kv_cache import KVCache, refuse_no_new_tokens
+                      check_qkv_shapes, mask_shape_4d, refuse_no_new_tokens, Stages, window_sides)
+from mha_torch.kv_cache import KVCache
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -614,7 +614,8 @@ class MultiHeadAttention(nn.Module):
     def _forward_cached(self, query, key, value, cache, *, mask, need_weights, positions, key_positions,
                         return_intermediates):
         """forward with a cache (see the class docstring): self-attention of T new tokens against it."""
-        refuse_no_new_tokens(query, key, value)  # before the S = 0 check, whose words are about keys
+        # Before the S = 0 check, whose words are about keys.
+        refuse_no_new_tokens(**{n: getattr(x, "shape", ()) for n, x in (("query", query), ("key", key), ("value", value))})
         B, T, S = self._check_inputs(query, key, value)
         self._check_cache(cache, B, T, S, mask, key_positions)
         rope = self.config.rope

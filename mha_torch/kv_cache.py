@@ -44,16 +44,6 @@ def check_slot_counts(x: torch.Tensor, capacity: int, name: str) -> None:
                          f"{x.tolist()}: rows {bad.nonzero().flatten().tolist()} out of range")
 
 
-def refuse_no_new_tokens(query, key, value) -> None:
-    """ValueError for a call with a cache and T = 0 new tokens (query, key, value (B, 0, E)): each new token is
-    written to the cache and attends it, so T = 0 has nothing to do; the caller skips the call instead."""
-    shapes = [tuple(getattr(x, "shape", ())) for x in (query, key, value)]
-    if any(len(s) == 3 and s[1] == 0 for s in shapes):
-        raise ValueError(f"T = 0 new tokens with a cache: query {shapes[0]}, key {shapes[1]}, value {shapes[2]} "
-                         "(B, T, E); a call with a cache writes T >= 1 new tokens and attends the cache with them "
-                         "(skip the call: the cache stays as it is)")
-
-
 @dataclass(frozen=True)
 class KVCache:
     """k, v (B, K, C, H) (HF's DynamicCache layout), starts and lengths (B,) int64.
