@@ -9,22 +9,23 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mha_jax.chunked import accumulation_dtype, chunked_attention, fill_masked_rows, fold_scale, keep_4d, mean_over_keys
+from mha_jax.chunked import (accumulation_dtype, band_keep, chunked_attention, fill_masked_rows, fold_scale, keep_4d,
+                             mean_over_keys)
 from mha_jax import kernels, pallas
 from mha_jax.kv_cache import KVCache
-from mha_spec import (ALIGNMENTS, MASKED_ROWS_POLICIES, AttentionConfig, check_cache_shapes,
-                      check_mask_values, check_positions, check_qkv_shapes, mask_shape_4d, refuse_no_new_tokens,
-                      Stages, window_sides)
+from mha_spec import (MASKED_ROWS_POLICIES, AttentionConfig, check_cache_shapes, check_mask_values, check_positions,
+                      check_qkv_shapes, mask_shape_4d, refuse_no_new_tokens, Stages, Structure)
+from mha_spec.structure import check_segment_shape
 
 # Stages (framework-free, in mha_spec) as a pytree, so return_intermediates works under jit.
 jax.tree_util.register_dataclass(Stages, data_fields=[f.name for f in dataclasses.fields(Stages)], meta_fields=[])
+_STAGE_FIELDS = frozenset(f.name for f in dataclasses.fields(Stages))
 
 
 def _torch_linear_init(fan_in: int):
@@ -91,7 +92,8 @@ def _groups(q, k, v) -> int:
     return N // K
 
 
-def attention_core(q, k, v, keep=None, *, masked_rows="nan", precision=None, return_scores=False):
+def attention_core(q, k, v, keep=None, *, masked_rows="nan", precision=None, return_scores=False, scale=None,
+                   softcap=None, sinks=None):
     """softmax(Q Kᵀ / √H) V with materialised weights.
 
     q (B, T, N, H), k and v (B, S, K, H) with K dividing N (query head h reads key/value
@@ -100,6 +102,8 @@ def attention_core(q, k, v, keep=None, *, masked_rows="nan", precision=None, ret
     Returns context (B, T, N, H) and weights (B, N, T, S), both in q's dtype, and with
     return_scores also the scaled scores (B, N, T, S), -inf where masked.
     Scores and softmax run in float32 for 16-bit inputs (float64 stays float64).
+    scale replaces 1/√H; softcap caps the scaled scores to softcap·tanh(s / softcap) before the mask;
+    sinks (N,) joins each row's softmax as its head's extra logit, dropped after (`_sink_softmax`).
     """
     dtype = q.dtype
     B, T, N, H = q.shape
@@ -107,7 +111,7 @@ def attention_core(q, k, v, keep=None, *, masked_rows="nan", precision=None, ret
     G = _groups(q, k, v)
     keep = keep_4d(keep, B, N, T, S)  # (B|1, N|1, T|1, S|1)
     acc = accumulation_dtype(dtype)
-    q, scores_scale = fold_scale(q)
+    q, scores_scale = fold_scale(q, scale)
     if G == 1:
         scores = jnp.einsum("BTNH,BSNH->BNTS", q, k, preferred_element_type=acc, precision=precision)
     else:
@@ -115,18 +119,15 @@ def attention_core(q, k, v, keep=None, *, masked_rows="nan", precision=None, ret
                             precision=precision).reshape(B, N, T, S)
     if scores_scale != 1.0:
         scores = scores * scores_scale
+    if softcap is not None:  # before the mask: the capped logits are what is masked
+        scores = softcap * jnp.tanh(scores / softcap)
     if keep is not None:
         scores = jnp.where(keep, scores, -jnp.inf)
     returned_scores = scores  # before the row fix below
-    if keep is not None:
-        row_any = _row_attends(keep)
-        # A fully masked row gets all-zero scores: its softmax is finite (uniform),
-        # so no NaN reaches the backward pass; the policy then sets its value.
-        scores = jnp.where(row_any, scores, 0.0)
-    weights = jax.nn.softmax(scores, axis=-1)
-    if keep is not None:
-        weights = fill_masked_rows(weights, row_any, masked_rows, 1.0 / S)
-    weights = weights.astype(dtype)
+    if sinks is not None:
+        weights = _sink_softmax(scores, sinks).astype(dtype)
+    else:
+        weights = _softmax_by_policy(scores, keep, masked_rows, S).astype(dtype)
     if G == 1:
         context = jnp.einsum("BNTS,BSNH->BTNH", weights, v, precision=precision, preferred_element_type=acc)
     else:
@@ -138,21 +139,43 @@ def attention_core(q, k, v, keep=None, *, masked_rows="nan", precision=None, ret
     return context, weights
 
 
-def _chunked_structured(q, k, v, keep, structure, choice, masked_rows, precision):
+def _softmax_by_policy(scores, keep, masked_rows: str, S: int):
+    """softmax over the keys of scores (B, N, T, S) (-inf where masked); a row that keeps no key follows
+    masked_rows."""
+    if keep is None:
+        return jax.nn.softmax(scores, axis=-1)
+    row_any = _row_attends(keep)
+    # A fully masked row gets all-zero scores: its softmax is finite (uniform),
+    # so no NaN reaches the backward pass; the policy then sets its value.
+    weights = jax.nn.softmax(jnp.where(row_any, scores, 0.0), axis=-1)
+    return fill_masked_rows(weights, row_any, masked_rows, 1.0 / S)
+
+
+def _sink_softmax(scores, sinks):
+    """exp(s - m) / (sum exp(s - m) + exp(sink - m)), m = max(max s, sink): scores (B, N, T, S) (-inf where
+    masked) with sinks (N,) as one more column per row, dropped after; a row that keeps no key is 0."""
+    sink = sinks.astype(scores.dtype).reshape(1, -1, 1, 1)  # (1, N, 1, 1)
+    # The max only shifts the exponents (the weights do not depend on it), so no gradient flows through it.
+    top = jax.lax.stop_gradient(jnp.maximum(scores.max(axis=-1, keepdims=True), sink))  # (B, N, T, 1)
+    e = jnp.exp(scores - top)
+    return e / (e.sum(axis=-1, keepdims=True) + jnp.exp(sink - top))
+
+
+def _chunked_structured(q, k, v, keep, structure, choice, masked_rows, precision, logits: dict):
     """The chunked kernel with the causal triangle and the window as structure (no (T, S) mask;
-    its cost follows the blocks they touch), segment ids as a mask ANDed with keep."""
-    T, S = q.shape[1], k.shape[1]
-    segments = _build_keep(T, S, structure._replace(is_causal=False, left=None, right=None))  # (B, 1, T, S) | None
+    its cost follows the blocks they touch), segment ids as a mask ANDed with keep; logits: scale,
+    softcap and sinks as `chunked_attention` takes them."""
+    segments = _build_keep(structure.segments_only())  # (B, 1, T, S) | None
     if segments is not None:
         keep = segments if keep is None else keep & segments
-    window = None if structure.left is None and structure.right is None else (structure.left, structure.right)
     return chunked_attention(q, k, v, keep, masked_rows=masked_rows, q_chunk=choice.q_chunk, k_chunk=choice.k_chunk,
-                             head_chunk=choice.head_chunk, precision=precision, is_causal=structure.is_causal, window=window,
-                             alignment="bottom-right" if structure.offset else "top-left")
+                             head_chunk=choice.head_chunk, precision=precision, structure=structure.band_only(),
+                             **logits)
 
 
 def fused_attention_core(q, k, v, keep=None, *, masked_rows="nan", precision=None, is_causal: bool = False,
-                         window=None, segment_ids=None, key_segment_ids=None, alignment: str = "top-left"):
+                         window=None, segment_ids=None, key_segment_ids=None, alignment: str = "top-left",
+                         scale=None, softcap=None, sinks=None):
     """The same context as `attention_core`, without returning (or, when large, building) weights.
 
     q (B, T, N, H), k and v (B, S, K, H) with K dividing N; keep as for `attention_core`
@@ -170,37 +193,59 @@ def fused_attention_core(q, k, v, keep=None, *, masked_rows="nan", precision=Non
     Whichever runs, fully masked rows follow `masked_rows` (mean V of the row's own key/value
     head) and which rows those are comes from the mask alone, so NaN inputs give NaN outputs.
     S = 0 is a ValueError; T = 0 gives an empty context.
+    scale, softcap and sinks (N,) as `attention_core` takes them: the choice hears which are given
+    (`kernels.score_mods_of`) and keeps to the kernels that take them (the einsum core and the
+    chunked kernel take all three, dot_product_attention the scale, the Pallas kernels none).
     """
     B, T, N, H = q.shape
     S = k.shape[1]
     if S == 0:
         raise ValueError(f"fused_attention_core needs at least one key: got key shape {k.shape} (S=0)")
-    G = _groups(q, k, v)
-    structure = _check_structure(T, S, is_causal, window, segment_ids, key_segment_ids, alignment, B)
+    _groups(q, k, v)
+    structure = _structure(T, S, B, is_causal=is_causal, window=window, segment_ids=segment_ids,
+                           key_segment_ids=key_segment_ids, alignment=alignment)
     keep = keep_4d(keep, B, N, T, S)  # (B|1, N|1, T|1, S|1): what every kernel below indexes
     kind = _mask_kind(keep, structure)
-    choice = kernels.fused_choice(B, N, T, S, H, q.dtype, has_mask=kind != kernels.MASK_NONE, mask_kind=kind,
-                                  precision=precision, kv_heads=k.shape[2])
+    logits = {"scale": scale, "softcap": softcap, "sinks": sinks}
+    choice = _fused_choice(q, k, kind, precision, kernels.score_mods_of(**logits))
     if choice.kernel in kernels.PALLAS_KERNELS:
-        refusal = kernels.pallas_refusal(choice.kernel, dtype=q.dtype, T=T, S=S, H=H, mask_kind=kind, precision=precision)
-        if refusal is not None:  # a kernel forced past the rule would drop the mask it cannot express
-            raise ValueError(f"{choice.kernel} was chosen for q {tuple(q.shape)}, k {tuple(k.shape)}, "
-                             f"but {refusal}")
-        shared = structure.k_seg is structure.q_seg
-        return pallas.flash(choice.kernel, q, k, v, is_causal=structure.is_causal, segment_ids=structure.q_seg,
-                            key_segment_ids=None if shared else structure.k_seg, masked_rows=masked_rows,
-                            precision=precision)
+        return pallas.flash(choice.kernel, q, k, v, is_causal=structure.is_causal, segment_ids=structure.segment_ids,
+                            key_segment_ids=None if structure.shared_ids else structure.key_segment_ids,
+                            masked_rows=masked_rows, precision=precision)
     if choice.kernel == kernels.CHUNKED:
-        return _chunked_structured(q, k, v, keep, structure, choice, masked_rows, precision)
-    built = _build_keep(T, S, structure)  # (B|1, 1, T, S) | None
+        return _chunked_structured(q, k, v, keep, structure, choice, masked_rows, precision, logits)
+    built = _build_keep(structure)  # (B|1, 1, T, S) | None
     if built is not None:
         keep = built if keep is None else keep & built  # (B|1, N|1, T, S)
     if choice.kernel == kernels.EINSUM:
-        return attention_core(q, k, v, keep, masked_rows=masked_rows, precision=precision)[0]
-    # jax.nn.dot_product_attention takes no precision argument (the global default applies);
-    # it takes K key/value heads dividing N itself.
+        return attention_core(q, k, v, keep, masked_rows=masked_rows, precision=precision, **logits)[0]
+    return _dot_product_attention(q, k, v, keep, choice, masked_rows, scale)
+
+
+def _fused_choice(q, k, kind: str, precision, mods: tuple[str, ...]) -> kernels.Choice:
+    """`kernels.fused_choice` for q (B, T, N, H) against k (B, S, K, H) with a mask of structure `kind`
+    and the score mods `mods`; a ValueError when the kernel chosen (forced past the rule) cannot express
+    the mask or compute the mods."""
+    B, T, N, H = q.shape
+    S = k.shape[1]
+    choice = kernels.fused_choice(B, N, T, S, H, q.dtype, has_mask=kind != kernels.MASK_NONE, mask_kind=kind,
+                                  precision=precision, kv_heads=k.shape[2], **({"score_mods": mods} if mods else {}))
+    untaken = kernels.untaken_score_mods(choice.kernel, mods)
+    refusal = f"it cannot take {', '.join(untaken)}" if untaken else None
+    if refusal is None and choice.kernel in kernels.PALLAS_KERNELS:
+        refusal = kernels.pallas_refusal(choice.kernel, dtype=q.dtype, T=T, S=S, H=H, mask_kind=kind, precision=precision)
+    if refusal is not None:  # a kernel forced past the rule would drop what it cannot compute
+        raise ValueError(f"{choice.kernel} was chosen for q {tuple(q.shape)}, k {tuple(k.shape)}, but {refusal}")
+    return choice
+
+
+def _dot_product_attention(q, k, v, keep, choice, masked_rows: str, scale):
+    """jax.nn.dot_product_attention as the dpa-* kernel `choice` names, with our masked-row policy: the context
+    (B, T, N, H). It takes no precision argument (the global default applies) and K key/value heads dividing N."""
+    G = q.shape[2] // k.shape[2]
     implementation = kernels.DPA_IMPLEMENTATIONS[choice.kernel]
-    context = jax.nn.dot_product_attention(q, k, v, mask=keep, scale=1.0 / math.sqrt(H), implementation=implementation)  # (B, T, N, H)
+    context = jax.nn.dot_product_attention(q, k, v, mask=keep, implementation=implementation,
+                                           scale=1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)  # (B, T, N, H)
     if keep is not None:
         # jax gives fully masked rows uniform weights; apply our policy on (B, T, N, H).
         row_any = jnp.transpose(_row_attends(keep), (0, 2, 1, 3))  # (B|1, T|1, N|1, 1)
@@ -212,18 +257,17 @@ def fused_attention_core(q, k, v, keep=None, *, masked_rows="nan", precision=Non
 def _mask_kind(keep, structure) -> str:
     """The mask's structure as `kernels.fused_choice` takes it, from what the caller asked (a
     keep-mask given as data is MASK_DENSE whatever it holds)."""
-    window = structure.left is not None or structure.right is not None
-    if keep is not None or window or (structure.is_causal and structure.offset != 0):
+    if keep is not None or structure.window is not None or (structure.is_causal and structure.offset != 0):
         return kernels.MASK_DENSE
-    if structure.q_seg is None:
+    if structure.segment_ids is None:
         return kernels.MASK_CAUSAL if structure.is_causal else kernels.MASK_NONE
-    if structure.k_seg is structure.q_seg:  # key_segment_ids defaulted to segment_ids
+    if structure.shared_ids:  # key_segment_ids defaulted to segment_ids
         return kernels.MASK_CAUSAL_SEGMENTS if structure.is_causal else kernels.MASK_SEGMENTS
     return kernels.MASK_CAUSAL_KEY_SEGMENTS if structure.is_causal else kernels.MASK_KEY_SEGMENTS
 
 
 def cached_attention(q, k_new, v_new, cache: KVCache, *, masked_rows: str = "nan", need_weights: bool = False,
-                     precision=None, return_scores: bool = False):
+                     precision=None, return_scores: bool = False, scale=None, softcap=None, sinks=None):
     """Attention of T new tokens over a cache that they are written into first.
 
     q (B, T, N, H), k_new and v_new (B, T, K, H) (keys already rotated), cache holding
@@ -234,7 +278,7 @@ def cached_attention(q, k_new, v_new, cache: KVCache, *, masked_rows: str = "nan
     need_weights=True runs `attention_core`, False `fused_attention_core` (whichever kernel it
     picks). T = 0 and T > C are ValueErrors (under jit too). A row without room is a ValueError
     where the lengths are known; under jit its context, weights and scores are NaN and the new
-    cache leaves it as it was.
+    cache leaves it as it was. scale, softcap and sinks (N,) as `attention_core` takes them.
     """
     if not isinstance(cache, KVCache):
         raise TypeError(f"cache must be a mha_jax.kv_cache.KVCache, got {type(cache).__name__}")
@@ -253,7 +297,7 @@ def cached_attention(q, k_new, v_new, cache: KVCache, *, masked_rows: str = "nan
     fits = cache.fits(T)  # (B,); a ValueError here where the lengths are known
     keep = cache.keep_mask(T)  # (B, 1, T, C): the old lengths say where the new tokens go
     new_cache = cache.write(k_new, v_new)
-    kw = {"masked_rows": masked_rows, "precision": precision}
+    kw = {"masked_rows": masked_rows, "precision": precision, "scale": scale, "softcap": softcap, "sinks": sinks}
     weights = scores = None
     if need_weights:
         context, weights, scores = attention_core(q, new_cache.k, new_cache.v, keep, return_scores=True, **kw)
@@ -326,16 +370,13 @@ def rotate(x, cos, sin, convention: str):
     return out.astype(x.dtype)
 
 
-def _check_segment_ids(x, name: str, batch: int | None, length: int | None, axis: str):
-    """Integer segment ids of shape (B, L) (None: any size there): TypeError/ValueError naming them.
-    Only the shape and dtype are read, so they may be traced."""
+def _integer_array(x, name: str):
+    """Segment ids as `Structure.of` checks them in JAX: a jax or numpy array of integers (TypeError
+    naming it). Only the dtype is read, so they may be traced."""
     if not isinstance(x, (jax.Array, np.ndarray)):
         raise TypeError(f"{name} must be a jax or numpy array of integers, got {type(x).__name__}")
     if np.dtype(x.dtype).kind not in "iu":
         raise TypeError(f"{name} must be integers, got dtype {x.dtype}")
-    if x.ndim != 2 or any(want is not None and got != want for got, want in zip(x.shape, (batch, length))):
-        want = ", ".join(f"{n}={v}" if v is not None else n for n, v in (("B", batch), (axis, length)))
-        raise ValueError(f"{name} must have shape (B, {axis}) with {want}, got {tuple(x.shape)}")
     return x
 
 
@@ -370,53 +411,23 @@ def _segment_ids_to_device(*ids):
     return tuple(out)
 
 
-class _Structure(NamedTuple):
-    is_causal: bool
-    left: int | None  # window sides, None: unbounded
-    right: int | None
-    offset: int  # a(t) = t + offset: 0 (top-left) or S - T (bottom-right)
-    q_seg: jax.Array | None  # (B, T)
-    k_seg: jax.Array | None  # (B, S)
+def _structure(T: int, S: int, batch: int | None, **keywords) -> Structure:
+    """The structured keywords checked (`mha_spec.Structure.of`, from shapes and dtypes alone), the
+    segment ids as jax arrays (`_segment_ids_to_device`)."""
+    structure = Structure.of(T, S, batch=batch, ids=_integer_array, **keywords)
+    if structure.segment_ids is None:
+        return structure
+    shared = structure.shared_ids
+    q_seg, k_seg = _segment_ids_to_device(structure.segment_ids, None if shared else structure.key_segment_ids)
+    return dataclasses.replace(structure, segment_ids=q_seg, key_segment_ids=q_seg if shared else k_seg)
 
 
-def _check_structure(T: int, S: int, is_causal, window, segment_ids, key_segment_ids, alignment,
-                     batch: int | None) -> _Structure:
-    """The structured keywords checked (TypeError/ValueError naming them), from shapes and dtypes alone."""
-    if not isinstance(is_causal, bool):
-        raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
-    if not isinstance(alignment, str) or alignment not in ALIGNMENTS:
-        raise ValueError(f"alignment={alignment!r} is not one of {ALIGNMENTS}")
-    left, right = window_sides(window)
-    if segment_ids is None and key_segment_ids is not None:
-        raise ValueError("key_segment_ids without segment_ids: pass the queries' segment ids too")
-    q_seg = k_seg = None
-    if segment_ids is not None:
-        q_seg = _check_segment_ids(segment_ids, "segment_ids", batch, T, "T")
-        if key_segment_ids is None:
-            if T != S:
-                raise ValueError(f"segment_ids {tuple(q_seg.shape)} with T={T} != S={S}: "
-                                 f"pass key_segment_ids (B, S) too")
-            k_seg = q_seg
-        else:
-            k_seg = _check_segment_ids(key_segment_ids, "key_segment_ids", q_seg.shape[0], S, "S")
-        q_seg, k_seg = _segment_ids_to_device(q_seg, None if k_seg is q_seg else k_seg)
-        k_seg = q_seg if key_segment_ids is None else k_seg
-    return _Structure(bool(is_causal), left, right, S - T if alignment == "bottom-right" else 0, q_seg, k_seg)
-
-
-def _build_keep(T: int, S: int, structure: _Structure):
-    """bool (B|1, 1, T, S) from `_check_structure`'s result, or None when it asks for nothing."""
-    is_causal, left, right, offset, q_seg, k_seg = structure
-    keep = None
-    a = jnp.arange(T)[:, None] + offset  # (T, 1): the key position query t sits at
-    s = jnp.arange(S)[None, :]  # (1, S)
-    for rule, on in ((lambda: s <= a, is_causal), (lambda: s >= a - left, left is not None),
-                     (lambda: s <= a + right, right is not None)):
-        if on:
-            keep = rule() if keep is None else keep & rule()
-    keep = None if keep is None else keep[None, None]  # (1, 1, T, S)
-    if q_seg is not None:
-        same = q_seg[:, None, :, None] == k_seg[:, None, None, :]  # (B, 1, T, S)
+def _build_keep(structure: Structure):
+    """bool (B|1, 1, T, S) of a `mha_spec.Structure`, or None when it asks for nothing."""
+    band = structure.band()
+    keep = None if band is None else band_keep(structure.T, structure.S, band)  # (1, 1, T, S)
+    if structure.segment_ids is not None:
+        same = structure.segment_ids[:, None, :, None] == structure.key_segment_ids[:, None, None, :]  # (B, 1, T, S)
         keep = same if keep is None else keep & same
     return keep
 
@@ -430,8 +441,8 @@ def structured_keep(T: int, S: int, *, is_causal: bool = False, window=None, seg
     s <= a(t); window (left, right) keeps a(t) - left <= s <= a(t) + right (an int w is (w, w),
     a side of None is unbounded); segment_ids (B, T) and key_segment_ids (B, S) keep equal ids
     (key_segment_ids defaults to segment_ids when T = S)."""
-    structure = _check_structure(T, S, is_causal, window, segment_ids, key_segment_ids, alignment, None)
-    return _build_keep(T, S, structure)
+    return _build_keep(_structure(T, S, None, is_causal=is_causal, window=window, segment_ids=segment_ids,
+                                  key_segment_ids=key_segment_ids, alignment=alignment))
 
 
 def segment_positions(segment_ids):
@@ -439,7 +450,8 @@ def segment_positions(segment_ids):
     `parity.reference.segment_positions`: a token's index minus where its run began (the
     cumulative max of the run starts' indices); jit-safe. Integers of jnp's default int dtype
     (int64 with x64, else int32). For RoPE's positions= on packed rows."""
-    (seg,) = _segment_ids_to_device(_check_segment_ids(segment_ids, "segment_ids", None, None, "L"))
+    check_segment_shape(_integer_array(segment_ids, "segment_ids").shape, "segment_ids", None, None, "L")
+    (seg,) = _segment_ids_to_device(segment_ids)
     B, L = seg.shape
     idx = jnp.broadcast_to(jnp.arange(L), (B, L))  # (B, L)
     prev = jnp.concatenate([seg[:, :1], seg[:, :-1]], axis=1)  # (B, L): the previous token's id (itself at 0)
@@ -448,14 +460,24 @@ def segment_positions(segment_ids):
     return idx - first
 
 
-def _refuse_structure_with_cache(is_causal, window, segment_ids, key_segment_ids, alignment) -> None:
-    given = [name for name, asked in (("is_causal", is_causal is not False), ("window", window is not None),
-                                      ("segment_ids", segment_ids is not None),
-                                      ("key_segment_ids", key_segment_ids is not None),
-                                      ("alignment", alignment != "top-left")) if asked]
-    if given:
-        raise ValueError(f"{', '.join(given)} with a cache: the cache's rule is the mask (new token i of row b "
-                         "keeps slots starts[b] <= s <= lengths[b] + i)")
+class QKNorm(nnx.Module):
+    """The RMSNorm of q or k before RoPE (`mha_spec.AttentionConfig.qk_norm`): `weight` (H,) for "head"
+    (each head's H features) or (n·H,) for "flat" (the whole projection), initialised to 1 - offset.
+
+    y = x / sqrt(mean(x²) + eps) · (offset + weight) over the last axis, computed in float32 at
+    least (float64 stays float64), the result in x's dtype; the weight is first cast to x's dtype."""
+
+    def __init__(self, size: int, *, eps: float, offset: float, param_dtype=jnp.float32):
+        self.weight = nnx.Param(jnp.full((size,), 1.0 - offset, param_dtype))
+        self.eps = float(eps)
+        self.offset = float(offset)
+
+    def __call__(self, x):
+        at = jnp.promote_types(x.dtype, jnp.float32)
+        xa = x.astype(at)
+        rms = jnp.sqrt(jnp.mean(xa * xa, axis=-1, keepdims=True) + self.eps)
+        w = self.weight[...].astype(x.dtype).astype(at) + self.offset  # (size,)
+        return ((xa / rms) * w).astype(x.dtype)
 
 
 class MultiHeadAttention(nnx.Module):
@@ -474,7 +496,16 @@ class MultiHeadAttention(nnx.Module):
     projections E -> K·H and query head h reading key/value head h // (N/K); qkv_bias and
     out_bias; rope None | "half" | "interleaved" with rope_theta, rotating q and k after the
     head split at integer `positions` (T,) | (B, T) and `key_positions` (S,) | (B, S)
-    (default arange; positions without rope are a ValueError). Parameters are stored in
+    (default arange; positions without rope are a ValueError). The layers after Llama, as
+    `mha_spec.AttentionConfig` defines them: head_dim H (None: E/N; q_proj E -> N·H, out_proj
+    N·H -> E); qk_norm None | "head" | "flat" with qk_norm_eps and qk_norm_offset, an RMSNorm
+    (`QKNorm`: attributes `q_norm`, `k_norm`, each with a `weight` initialised to 1 - offset) of
+    q and k before RoPE; scale (None: H**-0.5); softcap, the scaled logits capped to
+    softcap·tanh(s / softcap) before the mask; sinks=True, a parameter `sinks` (N,) (zeros)
+    whose logit joins each row's softmax (a row that keeps no key is then 0, whatever
+    masked_rows says). Every path takes them: the weights path, the fused path (the kernel
+    choice keeps to kernels that compute them, `kernels.score_mods_of`) and the cache.
+    Parameters are stored in
     `param_dtype`, kernels (in, out) as in nnx.Linear. `dtype` is the computation dtype; None
     means the parameters' dtype. Inputs must have the computation dtype (a mismatch is a
     TypeError, as in torch), and outputs have it. T=0 or B=0 give empty outputs, S=0 is a
@@ -508,17 +539,26 @@ class MultiHeadAttention(nnx.Module):
         *,
         rngs: nnx.Rngs,
         num_kv_heads: int | None = None,
+        head_dim: int | None = None,
         qkv_bias: bool = True,
         out_bias: bool = True,
         rope: str | None = None,
         rope_theta: float = 10000.0,
         masked_rows: str = "nan",
+        qk_norm: str | None = None,
+        qk_norm_eps: float = 1e-6,
+        qk_norm_offset: float = 0.0,
+        scale: float | None = None,
+        softcap: float | None = None,
+        sinks: bool = False,
         dtype=None,
         param_dtype=jnp.float32,
         precision=None,
     ):
-        self.config = AttentionConfig(embed_dim, num_heads, num_kv_heads=num_kv_heads, qkv_bias=qkv_bias,
-                                      out_bias=out_bias, rope=rope, rope_theta=rope_theta, masked_rows=masked_rows)
+        self.config = AttentionConfig(embed_dim, num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                      qkv_bias=qkv_bias, out_bias=out_bias, rope=rope, rope_theta=rope_theta,
+                                      masked_rows=masked_rows, qk_norm=qk_norm, qk_norm_eps=qk_norm_eps,
+                                      qk_norm_offset=qk_norm_offset, scale=scale, softcap=softcap, sinks=sinks)
         self.head_dim = self.config.head_size
         _check_dtype("dtype", dtype)
         _check_dtype("param_dtype", param_dtype)
@@ -540,6 +580,15 @@ class MultiHeadAttention(nnx.Module):
         self.k_proj = linear(kv_width, embed_dim, qkv_bias)
         self.v_proj = linear(kv_width, embed_dim, qkv_bias)
         self.out_proj = linear(embed_dim, width, out_bias)
+        flat, norm = qk_norm == "flat", dict(eps=qk_norm_eps, offset=qk_norm_offset, param_dtype=param_dtype)
+        self.q_norm = None if qk_norm is None else QKNorm(width if flat else self.head_dim, **norm)
+        self.k_norm = None if qk_norm is None else QKNorm(kv_width if flat else self.head_dim, **norm)
+        self.sinks = nnx.Param(jnp.zeros((num_heads,), param_dtype)) if sinks else None
+
+    def _logits(self, dtype) -> dict:
+        """scale, softcap and sinks (N,) in the computation dtype, as the cores take them."""
+        c = self.config
+        return {"scale": c.scale, "softcap": c.softcap, "sinks": None if self.sinks is None else self.sinks[...].astype(dtype)}
 
     def _project(self, layer: nnx.Linear, x, dtype):
         kernel = layer.kernel[...].astype(dtype)  # (E_in, E_out)
@@ -549,12 +598,18 @@ class MultiHeadAttention(nnx.Module):
             y = y + layer.bias[...].astype(dtype)
         return y.astype(dtype)
 
-    def _heads(self, layer: nnx.Linear, x, dtype):
+    def _heads(self, layer: nnx.Linear, x, dtype, norm: QKNorm | None = None):
+        """(projection (B, L, n, H), after the QK-norm `norm` or None without one)."""
         # The head count comes from the projected width, not num_heads: under a sharded
         # (tensor-parallel) layout a device may hold only its share of the heads.
         y = self._project(layer, x, dtype)  # (B, L, n·H)
         B, L, width = y.shape
-        return y.reshape(B, L, width // self.head_dim, self.head_dim)  # (B, L, n, H)
+        flat = norm is not None and self.config.qk_norm == "flat"
+        normed = norm(y) if flat else None  # (B, L, n·H): over the whole projection
+        y, normed = (None if z is None else z.reshape(B, L, width // self.head_dim, self.head_dim) for z in (y, normed))
+        if norm is not None and not flat:
+            normed = norm(y)  # over each head's H
+        return y, normed
 
     def _check_inputs(self, query, key, value):
         """(B, T, S, computation dtype); inputs must have that dtype: no silent cast."""
@@ -584,7 +639,8 @@ class MultiHeadAttention(nnx.Module):
                  is_causal: bool = False, window=None, segment_ids=None, key_segment_ids=None,
                  alignment: str = "top-left"):
         if cache is not None:
-            _refuse_structure_with_cache(is_causal, window, segment_ids, key_segment_ids, alignment)
+            Structure.refuse_with_cache(is_causal=is_causal, window=window, segment_ids=segment_ids,
+                                        key_segment_ids=key_segment_ids, alignment=alignment)
             return self._decode(query, key, value, mask, need_weights, positions, key_positions,
                                 return_intermediates, cache)
         B, T, S, dtype = self._check_inputs(query, key, value)
@@ -594,24 +650,25 @@ class MultiHeadAttention(nnx.Module):
         positions = _check_positions(positions, B, T, "positions")
         key_positions = _check_positions(key_positions, B, S, "key_positions")
         keep = None if mask is None else _keep_mask(mask, B, self.num_heads, T, S)
-        structure = _check_structure(T, S, is_causal, window, segment_ids, key_segment_ids, alignment, B)
+        structure = _structure(T, S, B, is_causal=is_causal, window=window, segment_ids=segment_ids,
+                               key_segment_ids=key_segment_ids, alignment=alignment)
         if need_weights:
-            built = _build_keep(T, S, structure)  # (B|1, 1, T, S) | None
+            built = _build_keep(structure)  # (B|1, 1, T, S) | None
             if built is not None:
                 keep = built if keep is None else keep & built  # (B|1, N|1, T, S)
         query, key, value = (jnp.asarray(x) for x in (query, key, value))
 
-        q_in = self._heads(self.q_proj, query, dtype)  # (B, T, N, H)
-        k_in = self._heads(self.k_proj, key, dtype)  # (B, S, K, H)
-        v = self._heads(self.v_proj, value, dtype)  # (B, S, K, H)
-        q, k = q_in, k_in
+        q_in, q_normed = self._heads(self.q_proj, query, dtype, self.q_norm)  # (B, T, N, H)
+        k_in, k_normed = self._heads(self.k_proj, key, dtype, self.k_norm)  # (B, S, K, H)
+        v, _ = self._heads(self.v_proj, value, dtype)  # (B, S, K, H)
+        q, k = (x if y is None else y for x, y in ((q_in, q_normed), (k_in, k_normed)))
         if rope is not None:
             acc, theta = accumulation_dtype(dtype), self.config.rope_theta
             q = rotate(q, *rope_cos_sin(positions, T, self.head_dim, theta, acc), rope)
             k = rotate(k, *rope_cos_sin(key_positions, S, self.head_dim, theta, acc), rope)
         # K key/value heads all the way down: query head h reads key/value head h // (N/K)
         # in every core (grouped contractions; never a tile, never a copy per query head).
-        kw = {"masked_rows": self.masked_rows, "precision": self.precision}
+        kw = {"masked_rows": self.masked_rows, "precision": self.precision, **self._logits(dtype)}
         scores = weights = None
         if need_weights and return_intermediates:
             context, weights, scores = attention_core(q, k, v, keep, return_scores=True, **kw)
@@ -626,7 +683,8 @@ class MultiHeadAttention(nnx.Module):
         context = context.reshape(B, T, q.shape[2] * self.head_dim)  # (B, T, N·H), or this device's share
         output = self._project(self.out_proj, context, dtype)  # (B, T, E)
         if return_intermediates:
-            return output, weights, _stages(q_in, k_in, v, q, k, rope, scores, weights, context, output)
+            return output, weights, _stages(q_in, k_in, v, q, k, rope, scores, weights, context, output, q_normed,
+                                            k_normed)
         return output, weights
 
     def _decode(self, query, key, value, mask, need_weights, positions, key_positions, return_intermediates,
@@ -651,9 +709,9 @@ class MultiHeadAttention(nnx.Module):
         positions = _check_positions(positions, B, T, "positions")
         query, key, value = (jnp.asarray(x) for x in (query, key, value))
 
-        q_in = self._heads(self.q_proj, query, dtype)  # (B, T, N, H)
-        k_in = self._heads(self.k_proj, key, dtype)  # (B, T, K, H)
-        v = self._heads(self.v_proj, value, dtype)  # (B, T, K, H)
+        q_in, q_normed = self._heads(self.q_proj, query, dtype, self.q_norm)  # (B, T, N, H)
+        k_in, k_normed = self._heads(self.k_proj, key, dtype, self.k_norm)  # (B, T, K, H)
+        v, _ = self._heads(self.v_proj, value, dtype)  # (B, T, K, H)
         check_cache_shapes(cache.k.shape, cache.v.shape, cache.starts.shape, cache.lengths.shape, layout="BCKH",
                            kv_heads=k_in.shape[2], head_dim=self.head_dim)
         if cache.k.shape[0] != B:
@@ -661,7 +719,7 @@ class MultiHeadAttention(nnx.Module):
                              f"the new tokens {tuple(query.shape)} {B}")
         if jnp.dtype(cache.k.dtype) != dtype:
             raise TypeError(f"the cache holds {cache.k.dtype} but the module computes in {dtype}")
-        q, k = q_in, k_in
+        q, k = (x if y is None else y for x, y in ((q_in, q_normed), (k_in, k_normed)))
         if rope is not None:
             if positions is None:
                 positions = cache.positions(T)  # (B, T): traced under jit
@@ -670,21 +728,23 @@ class MultiHeadAttention(nnx.Module):
             q, k = rotate(q, cos, sin, rope), rotate(k, cos, sin, rope)
         context, weights, new_cache, scores = cached_attention(
             q, k, v, cache, masked_rows=self.masked_rows, need_weights=need_weights, precision=self.precision,
-            return_scores=True)
+            return_scores=True, **self._logits(dtype))
         context = context.reshape(B, T, q.shape[2] * self.head_dim)  # (B, T, N·H)
         output = self._project(self.out_proj, context, dtype)  # (B, T, E)
         if return_intermediates:
-            st = _stages(q_in, k_in, v, q, k, rope, scores, weights, context, output)
+            st = _stages(q_in, k_in, v, q, k, rope, scores, weights, context, output, q_normed, k_normed)
             return output, weights, new_cache, st
         return output, weights, new_cache
 
 
-def _stages(q_in, k_in, v, q, k, rope, scores, weights, context, output) -> Stages:
-    """The intermediates in the oracle's layouts: heads first, (B, n, L, H)."""
+def _stages(q_in, k_in, v, q, k, rope, scores, weights, context, output, q_norm=None, k_norm=None) -> Stages:
+    """The intermediates in the oracle's layouts: heads first, (B, n, L, H); q_norm/k_norm (after the
+    QK-norm, before RoPE) where `mha_spec.Stages` has those stages."""
 
     def heads_first(x):  # (B, L, n, H) -> (B, n, L, H)
         return None if x is None else jnp.transpose(x, (0, 2, 1, 3))
 
     rotated = (q, k) if rope is not None else (None, None)
+    normed = {n: heads_first(x) for n, x in (("q_norm", q_norm), ("k_norm", k_norm)) if n in _STAGE_FIELDS}
     return Stages(heads_first(q_in), heads_first(k_in), heads_first(v), scores, weights, context, output,
-                  *(heads_first(x) for x in rotated))
+                  *(heads_first(x) for x in rotated), **normed)

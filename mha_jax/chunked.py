@@ -69,7 +69,7 @@ from jax import lax
 
 import numpy as np
 
-from mha_spec import ALIGNMENTS, mask_shape_4d, window_sides
+from mha_spec import Structure, mask_shape_4d
 
 
 def accumulation_dtype(dtype):
@@ -77,16 +77,16 @@ def accumulation_dtype(dtype):
     return jnp.float32 if jnp.dtype(dtype).itemsize < 4 else jnp.dtype(dtype)
 
 
-def fold_scale(q):
-    """(q, scale left for the scores): 1/√H folded into q where that is as accurate (one
-    rounding in the same dtype either way).
+def fold_scale(q, scale: float | None = None):
+    """(q, scale left for the scores): the softmax scale (None: 1/√H) folded into q where that is
+    as accurate (one rounding in the same dtype either way).
 
     Scaling q is a pass over (B, T, N, H) instead of (B, N, T, S), and it spares XLA a
     broadcast of the scale to the score shape (measured at B=4, T=S=2048, H=64: the
     gradient program's temporary memory drops from 2080 to 1568 MiB). For 16-bit q the
     scale would round q a second time, so it is applied to the float32 scores instead.
     """
-    scale = 1.0 / math.sqrt(q.shape[-1])
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if accumulation_dtype(q.dtype) == q.dtype:
         return q * jnp.asarray(scale, q.dtype), 1.0
     return q, scale
@@ -136,26 +136,30 @@ def mean_over_keys(v):
 EMPTY, FULL, PARTIAL = 0, 1, 2  # block kinds: keep-mask all False, all True, mixed
 
 
-def diagonal_band(T: int, S: int, *, is_causal: bool = False, window=None,
-                  alignment: str = "top-left") -> tuple[int | None, int | None] | None:
-    """The structured keywords without segment ids as the band of diagonals they keep: (lo, hi)
-    such that query t keeps key s exactly when lo <= s - t <= hi (a side of None: unbounded), or
-    None when nothing is asked. Query t sits at key a(t) = t + offset (0 top-left, S - T
-    bottom-right); is_causal keeps s <= a(t); window (left, right) keeps a(t) - left <= s <= a(t) + right
-    (`structured_keep`). Python ints: a band is the program's shape, never data."""
-    if not isinstance(is_causal, bool):
-        raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
-    if not isinstance(alignment, str) or alignment not in ALIGNMENTS:
-        raise ValueError(f"alignment={alignment!r} is not one of {ALIGNMENTS}")
-    left, right = window_sides(window)
-    offset = S - T if alignment == "bottom-right" else 0
-    his = [offset + h for h, on in ((0, is_causal), (right, right is not None)) if on]
-    lo, hi = (None if left is None else offset - left), (min(his) if his else None)
-    return None if lo is None and hi is None else (lo, hi)
+def diagonal_band(structure: Structure) -> tuple[int | None, int | None] | None:
+    """A `mha_spec.Structure` without segment ids as the band the kernel skips blocks by: `Structure.band`,
+    (lo, hi) such that query t keeps key s exactly when lo <= s - t <= hi, or None when nothing is asked.
+    Segment ids are a ValueError: the kernel takes them as a keep-mask (`structured_keep`)."""
+    if structure.segment_ids is not None:
+        raise ValueError("the chunked kernel takes segment ids as a keep-mask (structured_keep), not as structure")
+    return structure.band()
+
+
+def _structure(T: int, S: int, structure, is_causal, window, alignment) -> Structure:
+    """The band's keywords, or a `mha_spec.Structure` given in their place, as one Structure for (T, S)."""
+    if structure is None:
+        return Structure.of(T, S, is_causal=is_causal, window=window, alignment=alignment)
+    if not isinstance(structure, Structure):
+        raise TypeError(f"structure must be a mha_spec.Structure, got {type(structure).__name__}")
+    if is_causal is not False or window is not None or alignment != "top-left":
+        raise ValueError("pass structure= or is_causal/window/alignment, not both")
+    if (structure.T, structure.S) != (T, S):
+        raise ValueError(f"a structure for T={structure.T}, S={structure.S} given with T={T}, S={S}")
+    return structure
 
 
 def band_keep(T: int, S: int, band):
-    """bool (1, 1, T, S) of a `diagonal_band` (lo, hi), built from iotas."""
+    """bool (1, 1, T, S) of a band (lo, hi) (`diagonal_band`), built from iotas."""
     lo, hi = band
     d = jnp.arange(S)[None, :] - jnp.arange(T)[:, None]  # (T, S): s - t
     keep = jnp.ones((T, S), bool)
@@ -185,6 +189,7 @@ class _Plan:
     scale: float  # left for the scores (1.0 when folded into q)
     precision: object
     band: _Band | None = None  # the mask, when it is a band (then no keep-mask is passed)
+    softcap: float | None = None  # the scaled scores become softcap·tanh(s / softcap) before the mask
 
 
 def _band_keys(band: _Band, S: int, Rp: int):
@@ -282,13 +287,15 @@ def _block_mask(plan: _Plan, keep_i, i, j):
 
 
 def _block_scores(plan: _Plan, a, b, mask):
-    """Scaled scores of one block, -inf where masked, in the accumulation dtype: a (B, N, X, H) against
-    b (B, N, Y, H) gives (B, N, X, Y), queries against keys (B, N, cq, ck) or keys against queries
-    (B, N, ck, cq) with the mask in the same orientation."""
+    """Scaled (and soft-capped) scores of one block, -inf where masked, in the accumulation dtype:
+    a (B, N, X, H) against b (B, N, Y, H) gives (B, N, X, Y), queries against keys (B, N, cq, ck) or
+    keys against queries (B, N, ck, cq) with the mask in the same orientation."""
     acc = accumulation_dtype(a.dtype)
     s = jnp.einsum("BNXH,BNYH->BNXY", a, b, preferred_element_type=acc, precision=plan.precision)
     if plan.scale != 1.0:
         s = s * plan.scale
+    if plan.softcap is not None:  # elementwise, before the mask: the capped logits are what is masked
+        s = plan.softcap * jnp.tanh(s / plan.softcap)
     return s if mask is None else jnp.where(mask, s, -jnp.inf)
 
 
@@ -302,9 +309,11 @@ def _columns(x, i, c):
     return lax.dynamic_slice_in_dim(x, i * c, c, axis=3)
 
 
-def _forward(plan: _Plan, q, k, v, keep):
+def _forward(plan: _Plan, q, k, v, keep, sinks=None):
     """(O, L): O (B, N, Tp, H) in the accumulation dtype, 0 on rows with no kept key;
-    L (B, N, Tp, 1) the log-sum-exp of each row's scores, 0 on rows with no kept key."""
+    L (B, N, Tp, 1) the log-sum-exp of each row's scores, 0 on rows with no kept key.
+    sinks (1, N, Tp, 1) in the accumulation dtype, or None: each row's sink logit starts the
+    running max and adds its exp to the denominator, once per row; L then includes it."""
     B, N, Tp, H = q.shape
     acc = accumulation_dtype(q.dtype)
     nq, nk = Tp // plan.cq, k.shape[2] // plan.ck
@@ -335,9 +344,16 @@ def _forward(plan: _Plan, q, k, v, keep):
 
             return _by_kind(kinds, i, j, step, carry)
 
-        init = (jnp.zeros((B, N, plan.cq, H), acc), jnp.full((B, N, plan.cq, 1), -jnp.inf, acc), jnp.zeros((B, N, plan.cq, 1), acc))
+        if sinks is None:
+            m0, l0 = jnp.full((B, N, plan.cq, 1), -jnp.inf, acc), jnp.zeros((B, N, plan.cq, 1), acc)
+        else:  # the sink as a column already seen: max = sink, sum = exp(sink - sink)
+            m0 = jnp.broadcast_to(_rows(sinks, i, plan.cq), (B, N, plan.cq, 1))
+            l0 = jnp.ones((B, N, plan.cq, 1), acc)
+        init = (jnp.zeros((B, N, plan.cq, H), acc), m0, l0)
         (o, m, l), _ = lax.scan(k_step, init, jnp.arange(nk) if visits is None else visits[1][i])
         attends = _rows(row_any, i, plan.cq)  # from the mask, not from l: NaN must stay NaN
+        if sinks is not None:  # a row that keeps no key gives everything to its sink: O = 0, L = sink
+            return jnp.where(attends, o / l, 0.0), m + jnp.log(l)
         l = jnp.where(attends, l, 1.0)
         o = jnp.where(attends, o / l, 0.0)
         lse = jnp.where(attends, jnp.where(m == -jnp.inf, 0.0, m) + jnp.log(l), 0.0)
@@ -353,13 +369,31 @@ def _unblock(x):
     return jnp.moveaxis(x, 0, 2).reshape(B, N, n * c, X)
 
 
+def _score_gradient(plan: _Plan, p_t, s_t, dp_t, d_i):
+    """dSᵀ of one block (B, N, ck, cq), with respect to q·k, from Pᵀ, the scores Sᵀ (scaled, capped, -inf where
+    masked), dPᵀ and D: P ∘ (dP - D), through the soft-cap (times 1 - (capped / cap)²) and the scale."""
+    ds_t = p_t * (dp_t - d_i)
+    if plan.softcap is not None:  # masked: -inf², clamped to 1, gives 0 (p is 0 there too)
+        ds_t = ds_t * (1.0 - jnp.minimum(jnp.square(s_t / plan.softcap), 1.0))
+    return ds_t * plan.scale if plan.scale != 1.0 else ds_t
+
+
+def _sink_gradient(sinks, lse, D):
+    """The sinks' gradient (1, N, Tp, 1), summed over the batch: -p_sink · rowsum(dP ∘ P) = -p_sink · D with
+    p_sink = exp(sink - L), from the row statistics alone (no pass over the blocks); None without sinks."""
+    if sinks is None:
+        return None
+    return -(jnp.exp(sinks - lse) * jnp.swapaxes(D, 2, 3)).sum(axis=0, keepdims=True).astype(sinks.dtype)
+
+
 def _backward(plan: _Plan, res, d_o):
-    """dQ, dK, dV from the saved (q, k, v, keep, O, L) and dO (B, N, Tp, H).
+    """dQ, dK, dV and the sinks' gradient (`_sink_gradient`) from the saved (q, k, v, keep, sinks, O, L) and
+    dO (B, N, Tp, H).
 
     Each block holds Pᵀ, dSᵀ (B, N, ck, cq): every score-sized operand is then contracted on an
     axis XLA:CPU takes as laid out, where (cq, ck) blocks had two of them copied transposed
     (B=1 N=8 H=64, 512x512 blocks, 2-core Xeon: 8.6 ms a block, 5.9 ms as Pᵀ)."""
-    q, k, v, keep, o, lse = res
+    q, k, v, keep, sinks, o, lse = res
     acc = accumulation_dtype(q.dtype)
     nq, nk = q.shape[2] // plan.cq, k.shape[2] // plan.ck
     visits = _band_visits(plan, nq, nk)
@@ -382,12 +416,11 @@ def _backward(plan: _Plan, res, d_o):
                     qi, d_oi = _rows(q, i, plan.cq), _rows(d_o, i, plan.cq)  # (B, N, cq, H)
                     # The probabilities, recomputed once per block; 0 where masked.
                     mask = jnp.swapaxes(_block_mask(plan, _rows(keep, i, plan.cq), i, j), 2, 3) if masked else None
-                    p_t = jnp.exp(_block_scores(plan, kj, qi, mask) - _columns(lse_t, i, plan.cq))  # (B, N, ck, cq)
+                    s_t = _block_scores(plan, kj, qi, mask)  # (B, N, ck, cq)
+                    p_t = jnp.exp(s_t - _columns(lse_t, i, plan.cq))
                     dv = dv + dot("BNST,BNTH->BNSH", p_t.astype(v.dtype).astype(acc), d_oi)
                     dp_t = dot("BNSH,BNTH->BNST", vj.astype(acc), d_oi)
-                    ds_t = p_t * (dp_t - _columns(D, i, plan.cq))
-                    if plan.scale != 1.0:
-                        ds_t = ds_t * plan.scale
+                    ds_t = _score_gradient(plan, p_t, s_t, dp_t, _columns(D, i, plan.cq))
                     dk = dk + dot("BNST,BNTH->BNSH", ds_t, qi.astype(acc))
                     dq_t = dot("BNSH,BNST->BNHT", kj.astype(acc), ds_t)  # (B, N, H, cq): transposes K, not dSᵀ
                     return (dk, dv), jnp.swapaxes(dq_t, 2, 3)
@@ -409,17 +442,18 @@ def _backward(plan: _Plan, res, d_o):
     else:
         dq, (dk, dv) = lax.scan(k_block, jnp.zeros((nq + 1, B, N, plan.cq, H), acc), jnp.arange(nk))
         dq = _unblock(dq[:nq])  # (B, N, Rp, H)
-    return dq.astype(q.dtype), _unblock(dk).astype(k.dtype), _unblock(dv).astype(v.dtype), None
+    return (dq.astype(q.dtype), _unblock(dk).astype(k.dtype), _unblock(dv).astype(v.dtype), None,
+            _sink_gradient(sinks, lse, D))
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(plan: _Plan, q, k, v, keep):
-    return _forward(plan, q, k, v, keep)[0]
+def _flash(plan: _Plan, q, k, v, keep, sinks):
+    return _forward(plan, q, k, v, keep, sinks)[0]
 
 
-def _flash_fwd(plan: _Plan, q, k, v, keep):
-    o, lse = _forward(plan, q, k, v, keep)
-    return o, (q, k, v, keep, o, lse)
+def _flash_fwd(plan: _Plan, q, k, v, keep, sinks):
+    o, lse = _forward(plan, q, k, v, keep, sinks)
+    return o, (q, k, v, keep, sinks, o, lse)
 
 
 _flash.defvjp(_flash_fwd, _backward)
@@ -448,17 +482,25 @@ def _stack_group_rows(keep, K: int, G: int, T: int):
 
 
 def chunked_attention(q, k, v, keep=None, *, masked_rows="nan", q_chunk=512, k_chunk=1024, precision=None,
-                      is_causal: bool = False, window=None, alignment: str = "top-left", head_chunk=None):
+                      is_causal: bool = False, window=None, alignment: str = "top-left", head_chunk=None,
+                      structure: Structure | None = None, scale: float | None = None, softcap: float | None = None,
+                      sinks=None):
     """softmax(Q Kᵀ / √H) V without materialising (B, N, T, S), forward or backward.
+
+    scale replaces 1/√H; softcap (a positive float) caps the scaled scores to softcap·tanh(s / softcap)
+    on each block before the mask; sinks (N,) (any float dtype, differentiable) adds each query head's
+    sink logit to every row's softmax denominator (its column dropped): a row that keeps no key is
+    then 0, whatever masked_rows says.
 
     q (B, T, N, H), k and v (B, S, K, H) with K dividing N: query head h reads key/value
     head h // (N/K). The G = N/K query heads of one key/value head run as one query axis of
     G·T rows against that head's keys, so K, V and their gradients stay at K heads (and a
     keep-mask that varies over query rows but not heads is repeated G times, as bools).
     keep: bool keep-mask [T, S], [B, T, S] (a batch axis) or (B|1, N|1, T|1, S|1), or None.
-    is_causal, window and alignment are the modules' structured keywords (`diagonal_band`), ANDed
-    with keep; without keep the kernel never builds a (T, S) mask: each block's mask comes from
-    iotas, and the block kinds and empty rows from the band while tracing, so a window's cost
+    is_causal, window and alignment are the modules' structured keywords, or structure a
+    `mha_spec.Structure` in their place (without segment ids: those go in keep), ANDed with keep
+    (`diagonal_band`); without keep the kernel never builds a (T, S) mask: each block's mask comes
+    from iotas, and the block kinds and empty rows from the band while tracing, so a window's cost
     follows the blocks it touches. head_chunk: how many of the kernel's B·K head blocks (batch
     elements x key/value heads) run a step, one step after another (None: all at once;
     `head_steps` says which piece runs): the same arithmetic per block, in another order, except
@@ -470,16 +512,9 @@ def chunked_attention(q, k, v, keep=None, *, masked_rows="nan", q_chunk=512, k_c
     """
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
-    if S == 0:
-        raise ValueError(f"chunked_attention needs at least one key: got key shape {k.shape} (S=0)")
-    if K == 0 or N % K or tuple(k.shape) != tuple(v.shape):
-        raise ValueError(f"key/value heads must divide the query heads and key and value must have one shape: "
-                         f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} (B, L, heads, H)")
-    if q_chunk < 1 or k_chunk < 1:
-        raise ValueError(f"q_chunk and k_chunk must be positive, got {q_chunk} and {k_chunk}")
-    head_steps(B, K, head_chunk)  # checks head_chunk before anything is traced
+    sinks = _check_call(q, k, v, q_chunk, k_chunk, head_chunk, sinks)
     keep = keep_4d(keep, B, N, T, S)  # (B|1, N|1, T|1, S|1)
-    band = diagonal_band(T, S, is_causal=is_causal, window=window, alignment=alignment)
+    band = diagonal_band(_structure(T, S, structure, is_causal, window, alignment))
     if band is not None and keep is not None:
         keep, band = keep & band_keep(T, S, band), None  # (B|1, N|1, T, S)
     if B == 0 or T == 0:
@@ -489,14 +524,35 @@ def chunked_attention(q, k, v, keep=None, *, masked_rows="nan", q_chunk=512, k_c
         row_any = (keep.any(axis=-1, keepdims=True) if keep is not None  # (B|1, N|1, T|1, 1): from the mask alone
                    else _band_attends(_Band(T, T, *band), S, T))
         q = _query_gradient_as_materialised(q, k, row_any)
-    ctx = _chunked(q, k, v, keep, q_chunk=q_chunk, k_chunk=k_chunk, precision=precision, band=band,
-                   head_chunk=head_chunk)  # (B, N, T, H)
-    if masked:
+    ctx = _chunked(q, k, v, keep, sinks, q_chunk=q_chunk, k_chunk=k_chunk, precision=precision, band=band,
+                   head_chunk=head_chunk, scale=None if scale is None else float(scale),
+                   softcap=None if softcap is None else float(softcap))  # (B, N, T, H)
+    if masked and sinks is None:  # with sinks a row that keeps no key is 0 (the sink takes it)
         G = N // K
         mean_v = mean_over_keys(v)[:, 0]  # (B, K, H)
         mean_v = (jnp.repeat(mean_v, G, axis=1) if G > 1 else mean_v)[:, :, None, :]  # (B, N, 1, H)
         ctx = fill_masked_rows(ctx, row_any, masked_rows, mean_v)
     return jnp.transpose(ctx, (0, 2, 1, 3)).astype(q.dtype)  # (B, T, N, H)
+
+
+def _check_call(q, k, v, q_chunk, k_chunk, head_chunk, sinks):
+    """`chunked_attention`'s shapes, blocks and head chunk checked before anything is traced (ValueError
+    naming them); the sinks (N,) as a jax array, or None."""
+    B, T, N, H = q.shape
+    S, K = k.shape[1], k.shape[2]
+    if S == 0:
+        raise ValueError(f"chunked_attention needs at least one key: got key shape {k.shape} (S=0)")
+    if K == 0 or N % K or tuple(k.shape) != tuple(v.shape):
+        raise ValueError(f"key/value heads must divide the query heads and key and value must have one shape: "
+                         f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} (B, L, heads, H)")
+    if q_chunk < 1 or k_chunk < 1:
+        raise ValueError(f"q_chunk and k_chunk must be positive, got {q_chunk} and {k_chunk}")
+    head_steps(B, K, head_chunk)
+    sinks = None if sinks is None else jnp.asarray(sinks)
+    if sinks is not None and tuple(sinks.shape) != (N,):
+        raise ValueError(f"sinks must have shape (N,) = ({N},), one per query head of q {tuple(q.shape)}, "
+                         f"got {tuple(sinks.shape)}")
+    return sinks
 
 
 @jax.custom_vjp
@@ -547,7 +603,8 @@ def _kernel_keep(keep, K: int, G: int, T: int, S: int, Rp: int, Sp: int):
 
 def block_census(keep, B: int, N: int, T: int, S: int, q_chunk: int = 512, k_chunk: int = 1024, *,
                  kv_heads: int | None = None, is_causal: bool = False, window=None,
-                 alignment: str = "top-left", head_chunk: int | None = None) -> dict[str, int]:
+                 alignment: str = "top-left", head_chunk: int | None = None,
+                 structure: Structure | None = None) -> dict[str, int]:
     """How many (query block, key block) pairs `chunked_attention` finds EMPTY, FULL and PARTIAL for
     this keep-mask and these blocks: {"empty": .., "full": .., "partial": ..}, summing to the blocks of
     the (padded) grid times the head steps (`head_steps`; one without head_chunk).
@@ -560,7 +617,7 @@ def block_census(keep, B: int, N: int, T: int, S: int, q_chunk: int = 512, k_chu
     step holds fewer of them): an EMPTY block runs no
     matmul, in the forward and in the backward; every other block runs its Q·Kᵀ and P·V (in the
     backward the recomputed Q·Kᵀ and four more), PARTIAL with the mask select. keep, is_causal,
-    window and alignment: as `chunked_attention` takes them (a band alone is summarised from its
+    window, alignment and structure: as `chunked_attention` takes them (a band alone is summarised from its
     structure, as the kernel does).
     """
     for name, val in (("B", B), ("N", N), ("T", T), ("S", S), ("q_chunk", q_chunk), ("k_chunk", k_chunk)):
@@ -572,7 +629,7 @@ def block_census(keep, B: int, N: int, T: int, S: int, q_chunk: int = 512, k_chu
         raise ValueError(f"block_census: kv_heads must divide N={N}, got {kv_heads!r}")
     bc, kc = head_steps(B, K, head_chunk)  # checks head_chunk
     keep = keep_4d(keep, B, N, T, S)  # (B|1, N|1, T|1, S|1)
-    band = diagonal_band(T, S, is_causal=is_causal, window=window, alignment=alignment)
+    band = diagonal_band(_structure(T, S, structure, is_causal, window, alignment))
     if band is not None and keep is not None:
         keep, band = keep.astype(bool) & band_keep(T, S, band), None
     if B == 0 or T == 0:  # the kernel returns the empty context without a block
@@ -610,9 +667,10 @@ def head_steps(B: int, K: int, head_chunk: int | None) -> tuple[int, int]:
     return max(d for d in range(1, head_chunk // K + 1) if B % d == 0), K
 
 
-def _by_head_steps(plan: _Plan, steps: tuple[int, int], q, k, v, keep):
+def _by_head_steps(plan: _Plan, steps: tuple[int, int], q, k, v, keep, sinks=None):
     """_flash over pieces of (bc, kc) = steps head blocks at a time, one after another: q (B, K, Rp, H),
-    k and v (B, K, Sp, H), keep (B|1, K|1, Rp|1, Sp) or None; the context (B, K, Rp, H).
+    k and v (B, K, Sp, H), keep (B|1, K|1, Rp|1, Sp) or None, sinks (1, K, Rp, 1) or None; the context
+    (B, K, Rp, H).
 
     Why: a block's scores are (B, K, cq, ck) at once; at B·K = 32, 256x512 that is 16 MiB, which
     leaves the caches between the passes over it (QKᵀ, max, exp, P·V). Fewer head blocks a step
@@ -621,7 +679,7 @@ def _by_head_steps(plan: _Plan, steps: tuple[int, int], q, k, v, keep):
     B, K = q.shape[:2]
     bc, kc = steps
     if (bc, kc) == (B, K):
-        return _flash(plan, q, k, v, keep)
+        return _flash(plan, q, k, v, keep, sinks)
     nb, nh = B // bc, K // kc
 
     def pieces(x):  # (B, K, L, H) -> (nb·nh, bc, kc, L, H)
@@ -634,7 +692,8 @@ def _by_head_steps(plan: _Plan, steps: tuple[int, int], q, k, v, keep):
             keep_i = lax.dynamic_slice_in_dim(keep_i, (i // nh) * bc, bc, axis=0)
         if keep is not None and keep.shape[1] != 1:
             keep_i = lax.dynamic_slice_in_dim(keep_i, (i % nh) * kc, kc, axis=1)
-        return _flash(plan, qi, ki, vi, keep_i)
+        sinks_i = None if sinks is None else lax.dynamic_slice_in_dim(sinks, (i % nh) * kc, kc, axis=1)
+        return _flash(plan, qi, ki, vi, keep_i, sinks_i)
 
     out = lax.map(step, (jnp.arange(nb * nh), pieces(q), pieces(k), pieces(v)))  # (nb·nh, bc, kc, Rp, H)
     return out.reshape(B, K, *out.shape[3:])
@@ -642,14 +701,16 @@ def _by_head_steps(plan: _Plan, steps: tuple[int, int], q, k, v, keep):
 
 # Compiled once per shapes and blocks: run eagerly, the kernel's loops would otherwise be
 # traced and compiled again on every call (measured 0.46 s a call at B=3 T=5 S=7 N=6).
-@partial(jax.jit, static_argnames=("q_chunk", "k_chunk", "precision", "band", "head_chunk"))
-def _chunked(q, k, v, keep, *, q_chunk, k_chunk, precision, band=None, head_chunk=None):
+@partial(jax.jit, static_argnames=("q_chunk", "k_chunk", "precision", "band", "head_chunk", "scale", "softcap"))
+def _chunked(q, k, v, keep, sinks=None, *, q_chunk, k_chunk, precision, band=None, head_chunk=None, scale=None,
+             softcap=None):
     """The context (B, N, T, H) in the accumulation dtype, 0 on rows that keep no key; band: a
-    `diagonal_band` (lo, hi) when the mask is one (keep is None then)."""
+    `diagonal_band` (lo, hi) when the mask is one (keep is None then); scale, softcap and sinks (N,) as
+    `chunked_attention` takes them."""
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
     G = N // K
-    q, scale = fold_scale(q)
+    q, scale = fold_scale(q, scale)
     R = G * T  # query rows per key/value head
     cq, ck, Rp, Sp = _blocking(R, S, q_chunk, k_chunk)
 
@@ -664,8 +725,16 @@ def _chunked(q, k, v, keep, *, q_chunk, k_chunk, precision, band=None, head_chun
         keep = lax.optimization_barrier(jnp.asarray(keep))
     keep_p = _kernel_keep(keep, K, G, T, S, Rp, Sp)
     plan = _Plan(S=S, cq=cq, ck=ck, scale=scale, precision=precision,
-                 band=None if band is None else _Band(R, T, *band))
+                 band=None if band is None else _Band(R, T, *band), softcap=softcap)
     k_heads, v_heads = (padded(jnp.transpose(x, (0, 2, 1, 3)), S, Sp) for x in (k, v))  # (B, K, Sp, H)
     steps = head_steps(B, K, head_chunk)
-    ctx = _by_head_steps(plan, steps, padded(q_rows, R, Rp), k_heads, v_heads, keep_p)[:, :, :R]  # (B, K, G·T, H)
+    sink_rows = None if sinks is None else _sink_rows(sinks, K, G, T, Rp, accumulation_dtype(q.dtype))
+    ctx = _by_head_steps(plan, steps, padded(q_rows, R, Rp), k_heads, v_heads, keep_p, sink_rows)[:, :, :R]  # (B, K, G·T, H)
     return ctx.reshape(B, N, T, H)  # head j·G + g: the rows g·T .. g·T + T - 1 of key/value head j
+
+
+def _sink_rows(sinks, K: int, G: int, T: int, Rp: int, acc):
+    """sinks (N,) -> (1, K, Rp, 1) in acc: kernel row g·T + t of key/value head j holds query head
+    j·G + g's sink; padding rows hold 0 (they keep no key and are sliced off)."""
+    rows = jnp.repeat(sinks.astype(acc).reshape(K, G), T, axis=1)  # (K, G·T)
+    return jnp.pad(rows, ((0, 0), (0, Rp - G * T)))[None, :, :, None]

@@ -32,6 +32,9 @@ before any row, each for a reason that no timing can overrule:
 - float16 never runs dpa-xla (it takes no precision argument, and under a pinned
   "highest" XLA:CPU rejects its float16 backward dots, 'F16_F16_F32');
 - a materialising kernel runs only while B·N·T·S <= MATERIALIZE_LIMIT;
+- a call whose scores need more than q·k/√H (`score_mods`: a scale of its own, a soft-cap,
+  sinks; `SCORE_MODS`) runs only a kernel that computes them: the einsum core and "chunked"
+  take all three, dpa-* the scale alone, the Pallas kernels none (`untaken_score_mods`);
 - on a CUDA GPU, float16/bfloat16 with a head dim that is a multiple of 8 and <= 128
   (and even T and S when there is a mask: cuDNN's masked backward needs them) runs
   dpa-cudnn. Only this decision logic is tested (with fake processors): no GPU run yet;
@@ -70,6 +73,7 @@ import jax.numpy as jnp
 
 from mha_jax.cache import kernel_table_path
 from mha_spec.files import read_json
+from mha_spec.kernel import Kernel
 
 # The kernels by the names every row, table and command line shows; other modules use these constants.
 EINSUM = "einsum"
@@ -146,39 +150,34 @@ def kernel_label(choice: Choice, *, source: bool = False) -> str:
     once): one token, so a tune run keys its candidates by it. source=True appends where the
     choice came from, as a benchmark row shows it: "chunked:256x512 (built-in)", "einsum (weights)".
     """
+    return str(choice_kernel(choice, source=source))
+
+
+def choice_kernel(choice: Choice, *, source: bool = False) -> Kernel:
+    """A choice as a `mha_spec.Kernel` (what `kernel_label` prints); ValueError for a kernel that is not
+    one of ALL_KERNELS or a chunked choice without its blocks."""
     if choice.kernel not in ALL_KERNELS:
         raise ValueError(f"kernel {choice.kernel!r} is not one of {ALL_KERNELS}")
-    label = choice.kernel
+    blocks = head_chunk = None
     if choice.kernel == CHUNKED:
         if choice.q_chunk is None or choice.k_chunk is None:
             raise ValueError(f"the chunked kernel's label needs its blocks, got q_chunk={choice.q_chunk} k_chunk={choice.k_chunk}")
-        label = f"{CHUNKED}:{choice.q_chunk}x{choice.k_chunk}"
-        if choice.head_chunk is not None:
-            if type(choice.head_chunk) is not int or choice.head_chunk < 1:
-                raise ValueError(f"head_chunk must be a positive integer or None, got {choice.head_chunk!r}")
-            label += f"/h{choice.head_chunk}"
-    return f"{label} ({choice.source})" if source and choice.source else label
+        blocks, head_chunk = (choice.q_chunk, choice.k_chunk), choice.head_chunk
+    return Kernel(choice.kernel, blocks, head_chunk, source=(choice.source or None) if source else None)
 
 
 def parse_label(label: str) -> Choice:
     """`kernel_label`'s inverse (without the source): "chunked:256x512" -> Choice("chunked", 256, 512),
     "chunked:2048x512/h1" -> Choice("chunked", 2048, 512, head_chunk=1); ValueError naming the label
     for anything else."""
-    kernel, sep, blocks = label.partition(":") if isinstance(label, str) else ("", "", "")
-    if kernel in ALL_KERNELS and kernel != CHUNKED and not sep:
-        return Choice(kernel)
-    blocks, slash, heads = blocks.partition("/")
-    q, x, k = blocks.partition("x")
-    heads_ok = not slash or (heads.startswith("h") and _is_positive_decimal(heads[1:]))
-    if kernel == CHUNKED and x and _is_positive_decimal(q) and _is_positive_decimal(k) and heads_ok:
-        return Choice(CHUNKED, int(q), int(k), head_chunk=int(heads[1:]) if slash else None)
+    k = Kernel.parse(label) if isinstance(label, str) else None
+    if k is not None and k.source is None and not k.interpret and k.name in ALL_KERNELS:
+        if k.name != CHUNKED and k.blocks is None:
+            return Choice(k.name)
+        if k.name == CHUNKED and k.blocks is not None:
+            return Choice(CHUNKED, *k.blocks, head_chunk=k.head_chunk)
     raise ValueError(f"{_short(label)} is not a kernel label: one of {', '.join(k for k in ALL_KERNELS if k != CHUNKED)} "
                      f"or {CHUNKED}:QxK or {CHUNKED}:QxK/hC (positive integer blocks and head chunk)")
-
-
-def _is_positive_decimal(text: str) -> bool:
-    # As kernel_label writes it: ASCII digits, no sign, no leading zero (so the round trip is exact).
-    return text.isascii() and text.isdigit() and not text.startswith("0")
 
 
 @dataclass(frozen=True)
@@ -510,25 +509,55 @@ def pallas_refusal(kernel: str, *, dtype, T: int, S: int, H: int, mask_kind: str
 
 _PALLAS_BY_PLATFORM = {"tpu": PALLAS_TPU, "gpu": PALLAS_GPU, "cuda": PALLAS_GPU}
 
+# ---------------------------------------------------------------- what the scores need beyond q·k / √H
+
+SCORE_MODS = ("scale", "softcap", "sinks")
+"""What a call may ask of its scores beyond q·k/√H and the mask: a softmax scale of its own, soft-capped
+logits, attention sinks (`mha_spec.AttentionConfig`)."""
+_TAKES = {EINSUM: frozenset(SCORE_MODS), CHUNKED: frozenset(SCORE_MODS), DPA_XLA: frozenset({"scale"}),
+          DPA_CUDNN: frozenset({"scale"}), PALLAS_GPU: frozenset(), PALLAS_TPU: frozenset()}
+# jax.nn.dot_product_attention takes scale= but no cap and no extra softmax column; `mha_jax.pallas`
+# passes the kernels' sm_scale as 1/√H.
+
+
+def score_mods_of(*, scale=None, softcap=None, sinks=None) -> tuple[str, ...]:
+    """The SCORE_MODS a call asks for: scale and softcap where not None, sinks where given (the (N,) array
+    a core takes, or a layer's `mha_spec.AttentionConfig.sinks` True)."""
+    given = {"scale": scale is not None, "softcap": softcap is not None, "sinks": sinks is not None and sinks is not False}
+    return tuple(m for m in SCORE_MODS if given[m])
+
+
+def untaken_score_mods(kernel: str, score_mods) -> tuple[str, ...]:
+    """Those of score_mods (SCORE_MODS entries) that `kernel` cannot compute; ValueError for others."""
+    unknown = sorted(set(score_mods) - set(SCORE_MODS))
+    if unknown:
+        raise ValueError(f"score_mods {unknown} are not among {SCORE_MODS}")
+    return tuple(m for m in SCORE_MODS if m in score_mods and m not in _TAKES.get(kernel, SCORE_MODS))
+
 
 def choose(*, platform: str, sources: tuple[Source, ...], dtype, B: int, N: int, T: int, S: int, H: int, has_mask: bool,
-           materialize_limit: int, mask_kind: str | None = None, precision=None, kv_heads: int | None = None) -> Choice:
+           materialize_limit: int, mask_kind: str | None = None, precision=None, kv_heads: int | None = None,
+           score_mods=()) -> Choice:
     """The kernel and chunk sizes for one fused call; pure (no device or file is read).
 
     mask_kind: the mask's structure (MASK_STRUCTURES; None: what has_mask implies, see
     `resolve_mask_kind`); precision: the call's, which a Pallas kernel must be able to follow;
-    kv_heads: K key/value heads (None: N), the table rows compared in `kernel_space`."""
+    kv_heads: K key/value heads (None: N), the table rows compared in `kernel_space`; score_mods:
+    the SCORE_MODS the call asks for (a kernel that cannot compute one is never chosen; `why` says so)."""
     dtype = jnp.dtype(dtype)
     space = kernel_space(B, N, T, S, kv_heads)
     kind = resolve_mask_kind(has_mask=has_mask, mask_kind=mask_kind)
+    untaken = {k: untaken_score_mods(k, score_mods) for k in ALL_KERNELS}
     if B == 0 or T == 0:
         return Choice(CHUNKED, *DEFAULT_BLOCKS, why="B = 0 or T = 0: the chunked kernel returns the empty context", source="rule")
-    if _cudnn_allowed(platform, dtype, T, S, H, has_mask):
+    if _cudnn_allowed(platform, dtype, T, S, H, has_mask) and not untaken[DPA_CUDNN]:
         return Choice(DPA_CUDNN, why="CUDA GPU, 16-bit, head dim and mask within cuDNN's limits", source="rule")
     pallas = _PALLAS_BY_PLATFORM.get(platform)
     refused = ""
     if pallas is not None:
         refusal = pallas_refusal(pallas, dtype=dtype, T=T, S=S, H=H, mask_kind=kind, precision=precision)
+        if refusal is None and untaken[pallas]:
+            refusal = f"it cannot compute {', '.join(untaken[pallas])}"
         if refusal is None:
             return Choice(pallas, why=f"{platform}: {dtype.name}, T={T}, S={S}, H={H} and a {kind} mask fit {pallas}",
                           source="rule")
@@ -537,7 +566,7 @@ def choose(*, platform: str, sources: tuple[Source, ...], dtype, B: int, N: int,
     allowed = {CHUNKED}
     if fits:
         allowed.add(EINSUM)
-        if dtype in (jnp.float32, jnp.bfloat16):
+        if dtype in (jnp.float32, jnp.bfloat16) and not untaken[DPA_XLA]:
             allowed.add(DPA_XLA)
     ranked = sorted(((_distance(r, *space), n, r) for n, src in enumerate(sources) for r in src.rows), key=lambda x: x[:2])
     if not ranked:
@@ -556,6 +585,8 @@ def choose(*, platform: str, sources: tuple[Source, ...], dtype, B: int, N: int,
         why += f" to the kernel's B·K={space[0]} G·T={space[1]} S={S}"
     if kernel != row.fastest:
         why += f"; {row.fastest} not allowed for {dtype.name} at B·N·T·S={B * N * T * S}"
+        if untaken.get(row.fastest):
+            why += f" with {', '.join(untaken[row.fastest])}"
     if refused:
         why += f"; {refused}"
     if kernel != CHUNKED:
@@ -564,12 +595,12 @@ def choose(*, platform: str, sources: tuple[Source, ...], dtype, B: int, N: int,
 
 
 def fused_choice(B: int, N: int, T: int, S: int, H: int, dtype, *, has_mask: bool, mask_kind: str | None = None,
-                 precision=None, device=None, kv_heads: int | None = None) -> Choice:
+                 precision=None, device=None, kv_heads: int | None = None, score_mods=()) -> Choice:
     """What `fused_attention_core` runs for these sizes on `device` (default: JAX's first device).
 
     mask_kind: the mask's structure, one of MASK_STRUCTURES (None: MASK_DENSE with a mask,
     MASK_NONE without); precision: the call's matmul precision (None: jax's default); kv_heads:
-    the key/value heads K (None: N)."""
+    the key/value heads K (None: N); score_mods: the SCORE_MODS the call asks for."""
     device = device or jax.devices()[0]
     path = kernel_table_path()
     sources = sources_for(processor(device), load_user_table(path), str(path))
@@ -577,7 +608,7 @@ def fused_choice(B: int, N: int, T: int, S: int, H: int, dtype, *, has_mask: boo
         precision = jax.config.jax_default_matmul_precision
     return choose(platform=device.platform, sources=sources, dtype=dtype, B=B, N=N, T=T, S=S, H=H,
                   has_mask=has_mask, materialize_limit=MATERIALIZE_LIMIT, mask_kind=mask_kind, precision=precision,
-                  kv_heads=kv_heads)
+                  kv_heads=kv_heads, score_mods=score_mods)
 
 
 WEIGHTS = "weights"
@@ -585,11 +616,13 @@ WEIGHTS = "weights"
 
 
 def module_choice(B: int, N: int, T: int, S: int, H: int, dtype, *, has_mask: bool, need_weights: bool,
-                  mask_kind: str | None = None, precision=None, device=None, kv_heads: int | None = None) -> Choice:
+                  mask_kind: str | None = None, precision=None, device=None, kv_heads: int | None = None,
+                  score_mods=()) -> Choice:
     """What `mha_jax.MultiHeadAttention` runs for these sizes: the einsum core when it returns the
-    weights, else `fused_choice` (what `fused_attention_core` asks)."""
+    weights, else `fused_choice` (what `fused_attention_core` asks); score_mods: the SCORE_MODS of the
+    layer (`score_mods_of` its scale, softcap and sinks)."""
     if need_weights:
         return Choice(EINSUM, why="need_weights=True: the weights are returned, so the einsum core materialises them",
                       source=WEIGHTS)
     return fused_choice(B, N, T, S, H, dtype, has_mask=has_mask, mask_kind=mask_kind, precision=precision, device=device,
-                        kv_heads=kv_heads)
+                        kv_heads=kv_heads, score_mods=score_mods)

@@ -52,9 +52,24 @@ from mha_spec import PROJECTIONS, SHARDINGS, AttentionConfig, check_positions, c
 
 
 
+# The layers after Llama (`mha_spec.AttentionConfig.features`) that `sharded_attention`'s own maths leaves out.
+_NOT_SHARDED = ("head-dim", "qk-norm-head", "qk-norm-flat", "scale", "softcap", "sinks")
+
+
+def _refuse_features(cfg: AttentionConfig, what: str, allowed=()) -> None:
+    """A ValueError naming the features of cfg that `what` does not compute (all of _NOT_SHARDED but allowed)."""
+    found = [f for f in _NOT_SHARDED if f in cfg.features and f not in allowed]
+    if found:
+        raise ValueError(f"{what} does not compute {', '.join(found)} (head_dim, qk_norm, scale, softcap, sinks of "
+                         f"mha_spec.AttentionConfig); run this layer unsharded"
+                         + (f" or with {', '.join(allowed)} only" if allowed else ""))
+
+
 def params_of(module) -> dict:
     """{"q_proj": {"kernel": (E, N·H), "bias": (N·H,)}, "k_proj": {"kernel": (E, K·H), ...}, ...} from an
-    `mha_jax.MultiHeadAttention`; a projection without bias has no "bias" entry."""
+    `mha_jax.MultiHeadAttention`; a projection without bias has no "bias" entry. A layer with head_dim,
+    qk_norm, scale, softcap or sinks is a ValueError: `sharded_attention` computes the classic maths."""
+    _refuse_features(module.config, "sharded_attention")
     out = {}
     for p in PROJECTIONS:
         layer = getattr(module, p)
@@ -376,11 +391,19 @@ def shard_heads(module, mesh, axis: str = "x"):
 
     Then the unchanged module, called under `jax.jit` (or `nnx.jit`), runs tensor-parallel:
     GSPMD propagates the shardings and inserts the collectives; per-head weights come back
-    sharded by head. Returns the module.
+    sharded by head. Returns the module. A head_dim of its own, scale, softcap and a "head" QK-norm
+    need nothing more (the norm weights and the sinks are replicated); a "flat" QK-norm, over the
+    whole projection, is a ValueError: its mean would cross the heads' split.
     """
     n = axis_size(mesh, axis)
     check_sharding("tp", n, B=n, T=n, S=n, N=module.num_heads, K=module.num_kv_heads)
     cfg = module.config
+    _refuse_features(cfg, "shard_heads (tensor parallelism)", allowed=("head-dim", "qk-norm-head", "scale", "softcap",
+                                                                       "sinks"))
+    replicated = NamedSharding(mesh, P())
+    for var in [getattr(module, name).weight for name in ("q_norm", "k_norm") if getattr(module, name) is not None] + (
+            [] if module.sinks is None else [module.sinks]):
+        var.set_value(jax.device_put(var.get_value(), replicated))
     for p, leaves in head_shardings(mesh, axis, qkv_bias=cfg.qkv_bias, out_bias=cfg.out_bias).items():
         layer = getattr(module, p)
         for name, sharding in leaves.items():

@@ -14,9 +14,13 @@ project:
 
 from __future__ import annotations
 
+import math
 import numbers
 from dataclasses import dataclass
 from typing import Any
+
+from mha_spec.kernel import Kernel  # the kernel label, shared by mha_jax and parity
+from mha_spec.structure import ALIGNMENTS, Structure, is_int, window_sides  # the mask structure
 
 # The vocabularies both modules and every tool share: one home each.
 DTYPE_NAMES = ("float64", "float32", "bfloat16", "float16")
@@ -157,13 +161,26 @@ def _positive_int(name: str, val) -> int:
     return val
 
 
-VARIANT_FEATURES = ("grouped", "rope-half", "rope-interleaved", "no-qkv-bias", "no-out-bias")
+QK_NORMS = ("head", "flat")
+"""`AttentionConfig.qk_norm`: RMSNorm over each head's H features, or over the flattened projection."""
+
+LLAMA_FEATURES = ("grouped", "rope-half", "rope-interleaved", "no-qkv-bias", "no-out-bias")
+"""The features of the Llama-era layers (Llama, Mistral, Qwen2): `VARIANT_FEATURES`' first five."""
+
+VARIANT_FEATURES = (*LLAMA_FEATURES, "head-dim", "qk-norm-head", "qk-norm-flat", "scale", "softcap", "sinks")
 """What a layer may use beyond the classic module (`AttentionConfig.features`).
 
 grouped           fewer key/value heads than query heads (K < N; K = 1 is multi-query)
 rope-half         rotary embedding, rotate-half pairing; rope-interleaved likewise
 no-qkv-bias       q/k/v projections without bias; no-out-bias likewise for out_proj
-An implementation declares the features it runs (`parity.impls.Implementation.variants`).
+head-dim          a head dim of its own, N*H != E (Qwen3, Gemma)
+qk-norm-head      an RMSNorm of each head's q and k before RoPE (Qwen3, Gemma 3); qk-norm-flat over the
+                  whole q and k projections (OLMo 2)
+scale             a softmax scale other than H**-0.5 (Gemma's query_pre_attn_scalar)
+softcap           the logits soft-capped, cap*tanh(s/cap) (Gemma 2)
+sinks             a learned sink logit per query head in the softmax (GPT-OSS)
+An implementation declares the features it runs (`parity.impls.Implementation.variants`); a layer
+with a feature it does not declare is never run on it.
 """
 
 
@@ -180,8 +197,18 @@ class AttentionConfig:
     rope          None, or a `ROPE_CONVENTIONS` entry: rotate q and k after the head split
     rope_theta    the rotary base
     masked_rows   the `MASKED_ROWS_POLICIES` entry for a row that keeps no key
+    qk_norm       None, or a `QK_NORMS` entry: an RMSNorm of q and k before RoPE, over each head's H
+                  features ("head": Qwen3, Gemma 3) or over the whole projection's N*H / K*H ("flat": OLMo 2)
+    qk_norm_eps   that RMSNorm's epsilon (rms_norm_eps)
+    qk_norm_offset  the norm's weight is offset + w (Gemma's 1 + w: 1.0; others 0.0); the norm is computed in
+                  float32 at least, as the models compute it
+    scale         the softmax scale (None: H**-0.5; Gemma: query_pre_attn_scalar**-0.5)
+    softcap       None, or cap: the scaled logits become cap * tanh(s / cap) before the mask (Gemma 2)
+    sinks         a learned logit per query head in the softmax's denominator, its column dropped after
+                  (GPT-OSS); a row that keeps no key then gives all its weight to the sink (zeros)
 
-    Weights: q_proj (N*H, E), k_proj and v_proj (K*H, E), out_proj (E, N*H).
+    Weights: q_proj (N*H, E), k_proj and v_proj (K*H, E), out_proj (E, N*H); with qk_norm q_norm.weight
+    (H,) | (N*H,) and k_norm.weight (H,) | (K*H,); with sinks, sinks (N,).
     The defaults are the classic module.
     """
 
@@ -194,6 +221,12 @@ class AttentionConfig:
     rope: str | None = None
     rope_theta: float = 10000.0
     masked_rows: str = "nan"
+    qk_norm: str | None = None
+    qk_norm_eps: float = 1e-6
+    qk_norm_offset: float = 0.0
+    scale: float | None = None
+    softcap: float | None = None
+    sinks: bool = False
 
     def __post_init__(self):
         E = _positive_int("embed_dim", self.embed_dim)
@@ -219,6 +252,31 @@ class AttentionConfig:
             raise ValueError(f"rope_theta must be a finite number > 1, got {theta!r}")
         if self.masked_rows not in MASKED_ROWS_POLICIES:
             raise ValueError(f"masked_rows={self.masked_rows!r} is not one of {MASKED_ROWS_POLICIES}")
+        self._check_modern()
+
+    def _check_modern(self) -> None:
+        """The features of the models after Llama: QK-norm, the softmax scale, soft-capping, sinks."""
+        if self.qk_norm is not None and self.qk_norm not in QK_NORMS:
+            raise ValueError(f"qk_norm={self.qk_norm!r} is not None or one of {QK_NORMS}")
+        for name in ("qk_norm_eps", "qk_norm_offset", "scale", "softcap"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v)):
+                raise TypeError(f"{name} must be a finite number, got {v!r}")
+        if self.qk_norm_eps < 0:
+            raise ValueError(f"qk_norm_eps must be >= 0, got {self.qk_norm_eps!r}")
+        if self.qk_norm is None and (self.qk_norm_eps != 1e-6 or self.qk_norm_offset != 0.0):
+            raise ValueError(f"qk_norm_eps={self.qk_norm_eps!r}, qk_norm_offset={self.qk_norm_offset!r} are given "
+                             "without qk_norm: they would be ignored")
+        for name in ("scale", "softcap"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if not isinstance(self.sinks, bool):
+            raise TypeError(f"sinks must be a bool, got {self.sinks!r}")
+
+    @property
+    def softmax_scale(self) -> float:
+        """What the logits q·k are multiplied by: `scale`, default H**-0.5."""
+        return self.scale if self.scale is not None else self.head_size ** -0.5
 
     @property
     def head_size(self) -> int:
@@ -245,6 +303,13 @@ class AttentionConfig:
             found.add("no-qkv-bias")
         if not self.out_bias:
             found.add("no-out-bias")
+        if self.head_dim is not None and self.head_dim * self.num_heads != self.embed_dim:
+            found.add("head-dim")
+        if self.qk_norm is not None:
+            found.add(f"qk-norm-{self.qk_norm}")
+        found.update(name for name in ("scale", "softcap") if getattr(self, name) is not None)
+        if self.sinks:
+            found.add("sinks")
         return frozenset(found)
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -256,6 +321,11 @@ class AttentionConfig:
             shapes.update({"q_proj.bias": (N * H,), "k_proj.bias": (K * H,), "v_proj.bias": (K * H,)})
         if self.out_bias:
             shapes["out_proj.bias"] = (E,)
+        if self.qk_norm is not None:
+            flat = self.qk_norm == "flat"
+            shapes.update({"q_norm.weight": (N * H,) if flat else (H,), "k_norm.weight": (K * H,) if flat else (H,)})
+        if self.sinks:
+            shapes["sinks"] = (N,)
         return dict(sorted(shapes.items()))
 
 
@@ -319,32 +389,6 @@ def check_cache_shapes(k_shape, v_shape, starts_shape, lengths_shape, *, layout:
     return B, C
 
 
-ALIGNMENTS = ("top-left", "bottom-right")
-"""Where query t sits among the keys: a(t) = t (top-left) or t + S - T (bottom-right)."""
-
-
-def is_int(x) -> bool:
-    """A Python or NumPy integer, not a bool."""
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
-
-
-def window_sides(window) -> tuple[int | None, int | None]:
-    """window None | w | (left, right) -> (left, right), each an int >= 0 or None (unbounded).
-    Python ints: the window is the program's shape, not data (never traced)."""
-    if window is None:
-        return None, None
-    if is_int(window):
-        window = (window, window)
-    if not (isinstance(window, (tuple, list)) and len(window) == 2):
-        raise TypeError(f"window must be None, an int or a (left, right) pair, got {window!r}")
-    sides = []
-    for name, w in zip(("left", "right"), window):
-        if w is not None and (not is_int(w) or w < 0):
-            raise ValueError(f"window {name} must be a non-negative int or None, got {w!r}")
-        sides.append(None if w is None else int(w))
-    return sides[0], sides[1]
-
-
 STAGE_NAMES = ("q", "k", "v", "scores", "weights", "context", "output")
 
 
@@ -357,7 +401,8 @@ class Stages:
     (B, T, E), heads concatenated, before out_proj; output (B, T, E). The fused paths never
     build scores or weights: those are None there. q_rot (B, N, T, H) and k_rot (B, K, S, H)
     are q and k after the rotary embedding (None without RoPE); with grouped heads k and v
-    have K heads, (B, K, S, H). Arrays of the module's framework.
+    have K heads, (B, K, S, H). q_norm, k_norm: after the QK RMSNorm, before RoPE (None without
+    qk_norm); with softcap, scores are the capped ones. Arrays of the module's framework.
     """
 
     q: Any
@@ -369,3 +414,6 @@ class Stages:
     output: Any
     q_rot: Any = None
     k_rot: Any = None
+    q_norm: Any = None  # (B, N, T, H): q after its RMSNorm, before RoPE (None without qk_norm)
+    k_norm: Any = None  # (B, K, S, H)
+

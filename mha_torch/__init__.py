@@ -1,9 +1,9 @@
 """The classic multi-head attention in PyTorch. Never imports jax."""
 
-from mha_torch.attention import (MultiHeadAttention, attention_core, fused_attention_core, segment_positions,
-                                 structured_keep)
+from mha_torch.attention import (MultiHeadAttention, QKNorm, attention_core, fused_attention_core,
+                                 materialised_context, segment_positions, structured_keep)
 from mha_torch.kv_cache import KVCache
 from mha_torch.parallel import tensor_parallel_plan
 
-__all__ = ["KVCache", "MultiHeadAttention", "attention_core", "fused_attention_core", "segment_positions",
-           "structured_keep", "tensor_parallel_plan"]
+__all__ = ["KVCache", "MultiHeadAttention", "QKNorm", "attention_core", "fused_attention_core", "materialised_context",
+           "segment_positions", "structured_keep", "tensor_parallel_plan"]

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mha_spec import (ALIGNMENTS, AttentionConfig, check_cache_shapes, check_mask_values, check_positions,
-                      check_qkv_shapes, mask_shape_4d, refuse_no_new_tokens, Stages, window_sides)
+from mha_spec import (AttentionConfig, check_cache_shapes, check_mask_values, check_positions, check_qkv_shapes,
+                      mask_shape_4d, refuse_no_new_tokens, Stages, Structure)
+from mha_spec.structure import check_segment_shape
 from mha_torch.kv_cache import KVCache
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -86,14 +86,18 @@ def _core_keep(keep, B: int, N: int, T: int, S: int):
     return None if keep is None else keep.reshape(mask_shape_4d(keep.shape, B, N, T, S))
 
 
-def attention_core(q, k, v, keep, *, masked_rows: str = "nan", return_scores: bool = False):
-    """softmax(Q Kᵀ / √H) V with materialised weights.
+def attention_core(q, k, v, keep, *, masked_rows: str = "nan", return_scores: bool = False, scale=None,
+                   softcap=None, sinks=None):
+    """softmax(Q Kᵀ · scale) V with materialised weights.
 
     q (B, N, T, H), k and v (B, N, S, H), keep bool [T, S], [B, T, S] (a batch axis, as in
     the module) or (B|1, N|1, T|1, S|1), or None.
     Returns context (B, N, T, H) in q's dtype and weights (B, N, T, S) in q's dtype, and with
-    return_scores also the scaled scores (B, N, T, S), -inf where masked (a copy, only then).
+    return_scores also the scaled (and capped) scores (B, N, T, S), -inf where masked (a copy, only then).
     Scores and softmax run in float32 for 16-bit inputs (float64 stays float64).
+    scale: the logits' factor (None: 1/√H); softcap=c: scores c·tanh(s/c) before the mask; sinks (N,): a
+    logit per head joining each row's softmax, its column dropped after (then a row that keeps no key
+    gets zeros, whatever masked_rows says).
     """
     dtype = q.dtype
     B, N, T, H = q.shape
@@ -103,32 +107,55 @@ def attention_core(q, k, v, keep, *, masked_rows: str = "nan", return_scores: bo
         # Products of 16-bit numbers are exact in float32; rounding the scores to
         # 16 bits before the softmax would cost ~1e-2 relative error in the weights.
         q, k = q.float(), k.float()
-    # baddbmm applies 1/√H in the GEMM epilogue: no extra pass over (B, N, T, S).
+    # baddbmm applies the scale in the GEMM epilogue: no extra pass over (B, N, T, S).
     scores = torch.baddbmm(
         torch.empty(B * N, T, S, dtype=q.dtype, device=q.device),
         q.reshape(B * N, T, H),
         k.reshape(B * N, S, H).transpose(1, 2),
         beta=0.0,
-        alpha=1.0 / math.sqrt(H),
+        alpha=1.0 / math.sqrt(H) if scale is None else scale,
     ).view(B, N, T, S)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     if keep is not None:
         scores.masked_fill_(~keep, float("-inf"))
     returned_scores = scores.clone() if return_scores else None  # before the row fix below
-    if keep is not None:
-        row_any = keep.any(dim=-1, keepdim=True)  # (B|1, N|1, T|1, 1)
-        # A fully masked row gets all-zero scores: its softmax is finite (uniform),
-        # so no NaN reaches the backward pass; the policy then sets its value.
-        scores.masked_fill_(~row_any, 0.0)
-    weights = torch.softmax(scores, dim=-1)
-    if keep is not None:
-        weights = apply_masked_row_policy(
-            weights, row_any, masked_rows, torch.full((), 1.0 / S, dtype=weights.dtype, device=weights.device)
-        )
+    if sinks is not None:
+        weights = _softmax_with_sinks(scores, sinks)
+    else:
+        weights = _softmax_with_policy(scores, keep, masked_rows)
     weights = weights.to(dtype)
     context = torch.matmul(weights, v)  # (B, N, T, H)
     if return_scores:
         return context, weights, returned_scores
     return context, weights
+
+
+def _softmax_with_policy(scores, keep, masked_rows: str):
+    """softmax over the keys (in place on scores), a row that keeps no key set by the masked-row policy."""
+    if keep is None:
+        return torch.softmax(scores, dim=-1)
+    row_any = keep.any(dim=-1, keepdim=True)  # (B|1, N|1, T|1, 1)
+    # A fully masked row gets all-zero scores: its softmax is finite (uniform),
+    # so no NaN reaches the backward pass; the policy then sets its value.
+    scores.masked_fill_(~row_any, 0.0)
+    weights = torch.softmax(scores, dim=-1)
+    S = scores.shape[-1]
+    return apply_masked_row_policy(
+        weights, row_any, masked_rows, torch.full((), 1.0 / S, dtype=weights.dtype, device=weights.device)
+    )
+
+
+def _softmax_with_sinks(scores, sinks):
+    """softmax of scores (B, N, T, S) with each head's sink logit (N,) as an extra column, dropped after.
+
+    The sink is finite, so a row that keeps no key is all zeros (the sink takes its weight), never NaN.
+    """
+    B, N, T, S = scores.shape
+    if sinks.ndim != 1 or sinks.shape[0] != N:
+        raise ValueError(f"sinks must have shape (N,) = ({N},) (one logit per query head), got {tuple(sinks.shape)}")
+    sink = sinks.to(scores.dtype).reshape(1, N, 1, 1).expand(B, N, T, 1)  # (B, N, T, 1)
+    return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :S]
 
 
 def _has_nan(x, dim: int):
@@ -240,8 +267,11 @@ def _is_causal(keep, T: int, S: int) -> bool:
     return bool(torch.equal(a, b.expand_as(a)))
 
 
-def fused_attention_core(q, k, v, keep, *, masked_rows: str = "nan"):
+def fused_attention_core(q, k, v, keep, *, masked_rows: str = "nan", scale=None, softcap=None, sinks=None):
     """The same maths through F.scaled_dot_product_attention; never returns weights.
+
+    scale passes to SDPA (None: 1/√H). SDPA has no soft-cap and no sinks: with softcap or sinks the
+    materialised `attention_core` runs instead (`materialised_context`), and SDPA not at all.
 
     k and v may have K heads dividing q's N (query head h reads key/value head h // (N/K));
     SDPA then runs with enable_gqa=True, and only per-head flags and means are repeated.
@@ -258,13 +288,30 @@ def fused_attention_core(q, k, v, keep, *, masked_rows: str = "nan"):
     mask (there the row's masked weights are NaN too, times a zero cotangent).
     """
     keep = _core_keep(keep, q.shape[0], q.shape[1], q.shape[2], k.shape[2])  # (B|1, N|1, T|1, S|1)
-    return _fused_core(q, k, v, keep, masked_rows=masked_rows, causal=_is_causal(keep, q.shape[-2], k.shape[-2]))
+    if softcap is not None or sinks is not None:
+        return materialised_context(q, k, v, keep, masked_rows=masked_rows, scale=scale, softcap=softcap,
+                                    sinks=sinks)
+    return _fused_core(q, k, v, keep, masked_rows=masked_rows, causal=_is_causal(keep, q.shape[-2], k.shape[-2]),
+                       scale=scale)
 
 
-def _fused_core(q, k, v, keep, *, masked_rows: str, causal: bool):
+def materialised_context(q, k, v, keep, *, masked_rows: str, scale=None, softcap=None, sinks=None):
+    """`attention_core`'s context for k and v of K heads dividing q's N (the fused path's calling
+    convention): the fused path's stand-in where SDPA cannot take a feature (softcap, sinks)."""
+    group = q.shape[1] // k.shape[1]
+    if q.shape[1] != group * k.shape[1] or k.shape[1] != v.shape[1]:
+        raise ValueError(f"key/value heads must divide the query heads: q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if group > 1:  # query head h reads key/value head h // group: repeat, never tile
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, N, S, H)
+    context, _ = attention_core(q, k, v, keep, masked_rows=masked_rows, scale=scale, softcap=softcap, sinks=sinks)
+    return context  # (B, N, T, H)
+
+
+def _fused_core(q, k, v, keep, *, masked_rows: str, causal: bool, scale=None):
     """`fused_attention_core` once it is known whether the mask is the causal triangle tril(ones(T, S)):
     causal=True runs SDPA's is_causal (keep may then be None: it is not read)."""
-    scale = 1.0 / math.sqrt(q.shape[-1])
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     group = q.shape[1] // k.shape[1]
     if q.shape[1] != group * k.shape[1] or k.shape[1] != v.shape[1]:
         raise ValueError(f"key/value heads must divide the query heads: q {tuple(q.shape)}, "
@@ -332,70 +379,32 @@ def rotate(x, pos, theta: float, convention: str):
     return out.to(x.dtype)
 
 
-def _check_segment_ids(x, name: str, batch: int | None, length: int | None, axis: str) -> torch.Tensor:
-    """Integer segment ids of shape (B, L) (None: any size there): TypeError/ValueError naming them.
-    Only the shape and dtype are read, never the values."""
+def _integer_tensor(x, name: str) -> torch.Tensor:
+    """Segment ids as `Structure.of` checks them in torch: a tensor of integers (TypeError naming it)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of integers, got {type(x).__name__}")
     if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
         raise TypeError(f"{name} must be integers, got dtype {x.dtype}")
-    if x.ndim != 2 or any(want is not None and got != want for got, want in zip(x.shape, (batch, length))):
-        want = ", ".join(f"{n}={v}" if v is not None else n for n, v in (("B", batch), (axis, length)))
-        raise ValueError(f"{name} must have shape (B, {axis}) with {want}, got {tuple(x.shape)}")
     return x
 
 
-class _Structure(NamedTuple):
-    is_causal: bool
-    left: int | None  # window sides, None: unbounded
-    right: int | None
-    offset: int  # a(t) = t + offset: 0 (top-left) or S - T (bottom-right)
-    q_seg: torch.Tensor | None  # (B, T)
-    k_seg: torch.Tensor | None  # (B, S)
-
-    @property
-    def plain_causal(self) -> bool:
-        """Exactly tril(ones(T, S)): SDPA's is_causal (top-left)."""
-        return self.is_causal and self.left is None and self.right is None and self.q_seg is None and self.offset == 0
+def _structure(T: int, S: int, batch: int | None, **keywords) -> Structure:
+    """The structured keywords checked (`mha_spec.Structure.of`). Nothing but shapes and dtypes is read,
+    so it runs under torch.compile with no graph break."""
+    return Structure.of(T, S, batch=batch, ids=_integer_tensor, **keywords)
 
 
-def _check_structure(T: int, S: int, is_causal, window, segment_ids, key_segment_ids, alignment,
-                     batch: int | None) -> _Structure:
-    """The structured keywords checked (TypeError/ValueError naming them). Nothing but shapes and
-    dtypes is read, so it runs under torch.compile with no graph break."""
-    if not isinstance(is_causal, bool):
-        raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
-    if not isinstance(alignment, str) or alignment not in ALIGNMENTS:
-        raise ValueError(f"alignment={alignment!r} is not one of {ALIGNMENTS}")
-    left, right = window_sides(window)
-    if segment_ids is None and key_segment_ids is not None:
-        raise ValueError("key_segment_ids without segment_ids: pass the queries' segment ids too")
-    q_seg = k_seg = None
-    if segment_ids is not None:
-        q_seg = _check_segment_ids(segment_ids, "segment_ids", batch, T, "T")
-        if key_segment_ids is None:
-            if T != S:
-                raise ValueError(f"segment_ids {tuple(q_seg.shape)} with T={T} != S={S}: "
-                                 f"pass key_segment_ids (B, S) too")
-            k_seg = q_seg
-        else:
-            k_seg = _check_segment_ids(key_segment_ids, "key_segment_ids", q_seg.shape[0], S, "S")
-    return _Structure(is_causal, left, right, S - T if alignment == "bottom-right" else 0, q_seg, k_seg)
-
-
-def _build_keep(T: int, S: int, structure: _Structure, device):
-    """bool (B|1, 1, T, S) from `_check_structure`'s result, or None when it asks for nothing."""
-    is_causal, left, right, offset, q_seg, k_seg = structure
+def _build_keep(structure: Structure, device):
+    """bool (B|1, 1, T, S) of a `mha_spec.Structure`, or None when it asks for nothing."""
     keep = None
-    a = torch.arange(T, device=device)[:, None] + offset  # (T, 1): the key position query t sits at
-    s = torch.arange(S, device=device)[None, :]  # (1, S)
-    for rule, on in ((lambda: s <= a, is_causal), (lambda: s >= a - left, left is not None),
-                     (lambda: s <= a + right, right is not None)):
-        if on:
-            keep = rule() if keep is None else keep & rule()
-    keep = None if keep is None else keep[None, None]  # (1, 1, T, S)
-    if q_seg is not None:
-        same = q_seg.to(device)[:, None, :, None] == k_seg.to(device)[:, None, None, :]  # (B, 1, T, S)
+    band = structure.band()
+    if band is not None:
+        (lo, hi), T, S = band, structure.T, structure.S
+        d = torch.arange(S, device=device)[None, :] - torch.arange(T, device=device)[:, None]  # (T, S): s - t
+        keep = (d <= hi if lo is None else d >= lo if hi is None else (d >= lo) & (d <= hi))[None, None]  # (1, 1, T, S)
+    if structure.segment_ids is not None:
+        q_seg, k_seg = structure.segment_ids.to(device), structure.key_segment_ids.to(device)
+        same = q_seg[:, None, :, None] == k_seg[:, None, None, :]  # (B, 1, T, S)
         keep = same if keep is None else keep & same
     return keep
 
@@ -409,17 +418,19 @@ def structured_keep(T: int, S: int, *, is_causal: bool = False, window=None, seg
     is_causal keeps s <= a(t); window (left, right) keeps a(t) - left <= s <= a(t) + right (an
     int w is (w, w), a side of None is unbounded); segment_ids (B, T) and key_segment_ids (B, S)
     keep equal ids (key_segment_ids defaults to segment_ids when T = S)."""
-    structure = _check_structure(T, S, is_causal, window, segment_ids, key_segment_ids, alignment, None)
+    structure = _structure(T, S, None, is_causal=is_causal, window=window, segment_ids=segment_ids,
+                           key_segment_ids=key_segment_ids, alignment=alignment)
     if device is None:
         device = segment_ids.device if segment_ids is not None else torch.device("cpu")
-    return _build_keep(T, S, structure, device)
+    return _build_keep(structure, device)
 
 
 def segment_positions(segment_ids: torch.Tensor) -> torch.Tensor:
     """(B, L) int64 positions that restart at 0 with each document (a run of equal ids), as
     `parity.reference.segment_positions`: a token's index minus where its run began (the
     cumulative max of the run starts' indices). For RoPE's positions= on packed rows."""
-    seg = _check_segment_ids(segment_ids, "segment_ids", None, None, "L")
+    seg = _integer_tensor(segment_ids, "segment_ids")
+    check_segment_shape(seg.shape, "segment_ids", None, None, "L")
     B, L = seg.shape
     idx = torch.arange(L, device=seg.device).expand(B, L)  # (B, L)
     prev = torch.cat([seg[:, :1], seg[:, :-1]], dim=1)  # (B, L): the previous token's id (itself at 0)
@@ -428,14 +439,26 @@ def segment_positions(segment_ids: torch.Tensor) -> torch.Tensor:
     return idx - first
 
 
-def _refuse_structure_with_cache(is_causal, window, segment_ids, key_segment_ids, alignment) -> None:
-    given = [name for name, asked in (("is_causal", is_causal is not False), ("window", window is not None),
-                                      ("segment_ids", segment_ids is not None),
-                                      ("key_segment_ids", key_segment_ids is not None),
-                                      ("alignment", alignment != "top-left")) if asked]
-    if given:
-        raise ValueError(f"{', '.join(given)} with a cache: the cache's keep-mask "
-                         "(starts[b] <= s <= lengths[b] + i) is the mask")
+class QKNorm(nn.Module):
+    """The RMSNorm of q or k before RoPE: x / sqrt(mean(x²) + eps) · (offset + weight) over x's last axis.
+
+    Computed in float32 at least (float64 stays float64), returned in x's dtype. weight (width,) starts
+    at 1 - offset, so that offset + weight = 1.
+    """
+
+    def __init__(self, width: int, eps: float, offset: float, *, dtype=None, device=None):
+        super().__init__()
+        self.eps, self.offset = eps, offset
+        self.weight = nn.Parameter(torch.full((width,), 1.0 - offset, dtype=dtype, device=device))
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}, offset={self.offset}"
+
+    def forward(self, x):
+        at = torch.promote_types(x.dtype, torch.float32)
+        xf = x.to(at)
+        rms = torch.sqrt(xf.square().mean(dim=-1, keepdim=True) + self.eps)
+        return (xf / rms * (self.offset + self.weight.to(at))).to(x.dtype)
 
 
 class MultiHeadAttention(nn.Module):
@@ -479,15 +502,31 @@ class MultiHeadAttention(nn.Module):
     T = 0 new tokens with a cache is a ValueError (nothing to write or attend).
     Stages with a cache: q, k, v, q_rot, k_rot are the NEW tokens' ((B, N, T, H) and
     (B, K, T, H)), scores and weights are over the cache's C slots (B, N, T, C).
+
+    The layers after Llama (`mha_spec.AttentionConfig`, docs/semantics.md): head_dim=H (q_proj
+    Linear(E, N·H), k/v Linear(E, K·H), out_proj Linear(N·H, E)); qk_norm "head" | "flat" (submodules
+    q_norm, k_norm (`QKNorm`, weights (H,) or (N·H,)/(K·H,)), with qk_norm_eps, qk_norm_offset) on the
+    projections before RoPE, "head" after the head split, "flat" before it; scale (default 1/√H);
+    softcap=c (scores c·tanh(s/c) before the mask); sinks=True (Parameter sinks (N,), zeros: each row's
+    softmax also holds its head's sink, a row that keeps no key then gets zero weights, whatever
+    masked_rows says). Stages q_norm and k_norm (after the norm, before RoPE; None without qk_norm).
+    Which kernel runs: need_weights=True is `attention_core` always; need_weights=False is SDPA (with
+    scale=) unless the layer has softcap or sinks, which SDPA cannot take: then the fused path runs the
+    materialised `attention_core` (no SDPA call, same results as need_weights=True). The cache path
+    picks the same way.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, *, num_kv_heads: int | None = None,
-                 qkv_bias: bool = True, out_bias: bool = True, rope: str | None = None,
-                 rope_theta: float = 10000.0, masked_rows: str = "nan", dtype=None, device=None):
+                 head_dim: int | None = None, qkv_bias: bool = True, out_bias: bool = True,
+                 rope: str | None = None, rope_theta: float = 10000.0, masked_rows: str = "nan",
+                 qk_norm: str | None = None, qk_norm_eps: float = 1e-6, qk_norm_offset: float = 0.0,
+                 scale: float | None = None, softcap: float | None = None, sinks: bool = False,
+                 dtype=None, device=None):
         super().__init__()
-        self.config = AttentionConfig(embed_dim, num_heads, num_kv_heads=num_kv_heads, qkv_bias=qkv_bias,
-                                      out_bias=out_bias, rope=rope, rope_theta=rope_theta,
-                                      masked_rows=masked_rows)
+        self.config = AttentionConfig(embed_dim, num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                      qkv_bias=qkv_bias, out_bias=out_bias, rope=rope, rope_theta=rope_theta,
+                                      masked_rows=masked_rows, qk_norm=qk_norm, qk_norm_eps=qk_norm_eps,
+                                      qk_norm_offset=qk_norm_offset, scale=scale, softcap=softcap, sinks=sinks)
         self.head_dim = self.config.head_size
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise TypeError(f"dtype must be a floating torch.dtype (or None), got {dtype!r}")
@@ -496,11 +535,19 @@ class MultiHeadAttention(nn.Module):
         self.masked_rows = masked_rows
         factory = {"dtype": dtype, "device": device}
         self.num_kv_heads = self.config.kv_heads
-        kv_width = self.num_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(embed_dim, embed_dim, bias=qkv_bias, **factory)
+        q_width, kv_width = num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(embed_dim, q_width, bias=qkv_bias, **factory)
         self.k_proj = nn.Linear(embed_dim, kv_width, bias=qkv_bias, **factory)
         self.v_proj = nn.Linear(embed_dim, kv_width, bias=qkv_bias, **factory)
-        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=out_bias, **factory)
+        self.out_proj = nn.Linear(q_width, embed_dim, bias=out_bias, **factory)
+        # Created after the projections: their random init draws what it always drew.
+        if qk_norm is not None:
+            flat = qk_norm == "flat"
+            norm = {"eps": qk_norm_eps, "offset": qk_norm_offset, **factory}
+            self.q_norm = QKNorm(q_width if flat else self.head_dim, **norm)
+            self.k_norm = QKNorm(kv_width if flat else self.head_dim, **norm)
+        if sinks:
+            self.sinks = nn.Parameter(torch.zeros(num_heads, **factory))  # (N,)
 
     def extra_repr(self) -> str:
         c = self.config
@@ -511,6 +558,13 @@ class MultiHeadAttention(nn.Module):
             extra += ", out_bias=False"
         if c.rope is not None:
             extra += f", rope={c.rope!r}, rope_theta={c.rope_theta}"
+        if c.head_dim is not None:
+            extra += f", head_dim={c.head_dim}"
+        for name in ("qk_norm", "scale", "softcap"):
+            if getattr(c, name) is not None:
+                extra += f", {name}={getattr(c, name)!r}"
+        if c.sinks:
+            extra += ", sinks=True"
         return f"embed_dim={self.embed_dim}, num_heads={self.num_heads}{extra}, masked_rows={self.masked_rows!r}"
 
     def _split_heads(self, x):
@@ -518,6 +572,23 @@ class MultiHeadAttention(nn.Module):
         # (ColwiseParallel projections) each rank holds only its share of the heads.
         B, L, width = x.shape
         return x.view(B, L, width // self.head_dim, self.head_dim).transpose(1, 2)  # (B, N, L, H)
+
+    def project(self, query, key, value):
+        """The projections split into heads, and q and k after the QK-norm (None without one):
+        (q (B, N, T, H), k (B, K, S, H), v (B, K, S, H), q normed, k normed)."""
+        q, k, v = self.q_proj(query), self.k_proj(key), self.v_proj(value)  # (B, L, n·H)
+        norm = self.config.qk_norm
+        if norm == "flat":  # over each token's whole projection, before the head split
+            return tuple(self._split_heads(x) for x in (q, k, v, self.q_norm(q), self.k_norm(k)))
+        q, k, v = (self._split_heads(x) for x in (q, k, v))
+        if norm is None:
+            return q, k, v, None, None
+        return q, k, v, self.q_norm(q), self.k_norm(k)
+
+    def core_options(self) -> dict:
+        """The attention cores' layer keywords: scale, softcap, sinks (the Parameter, or None)."""
+        c = self.config
+        return {"scale": c.scale, "softcap": c.softcap, "sinks": self.sinks if c.sinks else None}
 
     def _check_inputs(self, query, key, value):
         for name, x in (("query", query), ("key", key), ("value", value)):
@@ -545,7 +616,8 @@ class MultiHeadAttention(nn.Module):
                 is_causal: bool = False, window=None, segment_ids=None, key_segment_ids=None,
                 alignment: str = "top-left"):
         if cache is not None:
-            _refuse_structure_with_cache(is_causal, window, segment_ids, key_segment_ids, alignment)
+            Structure.refuse_with_cache(is_causal=is_causal, window=window, segment_ids=segment_ids,
+                                        key_segment_ids=key_segment_ids, alignment=alignment)
             return self._forward_cached(query, key, value, cache, mask=mask, need_weights=need_weights,
                                         positions=positions, key_positions=key_positions,
                                         return_intermediates=return_intermediates)
@@ -554,19 +626,20 @@ class MultiHeadAttention(nn.Module):
         if rope is None and (positions is not None or key_positions is not None):
             raise ValueError("positions/key_positions are given but rope=None: they would be ignored")
         keep = None if mask is None else keep_mask_4d(mask, B, self.num_heads, T, S)
-        structure = _check_structure(T, S, is_causal, window, segment_ids, key_segment_ids, alignment, B)
+        structure = _structure(T, S, B, is_causal=is_causal, window=window, segment_ids=segment_ids,
+                               key_segment_ids=key_segment_ids, alignment=alignment)
         # is_causal alone, top-left (the same as bottom-right when T = S), no mask: SDPA's own
         # is_causal on the fused path, without building or comparing a (T, S) triangle.
-        causal = not need_weights and mask is None and structure.plain_causal
+        options = self.core_options()
+        materialised = options["softcap"] is not None or options["sinks"] is not None  # SDPA cannot take them
+        causal = not need_weights and mask is None and structure.plain_causal and not materialised
         if not causal:
-            built = _build_keep(T, S, structure, query.device)  # (B|1, 1, T, S) | None
+            built = _build_keep(structure, query.device)  # (B|1, 1, T, S) | None
             if built is not None:
                 keep = built if keep is None else keep & built  # (B|1, N|1, T, S)
 
-        q_in = self._split_heads(self.q_proj(query))  # (B, N, T, H)
-        k_in = self._split_heads(self.k_proj(key))  # (B, K, S, H)
-        v_in = self._split_heads(self.v_proj(value))  # (B, K, S, H)
-        q, k, v = q_in, k_in, v_in
+        q_in, k_in, v_in, q_norm, k_norm = self.project(query, key, value)  # (B, N, T, H), (B, K, S, H) x2, ...
+        q, k, v = (q_in if q_norm is None else q_norm), (k_in if k_norm is None else k_norm), v_in
         if rope is not None:
             theta = self.config.rope_theta
             q = rotate(q, positions_4d(positions, B, T, "positions", q.device), theta, rope)
@@ -579,18 +652,21 @@ class MultiHeadAttention(nn.Module):
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         scores = None
         if need_weights and return_intermediates:
-            context, weights, scores = attention_core(q, k, v, keep, masked_rows=self.masked_rows, return_scores=True)
+            context, weights, scores = attention_core(q, k, v, keep, masked_rows=self.masked_rows, return_scores=True,
+                                                      **options)
         elif need_weights:
-            context, weights = attention_core(q, k, v, keep, masked_rows=self.masked_rows)
+            context, weights = attention_core(q, k, v, keep, masked_rows=self.masked_rows, **options)
         elif causal:
-            context, weights = _fused_core(q, k, v, None, masked_rows=self.masked_rows, causal=True), None
+            context, weights = _fused_core(q, k, v, None, masked_rows=self.masked_rows, causal=True,
+                                           scale=options["scale"]), None
         else:
-            context, weights = fused_attention_core(q, k, v, keep, masked_rows=self.masked_rows), None
+            context, weights = fused_attention_core(q, k, v, keep, masked_rows=self.masked_rows, **options), None
         # (B, T, E), or this rank's N·H columns under tensor parallelism; no -1 (T or B may be 0).
         context = context.transpose(1, 2).reshape(B, T, context.shape[1] * self.head_dim)
         output = self.out_proj(context)
         if return_intermediates:
-            return output, weights, Stages(q_in, k_in, v_in, scores, weights, context, output, q_rot, k_rot)
+            return output, weights, Stages(q_in, k_in, v_in, scores, weights, context, output, q_rot, k_rot,
+                                            q_norm, k_norm)
         return output, weights
 
     def _check_cache(self, cache, B: int, T: int, S: int, mask, key_positions) -> None:
@@ -622,13 +698,11 @@ class MultiHeadAttention(nn.Module):
         if rope is None and positions is not None:
             raise ValueError("positions are given but rope=None: they would be ignored")
 
-        q_in = self._split_heads(self.q_proj(query))  # (B, N, T, H)
-        k_in = self._split_heads(self.k_proj(key))  # (B, K, T, H)
-        v_in = self._split_heads(self.v_proj(value))  # (B, K, T, H)
+        q_in, k_in, v_in, q_norm, k_norm = self.project(query, key, value)  # (B, N, T, H), (B, K, T, H) x2, ...
         # K from the projection's width, not num_kv_heads: a tensor-parallel rank holds its share.
         check_cache_shapes(cache.k.shape, cache.v.shape, cache.starts.shape, cache.lengths.shape, layout="BKCH",
                            kv_heads=k_in.shape[1], head_dim=self.head_dim)
-        q, k = q_in, k_in
+        q, k = (q_in if q_norm is None else q_norm), (k_in if k_norm is None else k_norm)
         if rope is not None:
             theta = self.config.rope_theta
             pos = cache.positions(T) if positions is None else positions  # (B, T) | (T,)
@@ -643,17 +717,18 @@ class MultiHeadAttention(nn.Module):
         if group > 1 and need_weights:
             # Query head h uses key/value head h // group; the fused path passes the K heads (enable_gqa).
             k_all, v_all = k_all.repeat_interleave(group, dim=1), v_all.repeat_interleave(group, dim=1)  # (B, N, C, H)
-        scores = None
+        scores, options = None, self.core_options()
         if need_weights and return_intermediates:
             context, weights, scores = attention_core(q, k_all, v_all, keep, masked_rows=self.masked_rows,
-                                                      return_scores=True)
+                                                      return_scores=True, **options)
         elif need_weights:
-            context, weights = attention_core(q, k_all, v_all, keep, masked_rows=self.masked_rows)
+            context, weights = attention_core(q, k_all, v_all, keep, masked_rows=self.masked_rows, **options)
         else:
-            context, weights = fused_attention_core(q, k_all, v_all, keep, masked_rows=self.masked_rows), None
+            context, weights = fused_attention_core(q, k_all, v_all, keep, masked_rows=self.masked_rows,
+                                                    **options), None
         context = context.transpose(1, 2).reshape(B, T, context.shape[1] * self.head_dim)  # (B, T, N·H)
         output = self.out_proj(context)
         if return_intermediates:
-            stages = Stages(q_in, k_in, v_in, scores, weights, context, output, q_rot, k_rot)
+            stages = Stages(q_in, k_in, v_in, scores, weights, context, output, q_rot, k_rot, q_norm, k_norm)
             return output, weights, new_cache, stages
         return output, weights, new_cache

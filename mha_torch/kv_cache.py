@@ -4,7 +4,8 @@ Semantics (docs/semantics.md, "Decoding with a KV cache"), the same in `mha_jax.
 row b's valid slots are starts[b] <= s < lengths[b]; slots before starts[b] are left padding,
 slots from lengths[b] on are empty. T new tokens of row b go to slots lengths[b] .. lengths[b]+T-1;
 new token i attends the slots starts[b] <= s <= lengths[b] + i; the token in slot s has the RoPE
-position s - starts[b]. Keys are stored after RoPE, with the layer's K key/value heads.
+position s - starts[b]. Keys are stored after the QK-norm (if the layer has one) and RoPE, with the
+layer's K key/value heads.
 
 Shapes (legend in `mha_spec`): B batch, K key/value heads, C capacity (slots), H head dim,
 T new tokens.
@@ -49,14 +50,14 @@ class KVCache:
     """k, v (B, K, C, H) (HF's DynamicCache layout), starts and lengths (B,) int64.
 
     Immutable: `write` returns a new cache, so a step is a pure function of (cache, tokens) and a
-    prefill can be continued twice (or in the other framework, `parity.kv_cache`).
+    prefill can be continued twice (or in the other framework, `parity.cache_transfer`).
 
     The constructor checks the types, the shapes and the values: starts and lengths in [0, C]
     (a ValueError naming the field and its values; not while torch.compile traces, where there are
     no values). starts[b] > lengths[b] is allowed: row b's left padding is not all written yet.
     """
 
-    k: torch.Tensor  # (B, K, C, H), after RoPE
+    k: torch.Tensor  # (B, K, C, H), after the QK-norm and RoPE
     v: torch.Tensor  # (B, K, C, H)
     starts: torch.Tensor  # (B,) int64: left-padding slots of each row
     lengths: torch.Tensor  # (B,) int64: slots written in each row (padding included)

@@ -21,7 +21,11 @@
 
 Grouped key/value heads, RoPE and bias-free projections are the module's own
 (`num_kv_heads`, `rope`, `qkv_bias`, `out_bias`); positions and masks are always given for
-the whole problem, as to the one-device module.
+the whole problem, as to the one-device module. head_dim, scale and softcap run under every
+sharding. qk_norm and sinks run under sequence and data parallelism (their parameters are
+replicated there, like the projections'); tensor parallelism refuses them with a ValueError:
+a "flat" norm needs the whole projection, and the replicated "head" norm weights and the sinks
+would get only this rank's heads' share of their gradients.
 
 Gradients are torch autograd through these collectives. Sizes that do not split evenly
 are a ValueError (nothing is padded); a process group that is not initialised is a
@@ -69,8 +73,18 @@ def tensor_parallel_plan() -> dict:
     return {"q_proj": ColwiseParallel(), "k_proj": ColwiseParallel(), "v_proj": ColwiseParallel(), "out_proj": RowwiseParallel()}
 
 
+def _refuse_under_tp(module) -> None:
+    """ValueError for the layer features tensor parallelism does not shard (see the module docstring)."""
+    c = module.config
+    if c.qk_norm is not None or c.sinks:
+        raise ValueError(f"tensor parallel (heads) does not run qk_norm={c.qk_norm!r}, sinks={c.sinks!r}: a 'flat' "
+                         f"norm needs the whole projection, and replicated norm weights and sinks would get only "
+                         f"this rank's share of their gradients; use sequence or data parallelism")
+
+
 def parallelize_heads(module, mesh):
     """parallelize_module(module, mesh, tensor_parallel_plan()) after checking that N and K split over the mesh."""
+    _refuse_under_tp(module)
     _require_group()
     if mesh.ndim != 1:
         raise ValueError(f"tensor parallel wants a 1-D device mesh, got mesh shape {tuple(mesh.shape)}")
@@ -99,9 +113,11 @@ def tp_forward(module, query, key, value, mask=None, need_weights: bool = False,
     `parallelize_heads` (its q/k/v projections return this rank's N/tp query heads and K/tp
     key/value heads). Returns (output [B, T, E], this rank's weights [B, N/tp, T, S] or None).
     """
+    _refuse_under_tp(module)
     B, T, S = check_qkv_shapes(query.shape, key.shape, value.shape, module.embed_dim)
     _check_positions_used(module, positions, key_positions)
     keep = None if mask is None else keep_mask_4d(mask, B, module.num_heads, T, S)
+    options = module.core_options()  # scale and softcap; no sinks (refused above)
     q = _rotated(module, module._split_heads(module.q_proj(query)), positions, B, T, 0, "positions")  # (B, N/tp, T, H)
     k = _rotated(module, module._split_heads(module.k_proj(key)), key_positions, B, S, 0, "key_positions")  # (B, K/tp, S, H)
     v = module._split_heads(module.v_proj(value))  # (B, K/tp, S, H)
@@ -111,9 +127,9 @@ def tp_forward(module, query, key, value, mask=None, need_weights: bool = False,
     if need_weights:
         group = q.shape[1] // k.shape[1]  # query head h reads key/value head h // group: repeat, never tile
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        context, weights = attention_core(q, k, v, keep, masked_rows=module.masked_rows)
+        context, weights = attention_core(q, k, v, keep, masked_rows=module.masked_rows, **options)
     else:
-        context, weights = fused_attention_core(q, k, v, keep, masked_rows=module.masked_rows), None
+        context, weights = fused_attention_core(q, k, v, keep, masked_rows=module.masked_rows, **options), None
     context = context.transpose(1, 2).reshape(B, T, -1)  # (B, T, N·H/tp)
     return module.out_proj(context), weights
 
@@ -202,13 +218,16 @@ def _online_step(carry, s, vj, dtype):
     return rescale * ctx + pv, new_max, rescale * run_sum + p.sum(dim=-1, keepdim=True)
 
 
-def ring_attention(q, k, v, keep=None, *, group=None, masked_rows: str = "nan", S_total: int):
+def ring_attention(q, k, v, keep=None, *, group=None, masked_rows: str = "nan", S_total: int, scale=None,
+                   softcap=None, sinks=None):
     """This rank's query block against every key block of the ring.
 
     q (B, N, T/n, H), k and v (B, K, S/n, H) with K dividing N: this rank's blocks (already
     rotated, for RoPE); keep bool (B|1, N|1, T/n, S): this rank's query rows, every key
     column. Returns the context (B, N, T/n, H). Whether a row is empty comes from its whole
     keep-mask row, never from one block (a row may be empty within a block and not overall).
+    scale (None: 1/√H), softcap and sinks (N,) as `attention_core`'s: the sink starts the running max
+    and sum (its column is in every row's denominator), and a row that keeps no key is then zeros.
     """
     me, n = _require_group(group)
     dtype = q.dtype
@@ -219,13 +238,15 @@ def ring_attention(q, k, v, keep=None, *, group=None, masked_rows: str = "nan", 
         raise ValueError(f"key/value heads must divide the query heads and key and value must have one shape: "
                          f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} (B, heads, L, H)")
     G = N // K
-    scale = 1.0 / math.sqrt(H)
+    scale = 1.0 / math.sqrt(H) if scale is None else scale
     q_grouped = q.to(acc).reshape(B, K, G * Tb, H)  # query head j·G + g reads key/value head j
-    carry = (q.new_zeros((B, N, Tb, H), dtype=acc), q.new_full((B, N, Tb, 1), -math.inf, dtype=acc), q.new_zeros((B, N, Tb, 1), dtype=acc))
+    carry = _ring_start(q, sinks, acc)
     kv = torch.stack((k, v))  # (2, B, K, S/n, H): one message per step
     for i in range(n):
         src = (me - i) % n  # the block this rank holds at step i
         s = (torch.matmul(q_grouped, kv[0].to(acc).transpose(-1, -2)) * scale).reshape(B, N, Tb, Sb)  # (B, N, T/n, S/n)
+        if softcap is not None:
+            s = softcap * torch.tanh(s / softcap)
         if keep is not None:
             s = s.masked_fill(~keep.narrow(-1, key_block_start(src, n, Sb), Sb), -math.inf)
         carry = _online_step(carry, s, kv[1], dtype)
@@ -233,7 +254,7 @@ def ring_attention(q, k, v, keep=None, *, group=None, masked_rows: str = "nan", 
             kv = _RingShift.apply(kv, group)
     ctx, _, run_sum = carry
     ctx = ctx / torch.where(run_sum > 0, run_sum, 1.0)
-    if keep is not None:
+    if keep is not None and sinks is None:  # with sinks an empty row is zeros: the sink took its weight
         row_any = keep.any(dim=-1, keepdim=True)  # (B|1, N|1, T/n, 1): the whole row
         mean_v = None
         if masked_rows != "zero":
@@ -243,6 +264,19 @@ def ring_attention(q, k, v, keep=None, *, group=None, masked_rows: str = "nan", 
             mean_v = total.repeat_interleave(G, dim=1) if G > 1 else total  # (B, N, 1, H)
         ctx = apply_masked_row_policy(ctx, row_any, masked_rows, mean_v)
     return ctx.to(dtype)
+
+
+def _ring_start(q, sinks, acc):
+    """The online softmax's carry before any key block: (context, running max, running sum), (B, N, T/n, H),
+    (B, N, T/n, 1) x2; with sinks (N,) the sink's own column, exp(sink - sink) = 1 at max = sink."""
+    B, N, Tb, H = q.shape
+    ctx = q.new_zeros((B, N, Tb, H), dtype=acc)
+    if sinks is None:
+        return ctx, q.new_full((B, N, Tb, 1), -math.inf, dtype=acc), q.new_zeros((B, N, Tb, 1), dtype=acc)
+    if sinks.ndim != 1 or sinks.shape[0] != N:
+        raise ValueError(f"sinks must have shape (N,) = ({N},) (one logit per query head), got {tuple(sinks.shape)}")
+    sink = sinks.to(acc).reshape(1, N, 1, 1).expand(B, N, Tb, 1)  # (B, N, T/n, 1)
+    return ctx, sink, torch.ones_like(sink)
 
 
 def _local_rows(mask, B: int, N: int, T: int, S: int, start: int, length: int, batch: bool):
@@ -270,10 +304,11 @@ def sequence_parallel_forward(module, query, key, value, mask=None, *, positions
     _check_positions_used(module, positions, key_positions)
     T, S = Tb * n, Sb * n
     keep = _local_rows(mask, B, module.num_heads, T, S, me * Tb, Tb, batch=False)
-    q = _rotated(module, module._split_heads(module.q_proj(query)), positions, B, T, me * Tb, "positions")  # (B, N, T/n, H)
-    k = _rotated(module, module._split_heads(module.k_proj(key)), key_positions, B, S, me * Sb, "key_positions")  # (B, K, S/n, H)
-    v = module._split_heads(module.v_proj(value))  # (B, K, S/n, H)
-    context = ring_attention(q, k, v, keep, group=group, masked_rows=module.masked_rows, S_total=S)
+    q, k, v, q_norm, k_norm = module.project(query, key, value)  # (B, N, T/n, H), (B, K, S/n, H) x2, ...
+    q = _rotated(module, q if q_norm is None else q_norm, positions, B, T, me * Tb, "positions")  # (B, N, T/n, H)
+    k = _rotated(module, k if k_norm is None else k_norm, key_positions, B, S, me * Sb, "key_positions")  # (B, K, S/n, H)
+    context = ring_attention(q, k, v, keep, group=group, masked_rows=module.masked_rows, S_total=S,
+                             **module.core_options())
     return module.out_proj(context.transpose(1, 2).reshape(B, Tb, -1))  # (B, T/n, E)
 
 

@@ -16,9 +16,12 @@ from collections.abc import Mapping
 import ml_dtypes
 import numpy as np
 
-from mha_spec import PROJECTIONS
+from mha_spec import PROJECTIONS, is_int
 
 CANONICAL_KEYS = tuple(f"{p}.{w}" for p in PROJECTIONS for w in ("weight", "bias"))
+# The tensors of the layers after Llama (`mha_spec.AttentionConfig`: qk_norm, sinks), after the projections'.
+LAYER_KEYS = ("q_norm.weight", "k_norm.weight", "sinks")
+PARAMETER_KEYS = CANONICAL_KEYS + LAYER_KEYS
 SUPPORTED_DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32), np.dtype(np.float64))
 
 
@@ -150,10 +153,17 @@ def bias_flags(keys) -> tuple[bool, bool]:
     return _BIAS_SETS[biases]
 
 
-def check_variant_state_dict(sd, num_heads: int, num_kv_heads=None):
+LAYER_FIELDS = ("qk_norm", "qk_norm_eps", "qk_norm_offset", "scale", "softcap")
+"""The `mha_spec.AttentionConfig` fields a state dict's tensors cannot say (head_dim and sinks they can)."""
+
+
+def check_variant_state_dict(sd, num_heads: int, num_kv_heads=None, **layer):
     """Validate a canonical state dict of any supported layer; return (AttentionConfig, dtype).
 
-    The keys say which biases exist (`bias_flags`); k/v weights are (K*H, E).
+    The keys say which biases exist (`bias_flags`) and whether the layer has sinks ("sinks" (N,)); k/v
+    weights are (K*H, E); q_proj's rows say H (N*H rows: a head dim other than E/N is the config's
+    head_dim). layer: the `mha_spec.AttentionConfig` fields the tensors cannot say (qk_norm, qk_norm_eps,
+    qk_norm_offset, scale, softcap); q_norm/k_norm weights need qk_norm.
     """
     from mha_spec import AttentionConfig
 
@@ -164,7 +174,14 @@ def check_variant_state_dict(sd, num_heads: int, num_kv_heads=None):
     if not isinstance(w, np.ndarray) or w.ndim != 2:
         raise ValueError(f"q_proj.weight must be a 2-D numpy array (N*H, E), got "
                          f"{getattr(w, 'shape', type(w).__name__)}")
-    cfg = AttentionConfig(w.shape[1], num_heads, num_kv_heads=num_kv_heads, qkv_bias=qkv_bias, out_bias=out_bias)
+    unknown = sorted(set(layer) - set(LAYER_FIELDS))
+    if unknown:
+        raise TypeError(f"unexpected layer keywords {unknown}; the tensors say the rest (known: {list(LAYER_FIELDS)})")
+    head_dim = None
+    if is_int(num_heads) and num_heads > 0 and w.shape[0] != w.shape[1] and w.shape[0] % num_heads == 0:
+        head_dim = w.shape[0] // num_heads  # N*H rows, not E: a head dim of its own
+    cfg = AttentionConfig(w.shape[1], num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, qkv_bias=qkv_bias,
+                          out_bias=out_bias, sinks="sinks" in sd, **layer)
     expected = cfg.weight_shapes()
     check_keys(sd.keys(), expected, "state dict")
     for name, shape in sorted(expected.items(), key=lambda item: item[0].endswith(".bias")):  # weights first

@@ -60,34 +60,59 @@ def positive_ints(text: str) -> tuple[int, ...]:
     return vals
 
 
-# --layer's keys: E, N, K (key/value heads), rope (none | half | interleaved), theta, bias (all | none | qkv | out:
-# which projections have one).
+# --layer's keys: E, N, K (key/value heads), H (a head dim of its own), rope (none | half | interleaved),
+# theta, bias (all | none | qkv | out: which projections have one), and the layers after Llama: qk_norm
+# (none | head | flat) with qk_norm_eps and qk_norm_offset, scale, softcap, sinks (yes | no).
 _LAYER_BIASES = {"all": (True, True), "none": (False, False), "qkv": (True, False), "out": (False, True)}
+_LAYER_KEYS = ("E", "N", "K", "H", "rope", "theta", "bias", "qk_norm", "qk_norm_eps", "qk_norm_offset", "scale",
+               "softcap", "sinks")
+_SINKS = {"yes": True, "no": False}
 
 
-def parse_layer(text: str):
-    """An argparse `type`: 'E=64,N=4,K=2,rope=half,theta=500,bias=none' -> mha_spec.AttentionConfig.
-
-    E and N are required; K defaults to N, rope to none, theta to 10000 (only with rope=), bias to all.
-    A key the layer would ignore (theta= without rope=) is an error, not dropped."""
-    from mha_spec import ROPE_CONVENTIONS, AttentionConfig
-
+def _layer_fields(text: str) -> dict:
+    """--layer's text as {key: value}, each key known and given once."""
     fields = {}
     for item in (t.strip() for t in text.split(",") if t.strip()):
         key, sep, value = item.partition("=")
-        if not sep or key not in ("E", "N", "K", "rope", "theta", "bias") or key in fields:
-            raise argparse.ArgumentTypeError(f"{text!r}: {item!r} is not one of E=, N=, K=, rope=, theta=, bias= "
+        if not sep or key not in _LAYER_KEYS or key in fields:
+            raise argparse.ArgumentTypeError(f"{text!r}: {item!r} is not one of {', '.join(k + '=' for k in _LAYER_KEYS)} "
                                              f"(each once), e.g. E=64,N=4,K=2,rope=half,bias=none")
         fields[key] = value
     missing = [k for k in ("E", "N") if k not in fields]
     if missing:
         raise argparse.ArgumentTypeError(f"{text!r}: {' and '.join(missing)} missing (e.g. E=64,N=4)")
+    return fields
+
+
+def _layer_numbers(text: str, fields: dict) -> dict:
+    """The numeric keys of --layer as AttentionConfig's keywords; an ArgumentTypeError naming the text."""
     try:
-        E, N = positive_int(fields["E"]), positive_int(fields["N"])
-        K = positive_int(fields["K"]) if "K" in fields else None
-        theta = positive_float(fields["theta"]) if "theta" in fields else 10000.0
-    except argparse.ArgumentTypeError as e:
+        numbers = {"embed_dim": positive_int(fields["E"]), "num_heads": positive_int(fields["N"]),
+                   "num_kv_heads": positive_int(fields["K"]) if "K" in fields else None,
+                   "head_dim": positive_int(fields["H"]) if "H" in fields else None,
+                   "rope_theta": positive_float(fields["theta"]) if "theta" in fields else 10000.0}
+        for key in ("scale", "softcap", "qk_norm_eps"):
+            if key in fields:
+                numbers[key] = positive_float(fields[key])
+        if "qk_norm_offset" in fields:
+            numbers["qk_norm_offset"] = float(fields["qk_norm_offset"])
+    except (argparse.ArgumentTypeError, ValueError) as e:
         raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
+    if numbers["num_kv_heads"] == numbers["num_heads"]:
+        numbers["num_kv_heads"] = None
+    return numbers
+
+
+def parse_layer(text: str):
+    """An argparse `type`: 'E=64,N=4,K=2,rope=half,theta=500,bias=none' -> mha_spec.AttentionConfig.
+
+    E and N are required; K defaults to N, H to E/N, rope to none, theta to 10000 (only with rope=), bias
+    to all; qk_norm=head|flat (qk_norm_eps=, qk_norm_offset=: Gemma's 1), scale=, softcap=, sinks=yes. A key
+    the layer would ignore (theta= without rope=, qk_norm_eps= without qk_norm=) is an error, not dropped."""
+    from mha_spec import QK_NORMS, ROPE_CONVENTIONS, AttentionConfig
+
+    fields = _layer_fields(text)
+    numbers = _layer_numbers(text, fields)
     rope = fields.get("rope", "none")
     if rope != "none" and rope not in ROPE_CONVENTIONS:
         raise argparse.ArgumentTypeError(f"{text!r}: rope={rope!r} is not none or one of {', '.join(ROPE_CONVENTIONS)}")
@@ -95,12 +120,14 @@ def parse_layer(text: str):
         # A layer without RoPE has no theta: running it would drop the key the user wrote without a word.
         raise argparse.ArgumentTypeError(f"{text!r}: theta= is RoPE's base, but the layer has no RoPE "
                                          f"(rope={rope}); add rope=half or rope=interleaved, or drop theta=")
-    bias = fields.get("bias", "all")
-    if bias not in _LAYER_BIASES:
-        raise argparse.ArgumentTypeError(f"{text!r}: bias={bias!r} is not one of {', '.join(_LAYER_BIASES)}")
+    bias, qk_norm, sinks = fields.get("bias", "all"), fields.get("qk_norm", "none"), fields.get("sinks", "no")
+    for key, value, known in (("bias", bias, _LAYER_BIASES), ("qk_norm", qk_norm, ("none", *QK_NORMS)),
+                              ("sinks", sinks, _SINKS)):
+        if value not in known:
+            raise argparse.ArgumentTypeError(f"{text!r}: {key}={value!r} is not one of {', '.join(known)}")
     qkv_bias, out_bias = _LAYER_BIASES[bias]
     try:
-        return AttentionConfig(E, N, num_kv_heads=None if K in (None, N) else K, qkv_bias=qkv_bias, out_bias=out_bias,
-                               rope=None if rope == "none" else rope, rope_theta=theta)
+        return AttentionConfig(**numbers, qkv_bias=qkv_bias, out_bias=out_bias, rope=None if rope == "none" else rope,
+                               qk_norm=None if qk_norm == "none" else qk_norm, sinks=_SINKS[sinks])
     except (TypeError, ValueError) as e:
         raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None

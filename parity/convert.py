@@ -36,6 +36,7 @@ from mha_spec import MASKED_ROWS_POLICIES, AttentionConfig
 from mha_spec.files import atomic_path
 from parity.canonical import (
     CANONICAL_KEYS,
+    LAYER_FIELDS,
     PROJECTIONS,
     SUPPORTED_DTYPES,
     bias_flags,
@@ -95,22 +96,37 @@ def from_torch(m) -> dict[str, np.ndarray]:
     names = tuple(m.config.weight_shapes())
     check_keys(state.keys(), names, "mha_torch state_dict")
     sd = {name: tensor_to_numpy(state[name]) for name in names}
-    check_variant_state_dict(sd, m.num_heads, m.config.num_kv_heads)
+    check_variant_state_dict(sd, m.num_heads, m.config.num_kv_heads, **{f: getattr(m.config, f) for f in LAYER_FIELDS})
     return sd
+
+
+def _refuse_tensor_fields(module_kwargs: dict, cfg) -> None:
+    """head_dim and sinks are read off the tensors: a keyword that contradicts them is a ValueError."""
+    for field in ("head_dim", "sinks"):
+        if field in module_kwargs:
+            said = cfg.head_size if field == "head_dim" else cfg.sinks
+            given = module_kwargs.pop(field)
+            if given is not None and given != said:
+                raise ValueError(f"{field}={given!r} contradicts the state dict's tensors, which say {field}={said!r}")
 
 
 def to_torch(sd, num_heads: int, *, num_kv_heads: int | None = None, **module_kwargs):
     """Canonical state dict -> mha_torch.MultiHeadAttention in the weights' dtype.
 
-    The keys say which biases the layer has; k/v weights of K*H rows need num_kv_heads=K.
-    rope, rope_theta and masked_rows pass through to the module.
+    The keys say which biases the layer has and whether it has sinks; q_proj's rows say head_dim;
+    k/v weights of K*H rows need num_kv_heads=K. rope, rope_theta and masked_rows pass through to the
+    module, and so do the fields the tensors cannot say (qk_norm, qk_norm_eps, qk_norm_offset, scale,
+    softcap): q_norm.weight/k_norm.weight need qk_norm.
     """
     from mha_torch import MultiHeadAttention
 
-    cfg, dtype = check_variant_state_dict(sd, num_heads, num_kv_heads)
+    layer = {f: module_kwargs.pop(f) for f in LAYER_FIELDS if f in module_kwargs}
+    cfg, dtype = check_variant_state_dict(sd, num_heads, num_kv_heads, **layer)
     refuse_dtype_change(module_kwargs, "dtype", dtype, numpy_dtype_of_torch)
-    m = MultiHeadAttention(cfg.embed_dim, num_heads, num_kv_heads=num_kv_heads, qkv_bias=cfg.qkv_bias,
-                           out_bias=cfg.out_bias, dtype=torch_dtype_of(dtype), **module_kwargs)
+    _refuse_tensor_fields(module_kwargs, cfg)
+    m = MultiHeadAttention(cfg.embed_dim, num_heads, num_kv_heads=num_kv_heads, head_dim=cfg.head_dim,
+                           qkv_bias=cfg.qkv_bias, out_bias=cfg.out_bias, sinks=cfg.sinks,
+                           dtype=torch_dtype_of(dtype), **layer, **module_kwargs)
     device = m.q_proj.weight.device
     m.load_state_dict({name: numpy_to_tensor(sd[name], device) for name in cfg.weight_shapes()}, strict=True)
     return m
@@ -134,39 +150,56 @@ def from_jax(m) -> dict[str, np.ndarray]:
         sd[f"{p}.weight"] = np.ascontiguousarray(np.asarray(layer.kernel[...]).T)
         if layer.bias is not None:  # a bias-free projection has no key (the keys say which biases)
             sd[f"{p}.bias"] = np.array(layer.bias[...])
-    check_variant_state_dict(sd, m.num_heads, m.config.num_kv_heads)
+    for name in ("q_norm", "k_norm"):
+        if getattr(m, name) is not None:
+            sd[f"{name}.weight"] = np.array(getattr(m, name).weight[...])
+    if m.sinks is not None:
+        sd["sinks"] = np.array(m.sinks[...])
+    check_variant_state_dict(sd, m.num_heads, m.config.num_kv_heads, **{f: getattr(m.config, f) for f in LAYER_FIELDS})
     return sd
 
 
 def to_jax(sd, num_heads: int, *, num_kv_heads: int | None = None, **module_kwargs):
     """Canonical state dict -> mha_jax.MultiHeadAttention with param_dtype = the weights' dtype.
 
-    The keys say which biases the layer has; k/v weights of K*H rows need num_kv_heads=K.
-    rope, rope_theta and masked_rows pass through to the module.
+    The keys say which biases the layer has and whether it has sinks; q_proj's rows say head_dim;
+    k/v weights of K*H rows need num_kv_heads=K. rope, rope_theta and masked_rows pass through to the
+    module, and so do the fields the tensors cannot say (qk_norm, qk_norm_eps, qk_norm_offset, scale,
+    softcap): q_norm.weight/k_norm.weight need qk_norm.
     """
     import jax.numpy as jnp
     from flax import nnx
 
     from mha_jax import MultiHeadAttention
 
-    cfg, dtype = check_variant_state_dict(sd, num_heads, num_kv_heads)
+    layer = {f: module_kwargs.pop(f) for f in LAYER_FIELDS if f in module_kwargs}
+    cfg, dtype = check_variant_state_dict(sd, num_heads, num_kv_heads, **layer)
     check_jax_dtype(dtype)
     refuse_dtype_change(module_kwargs, "param_dtype", dtype, np.dtype)
+    _refuse_tensor_fields(module_kwargs, cfg)
     rngs = module_kwargs.pop("rngs", None) or nnx.Rngs(0)
-    m = MultiHeadAttention(cfg.embed_dim, num_heads, rngs=rngs, num_kv_heads=num_kv_heads, qkv_bias=cfg.qkv_bias,
-                           out_bias=cfg.out_bias, param_dtype=dtype, **module_kwargs)
+    m = MultiHeadAttention(cfg.embed_dim, num_heads, rngs=rngs, num_kv_heads=num_kv_heads, head_dim=cfg.head_dim,
+                           qkv_bias=cfg.qkv_bias, out_bias=cfg.out_bias, sinks=cfg.sinks, param_dtype=dtype, **layer,
+                           **module_kwargs)
     for p in PROJECTIONS:
-        layer = getattr(m, p)
-        layer.kernel[...] = jnp.asarray(sd[f"{p}.weight"].T)  # (E_in, E_out)
-        if layer.bias is not None:
-            layer.bias[...] = jnp.asarray(sd[f"{p}.bias"])
+        proj = getattr(m, p)
+        proj.kernel[...] = jnp.asarray(sd[f"{p}.weight"].T)  # (E_in, E_out)
+        if proj.bias is not None:
+            proj.bias[...] = jnp.asarray(sd[f"{p}.bias"])
+    for name in ("q_norm", "k_norm"):
+        if getattr(m, name) is not None:
+            getattr(m, name).weight[...] = jnp.asarray(sd[f"{name}.weight"])
+    if m.sinks is not None:
+        m.sinks[...] = jnp.asarray(sd["sinks"])
     return m
 
 
 def _layer_kwargs(m) -> dict:
-    """What a module's weights do not say about its layer: masked_rows, num_kv_heads, rope, rope_theta."""
+    """What a module's weights do not say about its layer: masked_rows, num_kv_heads, rope, rope_theta and
+    the fields of `parity.canonical.LAYER_FIELDS` (qk_norm, its eps and offset, scale, softcap)."""
     c = m.config
-    return dict(masked_rows=c.masked_rows, num_kv_heads=c.num_kv_heads, rope=c.rope, rope_theta=c.rope_theta)
+    return dict(masked_rows=c.masked_rows, num_kv_heads=c.num_kv_heads, rope=c.rope, rope_theta=c.rope_theta,
+                **{f: getattr(c, f) for f in LAYER_FIELDS if getattr(c, f) != getattr(AttentionConfig, f)})
 
 
 def torch_to_jax(m):

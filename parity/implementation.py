@@ -291,7 +291,9 @@ class Implementation:
             if not self.classic and not config.features:
                 return (f"{self.name} runs the layers of its variants ({','.join(self.variants)}) only: "
                         "the classic layer has a peer of its own")
-            missing = [f for f in VARIANT_FEATURES if f in config.features and f not in self.variants]
+            # every feature the layer uses, declared or not: one outside the declarations is never run unasked
+            ordered = (*VARIANT_FEATURES, *sorted(config.features - set(VARIANT_FEATURES)))
+            missing = [f for f in ordered if f in config.features and f not in self.variants]
             if missing:
                 declared = f"variants={','.join(self.variants)}" if self.variants else "no variants (the classic layer only)"
                 return (f"{self.name} declares {declared}: this layer uses {', '.join(missing)}, "

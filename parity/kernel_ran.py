@@ -31,8 +31,10 @@ import contextlib
 import os
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
+
+from mha_spec import Kernel
 
 SDPA = "sdpa"  # F.scaled_dot_product_attention
 BMM_SOFTMAX = "bmm-softmax"  # baddbmm, softmax, bmm: the weights materialised
@@ -207,14 +209,13 @@ def jax_verdict(requested: str | None, ran: str) -> tuple[str, str]:
     met gives the engine that ran and says so."""
     from mha_jax import kernels
 
-    kernel = (requested or "").split(" (")[0].partition(":")[0]
-    if kernel not in kernels.ALL_KERNELS:
+    asked = Kernel.parse(requested or "")
+    if asked.name not in kernels.ALL_KERNELS:
         return ran, ""
-    if not _same_engine(expected_engine(kernel), ran):
+    if not _same_engine(expected_engine(asked.name), ran):
         return ran, f"requested {requested}, ran {ran}"
     if ran == PALLAS_INTERPRET:
-        base, _, source = requested.partition(" (")  # source: "built-in)" or ""
-        return (f"{base} (interpret, {source}" if source else f"{base} (interpret)"), ""
+        return str(replace(asked, interpret=True)), ""
     return requested, ""
 
 
@@ -225,7 +226,7 @@ def torch_verdict(requested: str | None, ran: str) -> tuple[str, str]:
 
     if requested == SDPA:
         return ran, "" if ran.startswith(f"{SDPA}:") else f"requested {SDPA}, ran {ran}"
-    if requested and requested.startswith(BMM_SOFTMAX):
+    if requested and Kernel.parse(requested).name == BMM_SOFTMAX:
         return (requested, "") if ran == BMM_SOFTMAX else (ran, f"requested {requested}, ran {ran}")
     return ran, ""
 

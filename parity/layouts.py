@@ -18,12 +18,15 @@ Dtypes pass through unchanged (bfloat16 included).
               layers.{i}.attention.          {q,k,v,o}_proj.*                                 (transformers 5.x modules)
     hf-gpt2   h.{i}.attn.                    c_attn.weight (E, 3E) stored (in, out), columns q | k | v;
                                              c_attn.bias (3E,); c_proj.weight (E, E) (in, out); c_proj.bias (E,)
-    hf-llama  model.layers.{i}.self_attn.    q_proj.weight (E, E), k_proj/v_proj.weight (KH, E), o_proj.weight (E, E);
-              (Llama, Mistral, Qwen2)        biases: none (Llama, Mistral), q/k/v (Qwen2), all four (attention_bias)
+    hf-llama  model.layers.{i}.self_attn.    q_proj.weight (NH, E), k_proj/v_proj.weight (KH, E), o_proj.weight (E, NH);
+              (Llama, Mistral, Qwen2,        biases: none (Llama, Mistral), q/k/v (Qwen2), all four (attention_bias);
+              Qwen3, Gemma 2/3, OLMo 2,      q_norm.weight/k_norm.weight (H,) per head or (NH,)/(KH,) flat (OLMo 2),
+              GPT-OSS)                       sinks (N,): read only for a layer described with QK-norm / sinks
 
-KH is K*H, the key/value heads' rows: a file does not say N, so from the tensors alone
-k/v rows are checked to agree and to divide E; `num_heads=N` checks them in units of
-heads (H = E/N, K = KH/H dividing N). A grouped layer's canonical dict has k/v weights
+KH is K*H, the key/value heads' rows, NH is N*H, the query heads' (E unless the layer
+has a head_dim of its own, read off o_proj's columns): a file does not say N, so from the
+tensors alone k/v rows are checked to agree and to divide NH; `num_heads=N` checks them
+in units of heads (H = NH/N, K = KH/H dividing N). A grouped layer's canonical dict has k/v weights
 (KH, E) and only the biases it has (parity.canonical.bias_flags); to_torch(sd, N,
 num_kv_heads=K) checks it again.
 
@@ -35,6 +38,7 @@ API; this module never imports parity.convert.
 from __future__ import annotations
 
 import os
+import re
 import sys
 from collections.abc import Mapping
 from contextlib import ExitStack
@@ -60,10 +64,15 @@ class Stored:
     """
 
     key: str  # relative to the prefix
-    shape: tuple[str, ...]  # in units of E: "E", "3E", or "KH" (key/value heads' rows, K*H)
+    # In units (`_UNITS`): "E", "3E", "KH" (key/value heads' rows, K*H), "NH" (query heads' rows, N*H), "N"
+    # (query heads), "H|NH" / "H|KH" (a QK-norm weight: one head's H, or the whole projection's rows).
+    shape: tuple[str, ...]
     parts: tuple[str, ...]  # canonical keys, in order along the last axis
     in_out: bool = False
     optional: bool = False
+    # A tensor of a layer feature ("qk_norm", "sinks") the tensors alone cannot describe (a norm's epsilon and
+    # offset are config.json's): read only when the caller says the layer has it; otherwise it is unread.
+    feature: str | None = None
 
 
 _ALL_BIASES = ((True, True),)  # (qkv_bias, out_bias) pairs
@@ -91,9 +100,9 @@ class Layout:
         return any("KH" in s.shape for sp in self.spellings for s in sp)
 
 
-def _linear(key: str, proj: str, rows: str = "E", optional_bias: bool = False) -> tuple[Stored, Stored]:
-    """An nn.Linear(E, rows) named `key`: weight (out, in) = canonical, bias (rows,)."""
-    return (Stored(f"{key}.weight", (rows, "E"), (f"{proj}.weight",)),
+def _linear(key: str, proj: str, rows: str = "E", optional_bias: bool = False, cols: str = "E") -> tuple[Stored, Stored]:
+    """An nn.Linear(cols, rows) named `key`: weight (out, in) = canonical, bias (rows,)."""
+    return (Stored(f"{key}.weight", (rows, cols), (f"{proj}.weight",)),
             Stored(f"{key}.bias", (rows,), (f"{proj}.bias",), optional=optional_bias))
 
 
@@ -139,10 +148,14 @@ LAYOUT_TABLES: dict[str, Layout] = {
         "hf-llama",
         (
             (
-                *_linear("q_proj", "q_proj", optional_bias=True),
+                *_linear("q_proj", "q_proj", "NH", optional_bias=True),
                 *_linear("k_proj", "k_proj", "KH", optional_bias=True),
                 *_linear("v_proj", "v_proj", "KH", optional_bias=True),
-                *_linear("o_proj", "out_proj", optional_bias=True),
+                *_linear("o_proj", "out_proj", optional_bias=True, cols="NH"),
+                # Qwen3, Gemma 3 (per head) and OLMo 2 (over the whole projection): QK-norm; GPT-OSS: sinks.
+                Stored("q_norm.weight", ("H|NH",), ("q_norm.weight",), optional=True, feature="qk_norm"),
+                Stored("k_norm.weight", ("H|KH",), ("k_norm.weight",), optional=True, feature="qk_norm"),
+                Stored("sinks", ("N",), ("sinks",), optional=True, feature="sinks"),
             ),
         ),
         ("q_proj.weight",),
@@ -179,18 +192,40 @@ def _as_numpy(x, name: str) -> np.ndarray:
     raise TypeError(f"{name} is a {type(x).__name__}; expected a numpy, torch or jax array")
 
 
-def _dims(shape: tuple[str, ...], E: int, KH: int | None = None) -> tuple[int, ...]:
-    return tuple({"E": E, "3E": 3 * E, "KH": KH}[d] for d in shape)
+def _dims(shape: tuple[str, ...], units: Mapping) -> tuple[int, ...]:
+    """A Stored shape in numbers; `units` maps each unit ("E", "KH", ...) the block has to its size."""
+    return tuple(units[d] for d in shape)
 
 
-def _expected(s: Stored, E: int | None, KH: int | None = None) -> str:
+def _expected(s: Stored, units: Mapping | None) -> str:
     sym = f"({', '.join(s.shape)}{',' if len(s.shape) == 1 else ''})"
-    text = sym if E is None else f"{_dims(s.shape, E, KH)} = {sym}"
+    text = sym if units is None else f"{_dims(s.shape, units)} = {sym}"
     return text + (" stored (in, out) as a Conv1D" if s.in_out else "")
+
+
+_HEAD_UNITS = ("N", "H|NH", "H|KH")  # the units a block's sinks and QK-norm weights say (`_head_units`)
 
 
 def _present(spelling: tuple[Stored, ...], present: set, prefix: str) -> list[Stored]:
     return [s for s in spelling if prefix + s.key in present]
+
+
+def _layer_features(qk_norm: str | None, sinks: bool) -> tuple[str, ...]:
+    """The layer features whose tensors a read takes (`Stored.feature`), from the layer's qk_norm and sinks."""
+    if qk_norm not in (None, "head", "flat"):
+        raise ValueError(f"qk_norm must be None, 'head' or 'flat', got {qk_norm!r}")
+    if not isinstance(sinks, bool):
+        raise TypeError(f"sinks must be a bool, got {type(sinks).__name__}")
+    return (*(("qk_norm",) if qk_norm else ()), *(("sinks",) if sinks else ()))
+
+
+def _require_features(layout: Layout, spelling: int, keys, prefix: str, source: str, features) -> None:
+    """The tensors of each feature the caller says the layer has must be there (a KeyError naming the first)."""
+    present = set(keys)
+    for s in layout.spellings[spelling]:
+        if s.feature in features and prefix + s.key not in present:
+            raise KeyError(f"{source}layout {layout.name!r}: missing {prefix + s.key!r}, expected shape "
+                           f"{_expected(s, None)}: the layer is described with {s.feature} (config.json's model, or {s.feature}=)")
 
 
 def _choose_spelling(layout: Layout, keys, prefix: str, source: str) -> int:
@@ -222,37 +257,116 @@ def _embed_dim(layout: Layout, spelling: int, get, prefix: str, source: str) -> 
     return shape[-1]
 
 
-def _kv_rows(layout: Layout, spelling: int, get, prefix: str, E: int, source: str) -> int | None:
+def _query_rows(layout: Layout, spelling: int, get, prefix: str, E: int, source: str) -> int:
+    """N*H, the columns of the output projection (o_proj.weight, stored (E, NH)); E for a layout whose
+    heads always span E. q_proj's rows are then checked against it."""
+    stored = next((s for s in layout.spellings[spelling] if s.shape and s.shape[-1] == "NH" and len(s.shape) == 2), None)
+    if stored is None:
+        return E
+    key = prefix + stored.key
+    shape = tuple(get(key).shape)
+    if len(shape) != 2 or not shape[1]:
+        raise ValueError(f"{source}layout {layout.name!r}: {key} has shape {shape}, expected {_expected(stored, None)} "
+                         f"(E={E}) with N*H, the query heads' width, its columns")
+    return shape[1]
+
+
+def _kv_rows(layout: Layout, spelling: int, get, prefix: str, E: int, source: str, NH: int | None = None) -> int | None:
     """K*H, the rows of the first "KH" tensor (k_proj.weight); None for a layout without grouped heads.
 
-    From the tensors alone K*H must divide E (K divides N, and N*H = E); the others are
-    then checked against it.
+    From the tensors alone K*H must divide N*H (K divides N; N*H = E unless the layer has a
+    head_dim of its own); the others are then checked against it.
     """
     stored = next((s for s in layout.spellings[spelling] if s.shape and s.shape[0] == "KH"), None)
     if stored is None:
         return None
+    NH = E if NH is None else NH
     key = prefix + stored.key
     shape = tuple(get(key).shape)
-    if len(shape) != len(stored.shape) or not shape[0] or E % shape[0]:
+    if len(shape) != len(stored.shape) or not shape[0] or NH % shape[0]:
+        if NH == E:
+            raise ValueError(f"{source}layout {layout.name!r}: {key} has shape {shape}, expected {_expected(stored, None)} "
+                             f"(E={E}) with K*H dividing E, as it does for K key/value heads dividing N = E/H")
         raise ValueError(f"{source}layout {layout.name!r}: {key} has shape {shape}, expected {_expected(stored, None)} "
-                         f"(E={E}) with K*H dividing E, as it does for K key/value heads dividing N = E/H")
+                         f"(E={E}) with K*H dividing N*H={NH} (the output projection's columns), as it does for K "
+                         f"key/value heads dividing N")
     return shape[0]
 
 
+def _head_units(get, keys: Mapping, NH: int, KH: int, what: str, qk_norm: str | None = None) -> dict:
+    """{"N": ..., "H|NH": ..., "H|KH": ...} as a block's sinks (N,) and q_norm weight say them; `keys` maps each
+    unit to the key of the tensor in it, for those the block holds. A file does not say N: sinks give it; a
+    q_norm weight is one head's H (dividing N*H and K*H; k_norm's then too) or the whole projection's N*H
+    (k_norm's then K*H, OLMo 2's); qk_norm, when the layer says which, decides. `what` starts every message."""
+    units = {}
+    if "N" in keys:
+        shape = tuple(getattr(get(keys["N"]), "shape", ()))
+        if len(shape) != 1 or not shape[0] or NH % shape[0] or KH % (NH // shape[0]):
+            raise ValueError(f"{what}{keys['N']} has shape {shape}, expected (N,): one sink logit per query head, "
+                             f"N heads of H dividing N*H={NH} and K*H={KH}")
+        units["N"] = shape[0]
+    if "H|NH" in keys:
+        shape = tuple(getattr(get(keys["H|NH"]), "shape", ()))
+        q = shape[0] if len(shape) == 1 else 0
+        heads = f", H = N*H/N = {NH // units['N']} for the N={units['N']} sinks" if "N" in units else ""
+        if (qk_norm == "head" and q == NH and KH != NH) or (qk_norm == "flat" and q != NH):
+            want = f"(H,) for qk_norm='head' (a norm over each head, H dividing N*H={NH} and K*H={KH}{heads})" \
+                if qk_norm == "head" else f"(N*H,) = ({NH},) for qk_norm='flat' (a norm over the whole q projection)"
+            raise ValueError(f"{what}{keys['H|NH']} has shape {shape}, expected {want}")
+        if not q or (q != NH and (NH % q or KH % q or ("N" in units and q != NH // units["N"]))):
+            raise ValueError(f"{what}{keys['H|NH']} has shape {shape}, expected (H,) for a norm over each head (H "
+                             f"dividing N*H={NH} and K*H={KH}{heads}) or (N*H,) = ({NH},) for one over the whole "
+                             f"q projection")
+        units["H|NH"], units["H|KH"] = q, KH if q == NH else q
+    elif "H|KH" in keys:  # without q_norm's weight: its own length (the missing q_norm is named after)
+        shape = tuple(getattr(get(keys["H|KH"]), "shape", ()))
+        units["H|KH"] = shape[0] if len(shape) == 1 else 0
+    return units
+
+
+def _stored_key(layout: Layout, part: str) -> str:
+    """The layout's name (first spelling) of the tensor holding canonical `part` alone."""
+    return next((s.key for s in layout.spellings[0] if s.parts == (part,)), part)
+
+
 def _check_heads(sd: dict, layout: Layout, num_heads: int | None, prefix: str, source: str) -> None:
-    """With num_heads=N: E divisible by N, and k/v rows a whole number K of heads of H = E/N, K dividing N."""
+    """With num_heads=N: N*H (q_proj's rows; E for a classic layer) divisible by N, k/v rows a whole number K of
+    heads of H = N*H/N, K dividing N; sinks (N,); a q_norm weight one head's (H,) or the projection's (N*H,)."""
     if num_heads is None:
         return
     if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads <= 0:
         raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
-    E = sd["q_proj.weight"].shape[1]
-    if E % num_heads:
-        raise ValueError(f"{source}layout {layout.name!r}: num_heads={num_heads} does not divide E={E}")
-    H, KH = E // num_heads, sd["k_proj.weight"].shape[0]
+    NH, E = sd["q_proj.weight"].shape
+    if NH % num_heads:
+        said = f"E={E}" if NH == E else f"N*H={NH} (the rows of {prefix}{_stored_key(layout, 'q_proj.weight')})"
+        raise ValueError(f"{source}layout {layout.name!r}: num_heads={num_heads} does not divide {said}")
+    H, KH = NH // num_heads, sd["k_proj.weight"].shape[0]
     if KH % H or num_heads % (KH // H):
-        key = next(s.key for s in layout.spellings[0] if s.parts == ("k_proj.weight",)) if layout.grouped else "k_proj.weight"
+        key = _stored_key(layout, "k_proj.weight") if layout.grouped else "k_proj.weight"
         raise ValueError(f"{source}layout {layout.name!r}: {prefix}{key} has shape {sd['k_proj.weight'].shape}, expected "
-                         f"(K*H, E) = (K*{H}, {E}) with K dividing num_heads={num_heads} (H = E/N = {H})")
+                         f"(K*H, E) = (K*{H}, {E}) with K dividing num_heads={num_heads} (H = {'E' if NH == E else 'N*H'}/N = {H})")
+    if "sinks" in sd and tuple(sd["sinks"].shape) != (num_heads,):
+        raise ValueError(f"{source}layout {layout.name!r}: {prefix}{_stored_key(layout, 'sinks')} has shape "
+                         f"{tuple(sd['sinks'].shape)}, expected (N,) = ({num_heads},): one logit per query head")
+    if "q_norm.weight" in sd and tuple(sd["q_norm.weight"].shape) not in ((H,), (NH,)):
+        raise ValueError(f"{source}layout {layout.name!r}: {prefix}{_stored_key(layout, 'q_norm.weight')} has shape "
+                         f"{tuple(sd['q_norm.weight'].shape)}, expected (H,) = ({H},) per head or (N*H,) = ({NH},) "
+                         f"over the whole projection, for num_heads={num_heads}")
+
+
+def _check_norm_kind(sd: dict, layout: Layout, qk_norm: str | None, num_heads: int | None, prefix: str,
+                     source: str) -> None:
+    """The QK-norm weights read are the kind the layer says: "flat" (N*H,) / (K*H,), "head" (H,) both."""
+    if qk_norm is None:
+        return
+    NH, q = sd["q_proj.weight"].shape[0], tuple(sd["q_norm.weight"].shape)
+    H = NH // num_heads if num_heads else None
+    want = (NH,) if qk_norm == "flat" else (H,) if H else tuple(sd["k_norm.weight"].shape)
+    if q != want:
+        size = "N*H" if qk_norm == "flat" else "H"
+        raise ValueError(f"{source}layout {layout.name!r}: {prefix}{_stored_key(layout, 'q_norm.weight')} has shape "
+                         f"{q}, expected ({size},) = {want} for qk_norm={qk_norm!r} (a norm over "
+                         f"{'the whole projection' if qk_norm == 'flat' else 'each head'})")
 
 
 def _check_canonical(sd, layout: Layout, what: str) -> tuple[int, np.dtype]:
@@ -278,28 +392,42 @@ def _check_canonical(sd, layout: Layout, what: str) -> tuple[int, np.dtype]:
         if not isinstance(sd[name], np.ndarray):
             raise TypeError(f"{what}{name} must be a numpy.ndarray, got {type(sd[name]).__name__}")
     q, k = sd.get("q_proj.weight"), sd.get("k_proj.weight")
-    if q is None or q.ndim != 2 or q.shape[0] != q.shape[1]:
-        raise ValueError(f"{what}q_proj.weight has shape {getattr(q, 'shape', None)}, expected (E, E): "
-                         f"our modules need N*H = E (a head_dim other than E/N is not supported)")
-    E = q.shape[1]
-    if k is None or k.ndim != 2 or not k.shape[0] or E % k.shape[0]:
-        raise ValueError(f"{what}k_proj.weight has shape {getattr(k, 'shape', None)}, expected (KH, E) with K*H dividing E={E}")
+    if q is None or q.ndim != 2 or not q.shape[0]:
+        raise ValueError(f"{what}q_proj.weight has shape {getattr(q, 'shape', None)}, expected (N*H, E) "
+                         f"(N*H = E unless the layer has a head_dim of its own)")
+    NH, E = q.shape
+    if k is None or k.ndim != 2 or not k.shape[0] or NH % k.shape[0]:
+        raise ValueError(f"{what}k_proj.weight has shape {getattr(k, 'shape', None)}, expected (KH, E) with K*H dividing "
+                         f"{'E' if NH == E else 'N*H'}={NH}")
     KH = k.shape[0]
-    expected = {"q_proj.weight": (E, E), "k_proj.weight": (KH, E), "v_proj.weight": (KH, E), "out_proj.weight": (E, E),
-                "q_proj.bias": (E,), "k_proj.bias": (KH,), "v_proj.bias": (KH,), "out_proj.bias": (E,)}
+    expected = {"q_proj.weight": (NH, E), "k_proj.weight": (KH, E), "v_proj.weight": (KH, E), "out_proj.weight": (E, NH),
+                "q_proj.bias": (NH,), "k_proj.bias": (KH,), "v_proj.bias": (KH,), "out_proj.bias": (E,)}
     expected = {k: v for k, v in expected.items() if k.endswith(".weight") or k in sd}
+    expected.update(_canonical_head_shapes(sd, NH, KH, what))
     missing, extra = sorted(set(expected) - set(sd)), sorted(set(sd) - set(expected))
     if missing or extra:
         raise ValueError(f"{what}state dict: missing keys {missing}, unexpected keys {extra}")
     for name, shape in expected.items():
         if tuple(sd[name].shape) != shape:
-            raise ValueError(f"{what}{name} has shape {tuple(sd[name].shape)}, expected {shape} (E={E}, K*H={KH})")
+            said = f"E={E}, K*H={KH}" if NH == E else f"E={E}, N*H={NH}, K*H={KH}"
+            raise ValueError(f"{what}{name} has shape {tuple(sd[name].shape)}, expected {shape} ({said})")
     dtypes = {name: sd[name].dtype for name in expected}
     if len(set(dtypes.values())) != 1:
         raise TypeError(f"{what}state dict mixes dtypes: {dtypes}")
     if q.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"{what}unsupported dtype {q.dtype}; expected one of {[str(d) for d in SUPPORTED_DTYPES]}")
     return E, q.dtype
+
+
+def _canonical_head_shapes(sd: Mapping, NH: int, KH: int, what: str) -> dict:
+    """The shapes a canonical dict's sinks and QK-norm weights must have (`_head_units`): both norm weights when
+    it holds either, sinks when it holds them."""
+    names = {"N": "sinks", "H|NH": "q_norm.weight", "H|KH": "k_norm.weight"}
+    units = _head_units(sd.__getitem__, {u: n for u, n in names.items() if n in sd}, NH, KH, what)
+    out = {"sinks": (units["N"],)} if "sinks" in sd else {}
+    if "q_norm.weight" in sd or "k_norm.weight" in sd:
+        out.update({"q_norm.weight": (units.get("H|NH"),), "k_norm.weight": (units.get("H|KH"),)})
+    return out
 
 
 # ---------------------------------------------------------------- every tensor under the prefix
@@ -309,8 +437,10 @@ def _check_canonical(sd, layout: Layout, what: str) -> tuple[int, np.dtype]:
 # the last; a one-component key by itself). "{layout}" is the layout's name. The first match wins.
 _IMPLIED_FEATURES = (
     (("q_norm", "k_norm", "q_layernorm", "k_layernorm", "query_layernorm", "key_layernorm", "q_ln", "k_ln"),
-     "QK-norm: q and k normalised before their dot product, which the tool does not model"),
-    (("sinks",), "attention sinks: a learned logit per head in the softmax's denominator, which the tool does not model"),
+     "QK-norm: q and k normalised before their dot product, which layout {layout!r} reads only for a layer "
+     "described with it (config.json's model: Qwen3, Gemma 3, OLMo 2)"),
+    (("sinks",), "attention sinks: a learned logit per head in the softmax's denominator, which layout {layout!r} "
+                 "reads only for a layer described with it (config.json's model: GPT-OSS)"),
     (("qkv_proj", "query_key_value", "c_attn", "Wqkv", "wqkv", "qkv", "W_pack", "in_proj_weight", "in_proj_bias"),
      "fused projections: q, k and v in one tensor, which layout {layout!r} does not read"),
     (("dense", "c_proj", "o_proj", "out_proj", "wo", "output"),
@@ -363,11 +493,12 @@ class TensorAccount:
         return "; ".join(parts)
 
 
-def account(keys, layout: str, prefix: str = "") -> TensorAccount:
+def account(keys, layout: str, prefix: str = "", features=()) -> TensorAccount:
     """Sort every key under `prefix` (every key, for prefix "") by what `layout` does with it: read (any of its
-    spellings), a buffer it checks, a tensor of the block that is not attention, or unread."""
+    spellings), a buffer it checks, a tensor of the block that is not attention, or unread. `features`: the
+    layer features ("qk_norm", "sinks") the caller says the layer has; a feature's tensors are read only then."""
     lay = _layout(layout)
-    own = {s.key for sp in lay.spellings for s in sp}
+    own = {s.key for sp in lay.spellings for s in sp if s.feature is None or s.feature in features}
     outside = dict(lay.not_attention)
     read, buffers, not_attention, unread = [], [], {}, {}
     for key in sorted(k for k in keys if isinstance(k, str) and k.startswith(prefix)):
@@ -399,15 +530,16 @@ def _close(stored: np.ndarray, expected: np.ndarray) -> bool:
     return bool(np.all(gap <= 16 * float(info.eps) * np.abs(expected) + 2 * float(info.smallest_normal) * float(info.eps)))
 
 
-def _check_buffer(rel: str, arr: np.ndarray, key: str, source: str, E: int, num_heads: int | None,
+def _check_buffer(rel: str, arr: np.ndarray, key: str, source: str, NH: int, num_heads: int | None,
                   rope_theta: float | None) -> None:
-    """A layout's buffer (`Layout.buffers`) must say what the layer computes, else a ValueError naming it."""
+    """A layout's buffer (`Layout.buffers`) must say what the layer computes, else a ValueError naming it.
+    NH: the query heads' width N*H (E unless the layer has a head_dim of its own)."""
     arr = np.asarray(arr)
     if rel == "rotary_emb.inv_freq":  # RoPE's inverse frequencies: scaled RoPE would show here
         if num_heads is None or rope_theta is None:
             raise ValueError(f"{source}{key} holds RoPE's inverse frequencies: give num_heads= and rope_theta= "
                              f"(config.json's) so they are checked against the layer")
-        H = E // num_heads
+        H = NH // num_heads
         expected = 1.0 / float(rope_theta) ** (np.arange(0, H, 2, dtype=np.float64) / H)
         if arr.dtype.kind != "f" or arr.shape != expected.shape or not _close(arr, expected):
             raise ValueError(f"{source}{key} ({arr.dtype}{list(arr.shape)}) is not the default RoPE's "
@@ -440,8 +572,22 @@ def _check_finite(arr: np.ndarray, key: str, prefix: str, source: str) -> None:
                          f"values: a checkpoint's weights must be finite")
 
 
+def _block_units(lay: Layout, spelling: int, fetch, present: set, prefix: str, source: str,
+                 qk_norm: str | None) -> dict:
+    """The sizes of the block's units ("E", "3E", "KH", "NH", and those of `_HEAD_UNITS` it holds), read off
+    its tensors (`_embed_dim`, `_query_rows`, `_kv_rows`, `_head_units`)."""
+    E = _embed_dim(lay, spelling, fetch, prefix, source)
+    NH = _query_rows(lay, spelling, fetch, prefix, E, source)
+    KH = _kv_rows(lay, spelling, fetch, prefix, E, source, NH)
+    held = {s.shape[0]: prefix + s.key for s in lay.spellings[spelling]
+            if s.shape and s.shape[0] in _HEAD_UNITS and prefix + s.key in present}
+    return {"E": E, "3E": 3 * E, "KH": KH, "NH": NH,
+            **_head_units(fetch, held, NH, KH, f"{source}layout {lay.name!r}: ", qk_norm)}
+
+
 def _from_getter(get, keys, layout: str, prefix: str, source: str = "", num_heads: int | None = None,
-                 finite: bool = False, rope_theta: float | None = None, get_buffer=None) -> dict[str, np.ndarray]:
+                 finite: bool = False, rope_theta: float | None = None, get_buffer=None,
+                 qk_norm: str | None = None, sinks: bool = False) -> dict[str, np.ndarray]:
     """Shared by from_layout and read_layout: `get(key)` returns one tensor, `keys` are all keys.
 
     `source` ("model.safetensors: ") starts every error message about the tensors; `finite`: a
@@ -452,9 +598,11 @@ def _from_getter(get, keys, layout: str, prefix: str, source: str = "", num_head
     """
     lay = _layout(layout)
     keys = tuple(keys)
-    tensors = account(keys, layout, prefix)
+    features = _layer_features(qk_norm, sinks)
+    tensors = account(keys, layout, prefix, features)
     try:
         spelling = _choose_spelling(lay, keys, prefix, source)
+        _require_features(lay, spelling, keys, prefix, source, features)
     except KeyError as e:  # the missing key first; what stands in its place, when anything does
         if tensors.unread:
             raise KeyError(f"{e.args[0]}; what is there, unread: {tensors.describe_unread()}") from None
@@ -470,31 +618,35 @@ def _from_getter(get, keys, layout: str, prefix: str, source: str = "", num_head
                 _check_finite(cache[key], key, prefix, source)
         return cache[key]
 
-    E = _embed_dim(lay, spelling, fetch, prefix, source)
-    KH = _kv_rows(lay, spelling, fetch, prefix, E, source)
-    present = set(keys)
+    units = _block_units(lay, spelling, fetch, set(keys), prefix, source, qk_norm)
+    E, NH, KH = units["E"], units["NH"], units["KH"]
     sd = {}
-    for s in _present(lay.spellings[spelling], present, prefix):
+    for s in _present(lay.spellings[spelling], set(keys), prefix):
         key = prefix + s.key
         arr = fetch(key)
-        if tuple(arr.shape) != _dims(s.shape, E, KH):
+        if tuple(arr.shape) != _dims(s.shape, units):
             hint = " -- a (3E, E) c_attn is nn.Linear's (out, in) orientation: transposed?" if s.in_out and len(s.parts) > 1 else ""
             if lay.grouped and s.parts in (("q_proj.weight",), ("out_proj.weight",)):
-                hint = " -- our modules need N*H = E: a head_dim other than E/N is not supported"
+                hint = (" -- q_proj's rows and the output projection's columns are both N*H: a head_dim other than "
+                        "E/N shows in both")
             kh = "" if KH is None else f", K*H={KH} from {prefix}{next(t.key for t in lay.spellings[spelling] if t.shape and t.shape[0] == 'KH')}"
-            raise ValueError(f"{source}layout {layout!r}: {key} has shape {tuple(arr.shape)}, expected {_expected(s, E, KH)} (E={E}{kh}){hint}")
+            if lay.grouped and (NH != E or s.shape[0] == "NH"):
+                kh += f", N*H={NH} from {prefix}{next(t.key for t in lay.spellings[spelling] if t.shape[1:] == ('NH',))}"
+            raise ValueError(f"{source}layout {layout!r}: {key} has shape {tuple(arr.shape)}, expected {_expected(s, units)} (E={E}{kh}){hint}")
         for name, part in zip(s.parts, np.split(arr, len(s.parts), axis=-1)):
             sd[name] = np.ascontiguousarray(part.T if s.in_out else part).copy()
     # which biases; the dtypes: one of the four, the same for every tensor
     _check_canonical(sd, lay, f"{source}layout {layout!r} under prefix {prefix!r}: ")
     _check_heads(sd, lay, num_heads, prefix, source)
+    _check_norm_kind(sd, lay, qk_norm, num_heads, prefix, source)
     for key in tensors.buffers:
-        _check_buffer(key[len(prefix):], _as_numpy((get_buffer or get)(key), key), key, source, E, num_heads, rope_theta)
+        _check_buffer(key[len(prefix):], _as_numpy((get_buffer or get)(key), key), key, source, NH, num_heads, rope_theta)
     return sd
 
 
 def from_layout(tensors: Mapping, layout: str, *, prefix: str = "", num_heads: int | None = None,
-                rope_theta: float | None = None) -> dict[str, np.ndarray]:
+                rope_theta: float | None = None, qk_norm: str | None = None,
+                sinks: bool = False) -> dict[str, np.ndarray]:
     """One attention block of a checkpoint (a mapping of names to numpy/torch/jax arrays) -> canonical.
 
     num_heads=N, when given, is checked against the shapes (in units of heads for
@@ -503,10 +655,14 @@ def from_layout(tensors: Mapping, layout: str, *, prefix: str = "", num_heads: i
     ValueError naming it and the feature it implies (`q_norm` QK-norm, `sinks` attention
     sinks, `qkv_proj` fused projections, ...), and a buffer the layout knows is checked
     (RoPE's `rotary_emb.inv_freq` against num_heads and rope_theta, which it then needs).
+    qk_norm ("head"/"flat") and sinks=True say the layer has QK-norm / sinks: "hf-llama"'s
+    q_norm.weight, k_norm.weight and sinks are read (and required) only then, since their
+    epsilon and offset are config.json's, not the tensors'.
     """
     if not isinstance(tensors, Mapping):
         raise TypeError(f"tensors must be a mapping of name -> array, got {type(tensors).__name__}")
-    return _from_getter(tensors.__getitem__, tensors.keys(), layout, prefix, num_heads=num_heads, rope_theta=rope_theta)
+    return _from_getter(tensors.__getitem__, tensors.keys(), layout, prefix, num_heads=num_heads, rope_theta=rope_theta,
+                        qk_norm=qk_norm, sinks=sinks)
 
 
 def to_layout(sd, layout: str, *, prefix: str = "", spelling: int = 0, num_heads: int | None = None) -> dict[str, np.ndarray]:
@@ -532,19 +688,20 @@ def to_layout(sd, layout: str, *, prefix: str = "", spelling: int = 0, num_heads
 
 
 def read_layout(path, layout: str, *, prefix: str = "", num_heads: int | None = None,
-                rope_theta: float | None = None) -> dict[str, np.ndarray]:
+                rope_theta: float | None = None, qk_norm: str | None = None,
+                sinks: bool = False) -> dict[str, np.ndarray]:
     """Read one attention block from a .safetensors checkpoint: only its tensors are read (lazily).
 
     Every error names the file: a directory, a missing, truncated or pickle file, a tensor
     in a dtype other than float16/bfloat16/float32/float64 (float8 included), a tensor holding
     NaN or inf (named with the prefix), a missing key or a wrong shape, a tensor under the
     prefix the layout does not read (named with the feature it implies, as `from_layout`
-    does), a buffer that does not fit the layer. For a transformers checkpoint directory
-    (config.json, sharded weights) use `read_checkpoint`.
+    does), a buffer that does not fit the layer. qk_norm and sinks as for `from_layout`. For a
+    transformers checkpoint directory (config.json, sharded weights) use `read_checkpoint`.
     """
     with open_weight_file(path) as f:
         return _from_getter(f.get, f.keys, layout, prefix, source=f"{f.path}: ", num_heads=num_heads, finite=True,
-                            rope_theta=rope_theta, get_buffer=f.get_buffer)
+                            rope_theta=rope_theta, get_buffer=f.get_buffer, qk_norm=qk_norm, sinks=sinks)
 
 
 # ---------------------------------------------------------------- transformers checkpoint directories
@@ -562,14 +719,36 @@ class HFModel:
     qkv_bias: bool | str
     out_bias: bool | str
     sliding_window_field: str | None = None  # a field that, when set, turns on sliding-window attention
+    head_dim: bool = False  # config.json's head_dim may differ from hidden_size / num_attention_heads
+    qk_norm: str | None = None  # "head" / "flat": an RMSNorm of q and k (epsilon rms_norm_eps) before RoPE
+    qk_norm_offset: float = 0.0  # the norm's weight is offset + w (Gemma's 1 + w)
+    query_scalar: bool = False  # scores scaled by query_pre_attn_scalar**-0.5 (Gemma), not head_dim**-0.5
+    softcap: bool = False  # attn_logit_softcapping soft-caps the scores (Gemma 2, Gemma 3)
+    sinks: bool = False  # a learned sink logit per head (GPT-OSS)
+    # layer_types[L] says whether layer L is full or sliding_attention (window sliding_window): a layer's
+    # attention depends on L, which the prefix then has to say.
+    layer_types: bool = False
 
 
-# Every model_type read_hf_config understands; all use rotate-half RoPE ("half") and N*H = E.
+_BY_LAYER = dict(head_dim=True, qkv_bias="attention_bias", out_bias="attention_bias", layer_types=True)
+
+# Every model_type read_hf_config understands; all use rotate-half RoPE ("half").
 HF_MODELS: dict[str, HFModel] = {
     "llama": HFModel("hf-llama", qkv_bias="attention_bias", out_bias="attention_bias"),
     "mistral": HFModel("hf-llama", qkv_bias=False, out_bias=False, sliding_window_field="sliding_window"),
     "mixtral": HFModel("hf-llama", qkv_bias=False, out_bias=False, sliding_window_field="sliding_window"),
     "qwen2": HFModel("hf-llama", qkv_bias=True, out_bias=False, sliding_window_field="use_sliding_window"),
+    "qwen3": HFModel("hf-llama", **_BY_LAYER, qk_norm="head"),
+    # Qwen3-MoE's attention is Qwen3's; its sliding_window applies to every layer when use_sliding_window is set.
+    "qwen3_moe": HFModel("hf-llama", head_dim=True, qkv_bias="attention_bias", out_bias="attention_bias",
+                         sliding_window_field="use_sliding_window", qk_norm="head"),
+    "gemma2": HFModel("hf-llama", **_BY_LAYER, query_scalar=True, softcap=True),
+    # Gemma 3 has no soft-cap: transformers' Gemma3Attention stores attn_logit_softcapping but never applies it,
+    # so a config that sets it is refused by name (which of the two was meant, the file cannot say).
+    "gemma3": HFModel("hf-llama", **_BY_LAYER, qk_norm="head", qk_norm_offset=1.0, query_scalar=True),
+    "gemma3_text": HFModel("hf-llama", **_BY_LAYER, qk_norm="head", qk_norm_offset=1.0, query_scalar=True),
+    "olmo2": HFModel("hf-llama", head_dim=True, qkv_bias="attention_bias", out_bias="attention_bias", qk_norm="flat"),
+    "gpt_oss": HFModel("hf-llama", **_BY_LAYER, sinks=True),
 }
 
 _DEFAULT_ROPE_THETA = 10000.0  # transformers' RotaryEmbeddingConfigMixin.default_theta
@@ -811,13 +990,13 @@ def hf_model(cfg: Mapping, where: str, tensors: TensorAccount | None = None) -> 
     return HF_MODELS[model_type]
 
 
-def read_hf_config(source, *, masked_rows: str = "nan", ignore_sliding_window: bool = False):
+def read_hf_config(source, *, masked_rows: str = "nan", ignore_sliding_window: bool = False, layer: int | None = None):
     """A transformers config.json (a directory holding one, its path, or the parsed dict) ->
     mha_spec.AttentionConfig.
 
     Read: model_type (one of HF_MODELS), hidden_size, num_attention_heads,
-    num_key_value_heads (absent: num_attention_heads), head_dim (absent/null or E/N;
-    anything else is a ValueError: our modules need N*H = E), the RoPE base (transformers
+    num_key_value_heads (absent: num_attention_heads), head_dim (absent/null or E/N for
+    Llama, Mistral, Mixtral and Qwen2; anything else is a ValueError), the RoPE base (transformers
     5's rope_parameters.rope_theta or 4.x's rope_theta; absent: 10000), the biases (Llama's
     attention_bias; Qwen2's q/k/v biases; none for Mistral). RoPE is "half" (transformers'
     rotate_half). Refused by name: scaled RoPE (rope_type other than "default":
@@ -829,24 +1008,41 @@ def read_hf_config(source, *, masked_rows: str = "nan", ignore_sliding_window: b
     its attention does that the tool does not model (`unmodelled_features`, `FAMILY_FEATURES`),
     never the model_type alone. masked_rows is not in config.json: it is the caller's choice,
     passed through.
+
+    The layers after Llama (qwen3, qwen3_moe, gemma2, gemma3, gemma3_text, olmo2, gpt_oss): head_dim
+    may differ from E/N; QK-norm (rms_norm_eps; Gemma's offset 1), query_pre_attn_scalar's scale,
+    attn_logit_softcapping and sinks as the model_type's attention code has them (`HF_MODELS`);
+    layer (L, from the block's prefix: `layer_index`) picks layer_types[L] (a sliding_attention layer
+    only with ignore_sliding_window=True) and Gemma 3's per-layer-type RoPE base.
     """
     cfg, where = read_config_json(source)
-    return attention_config(cfg, where, masked_rows=masked_rows, ignore_sliding_window=ignore_sliding_window)
+    return attention_config(cfg, where, masked_rows=masked_rows, ignore_sliding_window=ignore_sliding_window,
+                            layer=layer)
 
 
-def attention_config(cfg: Mapping, where: str, *, masked_rows: str = "nan", ignore_sliding_window: bool = False):
-    """`read_hf_config` of a config.json already parsed (`read_config_json`); `where` names it in errors."""
+def attention_config(cfg: Mapping, where: str, *, masked_rows: str = "nan", ignore_sliding_window: bool = False,
+                     layer: int | None = None):
+    """`read_hf_config` of a config.json already parsed (`read_config_json`); `where` names it in errors.
+    layer: the block's index L (`layer_index` of its prefix), which a model with layer_types needs."""
     from mha_spec import AttentionConfig
 
     model = hf_model(cfg, where)
+    if cfg.get("model_type") == "gemma3":  # the multimodal config: its language model's attention
+        text = cfg.get("text_config")
+        if not isinstance(text, Mapping):
+            raise _config_error(where, "model_type 'gemma3' without a text_config mapping: its attention is unknown")
+        cfg = {**text, "model_type": "gemma3"}
     E = _int_field(cfg, "hidden_size", where)
     N = _int_field(cfg, "num_attention_heads", where)
     K = cfg.get("num_key_value_heads")
     K = N if K is None else _int_field(cfg, "num_key_value_heads", where)
     head_dim = cfg.get("head_dim")
-    if head_dim is not None and (E % N or head_dim != E // N):
+    if head_dim is not None and not model.head_dim and (E % N or head_dim != E // N):
         raise _config_error(where, f"head_dim = {head_dim!r} but hidden_size / num_attention_heads = {E} / {N}: our "
                                    f"modules need num_attention_heads * head_dim = hidden_size")
+    H = _int_field(cfg, "head_dim", where) if head_dim is not None else None
+    H = None if H is None or (not E % N and H == E // N) else H  # None: E/N, the classic path
+    layer_type = _layer_type(cfg, model, where, layer, ignore_sliding_window)
     if model.sliding_window_field is not None and cfg.get(model.sliding_window_field) not in (None, False) \
             and not ignore_sliding_window:
         window = cfg.get("sliding_window")
@@ -860,11 +1056,114 @@ def attention_config(cfg: Mapping, where: str, *, masked_rows: str = "nan", igno
         flags[name] = rule if isinstance(rule, bool) else cfg.get(rule, False)
         if not isinstance(flags[name], bool):
             raise _config_error(where, f"{rule} = {flags[name]!r} is not a bool")
+    theta = _rope_theta(_layer_rope(cfg, layer_type, where), where)
     try:
-        return AttentionConfig(E, N, num_kv_heads=K if K != N else None, rope="half", rope_theta=_rope_theta(cfg, where),
-                               masked_rows=masked_rows, **flags)
+        return AttentionConfig(E, N, num_kv_heads=K if K != N else None, head_dim=H, rope="half", rope_theta=theta,
+                               masked_rows=masked_rows, **flags, **_modern_fields(cfg, model, where, H or E // N))
     except (TypeError, ValueError) as e:
         raise _config_error(where, str(e)) from e
+
+
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def layer_index(prefix: str) -> int | None:
+    """The layer index L a block's prefix names ("model.layers.L.self_attn." -> L); None when it names none."""
+    found = _LAYER_INDEX.findall(prefix or "")
+    return int(found[-1]) if found else None
+
+
+def _layer_type(cfg: Mapping, model: HFModel, where: str, layer: int | None, ignore_window: bool) -> str | None:
+    """The block's layer_types[L] for a model whose layers differ by type ("full_attention"; "sliding_attention"
+    only with ignore_window, the caller applying the window: `layer_window`); None for a model without them.
+    A layer type the tool does not model, no layer_types, or a prefix that does not say L is refused by name."""
+    if not model.layer_types:
+        return None
+    types = cfg.get("layer_types")
+    if types is None and cfg.get("model_type") == "qwen3" and not cfg.get("use_sliding_window"):
+        types = ["full_attention"]  # Qwen3Config's rule: sliding layers only with use_sliding_window
+        layer = None
+    if not isinstance(types, (list, tuple)) or not types:
+        raise NotImplementedError(f"{where}: no layer_types: {cfg.get('model_type')!r} decides each layer's attention "
+                                  f"(full or a sliding window) by a rule of its own, which the tool does not read")
+    if layer is None:
+        if all(t == "full_attention" for t in types):
+            return "full_attention"
+        raise NotImplementedError(f"{where}: layer_types mixes {sorted(set(types))} and the prefix does not say the "
+                                  f"layer's index (…layers.L.…), so which attention the block has is unknown")
+    if not 0 <= layer < len(types):
+        raise _config_error(where, f"the prefix names layer {layer}, but layer_types has {len(types)} layers")
+    kind = types[layer]
+    if kind == "sliding_attention" and not ignore_window:
+        raise NotImplementedError(f"{where}: layer_types[{layer}] = 'sliding_attention' (sliding_window="
+                                  f"{cfg.get('sliding_window')!r}): a sliding window, which read_hf_config does not "
+                                  f"apply (mha-parity --checkpoint does)")
+    if kind not in ("full_attention", "sliding_attention"):
+        raise NotImplementedError(f"{where}: layer_types[{layer}] = {kind!r}: attention the tool does not model")
+    return kind
+
+
+def layer_window(cfg: Mapping, where: str, layer: int | None) -> int | None:
+    """The sliding window W (the last W keys) of block L of a model with layer_types whose layer L is
+    "sliding_attention"; None for a full layer, another model, or a prefix that names no layer (refused by
+    `attention_config` when it matters). A W that is not a positive int is a ValueError naming it."""
+    model = HF_MODELS.get(cfg.get("model_type")) if isinstance(cfg, Mapping) else None
+    types = cfg.get("layer_types") if model is not None and model.layer_types else None
+    if not isinstance(types, (list, tuple)) or layer is None or not 0 <= layer < len(types) \
+            or types[layer] != "sliding_attention":
+        return None
+    W = cfg.get("sliding_window")
+    if isinstance(W, bool) or not isinstance(W, int) or W < 1:
+        raise ValueError(f"{where}: sliding_window = {W!r} is not a positive integer (the keys a query attends to "
+                         f"on layer {layer}, a sliding_attention layer)")
+    return W
+
+
+def _layer_rope(cfg: Mapping, layer_type: str | None, where: str) -> Mapping:
+    """config.json with the layer's own RoPE: a rope_parameters nested per layer type (Gemma 3) gives the
+    block's layer type's entry; a flat one, every layer's."""
+    params = cfg.get("rope_parameters")
+    if not isinstance(params, Mapping) or not any(isinstance(v, Mapping) for v in params.values()) \
+            or layer_type is None:
+        if layer_type == "sliding_attention" and cfg.get("rope_local_base_freq") is not None:
+            raise NotImplementedError(f"{where}: rope_local_base_freq = {cfg['rope_local_base_freq']!r}: the sliding "
+                                      f"layers' RoPE base of a Gemma 3 config, which the tool does not read")
+        return cfg
+    if layer_type not in params or not isinstance(params[layer_type], Mapping):
+        raise NotImplementedError(f"{where}: rope_parameters nested per layer type ({sorted(params)}) has no entry "
+                                  f"for this layer's type {layer_type!r}")
+    return {**cfg, "rope_parameters": params[layer_type]}
+
+
+def _modern_fields(cfg: Mapping, model: HFModel, where: str, H: int) -> dict:
+    """The AttentionConfig fields a model after Llama sets from config.json (QK-norm, scale, soft-cap, sinks)."""
+    out = {}
+    if cfg.get("use_bidirectional_attention"):
+        raise NotImplementedError(f"{where}: use_bidirectional_attention: attention to later tokens too, which the "
+                                  f"tool's causal cases do not model")
+    if model.qk_norm is not None:
+        eps = cfg.get("rms_norm_eps")
+        if not _number(eps) or eps <= 0:
+            raise _config_error(where, f"rms_norm_eps = {eps!r} is not a positive number (QK-norm's epsilon)")
+        out.update(qk_norm=model.qk_norm, qk_norm_eps=float(eps), qk_norm_offset=model.qk_norm_offset)
+    if model.query_scalar:
+        q = cfg.get("query_pre_attn_scalar")
+        if not _number(q) or q <= 0:
+            raise _config_error(where, f"query_pre_attn_scalar = {q!r} is not a positive number (the scores are "
+                                       f"scaled by its inverse square root)")
+        out["scale"] = None if q == H else float(q) ** -0.5
+    if not model.softcap and cfg.get("attn_logit_softcapping") is not None:
+        raise NotImplementedError(f"{where}: attn_logit_softcapping = {cfg['attn_logit_softcapping']!r}, which "
+                                  f"{cfg.get('model_type')}'s attention in transformers does not apply: which was "
+                                  f"meant, the file cannot say")
+    if model.softcap and cfg.get("attn_logit_softcapping") is not None:
+        c = cfg["attn_logit_softcapping"]
+        if not _number(c) or c <= 0:
+            raise _config_error(where, f"attn_logit_softcapping = {c!r} is not a positive number")
+        out["softcap"] = float(c)
+    if model.sinks:
+        out["sinks"] = True
+    return out
 
 
 def read_checkpoint(path, layout: str = "hf-llama", *, prefix: str = "", config=None, masked_rows: str = "nan",
@@ -901,26 +1200,37 @@ def read_checkpoint(path, layout: str = "hf-llama", *, prefix: str = "", config=
         theta = config.rope_theta if config.rope is not None else None
         single, index = _weight_files(path)
         if single is not None:
-            sd = read_layout(single, layout, prefix=prefix, num_heads=config.num_heads, rope_theta=theta)
+            sd = read_layout(single, layout, prefix=prefix, num_heads=config.num_heads, rope_theta=theta,
+                             qk_norm=config.qk_norm, sinks=config.sinks)
         else:
-            sd = _read_sharded(path, index, layout, prefix, config.num_heads, theta)
+            sd = _read_sharded(path, index, layout, prefix, config.num_heads, theta, config)
     else:
         if config is None:
             raise TypeError(f"{path} is a single weight file, which does not say the layer's heads or RoPE: pass "
                             f"config=mha_spec.AttentionConfig(...), or the checkpoint directory holding config.json")
         sd = read_layout(path, layout, prefix=prefix, num_heads=config.num_heads,
-                         rope_theta=config.rope_theta if config.rope is not None else None)
-    from parity.canonical import check_variant_state_dict
+                         rope_theta=config.rope_theta if config.rope is not None else None,
+                         qk_norm=config.qk_norm, sinks=config.sinks)
+    _check_fits(sd, config, path, prefix)
+    return sd, config
+
+
+def _check_fits(sd: dict, config, path: str, prefix: str) -> None:
+    """The block read must be the layer `config` describes: heads, biases, head_dim, sinks, norm shapes."""
+    from parity.canonical import LAYER_FIELDS, check_variant_state_dict
 
     try:
-        cfg, _ = check_variant_state_dict(sd, config.num_heads, config.num_kv_heads)
+        cfg, _ = check_variant_state_dict(sd, config.num_heads, config.num_kv_heads,
+                                          **{f: getattr(config, f) for f in LAYER_FIELDS})
     except (TypeError, ValueError) as e:
         raise type(e)(f"{path} under prefix {prefix!r} does not fit {config}: {e}") from e
     if (cfg.qkv_bias, cfg.out_bias, cfg.embed_dim) != (config.qkv_bias, config.out_bias, config.embed_dim):
         raise ValueError(f"{path} under prefix {prefix!r}: the weights have embed_dim={cfg.embed_dim}, "
                          f"qkv_bias={cfg.qkv_bias}, out_bias={cfg.out_bias}; the config says embed_dim={config.embed_dim}, "
                          f"qkv_bias={config.qkv_bias}, out_bias={config.out_bias}")
-    return sd, config
+    if (cfg.head_size, cfg.sinks) != (config.head_size, config.sinks):
+        raise ValueError(f"{path} under prefix {prefix!r}: the weights have head_dim={cfg.head_size}, sinks={cfg.sinks}; "
+                         f"the config says head_dim={config.head_size}, sinks={config.sinks}")
 
 
 def _directory_config(path: str, layout: str, prefix: str, masked_rows: str, ignore_sliding_window: bool,
@@ -938,7 +1248,8 @@ def _directory_config(path: str, layout: str, prefix: str, masked_rows: str, ign
     model = hf_model(cfg, where, tensors)
     if model.layout != layout:
         raise ValueError(f"{where}: model_type {cfg['model_type']!r} uses layout {model.layout!r}, not {layout!r}")
-    return attention_config(cfg, where, masked_rows=masked_rows, ignore_sliding_window=ignore_sliding_window)
+    return attention_config(cfg, where, masked_rows=masked_rows, ignore_sliding_window=ignore_sliding_window,
+                            layer=layer_index(prefix))
 
 
 def _weight_files(directory) -> tuple[str | None, str | None]:
@@ -978,7 +1289,7 @@ def checkpoint_tensor_names(path) -> frozenset:
         return f.keys
 
 
-def _read_sharded(directory, index_path, layout, prefix, num_heads, rope_theta=None):
+def _read_sharded(directory, index_path, layout, prefix, num_heads, rope_theta=None, config=None):
     """The block's tensors from the shards model.safetensors.index.json names (each shard opened once)."""
     weight_map = _weight_map(index_path)
     with ExitStack() as stack:
@@ -994,4 +1305,5 @@ def _read_sharded(directory, index_path, layout, prefix, num_heads, rope_theta=N
 
         return _from_getter(lambda key: shard_of(key).get(key), weight_map.keys(), layout, prefix,
                             source=f"{index_path}: ", num_heads=num_heads, finite=True, rope_theta=rope_theta,
-                            get_buffer=lambda key: shard_of(key).get_buffer(key))
+                            get_buffer=lambda key: shard_of(key).get_buffer(key),
+                            qk_norm=getattr(config, "qk_norm", None), sinks=getattr(config, "sinks", False))

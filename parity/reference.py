@@ -23,7 +23,7 @@ import numpy as np
 
 from mha_spec import ALIGNMENTS, window_sides, AttentionConfig, check_positions, check_qkv_shapes, mask_shape_4d
 
-STAGES = ("q", "k", "v", "q_rot", "k_rot", "scores", "weights", "context", "output")
+STAGES = ("q", "k", "v", "q_norm", "k_norm", "q_rot", "k_rot", "scores", "weights", "context", "output")
 """Intermediates in the order the data flows; the harness names the first that diverges."""
 
 
@@ -32,12 +32,25 @@ class Intermediates:
     q: np.ndarray  # (B, N, T, H)
     k: np.ndarray  # (B, K, S, H)
     v: np.ndarray  # (B, K, S, H)
-    scores: np.ndarray  # (B, N, T, S), scaled, -inf where masked
+    scores: np.ndarray  # (B, N, T, S), scaled (and soft-capped), -inf where masked
     weights: np.ndarray  # (B, N, T, S), after the masked-row policy
     context: np.ndarray  # (B, T, N*H), heads concatenated
     output: np.ndarray  # (B, T, E)
     q_rot: np.ndarray | None = None  # (B, N, T, H), q after RoPE; None without RoPE
     k_rot: np.ndarray | None = None  # (B, K, S, H)
+    q_norm: np.ndarray | None = None  # (B, N, T, H), q after its RMSNorm (before RoPE); None without qk_norm
+    k_norm: np.ndarray | None = None  # (B, K, S, H)
+    sink_weights: np.ndarray | None = None  # (B, N, T), the weight each row gives its sink; None without sinks
+
+    @property
+    def attended_q(self) -> np.ndarray:
+        """The queries the scores are taken with: after the norm and RoPE the layer has (B, N, T, H)."""
+        return next(x for x in (self.q_rot, self.q_norm, self.q) if x is not None)
+
+    @property
+    def attended_k(self) -> np.ndarray:
+        """The keys the scores are taken with (B, K, S, H)."""
+        return next(x for x in (self.k_rot, self.k_norm, self.k) if x is not None)
 
 
 def _round(x: np.ndarray, dtype) -> np.ndarray:
@@ -58,8 +71,11 @@ def keep_mask(mask, B: int, N: int, T: int, S: int):
 
 
 def config_of(sd, num_heads: int, *, masked_rows: str = "nan", num_kv_heads=None, rope=None,
-              rope_theta: float = 10000.0) -> AttentionConfig:
-    """The layer a canonical state dict describes; every key and shape checked (ValueError naming them)."""
+              rope_theta: float = 10000.0, qk_norm=None, qk_norm_eps: float = 1e-6, qk_norm_offset: float = 0.0,
+              scale=None, softcap=None) -> AttentionConfig:
+    """The layer a canonical state dict describes; every key and shape checked (ValueError naming them).
+    Biases and sinks are read off the keys; q_norm/k_norm weights need qk_norm (their shapes cannot say
+    "head" from "flat" when N = K = 1)."""
     if "q_proj.weight" not in sd:
         raise ValueError(f"state dict has no 'q_proj.weight'; keys: {sorted(sd)}")
     width, E = np.shape(sd["q_proj.weight"])
@@ -69,12 +85,14 @@ def config_of(sd, num_heads: int, *, masked_rows: str = "nan", num_kv_heads=None
     cfg = AttentionConfig(E, num_heads, num_kv_heads=num_kv_heads,
                           head_dim=None if head_dim is not None and head_dim * num_heads == E else head_dim,
                           qkv_bias=any(f"{p}.bias" in sd for p in ("q_proj", "k_proj", "v_proj")),
-                          out_bias="out_proj.bias" in sd, rope=rope, rope_theta=rope_theta, masked_rows=masked_rows)
+                          out_bias="out_proj.bias" in sd, rope=rope, rope_theta=rope_theta, masked_rows=masked_rows,
+                          qk_norm=qk_norm, qk_norm_eps=qk_norm_eps, qk_norm_offset=qk_norm_offset, scale=scale,
+                          softcap=softcap, sinks="sinks" in sd)
     expected = cfg.weight_shapes()
     missing, unexpected = sorted(set(expected) - set(sd)), sorted(set(sd) - set(expected))
     if missing or unexpected:
         raise ValueError(f"state dict keys do not describe one layer: missing {missing}, unexpected {unexpected} "
-                         "(q/k/v biases come all three or none)")
+                         "(q/k/v biases come all three or none; q_norm/k_norm weights with qk_norm= only)")
     for name, shape in expected.items():
         if tuple(np.shape(sd[name])) != shape:
             raise ValueError(f"{name} has shape {tuple(np.shape(sd[name]))}, expected {shape} "
@@ -143,7 +161,8 @@ def _combined_keep(mask, B: int, N: int, T: int, S: int, structured: dict):
 def forward(sd, query, key, value, mask=None, *, num_heads: int, masked_rows: str = "nan", dtype=np.float64,
             num_kv_heads: int | None = None, rope: str | None = None, rope_theta: float = 10000.0,
             positions=None, key_positions=None, is_causal: bool = False, window=None, segment_ids=None,
-            key_segment_ids=None, alignment: str = "top-left") -> Intermediates:
+            key_segment_ids=None, alignment: str = "top-left", qk_norm=None, qk_norm_eps: float = 1e-6,
+            qk_norm_offset: float = 0.0, scale=None, softcap=None) -> Intermediates:
     """The layer's maths, stage by stage; returns every intermediate as float64 arrays.
 
     The layer (`mha_spec.AttentionConfig`) is read off the state dict's keys and shapes and the
@@ -152,9 +171,13 @@ def forward(sd, query, key, value, mask=None, *, num_heads: int, masked_rows: st
     `dtype`, RoPE's cos/sin are stored in the accumulation dtype and the rotated q/k in `dtype`.
     is_causal, window, segment_ids, key_segment_ids and alignment are the structured masks
     (`structured_keep`), ANDed with `mask`.
+    The layers after Llama (`mha_spec.AttentionConfig`): qk_norm (with qk_norm_eps, qk_norm_offset and the
+    state dict's q_norm.weight, k_norm.weight) normalises q and k before RoPE, `scale` replaces H**-0.5,
+    `softcap` caps the scaled logits before the mask, a "sinks" tensor (N,) joins each row's softmax.
     """
     cfg = config_of(sd, num_heads, masked_rows=masked_rows, num_kv_heads=num_kv_heads, rope=rope,
-                    rope_theta=rope_theta)
+                    rope_theta=rope_theta, qk_norm=qk_norm, qk_norm_eps=qk_norm_eps, qk_norm_offset=qk_norm_offset,
+                    scale=scale, softcap=softcap)
     E, N, K, H, G = cfg.embed_dim, cfg.num_heads, cfg.kv_heads, cfg.head_size, cfg.group
     B, T, S = check_qkv_shapes(np.shape(query), np.shape(key), np.shape(value), E)
     if rope is None and (positions is not None or key_positions is not None):
@@ -170,115 +193,212 @@ def forward(sd, query, key, value, mask=None, *, num_heads: int, masked_rows: st
     q = heads(_linear(xq, sd, "q_proj", dtype), N)  # (B, N, T, H)
     k = heads(_linear(xk, sd, "k_proj", dtype), K)  # (B, K, S, H)
     v = heads(_linear(xv, sd, "v_proj", dtype), K)  # (B, K, S, H)
+    q_norm, k_norm = _qk_norm(q, sd, "q_norm", cfg, dtype), _qk_norm(k, sd, "k_norm", cfg, dtype)
+    qn, kn = (x if y is None else y for x, y in ((q, q_norm), (k, k_norm)))
     q_rot = k_rot = None
     if rope is not None:
         (cq, sq), (ck, sk) = _rope_cos_sin(positions, key_positions, B, T, S, H, rope_theta, acc)
-        q_rot, k_rot = _round(rotate(q, cq, sq, rope), dtype), _round(rotate(k, ck, sk, rope), dtype)
-    qs = q if q_rot is None else q_rot
-    ks = k if k_rot is None else k_rot
+        q_rot, k_rot = _round(rotate(qn, cq, sq, rope), dtype), _round(rotate(kn, ck, sk, rope), dtype)
+    qs = qn if q_rot is None else q_rot
+    ks = kn if k_rot is None else k_rot
     qg = qs.reshape(B, K, G, T, H)  # query head h = j * G + g uses key/value head j = h // G
-    scores = _round(np.einsum("BKGTH,BKSH->BKGTS", qg, ks).reshape(B, N, T, S) / np.sqrt(H), acc)
+    scores = _logits(np.einsum("BKGTH,BKSH->BKGTS", qg, ks).reshape(B, N, T, S), cfg, acc)
+    scores, weights, sink_weights = _softmax(scores, keep, sd.get("sinks"), masked_rows, acc, dtype)
+    context = _round(np.einsum("BKGTS,BKSH->BKGTH", weights.reshape(B, K, G, T, S), v), dtype)
+    context = context.reshape(B, N, T, H).transpose(0, 2, 1, 3).reshape(B, T, N * H)
+    output = _linear(context, sd, "out_proj", dtype)
+    return Intermediates(q, k, v, scores, weights, context, output, q_rot, k_rot, q_norm, k_norm, sink_weights)
+
+
+def _norm_dtype(dtype) -> np.dtype:
+    """Where the QK RMSNorm is computed: float32 at least, as the models' x.float() (float64 stays float64)."""
+    return np.promote_types(np.dtype(dtype), np.float32)
+
+
+def _per_token(x, cfg: AttentionConfig):
+    """x (B, n, L, H) as the vectors its RMSNorm normalises: each head's H ("head"), or each token's
+    n*H projection ("flat", (B, L, n*H)); and the inverse."""
+    if cfg.qk_norm == "head":
+        return x, lambda y: y
+    B, n, L, H = x.shape
+    return x.transpose(0, 2, 1, 3).reshape(B, L, n * H), lambda y: y.reshape(B, L, n, H).transpose(0, 2, 1, 3)
+
+
+def _qk_norm(x, sd, name: str, cfg: AttentionConfig, dtype):
+    """x (B, n, L, H) after the layer's RMSNorm `name` (q_norm | k_norm) before RoPE, stored in dtype; None
+    without qk_norm. x / sqrt(mean(x²) + eps) * (offset + w), computed in `_norm_dtype`."""
+    if cfg.qk_norm is None:
+        return None
+    vectors, back = _per_token(x, cfg)
+    at = _norm_dtype(dtype)
+    v = _round(vectors, at)
+    rms = np.sqrt(_round(np.mean(v * v, axis=-1, keepdims=True) + cfg.qk_norm_eps, at))
+    w = _round(cfg.qk_norm_offset + _round(as_float64(sd[f"{name}.weight"]), dtype), at)
+    return back(_round(_round(v / rms, at) * w, dtype))
+
+
+def _qk_norm_backward(d_y, x, sd, name: str, cfg: AttentionConfig, r) -> tuple[np.ndarray, np.ndarray]:
+    """(the gradient of the norm's input x (B, n, L, H), of its weight) from that of its output d_y; x is
+    the projection before the norm. y = n·(offset + w), n = x / rms: dx = (dn - n·mean(dn·n)) / rms."""
+    vectors, back = _per_token(x, cfg)
+    d, _ = _per_token(d_y, cfg)
+    rms = np.sqrt(np.mean(vectors * vectors, axis=-1, keepdims=True) + cfg.qk_norm_eps)
+    n = vectors / rms
+    d_w = r((d * n).reshape(-1, n.shape[-1]).sum(axis=0))
+    dn = d * (cfg.qk_norm_offset + r(as_float64(sd[f"{name}.weight"])))
+    return back(r((dn - n * np.mean(dn * n, axis=-1, keepdims=True)) / rms)), d_w
+
+
+def _logits(qk, cfg: AttentionConfig, acc) -> np.ndarray:
+    """q·k (B, N, T, S) scaled (H**-0.5 or `scale`) and, with softcap, capped: cap·tanh(s / cap), in acc."""
+    s = _round(qk / np.sqrt(cfg.head_size) if cfg.scale is None else qk * cfg.scale, acc)
+    return s if cfg.softcap is None else _round(cfg.softcap * np.tanh(s / cfg.softcap), acc)
+
+
+def _softmax(scores, keep, sinks, masked_rows: str, acc, dtype):
+    """(scores -inf where masked, weights (B, N, T, S) stored in dtype, the sinks' weights (B, N, T) or None).
+
+    A row that keeps no key follows `masked_rows` (a uniform row spreads over the S keys) -- unless the
+    layer has sinks (N,): each row's softmax then also holds its head's sink logit, whose column is dropped
+    after, so such a row gives all its weight to the sink (zeros)."""
+    S = scores.shape[-1]
     if keep is not None:
         scores = np.where(keep, scores, -np.inf)
         row_any = keep.any(axis=-1, keepdims=True)
         safe = np.where(row_any, scores, 0.0)
     else:
         row_any, safe = np.ones((1, 1, 1, 1), bool), scores
+    if sinks is not None:
+        sink = _round(as_float64(sinks), dtype).reshape(1, -1, 1, 1)  # (1, N, 1, 1)
+        top = np.maximum(scores.max(axis=-1, keepdims=True), sink)  # the sink when the row keeps no key
+        e, e_sink = np.exp(scores - top), np.exp(sink - top)
+        total = e.sum(axis=-1, keepdims=True) + e_sink
+        return scores, _round(_round(e / total, acc), dtype), _round(e_sink / total, acc)[..., 0]
     with np.errstate(invalid="ignore"):
         shifted = np.exp(safe - safe.max(axis=-1, keepdims=True))
         weights = shifted / shifted.sum(axis=-1, keepdims=True)
     fill = {"nan": np.nan, "zero": 0.0, "uniform": 1.0 / S}[masked_rows]
-    weights = _round(_round(np.where(row_any, weights, fill), acc), dtype)
-    context = _round(np.einsum("BKGTS,BKSH->BKGTH", weights.reshape(B, K, G, T, S), v), dtype)
-    context = context.reshape(B, N, T, H).transpose(0, 2, 1, 3).reshape(B, T, N * H)
-    output = _linear(context, sd, "out_proj", dtype)
-    return Intermediates(q, k, v, scores, weights, context, output, q_rot, k_rot)
+    return scores, _round(_round(np.where(row_any, weights, fill), acc), dtype), None
 
 
 def backward(sd, query, key, value, mask, cotangent, *, num_heads: int, masked_rows: str = "nan", dtype=np.float64,
              num_kv_heads: int | None = None, rope: str | None = None, rope_theta: float = 10000.0,
              positions=None, key_positions=None, masked_row_grads: str = "stop",
              per_query_head: bool = False, is_causal: bool = False, window=None, segment_ids=None,
-             key_segment_ids=None, alignment: str = "top-left") -> dict[str, np.ndarray]:
-    """Gradients of sum(output * cotangent) w.r.t. query, key, value and every weight.
+             key_segment_ids=None, alignment: str = "top-left", qk_norm=None, qk_norm_eps: float = 1e-6,
+             qk_norm_offset: float = 0.0, scale=None, softcap=None) -> dict[str, np.ndarray]:
+    """Gradients of sum(output * cotangent) w.r.t. query, key, value and every weight ("query", "key",
+    "value" and the state dict's own names; the norm weights and the sinks too).
 
-    Keys: "query", "key", "value" and the state dict's own names. A fully masked row's weights
-    are a constant of the policy, so no gradient flows through its scores; under "nan" its NaN
-    reaches V's gradients, as in the modules. masked_row_grads="flow" is what a layer that ADDS
-    its mask to the scores computes: the row is differentiated as a softmax like any other, so
-    its gradient reaches the query and key gradients -- with "uniform" a large finite fill
-    (finfo.min), with "nan" -inf, whose NaN then spreads there.
-    A key/value head's gradients sum over the query heads of its group; RoPE is a
-    rotation, so its backward rotates the gradient back by the same angle.
-    With a low `dtype` it is the same maths with each stored result rounded as the
-    modules store it (activations and gradients in the dtype, the softmax backward in
-    float32 as its forward): the yardstick of the three-way judge for gradients.
-    per_query_head=True adds each query head's share of the k/v gradients (`_per_query_head_shares`).
-    The structured masks (is_causal, window, segment ids, alignment) are `forward`'s, ANDed with `mask`.
+    A fully masked row's weights are a constant of the policy, so no gradient flows through its scores;
+    under "nan" its NaN reaches V's gradients, as in the modules. masked_row_grads="flow" is what a layer
+    that ADDS its mask to the scores computes: the row is differentiated as a softmax like any other, so its
+    gradient reaches the query and key gradients -- with "uniform" a large finite fill (finfo.min), with
+    "nan" -inf, whose NaN then spreads there. A key/value head's gradients sum over its group's query
+    heads; RoPE's backward rotates back by the same angle. With a low `dtype`: the same maths with each
+    stored result rounded as the modules store it (the softmax backward in float32 as its forward), the
+    yardstick of the three-way judge. per_query_head=True adds each query head's share of the k/v
+    gradients (`_per_query_head_shares`). The masks and the layer's keywords are `forward`'s.
     """
-    acc = _accumulation_dtype(dtype)
     if masked_row_grads not in ("stop", "flow"):
         raise ValueError(f"masked_row_grads must be 'stop' or 'flow', got {masked_row_grads!r}")
-    flow = masked_row_grads == "flow"
+    acc, flow = _accumulation_dtype(dtype), masked_row_grads == "flow"
 
     def r(x, dt=dtype):
         return _round(x, dt)
 
     structured = dict(is_causal=is_causal, window=window, segment_ids=segment_ids, key_segment_ids=key_segment_ids,
                       alignment=alignment)
-    kw = dict(num_heads=num_heads, masked_rows=masked_rows, num_kv_heads=num_kv_heads, rope=rope,
-              rope_theta=rope_theta, positions=positions, key_positions=key_positions)
-    f = forward(sd, query, key, value, mask, dtype=dtype, **kw, **structured)
-    (N, H), K = f.q.shape[1::2], f.k.shape[1]
-    G = N // K
+    layer = dict(num_heads=num_heads, masked_rows=masked_rows, num_kv_heads=num_kv_heads, rope=rope,
+                 rope_theta=rope_theta, qk_norm=qk_norm, qk_norm_eps=qk_norm_eps, qk_norm_offset=qk_norm_offset,
+                 scale=scale, softcap=softcap)
+    f = forward(sd, query, key, value, mask, dtype=dtype, positions=positions, key_positions=key_positions,
+                **structured, **layer)
+    cfg = config_of(sd, **layer)
+    (N, H), K, G = f.q.shape[1::2], f.k.shape[1], cfg.group
     W = {k: r(as_float64(v)) for k, v in sd.items()}
     xq, xk, xv = (r(as_float64(x)) for x in (query, key, value))
     g = r(as_float64(cotangent))  # (B, T, E)
     B, T, _ = g.shape
     S = xk.shape[1]
-    qs = f.q if f.q_rot is None else f.q_rot
 
-    grads = {"out_proj.weight": r(np.einsum("BTF,BTE->FE", g, f.context))}
-    if "out_proj.bias" in sd:
-        grads["out_proj.bias"] = r(g.sum(axis=(0, 1)))
-    d_context = r(g @ W["out_proj.weight"]).reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4)  # (B, K, G, T, H)
+    grads, d_context = _out_proj_backward(g, f.context, W, r)
+    d_context = d_context.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4)  # (B, K, G, T, H)
     keep = _combined_keep(mask, B, N, T, S, structured)
-    d_q, d_k, d_v, d_scores = _core_backward(f, d_context, keep, flow, acc, r)
+    d_q, d_k, d_v, d_scores, d_sinks = _core_backward(f, d_context, keep, flow, cfg, acc, r)
+    if d_sinks is not None:
+        grads["sinks"] = d_sinks
     key_angles = None
     if rope is not None:  # the transpose of a rotation is the rotation by minus the angle
         (cq, sq), key_angles = _rope_cos_sin(positions, key_positions, B, T, S, H, rope_theta, acc)
         d_q, d_k = r(rotate(d_q, cq, -sq, rope)), r(rotate(d_k, key_angles[0], -key_angles[1], rope))
+    if cfg.qk_norm is not None:  # the projections' gradients, through the norms
+        (d_q, grads["q_norm.weight"]), (d_k, grads["k_norm.weight"]) = (
+            _qk_norm_backward(d, x, sd, name, cfg, r) for d, x, name in ((d_q, f.q, "q_norm"), (d_k, f.k, "k_norm")))
     for name, d_heads, x, grad_key in (("q_proj", d_q, xq, "query"), ("k_proj", d_k, xk, "key"), ("v_proj", d_v, xv, "value")):
         grads.update(_projection_grads(name, grad_key, d_heads, x, W, r))
     if per_query_head:
-        grads.update(_per_query_head_shares(d_scores, qs, f.weights.reshape(d_scores.shape), d_context, key_angles,
-                                            rope, r))
+        grads.update(_shares_of(f, d_scores, d_context, key_angles, rope, sd, cfg, r))
     return grads
 
 
-def _core_backward(f: Intermediates, d_context, keep, flow: bool, acc, r):
-    """The attention core's backward, from the context's gradient d_context (B, K, G, T, H) to the heads' q
-    (B, N, T, H; before RoPE's backward), k and v (B, K, S, H) gradients, and d_scores (B, K, G, T, S)."""
+def _out_proj_backward(g, context, W, r) -> tuple[dict, np.ndarray]:
+    """({out_proj's gradients}, the context's gradient (B, T, N·H)) from the output's g (B, T, E)."""
+    grads = {"out_proj.weight": r(np.einsum("BTF,BTE->FE", g, context))}
+    if "out_proj.bias" in W:
+        grads["out_proj.bias"] = r(g.sum(axis=(0, 1)))
+    return grads, r(g @ W["out_proj.weight"])
+
+
+def _shares_of(f: Intermediates, d_scores, d_context, key_angles, rope, sd, cfg: AttentionConfig, r) -> dict:
+    """`_per_query_head_shares`, the key's shares taken through the key norm's backward (linear in them)."""
+    shares = _per_query_head_shares(d_scores, f.attended_q, f.weights.reshape(d_scores.shape), d_context,
+                                    key_angles, rope, r)
+    if cfg.qk_norm is not None:
+        B, K, G, S, H = shares["key.per_query_head"].shape
+        per_g = shares["key.per_query_head"].transpose(0, 2, 1, 3, 4).reshape(B * G, K, S, H)
+        k_pre = np.repeat(f.k[:, None], G, axis=1).reshape(B * G, K, S, H)  # (B·G, K, S, H)
+        d, _ = _qk_norm_backward(per_g, k_pre, sd, "k_norm", cfg, r)
+        shares["key.per_query_head"] = d.reshape(B, G, K, S, H).transpose(0, 2, 1, 3, 4)
+    return shares
+
+
+def _core_backward(f: Intermediates, d_context, keep, flow: bool, cfg: AttentionConfig, acc, r):
+    """The attention core's backward, from the context's gradient d_context (B, K, G, T, H) to the attended
+    q (B, N, T, H; before RoPE's and the norm's backward), k and v (B, K, S, H) gradients, d_scores
+    (B, K, G, T, S), and the sinks' gradient (N,) (None without sinks)."""
     B, K, G, T, H = d_context.shape
     N, S = K * G, f.weights.shape[-1]
-    qs = f.q if f.q_rot is None else f.q_rot
-    ks = f.k if f.k_rot is None else f.k_rot
     w = f.weights.reshape(B, K, G, T, S)
     d_weights = r(np.einsum("BKGTH,BKSH->BKGTS", d_context, f.v)).reshape(B, N, T, S)
     d_v = r(np.einsum("BKGTS,BKGTH->BKSH", w, d_context))
-    d_scores = _scores_backward(f.weights, d_weights, keep, flow, H, acc, r).reshape(B, K, G, T, S)
-    d_q = r(np.einsum("BKGTS,BKSH->BKGTH", d_scores, ks)).reshape(B, N, T, H)
-    d_k = r(np.einsum("BKGTS,BKGTH->BKSH", d_scores, qs.reshape(B, K, G, T, H)))
-    return d_q, d_k, d_v, d_scores
+    d_scores = _scores_backward(f, d_weights, keep, flow, cfg, acc, r).reshape(B, K, G, T, S)
+    d_q = r(np.einsum("BKGTS,BKSH->BKGTH", d_scores, f.attended_k)).reshape(B, N, T, H)
+    d_k = r(np.einsum("BKGTS,BKGTH->BKSH", d_scores, f.attended_q.reshape(B, K, G, T, H)))
+    d_sinks = None
+    if f.sink_weights is not None:  # the sink's column: its weight times (0 - sum_s d_weights·weights)
+        d_sinks = r(-(f.sink_weights * (d_weights * f.weights).sum(axis=-1)).sum(axis=(0, 2)))
+    return d_q, d_k, d_v, d_scores, d_sinks
 
 
-def _scores_backward(weights, d_weights, keep, flow: bool, H: int, acc, r) -> np.ndarray:
-    """d_scores (B, N, T, S) from the softmax's output and its gradient, the 1/sqrt(H) scale included,
-    in the accumulation dtype. Unless `flow`, a fully masked row is a constant of the policy: no gradient."""
+def _scores_backward(f: Intermediates, d_weights, keep, flow: bool, cfg: AttentionConfig, acc, r) -> np.ndarray:
+    """d of q·k (B, N, T, S) from the softmax's output and its gradient, through the soft-cap and the scale,
+    in the accumulation dtype. Unless `flow`, a fully masked row is a constant of the policy: no gradient.
+    (With sinks the softmax's real columns have the same backward: the dropped column's gradient is 0.)"""
+    weights = f.weights
     row_any = np.ones((1, 1, 1, 1), bool) if keep is None else keep.any(axis=-1, keepdims=True)
     p = weights if flow else np.where(row_any, weights, 0.0)
     d_scores = r(p * (d_weights - (d_weights * p).sum(axis=-1, keepdims=True)), acc)
-    return r(np.where(row_any | flow, d_scores, 0.0) / np.sqrt(H), acc)
+    d_scores = np.where(row_any | flow, d_scores, 0.0)
+    if cfg.softcap is not None:  # d(cap·tanh(s/cap))/ds = 1 - tanh², tanh = capped / cap
+        # the capped logits before the mask: a fully masked row's gradient flows ("flow") through the
+        # cap of its own logits, as in a layer that adds its mask after the cap (Gemma 2)
+        B, N, T, S = f.weights.shape
+        K, H = f.attended_k.shape[1], f.attended_k.shape[-1]
+        qk = np.einsum("BKGTH,BKSH->BKGTS", f.attended_q.reshape(B, K, N // K, T, H), f.attended_k)
+        t = _logits(qk.reshape(B, N, T, S), cfg, acc) / cfg.softcap
+        d_scores = r(d_scores * (1.0 - t * t), acc)
+    return r(d_scores / np.sqrt(cfg.head_size) if cfg.scale is None else d_scores * cfg.scale, acc)
 
 
 def _per_query_head_shares(d_scores, q, w, d_context, key_angles, rope, r) -> dict[str, np.ndarray]:
@@ -375,7 +495,8 @@ def _cache_keep(slots: np.ndarray, starts: np.ndarray, capacity: int) -> np.ndar
 
 def decode(sd, x, *, starts=None, prefill: int, num_heads: int, masked_rows: str = "nan",
            num_kv_heads: int | None = None, rope: str | None = None, rope_theta: float = 10000.0,
-           dtype=np.float64, capacity: int | None = None) -> Decoded:
+           dtype=np.float64, capacity: int | None = None, qk_norm=None, qk_norm_eps: float = 1e-6,
+           qk_norm_offset: float = 0.0, scale=None, softcap=None) -> Decoded:
     """Self-attention over x (B, L, E) run as a decoder: a prefill of the first `prefill` tokens,
     then one token per call, each call projecting only its new tokens against a cache.
 
@@ -387,9 +508,11 @@ def decode(sd, x, *, starts=None, prefill: int, num_heads: int, masked_rows: str
     of the cache as they stand after the call's write (unwritten slots hold zeros). This path
     shares no masking or position code with `forward`, so `forward` with `decode_keep` and
     `decode_positions` is an independent check of it. A low `dtype` rounds each stage as `forward`.
+    qk_norm, scale, softcap and sinks are `forward`'s (the cache holds the normalised, rotated keys).
     """
     cfg = config_of(sd, num_heads, masked_rows=masked_rows, num_kv_heads=num_kv_heads, rope=rope,
-                    rope_theta=rope_theta)
+                    rope_theta=rope_theta, qk_norm=qk_norm, qk_norm_eps=qk_norm_eps, qk_norm_offset=qk_norm_offset,
+                    scale=scale, softcap=softcap)
     E, N, K, H = cfg.embed_dim, cfg.num_heads, cfg.kv_heads, cfg.head_size
     x = np.asarray(x)
     if x.ndim != 3 or x.shape[-1] != E:
@@ -415,13 +538,15 @@ def decode(sd, x, *, starts=None, prefill: int, num_heads: int, masked_rows: str
         q = _linear(xs[:, lo:hi], sd, "q_proj", dtype).reshape(B, T, N, H).transpose(0, 2, 1, 3)  # (B, N, T, H)
         k = _linear(xs[:, lo:hi], sd, "k_proj", dtype).reshape(B, T, K, H).transpose(0, 2, 1, 3)  # (B, K, T, H)
         v = _linear(xs[:, lo:hi], sd, "v_proj", dtype).reshape(B, T, K, H).transpose(0, 2, 1, 3)
+        if cfg.qk_norm is not None:
+            q, k = _qk_norm(q, sd, "q_norm", cfg, dtype), _qk_norm(k, sd, "k_norm", cfg, dtype)
         if rope is not None:
             angles = _slot_positions(slots, starts).astype(np.float64)[:, None, :, None] * inv_freq  # (B, 1, T, H/2)
             cos, sin = _round(np.cos(angles), acc), _round(np.sin(angles), acc)
             q, k = _round(rotate(q, cos, sin, rope), dtype), _round(rotate(k, cos, sin, rope), dtype)
         k_cache[:, :, lo:hi], v_cache[:, :, lo:hi] = k, v
         scores, weights, context = _attend_cache(q, k_cache, v_cache, _cache_keep(slots, starts, C), masked_rows,
-                                                 dtype, acc)
+                                                 dtype, acc, cfg, sd.get("sinks"))
         outputs.append(_linear(context, sd, "out_proj", dtype))
         all_scores.append(scores)
         all_weights.append(weights)
@@ -429,21 +554,15 @@ def decode(sd, x, *, starts=None, prefill: int, num_heads: int, masked_rows: str
     return Decoded(output, k_cache, v_cache, starts, np.full(B, L, np.int64), tuple(all_scores), tuple(all_weights))
 
 
-def _attend_cache(q, k_cache, v_cache, keep, masked_rows: str, dtype, acc):
+def _attend_cache(q, k_cache, v_cache, keep, masked_rows: str, dtype, acc, cfg: AttentionConfig, sinks=None):
     """One decode call's attention of its queries q (B, N, T, H) over the cache (B, K, C, H) under keep
-    (B, 1, T, C) -> scores, weights (B, N, T, C) and the context (B, T, N*H), each rounded as `forward` rounds it."""
+    (B, 1, T, C) -> scores, weights (B, N, T, C) and the context (B, T, N*H), each rounded as `forward` rounds it.
+    A query that attends nothing spreads a "uniform" row over the cache's C slots."""
     B, N, T, H = q.shape
     K, C = k_cache.shape[1], k_cache.shape[2]
     G = N // K
     scores = np.einsum("BKGTH,BKCH->BKGTC", q.reshape(B, K, G, T, H), k_cache).reshape(B, N, T, C)
-    scores = _round(scores / np.sqrt(H), acc)
-    scores = np.where(keep, scores, -np.inf)
-    attends = keep.any(axis=-1, keepdims=True)  # (B, 1, T, 1)
-    safe = np.where(attends, scores, 0.0)
-    e = np.exp(safe - safe.max(axis=-1, keepdims=True))  # exactly 0 where not attended
-    weights = e / e.sum(axis=-1, keepdims=True)
-    fill = {"nan": np.nan, "zero": 0.0, "uniform": 1.0 / C}[masked_rows]
-    weights = _round(_round(np.where(attends, weights, fill), acc), dtype)
+    scores, weights, _ = _softmax(_logits(scores, cfg, acc), keep, sinks, masked_rows, acc, dtype)
     context = _round(np.einsum("BKGTC,BKCH->BKGTH", weights.reshape(B, K, G, T, C), v_cache), dtype)
     return scores, weights, context.reshape(B, N, T, H).transpose(0, 2, 1, 3).reshape(B, T, N * H)
 

@@ -62,7 +62,7 @@ about (n-1) * eps/2 * sum|terms| in the worst case, about sqrt(n) * eps/2 * |par
 typically -- which k times the yardstick does not cover. Rule (`reduction_floors`): each
 bias gradient is also allowed the three-way bound of that reduction, k * err(dtype_sum
 (terms), exact) + atol, where the terms are the oracle's own in the dtype (as
-reference.backward(dtype=...) stores them: `parity.harness.checks.Unit.bias_terms`) and
+reference.backward(dtype=...) stores them: `parity.harness.checks.Oracle.bias_terms`) and
 dtype_sum adds them one at a time in the dtype; the larger of the two bounds applies. On a
 grouped layer (G query heads per key/value head) XLA, under jit, fuses repeat_kv's transpose
 (the sum over the group) into the k/v bias reduction: one float16 sum of B*G*S per-query-head

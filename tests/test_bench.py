@@ -14,9 +14,10 @@ import pytest
 from parity.bench import measure, report, sweep
 from parity.bench.measure import same_output
 from parity.devices import DevicePlan, resolve_device
+from parity.bench.records import ROW_FIELDS, Key, empty_row
 from parity.bench.spec import (
-    IMPLS, PRESETS, ROW_FIELDS, BenchCase, Timing, canonical_weights, empty_row, forward_flops, make_inputs, pass_flops,
-    rope_positions, row_key, select_impls,
+    IMPLS, PRESETS, BenchCase, Timing, canonical_weights, forward_flops, make_inputs, pass_flops, rope_positions,
+    select_impls,
 )
 
 
@@ -278,7 +279,7 @@ def test_dead_worker_costs_one_error_row_and_the_sweep_continues(tmp_path):
         return FakeProc([ln for it in items[2:] for ln in (f"@@START\t{it.id}", _row_line(it))], rc=0)
 
     out = sweep.Collected()
-    sweep.run_group(cfg, items, [], out, lambda k, d: None, str(tmp_path), spawn)
+    sweep.spawn_group(cfg, items, [], out, lambda k, d: None, str(tmp_path), spawn)
     assert spawned == [[0, 1, 2, 3], [2, 3]]
     assert [[r["status"] for r in out.rows[i]] for i in range(4)] == [["ok"], ["error"], ["ok"], ["ok"]]
     assert "signal 9" in out.rows[1][0]["message"] and "Killed" in out.rows[1][0]["message"]
@@ -295,7 +296,7 @@ def test_failing_item_in_worker_becomes_error_row(monkeypatch):
             raise RuntimeError("out of memory: tried to allocate 64 GiB")
 
     group = [(0, _impl("ours-jax:jit:fused"), CASE, "fwd")]
-    rows, probes = worker.run_group({"jax": Broken}, group, _worker_spec(), Timing(), FakeClock())
+    rows, probes = worker.time_group({"jax": Broken}, group, _worker_spec(), Timing(), FakeClock())
     row = rows[0][1]
     assert row["status"] == "error" and probes == []
     assert row["message"].startswith("RuntimeError: out of memory")
@@ -346,7 +347,7 @@ def test_the_worker_runs_each_framework_where_the_plan_it_was_given_says():
     keys = ["ours-torch:eager:fused", "ours-jax:jit:fused"]
     mods = {fw: Recording(clock, log, dict.fromkeys(keys, 1.0)) for fw in ("torch", "jax")}
     group = [(i, _impl(k), CASE, "fwd") for i, k in enumerate(keys)]
-    rows, _ = worker.run_group(mods, group, _worker_spec(device=asdict(plan)), Timing(min_repeats=2, max_repeats=2), clock)
+    rows, _ = worker.time_group(mods, group, _worker_spec(device=asdict(plan)), Timing(min_repeats=2, max_repeats=2), clock)
     assert built == {"torch": "cpu", "jax": "gpu"}
     assert [row["device"] for _, row in rows] == ["cpu", "gpu"]
 
@@ -361,7 +362,7 @@ def test_the_sweep_sends_its_plan_to_every_worker(tmp_path):
         specs.append(spec)
         return FakeProc([ln for it in items for ln in (f"@@START\t{it.id}", _row_line(it))], rc=0)
 
-    sweep.run_group(cfg, items, [], sweep.Collected(), lambda k, d: None, str(tmp_path), spawn)
+    sweep.spawn_group(cfg, items, [], sweep.Collected(), lambda k, d: None, str(tmp_path), spawn)
     assert [s["device"] for s in specs] == [asdict(plan)] and DevicePlan(**specs[0]["device"]) == plan
 
 
@@ -397,7 +398,7 @@ def _fake_group(keys, costs, outputs=None, **spec):
     clock, log = FakeClock(), []
     group = [(i, _impl(k), CASE, "fwd") for i, k in enumerate(keys)]
     mods = {fw: FakeMod(clock, log, costs, outputs) for fw in ("torch", "jax")}
-    rows, _ = worker.run_group(mods, group, _worker_spec(**spec), Timing(warmup=1, min_repeats=8, max_repeats=8), clock)
+    rows, _ = worker.time_group(mods, group, _worker_spec(**spec), Timing(warmup=1, min_repeats=8, max_repeats=8), clock)
     rows = dict(rows)
     timed = {s: r for s, r in rows.items() if r["status"] in ("ok", "noisy")}
     pair = verdict.choose_pair({s: keys[s] for s in timed}, {s: _impl(keys[s]).framework for s in timed},
@@ -734,7 +735,7 @@ def test_a_file_before_the_variant_fields_compares_with_classic_rows_and_variant
     first = next(r for r in base["rows"] if r["status"] == "ok")
     assert "kv_heads" not in first  # written before the variant fields existed
     case = BenchCase.from_fields(first)
-    im = next(i for i in IMPLS if row_key(first) == i.bench_key)
+    im = next(i for i in IMPLS if str(Key.of_row(first)) == i.bench_key)
     classic = empty_row(im, case, first["pass"], status="ok", median_s=first["median_s"], iqr_s=first["iqr_s"])
     grouped = empty_row(im, BenchCase.from_fields({**first, "kv_heads": 1}), first["pass"], status="ok",
                         median_s=first["median_s"] * 5, iqr_s=first["iqr_s"])
@@ -832,7 +833,7 @@ def _vet(monkeypatch, scratch, rates, row_gflops):
         row = empty_row(item.impl, item.case, item.pass_, status="ok", median_s=flops / (gflops * 1e9), iqr_s=0.0)
         bar.vet([(item.id, row)])
         out = sweep.Collected()
-        sweep.run_group(cfg, [item], [], out, lambda k, d: None, str(scratch),
+        sweep.spawn_group(cfg, [item], [], out, lambda k, d: None, str(scratch),
                          lambda spec, env: FakeProc([*lines, f"@@ROW\t{json.dumps({'id': item.id, **row})}"], rc=0))
         verdicts.append(sweep.finish([item], out)[0]["status"])
     return verdicts, [json.loads(ln.split("\t", 1)[1]) for ln in lines], mod

@@ -11,7 +11,8 @@ import pytest
 
 from parity.bench import cli, measure, report
 from parity.bench.measure import same_output
-from parity.bench.spec import FLOPS_FORMULA, IMPLS, BenchCase, BenchMask, empty_row, keep_mask, pass_flops, unsupported
+from parity.bench.records import empty_row
+from parity.bench.spec import FLOPS_FORMULA, IMPLS, BenchCase, BenchMask, keep_mask, pass_flops, why_not_in_bench
 from test_bench_cli import _console, _run, fake_spawn, FAST
 
 
@@ -59,10 +60,10 @@ def test_the_native_grouped_baselines_run_the_variant_layers_they_hold_and_skip_
     classic = BenchCase.of(2, 5, 7, 24, 4, "float32")
     rotary = BenchCase.of(2, 5, 7, 24, 4, "float32", kv_heads=2, rope="half", bias="none")
     for key in ("torch-sdpa-gqa:eager:fused", "jax-dpa-gqa:jit:fused", "keras-gqa:jit:fused"):
-        assert unsupported(_impl(key), grouped) is None, key
-        assert "grouped-layer baseline" in unsupported(_impl(key), classic)
-    assert unsupported(_impl("torch-sdpa-gqa:eager:fused"), rotary) is None
-    assert "rope" in unsupported(_impl("keras-gqa:jit:fused"), rotary)  # Keras's layer has no RoPE
+        assert why_not_in_bench(_impl(key), grouped) is None, key
+        assert "grouped-layer baseline" in why_not_in_bench(_impl(key), classic)
+    assert why_not_in_bench(_impl("torch-sdpa-gqa:eager:fused"), rotary) is None
+    assert "rope" in why_not_in_bench(_impl("keras-gqa:jit:fused"), rotary)  # Keras's layer has no RoPE
     rc, text, calls = _run([*FAST, "--impls", "ours-torch:eager:fused,torch-sdpa-gqa,jax-dpa-gqa", "--heads", "4",
                             "--kv-heads", "2"])
     assert rc == 0, text
@@ -326,7 +327,7 @@ def test_window_and_packed_reach_every_implementation_as_the_oracles_mask():
         x = reference.as_float64(make_inputs(case, 0)[0])
         want = reference.forward(sd, x, x, x, np.broadcast_to(keep, (B, 1, T, T)), num_heads=N).output
         for key in keys:
-            assert unsupported(_impl(key), case) is None, key
+            assert why_not_in_bench(_impl(key), case) is None, key
             mod = torch_bench if _impl(key).framework == "torch" else jax_bench
             bench = mod.build(_impl(key), case, "fwd", "cpu", 0)
             if bench.aot_compile is not None:

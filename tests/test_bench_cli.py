@@ -12,7 +12,8 @@ from rich.console import Console
 
 from mha_spec import allocator
 from parity.bench import cli, sweep, verdict
-from parity.bench.spec import PRESETS, ROW_FIELDS
+from parity.bench.records import ROW_FIELDS
+from parity.bench.spec import PRESETS
 
 TINY = [
     "--seq", "16,32", "--batch", "1", "--embed", "32", "--heads", "2", "--budget", "0.02",
@@ -172,7 +173,8 @@ def test_list_plans_without_running():
 # ---------------------------------------------------------------- exit codes (fake workers)
 
 from parity.bench import measure, report  # noqa: E402
-from parity.bench.spec import IMPLS, BenchCase, empty_row  # noqa: E402
+from parity.bench.records import empty_row  # noqa: E402
+from parity.bench.spec import IMPLS, BenchCase  # noqa: E402
 from test_bench import FakeProc  # noqa: E402
 
 FAST = [*TINY, "--impls", "ours-torch:eager:fused,torch-sdpa-core", "--passes", "fwd", "--isolation", "run"]

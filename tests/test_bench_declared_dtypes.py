@@ -9,7 +9,8 @@ import json
 from rich.console import Console
 
 from parity.bench import cli, measure
-from parity.bench.spec import BenchCase, empty_row
+from parity.bench.records import empty_row
+from parity.bench.spec import BenchCase
 from parity.bench.spec import IMPLS
 from parity.impls import load_user_impl
 from test_bench import FakeProc

@@ -13,7 +13,8 @@ import pytest
 from rich.console import Console
 
 from parity.bench import cli, report
-from parity.bench.spec import STATUSES, case_label, row_key
+from parity.bench.records import Key
+from parity.bench.spec import STATUSES, case_label
 
 
 NUMBERS = ("median_s", "iqr_s", "ratio", "gflops", "peak_fraction", "compile_s", "recompile_s", "peak_mem_bytes",
@@ -28,7 +29,7 @@ def _valid() -> tuple[list[dict], dict, list[dict]]:
     noisy.update(status="noisy", iqr_s=0.4 * noisy["median_s"], message="noisy: IQR/median 40%")
     error.update(status="error", message="error: output differs from the reference's")
     skip.update(dict.fromkeys(NUMBERS), status="skip", message="skip: float16 on a CPU")
-    verdict = {"case": case_label(ok), "pass": ok["pass"], "faster": row_key(ok), "slower": row_key(noisy),
+    verdict = {"case": case_label(ok), "pass": ok["pass"], "faster": str(Key.of_row(ok)), "slower": str(Key.of_row(noisy)),
                "ratio": 1.4, "ci": [1.3, 1.5], "conclusive": False, "repeats": 8}
     return [ok, noisy, error, skip], data["environment"], [verdict]
 

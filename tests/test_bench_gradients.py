@@ -1,6 +1,6 @@
 """mha-bench compares what it times: a fwd+bwd row's gradients against the reference implementation's.
 
-The end-to-end tests run the sweep's own code in this process (plan, `worker.run_group` with the real
+The end-to-end tests run the sweep's own code in this process (plan, `worker.time_group` with the real
 torch and JAX builds, the parent's merge, ratios and verdicts), on tiny pairwise-distinct sizes: no
 worker subprocess, one import of each framework for the whole file."""
 
@@ -14,7 +14,8 @@ import pytest
 from rich.console import Console
 
 from parity.bench import measure, report, sweep, verdict, worker
-from parity.bench.spec import NO_PARAM_GRADS, PRESETS, BenchCase, Timing, empty_row, select_impls
+from parity.bench.records import empty_row
+from parity.bench.spec import NO_PARAM_GRADS, PRESETS, BenchCase, Timing, select_impls
 from parity.impls import Implementation
 from parity.tolerances import TOLERANCES
 
@@ -44,7 +45,7 @@ def run_in_process(impls, cases, passes=("fwd", "fwd+bwd"), monkeypatch=None):
             out.add(it.id, empty_row(it.impl, it.case, it.pass_, device="cpu", status="skip", message=it.skip))
     todo = [(it.id, it.impl, it.case, it.pass_) for it in items if not it.skip]
     for group in worker.groups(todo):
-        rows, _ = worker.run_group({"torch": torch_bench, "jax": jax_bench}, group, spec, cfg.timing, time.perf_counter)
+        rows, _ = worker.time_group({"torch": torch_bench, "jax": jax_bench}, group, spec, cfg.timing, time.perf_counter)
         for item_id, row in rows:
             out.add(item_id, row)
     rows = sweep.finish(items, out)

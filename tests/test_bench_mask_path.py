@@ -10,7 +10,9 @@ import pytest
 from rich.console import Console
 
 from parity.bench import report, verdict
-from parity.bench.spec import MASK_PATHS, ROW_FIELDS, BenchCase, impl_by_key, select_impls, structure_for
+from parity.bench.records import ROW_FIELDS, Key
+from parity.bench.spec import IMPLS as BENCH_IMPLS
+from parity.bench.spec import MASK_PATHS, BenchCase, select_impls, structure_for
 from test_bench_gradients import by_key, run_in_process
 
 pytest.importorskip("torch")
@@ -70,14 +72,14 @@ def test_each_row_records_how_its_mask_reached_the_kernel(name, monkeypatch):
 
 
 def test_the_sdpa_peers_take_is_causal_only_where_it_is_the_cases_mask():
-    sdpa, gqa = impl_by_key("torch-sdpa-core:eager:fused"), impl_by_key("torch-sdpa-gqa:eager:fused")
+    sdpa, gqa = Key.parse("torch-sdpa-core:eager:fused").find(BENCH_IMPLS), Key.parse("torch-sdpa-gqa:eager:fused").find(BENCH_IMPLS)
     square = BenchCase.of(1, 8, 8, 16, 4, "float32", kv_heads=2, rope="half", mask="causal")
     assert structure_for(sdpa, BenchCase.of(1, 8, 8, 16, 4, "float32", mask="causal")) == ({"is_causal": True}, None)
     assert structure_for(gqa, square) == ({"is_causal": True}, None)
     for mask, T in (("causal", 5), ("window:3", 8), ("packed:2", 8), ("padding", 8)):  # bottom-right, or not causal
         assert structure_for(sdpa, BenchCase.of(1, T, 8, 16, 4, "float32", mask=mask)) is None, mask
     # Our modules take every structured mask, causal included, bottom-right aligned as the case is.
-    ours = impl_by_key("ours-torch:eager:fused")
+    ours = Key.parse("ours-torch:eager:fused").find(BENCH_IMPLS)
     assert structure_for(ours, BenchCase.of(1, 5, 8, 16, 4, "float32", mask="causal")) == (
         {"is_causal": True, "alignment": "bottom-right"}, None)
 

@@ -16,7 +16,8 @@ import pytest
 from mha_spec import DTYPE_NAMES
 from parity import implementation as implementation_mod
 from parity.bench import measure, sweep, worker
-from parity.bench.spec import IMPLS, MASKS, PRESETS, BenchCase, impl_by_key, select_impls
+from parity.bench.records import Key
+from parity.bench.spec import IMPLS, MASKS, PRESETS, BenchCase, select_impls
 from parity.devices import DevicePlan, resolve_device
 from parity.harness import MASK_KINDS
 from parity.implementation import Implementation, RunsOn, unit_kind
@@ -71,7 +72,7 @@ def _worker_spec(plan: DevicePlan) -> dict:
     assert len(items) == 4 and not any(it.skip for it in items)
     return {"device": plan.to_dict(), "threads": None, "precision": "highest", "seed": 0,
             "timing": {"warmup": 0, "min_repeats": 2, "max_repeats": 2, "budget_s": 0.01, "round_repeats": 1},
-            "peaks": [], "known_peaks": [], "items": [it.spec() for it in items], "interleave": True,
+            "peaks": [], "known_peaks": [], "items": [it.to_json() for it in items], "interleave": True,
             "user_impls": [], "verdict": None}
 
 
@@ -84,18 +85,18 @@ def test_the_worker_rebuilds_its_plan_once_and_each_case_and_implementation_once
     monkeypatch.setattr(worker, "emit", lambda kind, payload: emitted.append((kind, payload)))
     monkeypatch.setattr(worker, "pin_threads", lambda threads: [0])
     monkeypatch.setattr(worker, "setup", lambda fw, device, spec, cpus, compiles: (fake, {"unavailable": None}))
-    run_group = worker.run_group
+    time_group = worker.time_group
 
     def recording(*args, **kw):
         plans_given.append(args[6] if len(args) > 6 else kw.get("plan"))
-        return run_group(*args, **kw)
+        return time_group(*args, **kw)
 
-    monkeypatch.setattr(worker, "run_group", recording)
+    monkeypatch.setattr(worker, "time_group", recording)
     from_dict = Counter(monkeypatch, DevicePlan, "from_dict", classmethod_=True)
     plan_inits = Counter(monkeypatch, DevicePlan, "__init__")
     from_fields = Counter(monkeypatch, BenchCase, "from_fields", classmethod_=True)
     case_inits = Counter(monkeypatch, BenchCase, "__init__")
-    lookups = Counter(monkeypatch, worker, "impl_by_key")
+    lookups = Counter(monkeypatch, Key, "find")
     handler = signal.getsignal(signal.SIGINT)
     try:
         assert worker.main([str(path)]) == 0
@@ -138,9 +139,9 @@ def test_a_device_plan_that_is_not_one_names_what_is_wrong():
 
 def test_an_implementation_key_is_looked_up_by_one_function():
     for im in IMPLS:
-        assert impl_by_key(im.bench_key) is im and ":".join(im.bench_fields) == im.bench_key
+        assert Key.parse(im.bench_key).find(IMPLS) is im and ":".join(im.bench_fields) == im.bench_key
     with pytest.raises(ValueError, match="'ours-torch:jit:fused' is not among the implementations: ours-torch:eager"):
-        impl_by_key("ours-torch:jit:fused")
+        Key.parse("ours-torch:jit:fused").find(IMPLS)
 
 
 # ---------------------------------------------------------------- runs_on

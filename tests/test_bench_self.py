@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from parity.bench import cli
-from parity.bench.spec import IMPLS, MEASURED, BenchCase, make_inputs, unsupported
+from parity.bench.spec import IMPLS, MEASURED, BenchCase, make_inputs, why_not_in_bench
 from parity.impls import load_user_impl
 from test_bench_cli import _console
 
@@ -102,19 +102,19 @@ def test_make_inputs_is_one_array_on_a_self_case_and_three_on_a_cross_case():
 def test_unsupported_follows_the_case_kind():
     for spec in USER:
         impl = _user(spec)
-        assert unsupported(impl, SELF) is None, spec
-        assert SELF_REASON in unsupported(impl, CROSS), spec
+        assert why_not_in_bench(impl, SELF) is None, spec
+        assert SELF_REASON in why_not_in_bench(impl, CROSS), spec
     # The built-in qkv layers run the self-attention cases they ran before: jax-dpa-gqa's and the
     # classic peers' runs_on leave some self-attention kinds to the harness's budget (self/none,
     # self/causal), not to what they can compute.
     causal = BenchCase.of(3, 5, 5, 24, 4, "float32", kv_heads=2, mask="causal")
     for key in ("jax-dpa-gqa:jit:fused", "torch-sdpa-gqa:eager:fused", "ours-torch:eager:fused"):
-        assert unsupported(_impl(key), SELF) is None and unsupported(_impl(key), causal) is None, key
+        assert why_not_in_bench(_impl(key), SELF) is None and why_not_in_bench(_impl(key), causal) is None, key
     classic_causal = BenchCase.of(3, 5, 5, 12, 3, "float32", mask="causal")
     for key in ("torch-sdpa-core:eager:fused", "jax-dpa-core:jit:fused", "torch-mha:eager:weights"):
-        assert unsupported(_impl(key), classic_causal) is None, key
+        assert why_not_in_bench(_impl(key), classic_causal) is None, key
     # What a declaration really excludes still skips: jax-dpa-gqa declares float32/float64 only.
-    assert "runs only where its runs_on" in unsupported(_impl("jax-dpa-gqa:jit:fused"), BenchCase.of(
+    assert "runs only where its runs_on" in why_not_in_bench(_impl("jax-dpa-gqa:jit:fused"), BenchCase.of(
         3, 5, 5, 24, 4, "bfloat16", kv_heads=2))
 
 

@@ -14,7 +14,7 @@ from rich.console import Console
 
 from parity.bench import cli
 from mha_jax.kernels import Choice
-from parity.bench.tune import WITHIN, candidate_name, check_choices, mean_ratio, report_lines
+from parity.bench.tune_command import WITHIN, candidate_name, check_choices, mean_ratio, report_lines
 
 
 def _row(T, pass_, candidate, min_s, B=2, N=4, H=8):

@@ -22,6 +22,7 @@ from conftest import SIZES as S
 from conftest import make_inputs, make_state_dict, random_keep_mask
 from helpers import build, cast_sd, np_dtype, run
 from mha_jax import attention_core, chunked_attention, fused_attention_core
+from mha_spec import Structure
 from parity import reference
 from parity.tolerances import compare, compare_three_way, tolerance_for
 
@@ -683,7 +684,7 @@ class TestBand:
         # Blocks of w: query block i reaches key blocks i-1 and i, key block j query blocks j and j+1,
         # so each loop runs 2 steps instead of T/c = 8 (the first and last lists padded with the EMPTY index).
         plan = chunked._Plan(S=T, cq=C, ck=C, scale=1.0, precision=None,
-                             band=chunked._Band(T, T, *chunked.diagonal_band(T, T, **kw)))
+                             band=chunked._Band(T, T, *chunked.diagonal_band(Structure.of(T, T, **kw))))
         kinds, keys, queries = (np.asarray(x) for x in chunked._band_visits(plan, T // C, T // C))
         n = T // C
         assert keys.shape == queries.shape == (n, 2) and kinds.shape == (n + 1, n + 1)
@@ -692,7 +693,9 @@ class TestBand:
         assert (kinds[n] == chunked.EMPTY).all() and (kinds[:, n] == chunked.EMPTY).all()
 
     def test_diagonal_band_of_each_keyword(self):
-        band = chunked.diagonal_band
+        def band(T, S, **kw):
+            return chunked.diagonal_band(Structure.of(T, S, **kw))
+
         assert band(5, 7) is None
         assert band(5, 7, is_causal=True) == (None, 0)
         assert band(5, 7, is_causal=True, alignment="bottom-right") == (None, 2)

@@ -48,7 +48,7 @@ def test_the_bias_terms_are_the_low_dtype_oracles_own(dtype):
     low = reference.backward(sd, q, k, v, x.keep, reference.as_float64(x.cotangent), num_heads=SHAPE.N,
                              masked_rows="nan", rope="half", rope_theta=SHAPE.rope_theta, dtype=x.query.dtype,
                              **x.position_kw)
-    terms = unit.bias_terms("nan")
+    terms = unit.oracle.bias_terms("nan")
     assert sorted(terms) == ["k_proj.bias", "out_proj.bias", "q_proj.bias", "v_proj.bias"]
     assert terms["q_proj.bias"].shape == (SHAPE.B * SHAPE.T, SHAPE.E) and terms["v_proj.bias"].shape == (SHAPE.B * SHAPE.S, SHAPE.E)
     for n, t in terms.items():

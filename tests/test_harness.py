@@ -449,14 +449,14 @@ class TestVariants:
         assert any(c.train and c.config.features for c in modern) and any(c.peers and c.config.features for c in modern)
         assert set(CASE_SETS) >= {"default", "quick", "modern"}
         assert all(not c.config.features for c in default if c.shape.name in SHAPES)
-        from parity.harness.runner import _plan
+        from parity.harness.runner import RunRequest, plan_run
 
-        plan = _plan(None, ("modern",), None, None, None, "cpu", False, False, ())
+        plan = plan_run(RunRequest(case_filter=("modern",), device="cpu"))
         assert [c.name for c in plan.cases] == [c.name for c in modern]
-        plan = _plan("modern", ("llama",), None, None, None, "cpu", False, False, ())
+        plan = plan_run(RunRequest(cases="modern", case_filter=("llama",), device="cpu"))
         assert {c.shape.name for c in plan.cases} == {"llama"}
         with pytest.raises(ValueError, match="unknown case set"):
-            _plan("nope", (), None, None, None, "cpu", False, False, ())
+            plan_run(RunRequest(cases="nope", device="cpu"))
         from parity.cli import build_parser
 
         assert "modern" in " ".join(build_parser().format_help().split())

@@ -209,7 +209,8 @@ def test_config_json_fields_are_read(cfg, expected):
     ({"partial_rotary_factor": 0.5}, NotImplementedError, r"partial_rotary_factor=0.5"),
     ({"model_type": "mistral", "sliding_window": 4096}, NotImplementedError,
      r"sliding_window = 4096 turns on sliding-window attention"),
-    ({"model_type": "gemma"}, ValueError, r"model_type 'gemma' is not one of \['llama', 'mistral', 'mixtral', 'qwen2'\]"),
+    ({"model_type": "gemma"}, ValueError, r"model_type 'gemma' is not one of \['gemma2', 'gemma3', 'gemma3_text', 'gpt_oss', 'llama', 'mistral', "
+     r"'mixtral', 'olmo2', 'qwen2', 'qwen3', 'qwen3_moe'\]"),
     ({"num_key_value_heads": 4}, ValueError, r"num_kv_heads=4 must divide num_heads=6"),
     ({"attention_bias": "yes"}, ValueError, r"attention_bias = 'yes' is not a bool"),
     # transformers reads a set rope_scaling instead of rope_parameters: scaling there is refused too

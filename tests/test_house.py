@@ -187,6 +187,20 @@ def test_the_former_adapter_module_re_exports_only_and_warns_on_import():
         assert any(getattr(m, name, None) is getattr(ecosystem, name) for m in owners), name
 
 
+def test_the_former_cache_transfer_name_re_exports_only_and_warns_on_import():
+    """parity.kv_cache (now parity.cache_transfer: mha_torch.kv_cache and mha_jax.kv_cache are the caches)
+    warns on import, naming its removal date and the new home, and re-exports that home's names."""
+    import sys
+
+    from parity import cache_transfer
+
+    sys.modules.pop("parity.kv_cache", None)
+    with pytest.warns(DeprecationWarning, match=r"removed after \d{4}-\d{2}-\d{2}: import its names from parity\.cache_transfer"):
+        old = importlib.import_module("parity.kv_cache")
+    assert old.__all__ == cache_transfer.__all__
+    assert all(getattr(old, n) is getattr(cache_transfer, n) for n in old.__all__)
+
+
 # ---------------------------------------------------------------- one home per vocabulary
 
 def _vocabularies() -> dict[str, tuple[str, ...]]:
@@ -201,31 +215,33 @@ def _vocabularies() -> dict[str, tuple[str, ...]]:
 
 
 def vocabulary_literals(tree: ast.Module, vocabulary: tuple[str, ...]) -> list[int]:
-    """Lines where a module-level name is bound to a literal tuple, list or set of strings with
-    exactly the vocabulary's members (a second definition of it, in any order)."""
+    """Lines of every literal tuple, list or set of strings, anywhere in the module (a binding, a default,
+    an argument, a comparison), with exactly the vocabulary's members: a second definition of it, in any order."""
     lines = []
-    for node in tree.body:
-        value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
-        if isinstance(value, (ast.Tuple, ast.List, ast.Set)) and value.elts and all(
-                isinstance(e, ast.Constant) and isinstance(e.value, str) for e in value.elts):
-            if set(vocabulary) == {e.value for e in value.elts}:
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)) and node.elts and all(
+                isinstance(e, ast.Constant) and isinstance(e.value, str) for e in node.elts):
+            if set(vocabulary) == {e.value for e in node.elts}:
                 lines.append(node.lineno)
-    return lines
+    return sorted(lines)
 
 
 def test_the_vocabulary_reader_sees_a_second_definition():
-    tree = ast.parse('A = ("jax", "torch")\nB = ["float16", "float64", "bfloat16", "float32"]\nC = ("torch", "jax", "numpy")\n')
-    assert vocabulary_literals(tree, ("torch", "jax")) == [1]
-    assert vocabulary_literals(tree, ("float64", "float32", "bfloat16", "float16")) == [2]
+    tree = ast.parse('A = ("jax", "torch")\nB = ["float16", "float64", "bfloat16", "float32"]\nC = ("torch", "jax", "numpy")\n'
+                     'def f(x, d=("float64", "float32", "bfloat16", "float16")):\n'
+                     '    return x in {"torch", "jax"}\n')
+    assert vocabulary_literals(tree, ("torch", "jax")) == [1, 5]
+    assert vocabulary_literals(tree, ("float64", "float32", "bfloat16", "float16")) == [2, 4]
 
 
 def test_every_vocabulary_is_defined_once():
     """Each shared vocabulary is spelled out in its home module only; every other module imports it."""
     files = {str(p.relative_to(ROOT)): p for pkg in OURS for p in sorted((ROOT / pkg).rglob("*.py"))}
-    homes = {"mha_spec": "mha_spec/__init__.py", "parity.implementation": "parity/implementation.py"}
+    homes = {"mha_spec": "mha_spec/__init__.py", "parity.implementation": "parity/implementation.py",
+             "mha_spec.ALIGNMENTS": "mha_spec/structure.py"}  # the mask structure's own vocabulary
     extra = []
     for name, vocabulary in _vocabularies().items():
-        home = homes[name.rsplit(".", 1)[0]]
+        home = homes.get(name) or homes[name.rsplit(".", 1)[0]]
         for path, p in files.items():
             lines = vocabulary_literals(ast.parse(p.read_text(), filename=path), vocabulary)
             if path == home:

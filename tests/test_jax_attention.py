@@ -895,7 +895,7 @@ class TestMasks:
         seen = []
 
         def spy(q, k, v, keep=None, **kw):
-            seen.append((keep, {n: kw[n] for n in ("is_causal", "window", "alignment")}))
+            seen.append((keep, kw["structure"]))  # a mha_spec.Structure: is_causal, window, alignment
             return chunked_attention(q, k, v, keep, **kw)
 
         monkeypatch.setattr(attention_module, "chunked_attention", spy)
@@ -904,7 +904,7 @@ class TestMasks:
             m = _mask_module(sd, layer, masked_rows="zero")
             g = np.random.default_rng(5).standard_normal(xs[0].shape)
             out, vjp = jax.vjp(lambda q, k, v: m(q, k, v, mask, need_weights=False, **kw)[0], *map(jnp.asarray, xs))
-            assert seen[-1][0] is None and seen[-1][1]["is_causal"] == kw.get("is_causal", False), name
+            assert seen[-1][0] is None and seen[-1][1].is_causal == kw.get("is_causal", False), name
             exact = reference.forward(sd, *xs, mask, masked_rows="zero", **MASK_LAYERS[layer], **kw)
             c = compare(np.asarray(out), exact.output, tolerance_for("float64").forward)
             assert c.passed, (name, c)

@@ -170,7 +170,7 @@ def test_every_bench_row_gets_what_ran_and_a_request_not_met_says_so(monkeypatch
     group = [(0, _impl("ours-torch:eager:fused"), CASE, "fwd")]
     spec = {"device": asdict(resolve_device("cpu", probe=False)), "precision": "highest", "seed": 0,
             "interleave": False, "verdict": None}
-    rows, _ = worker.run_group({"torch": Mod}, group, spec, Timing(warmup=1, min_repeats=2, max_repeats=2),
+    rows, _ = worker.time_group({"torch": Mod}, group, spec, Timing(warmup=1, min_repeats=2, max_repeats=2),
                                lambda: now[0])
     row = rows[0][1]
     assert row["kernel"] == "bmm-softmax" and row["message"] == "requested sdpa, ran bmm-softmax"
@@ -178,7 +178,7 @@ def test_every_bench_row_gets_what_ran_and_a_request_not_met_says_so(monkeypatch
 
 def test_the_markdown_shows_the_kernel_and_a_file_without_it_still_reads():
     from parity.bench import report
-    from parity.bench.spec import empty_row
+    from parity.bench.records import empty_row
 
     row = empty_row(_impl("ours-torch:eager:fused"), CASE, "fwd", device="cpu", status="skip", message="x")
     row["kernel"] = "sdpa:flash"

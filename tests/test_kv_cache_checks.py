@@ -19,7 +19,7 @@ import mha_jax
 import mha_torch
 from mha_jax.kv_cache import KVCache as JaxCache
 from mha_torch.kv_cache import KVCache as TorchCache
-from parity.kv_cache import NumpyKVCache
+from parity.cache_transfer import NumpyKVCache
 
 B, C, K, H = 3, 7, 2, 6
 E, N = 24, 4

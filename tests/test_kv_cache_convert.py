@@ -1,4 +1,4 @@
-"""parity.kv_cache: KV caches between mha_torch and mha_jax, bit for bit, and a prefill run in one
+"""parity.cache_transfer: KV caches between mha_torch and mha_jax, bit for bit, and a prefill run in one
 framework continued in the other, judged against the float64 oracle (parity.reference.decode and
 one causal forward). Sizes pairwise distinct: B=3 rows, K=2 key/value heads, C=11 slots, H=6
 (E=24, N=4), L=9 tokens of which a prompt of P=5, left padding [0, 2, 1].
@@ -18,7 +18,7 @@ import torch
 from mha_jax.kv_cache import KVCache as JaxCache
 from mha_torch.kv_cache import KVCache as TorchCache
 from parity import convert, reference
-from parity.kv_cache import NumpyKVCache, from_numpy, jax_to_torch, to_numpy, torch_to_jax
+from parity.cache_transfer import NumpyKVCache, from_numpy, jax_to_torch, to_numpy, torch_to_jax
 from parity.tolerances import compare, tolerance_for
 
 B, K, C, H = 3, 2, 11, 6

@@ -73,17 +73,17 @@ def test_the_default_matrix_has_one_packed_and_one_window_case_and_the_masks_set
     for c in masks:
         if c.mask == "window":
             assert c.window[0] + 1 < c.shape.T and c.window[1] == 0  # the window is smaller than T: it masks
-    from parity.harness.runner import _plan
+    from parity.harness.runner import RunRequest, plan_run
 
-    assert [c.name for c in _plan(None, ("masks",), None, None, None, "cpu", False, False, ()).cases] == [
+    assert [c.name for c in plan_run(RunRequest(case_filter=("masks",), device="cpu")).cases] == [
         c.name for c in masks]
 
 
 def test_packed_rows_have_two_or_three_documents_in_layouts_of_their_own_and_positions_that_restart():
     case = next(c for c in default_matrix() if c.mask == "packed")
     x = draw_inputs(case, 0)
-    seg = x.structure["segment_ids"]
-    assert x.structure["is_causal"] is True and seg.shape == (case.shape.B, case.shape.T)
+    seg = x.structure_kw["segment_ids"]
+    assert x.structure_kw["is_causal"] is True and seg.shape == (case.shape.B, case.shape.T)
     documents = [len(np.unique(row)) for row in seg]
     assert set(documents) == {2, 3} and len({row.tobytes() for row in seg}) == len(seg)
     for row, pos in zip(seg, x.positions):  # each document's positions 0, 1, 2, ...
@@ -98,10 +98,10 @@ def test_packed_rows_have_two_or_three_documents_in_layouts_of_their_own_and_pos
 def test_the_window_case_masks_the_keys_before_its_window_and_padding_is_anded():
     plain, padded = (c for c in mask_matrix() if c.shape.name == "window-mistral")
     x, xp = draw_inputs(plain, 0), draw_inputs(padded, 0)
-    assert x.structure == {"is_causal": True, "window": (3, 0)} and x.padding is None
+    assert x.structure_kw == {"is_causal": True, "window": (3, 0)} and x.padding is None
     t, s = np.arange(8)[:, None], np.arange(8)[None, :]
     assert np.array_equal(x.keep[0, 0], (s <= t) & (s >= t - 3))
-    assert np.array_equal(xp.keep, reference.structured_keep(8, 8, **xp.structure) & xp.padding)
+    assert np.array_equal(xp.keep, reference.structured_keep(8, 8, **xp.structure_kw) & xp.padding)
     assert not xp.padding[-1].any() and (~xp.keep.any(axis=-1)).any()  # a row of padding only: fully masked rows
 
 

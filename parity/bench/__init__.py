@@ -5,6 +5,8 @@ ones its items need, both when a case has torch and JAX implementations):
 
     spec      cases (an `mha_spec.Problem` and a dtype), implementations, presets, statuses,
               the FLOP formula, memory estimates
+    records   the typed records: `Key` (an implementation), `Case`, `Row` (the JSON schema of a result
+              row, validated and merged), `Verdict`
     measure   framework-free timing methodology: warm-up, compile split, paired round-robin
               rounds, median/IQR/min, synchronisation, the output check, CPU peak-RSS probe
     verdict   which implementation is faster, by how much, with a bootstrap interval (scipy)
@@ -14,9 +16,10 @@ ones its items need, both when a case has torch and JAX implementations):
     sweep     plans the sweep, starts workers, turns crashes and Ctrl-C into rows,
               applies the measured matmul peak
     report    console table, JSON, Markdown, plot, compare
-    tune      `mha-bench tune`: the JAX kernel table measured on this machine, its choice checked
+    tune_command  `mha-bench tune`: the JAX kernel table measured on this machine, its choice checked
     cli       `mha-bench` / `python -m parity.bench`"""
 
-from parity.bench.spec import ROW_FIELDS, BenchCase, forward_flops, pass_flops
+from parity.bench.records import ROW_FIELDS
+from parity.bench.spec import BenchCase, forward_flops, pass_flops
 
 __all__ = ["ROW_FIELDS", "BenchCase", "forward_flops", "pass_flops"]

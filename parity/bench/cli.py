@@ -3,6 +3,8 @@
     mha-bench [--preset quick|default|long] [--device cpu|gpu|tpu|auto] [--impls PATTERNS]
               [--passes fwd,fwd+bwd] [--dtypes ...] [--seq ...] [--batch ..] [--embed ..] [--heads ..]
               [--kv-heads K,..] [--rope none,half,interleaved] [--bias all|qkv|out|none]
+              [--head-dim H] [--qk-norm none|head|flat] [--qk-norm-eps X] [--qk-norm-offset X]
+              [--scale X] [--softcap X] [--sinks]
               [--kv-seq S,..] [--mask none,causal,padding,window:W,packed:D] [--processes P] [--baseline KEY]
               [--threads K] [--precision highest|default] [--verdict A,B]
               [--json P] [--markdown P] [--plot P.png]
@@ -34,6 +36,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import math
 import os
 import sys
 import tempfile
@@ -46,8 +49,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from mha_spec.files import writable_problem
 from parity.bench import report, sweep, verdict
 from parity.bench.measure import CALIBRATION_DRIFT, OTHERS_CPU, OthersCpu
+from parity.bench.records import Key
 from parity.bench.spec import BIASES, DTYPES, IMPLS, MASKS, MEASURED, PASSES, PRESETS, BenchCase, BenchMask, select_impls
-from mha_spec import ROPE_CONVENTIONS
+from mha_spec import QK_NORMS, ROPE_CONVENTIONS
 from parity.impls import load_user_impl
 from parity.cli_args import comma_separated, nonnegative_int, positive_float, positive_int
 from parity.cli_args import positive_ints as _ints
@@ -62,7 +66,7 @@ def run_parser() -> argparse.ArgumentParser:
         description="Jit benchmark of multi-head attention across torch and JAX "
         "(also: `mha-bench compare BASE.json NEW.json`, `mha-bench report RUN.json`, `mha-bench tune`, "
         "`mha-bench sharded`).",
-        epilog="implementations: " + ", ".join(im.bench_key for im in IMPLS)
+        epilog="implementations: " + ", ".join(str(Key.of(im)) for im in IMPLS)
         + ". Exit: 0 pass, 1 an item failed or nothing was measured, 2 usage error, 3 a report could not be written, "
         "130 interrupted (partial report written).",
     )
@@ -103,6 +107,51 @@ def _add_grid_arguments(p: argparse.ArgumentParser) -> None:
                    help="rotary embedding of q and k (positions arange): none, half (rotate-half) or interleaved")
     p.add_argument("--bias", choices=tuple(BIASES), default="all",
                    help="projections with a bias: all (default), qkv (q/k/v only), out (out_proj only), none")
+    _add_modern_arguments(p)
+
+
+def _add_modern_arguments(p: argparse.ArgumentParser) -> None:
+    """The layers after Llama, as `mha-parity --layer` spells them (H=, qk_norm=, ..., sinks=yes): every case's layer."""
+    p.add_argument("--head-dim", type=positive_int, metavar="H", help="a head dim of its own (N*H need not be E; default E/N)")
+    p.add_argument("--qk-norm", choices=("none", *QK_NORMS), default="none",
+                   help="RMSNorm of q and k before RoPE: over each head's H (head: Qwen3, Gemma 3) or the whole "
+                   "projection (flat: OLMo 2)")
+    p.add_argument("--qk-norm-eps", type=nonnegative_float, metavar="X", help="the QK-norm's epsilon (default 1e-6)")
+    p.add_argument("--qk-norm-offset", type=finite_float, metavar="X",
+                   help="the QK-norm's weight is offset + w (Gemma: 1; default 0)")
+    p.add_argument("--scale", type=positive_float, metavar="X", help="the softmax scale (default H**-0.5)")
+    p.add_argument("--softcap", type=positive_float, metavar="X", help="cap the logits to X*tanh(s/X) (Gemma 2)")
+    p.add_argument("--sinks", action="store_true", help="a learned sink logit per query head (GPT-OSS)")
+
+
+def finite_float(text: str) -> float:
+    """An argparse `type`: a finite number (a usage error naming the flag otherwise)."""
+    try:
+        val = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}") from None
+    if not math.isfinite(val):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return val
+
+
+def nonnegative_float(text: str) -> float:
+    """An argparse `type`: a finite number >= 0."""
+    val = finite_float(text)
+    if val < 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return val
+
+
+def modern_layer(args) -> dict:
+    """The `spec.MODERN_FIELDS` keywords of `BenchCase.of` from the flags; ValueError naming a flag the layer
+    would ignore (--qk-norm-eps or --qk-norm-offset without --qk-norm)."""
+    qk_norm = None if args.qk_norm == "none" else args.qk_norm
+    for flag, value in (("--qk-norm-eps", args.qk_norm_eps), ("--qk-norm-offset", args.qk_norm_offset)):
+        if value is not None and qk_norm is None:
+            raise ValueError(f"{flag} {value} is the QK-norm's, but the layer has none: add --qk-norm head|flat")
+    return {"head_dim": args.head_dim, "qk_norm": qk_norm, "qk_norm_eps": args.qk_norm_eps,
+            "qk_norm_offset": args.qk_norm_offset, "scale": args.scale, "softcap": args.softcap, "sinks": args.sinks}
 
 
 def _add_timing_arguments(p: argparse.ArgumentParser) -> None:
@@ -161,8 +210,9 @@ def build_config(args) -> sweep.RunConfig:
     if not args.dtypes and device == "gpu" and "bfloat16" in dtypes:
         dtypes = (*dtypes, "float16")  # native half matmuls on GPUs; CPU runs skip float16
     ropes = tuple(None if r == "none" else r for r in (args.rope or ("none",)))
+    modern = modern_layer(args)
     cases = tuple(dict.fromkeys(
-        BenchCase.of(b, s, kv_s or s, e, h, d, kv_heads=kv or h, rope=rope, bias=args.bias, mask=mask)
+        BenchCase.of(b, s, kv_s or s, e, h, d, kv_heads=kv or h, rope=rope, bias=args.bias, mask=mask, **modern)
         for d in dtypes for b in (args.batch or preset.batch) for e in (args.embed or preset.embed)
         for h in (args.heads or preset.heads) for kv in (args.kv_heads or (None,)) for rope in ropes
         for mask in (args.mask or ("none",)) for s in seqs for kv_s in (args.kv_seq or (None,))
@@ -176,18 +226,16 @@ def build_config(args) -> sweep.RunConfig:
         raise ValueError(f"--threads {args.threads} but only {_cpus_available()} CPUs are available to this process")
     impls = select_impls(args.impls) if args.impls else select_impls(preset.impls)
     user = tuple(i for spec in args.impl for i in load_user_impl(spec))  # loaded here too: a bad spec fails now
-    impls = (*impls, *(u for u in user if u.bench_key not in {i.bench_key for i in impls}))
+    impls = (*impls, *(u for u in user if Key.of(u) not in {Key.of(i) for i in impls}))
     if args.peak_sizes:
         preset = replace(preset, peak_sizes=args.peak_sizes)
     pair = _verdict_pair(args.verdict, impls) if args.verdict is not None else None
     if args.baseline is not None:
-        from parity.bench.spec import impl_by_key
-
         try:
-            impl_by_key(args.baseline, impls)
+            Key.parse(args.baseline).find(impls)
         except ValueError:
             raise ValueError(f"--baseline {args.baseline} is not among the selected implementations: "
-                             f"{', '.join(im.bench_key for im in impls)}") from None
+                             f"{', '.join(str(Key.of(im)) for im in impls)}") from None
     return sweep.RunConfig(
         preset=preset, plan=plan, impls=impls, cases=cases, user_impls=tuple(args.impl),
         passes=args.passes or preset.passes, threads=args.threads, precision=args.precision, seed=args.seed,
@@ -198,22 +246,20 @@ def build_config(args) -> sweep.RunConfig:
 
 def _verdict_pair(spec: str, impls) -> tuple[str, str]:
     """--verdict A,B: the keys of two different selected implementations, each looked up once
-    (`spec.impl_by_key`); the keys stay the spelling the workers and the JSON compare by."""
-    from parity.bench.spec import impl_by_key
-
+    (`records.Key.find`); the keys stay the spelling the workers and the JSON compare by."""
     keys = [k.strip() for k in spec.split(",")]
-    known = [im.bench_key for im in impls]
+    known = [str(Key.of(im)) for im in impls]
     if len(keys) != 2 or not all(keys) or keys[0] == keys[1]:
         raise ValueError(f"--verdict {spec!r}: name two different implementations, e.g. {','.join(known[:2])}")
     found, missing = [], []
     for key in keys:
         try:
-            found.append(impl_by_key(key, impls))
+            found.append(Key.parse(key).find(impls))
         except ValueError:
             missing.append(key)
     if missing:
         raise ValueError(f"--verdict: {', '.join(missing)} not among the selected implementations: {', '.join(known)}")
-    return found[0].bench_key, found[1].bench_key
+    return str(Key.of(found[0])), str(Key.of(found[1]))
 
 
 def check_outputs(args) -> list[tuple[str, str]]:
@@ -293,7 +339,7 @@ def _execute(cfg, items, no_progress: bool, console: Console, spawn):
 
         def on_event(kind, data):
             if kind == "start":
-                progress.update(task, description=f"{data.case.label} {data.pass_} {data.impl.bench_key}")
+                progress.update(task, description=f"{data.case.label} {data.pass_} {Key.of(data.impl)}")
             else:
                 progress.advance(task)
 
@@ -350,7 +396,7 @@ def run(argv, console: Console, spawn=None) -> int:
     items = sweep.plan(cfg)
     if args.list:
         for it in items:
-            line = f"{it.case.label}  {it.pass_:8s} {it.impl.bench_key}" + (f"  (skip: {it.skip})" if it.skip else "")
+            line = f"{it.case.label}  {it.pass_:8s} {Key.of(it.impl)}" + (f"  (skip: {it.skip})" if it.skip else "")
             console.print(line, markup=False)
         return EXIT_OK
     if cfg.plan.skip_reason:
@@ -474,9 +520,9 @@ def main(argv=None, console: Console | None = None, spawn=None) -> int:
         if argv[:1] == ["report"]:
             return report_main(argv[1:], console)
         if argv[:1] == ["tune"]:
-            from parity.bench import tune
+            from parity.bench import tune_command
 
-            return tune.main(argv[1:], console)
+            return tune_command.main(argv[1:], console)
         return run(argv, console, spawn)
     except KeyboardInterrupt:  # outside the sweep (which reports what it measured): nothing to save
         _error(console, "mha-bench: interrupted")

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mha_jax import kernels
+from mha_spec import Kernel
 
 from parity import kernel_ran
 from parity.bench.measure import Bench, CpuPeakRss
@@ -216,10 +217,12 @@ def kernel_of(impl: Implementation, case: BenchCase, device) -> str:
     if impl.family == "ours-jax":
         c = kernels.module_choice(case.batch, case.heads, case.seq_q, case.seq_k, case.config.head_size,
                                   jnp.dtype(case.dtype), has_mask=case.mask != "none", need_weights=impl.returns_weights,
-                                  device=device, kv_heads=case.config.kv_heads)
+                                  device=device, kv_heads=case.config.kv_heads,
+                                  score_mods=kernels.score_mods_of(scale=case.config.scale, softcap=case.config.softcap,
+                                                                   sinks=case.config.sinks))
         return kernels.kernel_label(c, source=True)
     name = impl.family or impl.name
-    return kernels.kernel_label(kernels.Choice(PEER_KERNELS[name])) if name in PEER_KERNELS else name
+    return str(Kernel(PEER_KERNELS.get(name, name)))
 
 
 def peak_gflops(dtype: str, sizes, device: str, timing, clock) -> tuple[float, int]:

@@ -20,26 +20,22 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from mha_spec import PASSES, ROPE_CONVENTIONS
+from mha_spec import PASSES
 from mha_spec.files import JSONFileError, atomic_path, parse_json, write_atomic
 from parity.bench import verdict as verdicts
-from parity.bench.spec import (
-    BIASES, MASK_PATHS, MEASURED, NO_PARAM_GRADS, NOISY_IQR, ROW_FIELDS, STATUSES, BenchMask, case_label, row_key,
-    variant_fields,
-)
+from parity.bench.records import KEY_FIELDS, Key, Row, Verdict, finite, match_key, named, short
+from parity.bench.spec import MEASURED, NO_PARAM_GRADS, NOISY_IQR, case_label, modern_label, variant_fields
 
 # /2: the `noisy` status and `verdicts`. The variant fields (kv_heads, rope, bias) were added
 # without a new schema: a row without them is the classic layer, which is what it measured.
 # /3: rows gain mask, rounds, processes, process_medians_s and baseline (the ratio's); verdicts
 # gain rounds, processes, interference and reason, and their ci is null where there is no interval.
-# /4: rows gain mask_path, grad_rel_diff and param_grads; verdicts gain note.
+# /4: rows gain mask_path, grad_rel_diff and param_grads; verdicts gain note. The fields of the layers after
+# Llama (head_dim, qk_norm, qk_norm_eps, qk_norm_offset, scale, softcap, sinks) were added as the variant
+# fields were, without a new schema: a row without them is the classic layer, which is what it measured.
 SCHEMA = "mha-bench/4"
 READABLE_SCHEMAS = ("mha-bench/1", "mha-bench/2", "mha-bench/3", SCHEMA)
 CONSOLE_WIDTH = 100
-# What a row must have; two rows of a file (or of two files compared) are the same item when these
-# and the variant fields (`spec.variant_fields`) agree.
-MATCH_KEY = ("impl", "mode", "pass", "batch", "seq_q", "seq_k", "embed", "heads", "dtype", "need_weights")
-KEY_FIELDS = (*MATCH_KEY, "kv_heads", "rope", "bias", "mask")  # `_key`'s order
 
 
 def _variant(row) -> str:
@@ -122,10 +118,10 @@ def print_table(rows, console: Console | None = None) -> None:
         console.print(table, width=width)
     for row in rows:
         if row["status"] == "error" and row.get("message"):
-            console.print(f"error: {row_key(row)} {row['pass']} {_case(row)}: {row['message']}",
+            console.print(f"error: {Key.of_row(row)} {row['pass']} {_case(row)}: {row['message']}",
                           markup=False, style=_STATUS_STYLE["error"], width=width)
         elif row.get("param_grads") is False and row["status"] in MEASURED:
-            console.print(f"note: {row_key(row)} {row['pass']} {_case(row)}: {NO_PARAM_GRADS}", markup=False,
+            console.print(f"note: {Key.of_row(row)} {row['pass']} {_case(row)}: {NO_PARAM_GRADS}", markup=False,
                           width=width)
     skips = collections.Counter(row.get("message") or "" for row in rows if row["status"] == "skip")
     for message, n in skips.items():
@@ -136,7 +132,7 @@ def verdict_lines(vs, rows) -> list[str]:
     """One sentence per verdict (`verdict.sentence`), with why an inconclusive one is."""
     by_case: dict = {}
     for r in rows:
-        by_case.setdefault((_case(r), r["pass"]), {})[row_key(r)] = r
+        by_case.setdefault((_case(r), r["pass"]), {})[str(Key.of_row(r))] = r
     return [f"{v['pass']} {v['case']}: " + verdicts.sentence(v, by_case.get((v["case"], v["pass"]), {})) for v in vs]
 
 
@@ -148,8 +144,8 @@ def print_verdicts(vs, rows, console: Console | None = None) -> None:
 
 
 def to_json(rows, env: dict, verdicts_=()) -> dict:
-    return {"schema": SCHEMA, "environment": env, "rows": [{k: r.get(k) for k in ROW_FIELDS} for r in rows],
-            "verdicts": [{k: v.get(k) for k in verdicts.VERDICT_FIELDS} for v in verdicts_]}
+    return {"schema": SCHEMA, "environment": env, "rows": [Row.of(r).to_json() for r in rows],
+            "verdicts": [Verdict.of(v).to_json() for v in verdicts_]}
 
 
 def write_json(path: str, rows, env: dict, verdicts_=()) -> None:
@@ -215,7 +211,8 @@ def series_styles(rows) -> dict[tuple, dict]:
     """{series key: matplotlib keyword arguments}, for every series with a median in `rows`."""
     keys = sorted({_series_key(r) for r in rows if r.get("median_s")}, key=str)
     variants = list(dict.fromkeys((k[0], k[1]) for k in keys))  # (impl, mode), first-seen order
-    shapes = sorted({k[4:] for k in keys})
+    # None (a classic layer's rope, scale, ...) sorts before any value: None and a value do not compare.
+    shapes = sorted({k[4:] for k in keys}, key=lambda shape: tuple((x is not None, x) for x in shape))
     palette = _palette(len(variants))
     styles = {}
     for k in keys:
@@ -247,7 +244,7 @@ def layer_title(rows) -> str:
     """The whole layer the rows time: E, N, K, RoPE, bias, mask, B, T, S and the dtype (several values
     where the rows differ), e.g. 'E=512 N=8 K=2 RoPE=half bias=none mask=causal B=1 T=1024 S=1024 float32'."""
     def value(r, name):
-        kv_heads, rope, bias, mask = variant_fields(r)
+        kv_heads, rope, bias, mask = variant_fields(r)[:4]
         return {"kv_heads": kv_heads, "rope": rope or "none", "bias": bias, "mask": mask}.get(name, r.get(name))
 
     parts = []
@@ -255,10 +252,14 @@ def layer_title(rows) -> str:
         vals = sorted({value(r, name) for r in rows}, key=lambda x: (isinstance(x, str), x))
         text = ",".join(map(str, vals)) or "?"
         parts.append(text if name == "dtype" else f"{short}={text}")
+    # The layers after Llama: what differs from the classic layer, as the case label says it (`modern_label`).
+    modern = {modern_label(r).strip() for r in rows}
+    if modern - {""}:
+        parts.insert(5, " | ".join(sorted(m or "classic" for m in modern)))
     return " ".join(parts)
 
 
-def verdict_short(v: dict) -> str:
+def verdictshort(v: dict) -> str:
     """A verdict in a plot's words: pass, case, who is faster by how much, the interval, conclusive or why not."""
     ci = v.get("ci")
     span = f"{verdicts.CI_LEVEL:.0%} CI {ci[0]:.3g}-{ci[1]:.3g}" if ci and math.isfinite(ci[1]) else "no interval"
@@ -279,7 +280,7 @@ def plot_title(rows, env: dict | None, verdicts_=()) -> str:
     bits = [f"device {device}" + (f" ({model})" if model else ""), f"preset {env.get('preset', '?')}",
             f"precision {env.get('precision', '?')}"]
     lines = [f"mha-bench: {layer_title(rows)}" if rows else "mha-bench", ", ".join(bits)]
-    return "\n".join([*lines, *(verdict_short(v) for v in verdicts_)])
+    return "\n".join([*lines, *(verdictshort(v) for v in verdicts_)])
 
 
 def write_plot(path: str, rows, env: dict | None = None, verdicts_=()) -> None:
@@ -365,9 +366,9 @@ def _iqr_bars(members) -> list[float]:
 
 def _series_label(r) -> str:
     label = f"{_variant(r)} {r['dtype']} B={r['batch']} E={r['embed']} N={r['heads']}"
-    kv_heads, rope, bias, mask = variant_fields(r)
+    kv_heads, rope, bias, mask = variant_fields(r)[:4]
     return label + (f" K={kv_heads}" if kv_heads != r["heads"] else "") + (f" rope={rope}" if rope else "") + (
-        f" bias={bias}" if bias != "all" else "") + (f" mask={mask}" if mask != "none" else "")
+        f" bias={bias}" if bias != "all" else "") + modern_label(r) + (f" mask={mask}" if mask != "none" else "")
 
 
 def _plot_series(ax_time, ax_rate, members, style) -> None:
@@ -415,22 +416,6 @@ class BenchFileError(ValueError):
     """A file that is not a valid mha-bench JSON of this schema; the message is one line."""
 
 
-_INT_FIELDS = ("batch", "seq_q", "seq_k", "embed", "heads")
-_STR_FIELDS = ("impl", "mode", "pass", "dtype")
-# Every number the console, the Markdown, the plot and `compare` read from a row, with its lowest
-# value (">0" positive, ">=0" non-negative). Each may be null, except median_s and iqr_s of a
-# measured (ok, noisy) row, which compare and the noise rule divide by and subtract.
-_NUMBERS = {"median_s": ">0", "iqr_s": ">=0", "ratio": ">0", "gflops": ">=0", "peak_fraction": ">=0",
-            "compile_s": ">=0", "recompile_s": ">=0", "peak_mem_bytes": ">=0", "out_max_diff": ">=0",
-            "grad_rel_diff": ">=0"}
-# Fields a file may lack: the variant fields and out_max_diff came later, and kernel and message
-# are read with a default. Every other field above is in every file any version wrote.
-_OPTIONAL = ("kv_heads", "rope", "bias", "kernel", "message", "out_max_diff", "grad_rel_diff")
-_TEXTS = ("kernel", "message", "baseline")  # null or a string
-_COUNTS = ("rounds", "processes")  # null or a positive integer (mha-bench/3; absent before)
-_REQUIRED = ("status", *(k for k in _NUMBERS if k not in _OPTIONAL))  # besides MATCH_KEY
-
-
 def load(path: str) -> dict:
     """Read and validate an mha-bench JSON file; BenchFileError says what is wrong."""
     try:
@@ -470,27 +455,19 @@ def validate(data, path: str = "input") -> None:
         raise BenchFileError(f"{path}: 'environment': {problem}")
     seen: dict = {}
     for i, row in enumerate(rows):
-        problem = _row_problem(row)
+        problem = Row.problem(row)
         if problem:
-            raise BenchFileError(f"{path}: row {i}{_named(row)}: {problem}")
-        first = seen.setdefault(_key(row), i)
+            raise BenchFileError(f"{path}: row {i}{named(row)}: {problem}")
+        first = seen.setdefault(match_key(row), i)
         if first != i:
             raise BenchFileError(f"{path}: row {i} repeats row {first} (same case, pass and implementation)")
     vs = data.get("verdicts", [])
     if not isinstance(vs, list):
         raise BenchFileError(f"{path}: 'verdicts' must be a list, got {type(vs).__name__}")
     for i, v in enumerate(vs):
-        problem = _verdict_problem(v)
+        problem = Verdict.problem(v)
         if problem:
             raise BenchFileError(f"{path}: verdict {i}: {problem}")
-
-
-def _short(x) -> str:
-    """repr(x) for a one-line message: a huge integer by its digits, anything long cut."""
-    text = repr(x)
-    if _is_int(x) and len(text) > 80:
-        return f"an integer of {len(str(abs(x)))} digits"
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _environment_problem(env) -> str | None:
@@ -498,144 +475,21 @@ def _environment_problem(env) -> str | None:
     if not isinstance(env, dict):
         return f"must be an object, got {type(env).__name__}"
     if not isinstance(env.get("versions", {}), dict):
-        return f"versions must be an object, got {_short(env['versions'])}"
+        return f"versions must be an object, got {short(env['versions'])}"
     for name in ("peaks", "peak_measurements"):
         items = env.get(name, [])
         if not (isinstance(items, list) and all(isinstance(p, dict) for p in items)):
-            return f"{name} must be a list of objects, got {_short(items)}"
+            return f"{name} must be a list of objects, got {short(items)}"
     for p in env.get("peaks", []):
-        if p.get("gflops") is not None and not (_finite(p["gflops"]) and p["gflops"] >= 0):
-            return f"a peak's gflops = {_short(p['gflops'])} is not a finite non-negative number"
+        if p.get("gflops") is not None and not (finite(p["gflops"]) and p["gflops"] >= 0):
+            return f"a peak's gflops = {short(p['gflops'])} is not a finite non-negative number"
         if p.get("gflops") and not isinstance(p.get("dtype"), str):
-            return f"a peak's dtype = {_short(p.get('dtype'))} is not a string"
+            return f"a peak's dtype = {short(p.get('dtype'))} is not a string"
     for name in ("interference", "interference_notes"):
         texts = env.get(name)
         if texts is not None and not (isinstance(texts, list) and all(isinstance(w, str) for w in texts)):
-            return f"{name} must be null or a list of strings, got {_short(texts)}"
+            return f"{name} must be null or a list of strings, got {short(texts)}"
     return None
-
-
-def _verdict_problem(v) -> str | None:
-    if not isinstance(v, dict):
-        return f"not an object ({type(v).__name__})"
-    missing = [k for k in verdicts.VERDICT_FIELDS_2 if k not in v]  # the fields every schema's verdicts have
-    if missing:
-        return f"missing field(s) {', '.join(missing)}"
-    bad = [k for k in ("case", "pass", "faster", "slower") if not isinstance(v[k], str)]
-    if bad:
-        return f"{', '.join(f'{k} = {_short(v[k])}' for k in bad)}: not a string"
-    ci = v["ci"]
-    # ratio = slower / faster >= 1; ci: null where there is no interval (a single round), else 0 <= low <= high.
-    ci_ok = ci is None or (isinstance(ci, list) and len(ci) == 2 and all(_is_num(x) and _as_float(x) is not None for x in ci)
-                           and 0 <= _as_float(ci[0]) <= _as_float(ci[1]))
-    if not (ci_ok and _finite(v["ratio"]) and v["ratio"] >= 1):
-        return f"ratio {_short(v['ratio'])} / ci {_short(ci)} are not a ratio >= 1 and null or an interval 0 <= low <= high"
-    if not isinstance(v["conclusive"], bool) or not (_is_int(v["repeats"]) and v["repeats"] >= 0):
-        return f"conclusive {_short(v['conclusive'])} / repeats {_short(v['repeats'])} are not a bool and a count"
-    bad = [k for k in ("rounds", "processes") if v.get(k) is not None and not (_is_int(v[k]) and v[k] >= 0)]
-    if bad:
-        return f"{', '.join(f'{k} = {_short(v[k])}' for k in bad)}: not null or a count"
-    interference = v.get("interference")
-    if interference is not None and not (isinstance(interference, list) and all(isinstance(t, str) for t in interference)):
-        return f"interference = {_short(interference)}: not null or a list of strings"
-    bad = [k for k in ("reason", "note") if not isinstance(v.get(k), (str, type(None)))]
-    if bad:
-        return f"{', '.join(f'{k} = {_short(v[k])}' for k in bad)}: not a string or null"
-    return None
-
-
-def _is_num(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _as_float(x) -> float | None:
-    """x as a float, None for NaN or an integer too large for one (infinity stays)."""
-    try:
-        f = float(x)
-    except OverflowError:
-        return None
-    return None if math.isnan(f) else f
-
-
-def _finite(x) -> bool:
-    """A number that is finite as a float (a huge JSON integer is not: it overflows)."""
-    return _is_num(x) and _as_float(x) is not None and math.isfinite(_as_float(x))
-
-
-def _named(row) -> str:
-    """ ' (implementation pass case)' for a row whose key fields are valid, else ''."""
-    if not isinstance(row, dict) or _key_problem(row):
-        return ""
-    return f" ({row_key(row)} {row['pass']} {_case(row)})"
-
-
-def _mask_ok(mask) -> bool:
-    """A row's mask is a plain kind or window:W / packed:D, as `BenchMask` writes it."""
-    try:
-        return isinstance(mask, str) and str(BenchMask.parse(mask)) == mask
-    except ValueError:
-        return False
-
-
-def _key_problem(row) -> str | None:
-    """What is wrong with the fields that name a row (its case, pass and implementation)."""
-    missing = [k for k in MATCH_KEY if k not in row]
-    if missing:
-        return f"missing field(s) {', '.join(missing)}"
-    bad = [k for k in _STR_FIELDS if not isinstance(row[k], str)]
-    bad += [k for k in _INT_FIELDS if not (_is_int(row[k]) and 0 < row[k] < 2**63)]
-    bad += [] if isinstance(row["need_weights"], bool) else ["need_weights"]
-    kv = row.get("kv_heads")
-    if kv is not None and not (_is_int(kv) and kv > 0 and _is_int(row["heads"]) and row["heads"] % kv == 0):
-        bad.append("kv_heads")
-    bad += [] if row.get("rope") in (None, *ROPE_CONVENTIONS) else ["rope"]
-    bad += [] if row.get("bias") in (None, *BIASES) else ["bias"]
-    bad += [] if row.get("mask") is None or _mask_ok(row["mask"]) else ["mask"]
-    if bad:
-        return f"bad value(s) for {', '.join(f'{k}={_short(row[k])}' for k in bad)}"
-    return None
-
-
-def _row_problem(row) -> str | None:
-    if not isinstance(row, dict):
-        return f"not an object ({type(row).__name__})"
-    problem = _key_problem(row)
-    if problem:
-        return problem
-    missing = [k for k in _REQUIRED if k not in row]
-    if missing:
-        return f"missing field(s) {', '.join(missing)}"
-    if row["status"] not in STATUSES:
-        return f"status {_short(row['status'])} is not one of {STATUSES}"
-    for name, lowest in _NUMBERS.items():
-        x = row.get(name)
-        if x is None and not (row["status"] in MEASURED and name in ("median_s", "iqr_s")):
-            continue
-        if not (_finite(x) and (x > 0 if lowest == ">0" else x >= 0)):
-            kind = "positive" if lowest == ">0" else "non-negative"
-            return f"{name} = {_short(x)} is not a finite {kind} number ({row['status']} row)"
-    bad = [k for k in _TEXTS if not isinstance(row.get(k), (str, type(None)))]
-    if bad:
-        return f"{', '.join(f'{k} = {_short(row[k])}' for k in bad)}: not a string or null"
-    bad = [k for k in _COUNTS if row.get(k) is not None and not (_is_int(row[k]) and 0 < row[k] < 2**63)]
-    if bad:
-        return f"{', '.join(f'{k} = {_short(row[k])}' for k in bad)}: not a positive integer or null"
-    if row.get("mask_path") not in (None, *MASK_PATHS):
-        return f"mask_path = {_short(row['mask_path'])}: not null or one of {', '.join(MASK_PATHS)}"
-    if not isinstance(row.get("param_grads"), (bool, type(None))):
-        return f"param_grads = {_short(row['param_grads'])}: not a bool or null"
-    medians = row.get("process_medians_s")
-    if medians is not None and not (isinstance(medians, list) and all(_finite(x) and x > 0 for x in medians)):
-        return f"process_medians_s = {_short(medians)}: not null or a list of finite positive numbers"
-    return None
-
-
-def _key(row) -> tuple:
-    return (*(row.get(k) for k in MATCH_KEY), *variant_fields(row))
 
 
 # ---------------------------------------------------------------- compare
@@ -686,8 +540,8 @@ def compare(base: dict, new: dict, threshold: float = 0.10) -> Comparison:
     either run (`noisy`, the run's own rule) decides nothing: "noisy", never a regression."""
     if not (math.isfinite(threshold) and threshold > 0):
         raise ValueError(f"threshold must be a positive finite number, got {threshold!r}")
-    base_rows = {_key(r): r for r in base["rows"]}
-    new_rows = {_key(r): r for r in new["rows"]}
+    base_rows = {match_key(r): r for r in base["rows"]}
+    new_rows = {match_key(r): r for r in new["rows"]}
     out = Comparison(
         only_base=[dict(zip(KEY_FIELDS, k)) for k in base_rows if k not in new_rows],
         only_new=[dict(zip(KEY_FIELDS, k)) for k in new_rows if k not in base_rows],

@@ -24,7 +24,10 @@ import statistics
 import sys
 import time
 
+from parity.implementation import FRAMEWORKS
 from parity.workers import Group, follow_parent, free_port, wait, worker_env
+
+SHARDED_FRAMEWORKS = tuple(sorted(FRAMEWORKS))  # the order the sharded runs go in: jax, then torch
 
 DEFAULTS = {"B": 1, "T": 4096, "E": 256, "N": 4, "repeats": 3}
 TIMEOUT_S = 900.0
@@ -179,7 +182,7 @@ def check_sizes(*, devices, layouts, frameworks, B: int, T: int, E: int, N: int,
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
     if E % N:
         raise ValueError(f"E={E} is not divisible by N={N} heads")
-    unknown = [x for x in layouts if x not in ("sp", "tp")] + [x for x in frameworks if x not in ("jax", "torch")]
+    unknown = [x for x in layouts if x not in ("sp", "tp")] + [x for x in frameworks if x not in FRAMEWORKS]
     if unknown:
         raise ValueError(f"unknown layouts/frameworks {unknown}; layouts: sp, tp; frameworks: jax, torch")
     for n in devices:
@@ -190,7 +193,7 @@ def check_sizes(*, devices, layouts, frameworks, B: int, T: int, E: int, N: int,
                 raise ValueError(f"layout {layout!r} over {n} devices: {what}={size} is not divisible by {n}")
 
 
-def iter_bench_sharded(*, devices=(1, 2, 4), layouts=("sp", "tp"), frameworks=("jax", "torch"), timeout_s: float = TIMEOUT_S,
+def iter_bench_sharded(*, devices=(1, 2, 4), layouts=("sp", "tp"), frameworks=SHARDED_FRAMEWORKS, timeout_s: float = TIMEOUT_S,
                        **sizes):
     """Yield each (framework, layout, devices) row as it is measured (no `ratio_to_1_device`; see `with_ratios`).
 
@@ -218,7 +221,7 @@ def with_ratios(rows: list[dict]) -> list[dict]:
     return out
 
 
-def bench_sharded(*, devices=(1, 2, 4), layouts=("sp", "tp"), frameworks=("jax", "torch"), timeout_s: float = TIMEOUT_S, **sizes) -> list[dict]:
+def bench_sharded(*, devices=(1, 2, 4), layouts=("sp", "tp"), frameworks=SHARDED_FRAMEWORKS, timeout_s: float = TIMEOUT_S, **sizes) -> list[dict]:
     """Per-device peak memory (bytes) and median forward time for each (framework, layout, devices).
 
     sizes: B, T (= S), E, N, repeats (defaults in DEFAULTS; checked by `check_sizes` before

@@ -33,7 +33,7 @@ from rich.table import Table
 from mha_spec.files import check_writable, write_atomic
 from mha_spec import SHARDINGS
 from parity.cli_args import add_alias, comma_separated, positive_float, positive_int, positive_ints as _ints
-from parity.bench.sharded import TIMEOUT_S
+from parity.bench.sharded import SHARDED_FRAMEWORKS, TIMEOUT_S
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_WRITE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 BENCH_SHARDINGS = tuple(s for s in SHARDINGS if s in ("sp", "tp"))  # what the memory benchmark measures (no dp)
@@ -46,7 +46,7 @@ def parser() -> argparse.ArgumentParser:
     add_alias(p, "--layouts", p.add_argument(
         "--shardings", type=comma_separated(BENCH_SHARDINGS, nonempty=True), default=("sp", "tp"), metavar="sp,tp",
         help="sp: the query sequence (ring attention), tp: the heads (default sp,tp)"))
-    p.add_argument("--frameworks", type=comma_separated(("jax", "torch"), nonempty=True), default=("jax", "torch"))
+    p.add_argument("--frameworks", type=comma_separated(SHARDED_FRAMEWORKS, nonempty=True), default=SHARDED_FRAMEWORKS)
     p.add_argument("--seq", type=positive_int, default=4096, help="T = S (default 4096)")
     p.add_argument("--embed", type=positive_int, default=256)
     p.add_argument("--heads", type=positive_int, default=4)

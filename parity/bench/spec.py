@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from mha_spec import MASK_KINDS, PASSES, ROPE_CONVENTIONS, AttentionConfig, Problem
+from mha_spec import MASK_KINDS, PASSES, QK_NORMS, ROPE_CONVENTIONS, AttentionConfig, Problem, Structure
 from parity.devices import DevicePlan
 from parity.dtypes import numpy_dtype
 from parity.impls import BUILTIN, Implementation
@@ -19,17 +19,7 @@ from parity.reference import structured_keep
 
 DTYPES = {name: numpy_dtype(name) for name in ("float32", "bfloat16", "float16")}  # what the benchmark times
 
-# One result row, in this order in the JSON and the Markdown.
-ROW_FIELDS = (
-    "impl", "framework", "mode", "pass", "batch", "seq_q", "seq_k", "embed", "heads", "kv_heads", "rope", "bias", "mask",
-    "dtype", "need_weights", "kernel", "mask_path", "device", "compile_s", "recompile_s", "median_s", "iqr_s", "min_s",
-    "repeats", "rounds", "processes", "process_medians_s", "ratio", "baseline", "gflops", "peak_gflops", "peak_fraction",
-    "peak_mem_bytes", "mem_source", "out_max_diff", "grad_rel_diff", "param_grads", "status", "message",
-)
-# mask_path: how the case's mask reached the kernel that computes the attention (`MASK_PATHS`).
-# grad_rel_diff (fwd+bwd): the largest |gradient - the reference's| / its scale over the gradients compared
-# (`measure.same_gradients`); param_grads (fwd+bwd): whether the row computes the parameters' gradients
-# (`Implementation.uses_params`), null for fwd.
+# A row's mask_path (`records.Row`): how the case's mask reached the kernel that computes the attention.
 MASK_PATHS = {
     "none": "the case has no mask",
     "structure": "the kernel was told the structure (SDPA is_causal=True; a causal or windowed band): it computes "
@@ -54,16 +44,15 @@ def framework_device(framework: str, plan: DevicePlan) -> str:
     return (plan.torch_device if framework == "torch" else plan.jax_platform) or plan.name
 
 
-def row_key(row: dict) -> str:
-    """A row's implementation key, family:mode:weights|fused (what `Implementation.bench_key` gives)."""
-    return f"{row['impl']}:{row['mode']}:{'weights' if row['need_weights'] else 'fused'}"
-
-
 # The projections that carry a bias (`--bias`): all four, q/k/v only (Qwen2), out only, none (Llama).
 BIASES = {"all": (True, True), "qkv": (True, False), "out": (False, True), "none": (False, False)}
 # What a row without the variant fields (a file written before they existed) describes: the classic
 # layer, without a mask.
 CLASSIC_FIELDS = {"rope": None, "bias": "all", "mask": "none"}
+# The fields of the layers after Llama (`mha_spec.AttentionConfig`'s), as a row and a case name them. A row
+# without them (or with them null) is the classic layer: H = E / N, no QK-norm, scale H**-0.5, no soft-cap,
+# no sinks. qk_norm_eps and qk_norm_offset are null without qk_norm (the layer has no norm to take them).
+MODERN_FIELDS = ("head_dim", "qk_norm", "qk_norm_eps", "qk_norm_offset", "scale", "softcap", "sinks")
 # --mask: none; causal, bottom-right aligned (query t sees keys up to t + S - T, so a query block
 # is the last T positions of a sequence of S, as in a decoder with a cache); padding, each batch
 # row keeps its first S - floor(b·S / 2B) keys (every row keeps at least half: no row is fully
@@ -160,15 +149,15 @@ class BenchMask:
             keep = structured_keep(T, S, is_causal=True, window=window, alignment="bottom-right")  # (1, 1, T, S)
         return np.ascontiguousarray(np.broadcast_to(keep, (B, 1, T, S)))
 
-    def structure(self, B: int, T: int, S: int) -> dict | None:
-        """causal, window and packed as the modules' structured keywords (the same mask as `keep`), what an
+    def structure(self, B: int, T: int, S: int) -> Structure | None:
+        """causal, window and packed as an `mha_spec.Structure` (the same mask as `keep`), what an
         implementation declaring `structured` is given instead of the dense mask; None otherwise."""
         if self.kind == "causal":
-            return {"is_causal": True, "alignment": "bottom-right"}
-        if self.kind == "window":
-            return {"is_causal": True, "window": (min(self.param, S) - 1, 0), "alignment": "bottom-right"}
+            return Structure.of(T, S, is_causal=True, alignment="bottom-right")
+        if self.kind == "window":  # W >= S: all of causal
+            return Structure.of(T, S, is_causal=True, window=(min(self.param, S) - 1, 0), alignment="bottom-right")
         if self.kind == "packed":
-            return {"is_causal": True, "segment_ids": self.segment_ids(B, T)}
+            return Structure.of(T, S, is_causal=True, segment_ids=self.segment_ids(B, T), batch=B)
         return None
 
     def kept(self, B: int, T: int, S: int) -> int:
@@ -184,6 +173,30 @@ class BenchMask:
         a = np.arange(S - T, S, dtype=np.int64)  # (T,): each query's key position, bottom-right
         width = a + 1 if self.kind == "causal" else np.minimum(min(self.param, S), a + 1)  # keys s in [a - W + 1, a] ∩ [0, a]
         return B * int(width.sum())
+
+
+def modern_keywords(embed: int, heads: int, modern: dict) -> dict:
+    """`AttentionConfig`'s keywords for the `MODERN_FIELDS` given (None: the classic layer's, left out);
+    ValueError/TypeError naming a field that is not one of them or a qk_norm that is not one of QK_NORMS."""
+    unknown = sorted(set(modern) - set(MODERN_FIELDS))
+    if unknown:
+        raise TypeError(f"unknown layer field(s) {', '.join(unknown)}; the layer's are {', '.join(MODERN_FIELDS)}")
+    kw = {k: v for k, v in modern.items() if v is not None}
+    if kw.get("qk_norm") is not None and kw["qk_norm"] not in QK_NORMS:
+        raise ValueError(f"qk_norm {kw['qk_norm']!r} is not None or one of {QK_NORMS}")
+    H = kw.get("head_dim")
+    if isinstance(H, int) and not isinstance(H, bool) and H * heads == embed:
+        del kw["head_dim"]  # N·H = E: the classic layer's head dim, one case however it is spelled
+    return kw
+
+
+def modern_fields(config: AttentionConfig) -> dict:
+    """The `MODERN_FIELDS` of a layer as a row writes them: head_dim is H (always known), qk_norm_eps and
+    qk_norm_offset null without qk_norm, sinks a bool."""
+    norm = config.qk_norm is not None
+    return {"head_dim": config.head_size, "qk_norm": config.qk_norm,
+            "qk_norm_eps": config.qk_norm_eps if norm else None, "qk_norm_offset": config.qk_norm_offset if norm else None,
+            "scale": config.scale, "softcap": config.softcap, "sinks": config.sinks}
 
 
 def bias_name(qkv_bias: bool, out_bias: bool) -> str:
@@ -216,15 +229,20 @@ class BenchCase:
 
     @classmethod
     def of(cls, batch: int, seq_q: int, seq_k: int, embed: int, heads: int, dtype: str, *,
-           kv_heads: int | None = None, rope: str | None = None, bias: str = "all", mask: str = "none") -> BenchCase:
-        """A case from the row fields; ValueError/TypeError (from `AttentionConfig`) for a layer that cannot be."""
+           kv_heads: int | None = None, rope: str | None = None, bias: str = "all", mask: str = "none",
+           **modern) -> BenchCase:
+        """A case from the row fields; ValueError/TypeError (from `AttentionConfig`) for a layer that cannot be.
+
+        modern: the `MODERN_FIELDS` (head_dim, qk_norm, qk_norm_eps, qk_norm_offset, scale, softcap, sinks),
+        each None (or absent) for the classic layer's; a head_dim with N·H = E is the classic layer's."""
         if bias not in BIASES:
             raise ValueError(f"bias {bias!r} is not one of {tuple(BIASES)}")
         if rope is not None and rope not in ROPE_CONVENTIONS:
             raise ValueError(f"rope {rope!r} is not None or one of {ROPE_CONVENTIONS}")
         qkv_bias, out_bias = BIASES[bias]
         config = AttentionConfig(embed, heads, num_kv_heads=None if kv_heads == heads else kv_heads,
-                                 qkv_bias=qkv_bias, out_bias=out_bias, rope=rope)
+                                 qkv_bias=qkv_bias, out_bias=out_bias, rope=rope,
+                                 **modern_keywords(embed, heads, modern))
         return cls(Problem(config, batch, seq_q, seq_k), dtype, mask)
 
     @classmethod
@@ -232,7 +250,14 @@ class BenchCase:
         """The case a row (or `fields()`) describes; rows without the variant fields are the classic layer."""
         return cls.of(*(fields[k] for k in ("batch", "seq_q", "seq_k", "embed", "heads", "dtype")),
                       kv_heads=fields.get("kv_heads"), rope=fields.get("rope"), bias=fields.get("bias") or "all",
-                   mask=fields.get("mask") or "none")
+                      mask=fields.get("mask") or "none", **{k: fields.get(k) for k in MODERN_FIELDS})
+
+    @classmethod
+    def from_json(cls, data: dict) -> BenchCase:
+        """`to_json`'s inverse; ValueError/TypeError for fields that make no case."""
+        if not isinstance(data, dict):
+            raise TypeError(f"a bench case is a JSON object of its fields, got {type(data).__name__}")
+        return cls.from_fields(data)
 
     @property
     def config(self) -> AttentionConfig:
@@ -270,10 +295,15 @@ class BenchCase:
         """B, T, S, E, N and the dtype; then only what differs from the classic layer (K, RoPE, biases)."""
         return case_label(self.fields())
 
+    def to_json(self) -> dict:
+        """The case as a row's and a worker item's JSON names it (`fields`); `from_json` reads it back."""
+        return self.fields()
+
     def fields(self) -> dict:
         return {
             "batch": self.batch, "seq_q": self.seq_q, "seq_k": self.seq_k, "embed": self.embed, "heads": self.heads,
-            "kv_heads": self.kv_heads, "rope": self.config.rope, "bias": self.bias, "mask": self.mask, "dtype": self.dtype,
+            "kv_heads": self.kv_heads, "rope": self.config.rope, "bias": self.bias, "mask": self.mask,
+            **modern_fields(self.config), "dtype": self.dtype,
         }
 
     def shrunk(self) -> BenchCase:
@@ -295,14 +325,50 @@ def case_label(row: dict) -> str:
         label += f" rope={row['rope']}"
     if (row.get("bias") or "all") != "all":
         label += f" bias={row['bias']}"
+    label += modern_label(row)
     if (row.get("mask") or "none") != "none":
         label += f" mask={row['mask']}"
     return f"{label} {row['dtype']}"
 
 
+def number_text(x) -> str:
+    """A number as a label writes it: short where that reads back the same (0.25, 1), else exact."""
+    short = format(x, "g")
+    return short if float(short) == x else repr(x)
+
+
+def modern_label(row: dict) -> str:
+    """The label's words for the `MODERN_FIELDS` that differ from the classic layer (`modern_values`):
+    ' H=8 qk_norm=head qk_norm_offset=1 scale=0.25 softcap=30 sinks', '' for the classic layer."""
+    H, qk_norm, eps, offset, scale, softcap, sinks = modern_values(row)
+    words = [f"H={H}"] if H * row["heads"] != row["embed"] else []
+    if qk_norm is not None:
+        words.append(f"qk_norm={qk_norm}")
+        words += [f"qk_norm_eps={number_text(eps)}"] if eps != AttentionConfig.qk_norm_eps else []
+        words += [f"qk_norm_offset={number_text(offset)}"] if offset != AttentionConfig.qk_norm_offset else []
+    words += [f"{name}={number_text(x)}" for name, x in (("scale", scale), ("softcap", softcap)) if x is not None]
+    words += ["sinks"] if sinks else []
+    return "".join(f" {w}" for w in words)
+
+
+def modern_values(row: dict) -> tuple:
+    """(head_dim, qk_norm, qk_norm_eps, qk_norm_offset, scale, softcap, sinks) of a row, resolved: H = E / N
+    where the row has none, the norm's eps and offset their defaults with qk_norm (None without), sinks a
+    bool; a row that predates them is the classic layer."""
+    H = row.get("head_dim") or row["embed"] // row["heads"]
+    qk_norm = row.get("qk_norm")
+    eps = offset = None
+    if qk_norm is not None:
+        eps = AttentionConfig.qk_norm_eps if row.get("qk_norm_eps") is None else row["qk_norm_eps"]
+        offset = AttentionConfig.qk_norm_offset if row.get("qk_norm_offset") is None else row["qk_norm_offset"]
+    return H, qk_norm, eps, offset, row.get("scale"), row.get("softcap"), bool(row.get("sinks"))
+
+
 def variant_fields(row: dict) -> tuple:
-    """(kv_heads, rope, bias, mask) of a row, the classic layer's (no mask) where the row predates them."""
-    return (row.get("kv_heads") or row["heads"], row.get("rope"), row.get("bias") or "all", row.get("mask") or "none")
+    """(kv_heads, rope, bias, mask, then `modern_values`) of a row, the classic layer's (no mask) where the
+    row predates them."""
+    return (row.get("kv_heads") or row["heads"], row.get("rope"), row.get("bias") or "all", row.get("mask") or "none",
+            *modern_values(row))
 
 
 # The native grouped-query baselines: each framework's own attention on K key/value heads. They
@@ -311,9 +377,9 @@ def variant_fields(row: dict) -> tuple:
 GROUPED_BASELINES = ("torch-sdpa-gqa", "jax-dpa-gqa", "keras-gqa")
 
 
-def unsupported(impl: Implementation, case: BenchCase) -> str | None:
+def why_not_in_bench(impl: Implementation, case: BenchCase) -> str | None:
     """Why `impl` does not run `case`, by its own declarations (dtypes, attention variants, where it
-    runs); None: it runs. A T != S case is cross-attention (an inputs="self" layer skips it); a T == S
+    runs; a layer feature it does not declare is named before where it runs); None: it runs. A T != S case is cross-attention (an inputs="self" layer skips it); a T == S
     case self-attention (`BenchCase.self_attention`).
 
     A layer that takes query, key and value apart runs a self-attention case too where its `runs_on`
@@ -322,6 +388,9 @@ def unsupported(impl: Implementation, case: BenchCase) -> str | None:
     not because they cannot run them.)"""
     if impl.name in GROUPED_BASELINES and not case.config.features:
         return f"{impl.name} is a grouped-layer baseline: the classic layer's is torch-sdpa-core / jax-dpa-core"
+    layer = impl.unsupported(case.dtype, case.config)  # its dtypes and the layer's features first: a skip names them
+    if layer is not None:
+        return layer
     mask = case.bench_mask.unit_kind  # runs_on is written over mha_spec.MASK_KINDS
     why = impl.unsupported(case.dtype, case.config, cross=not case.self_attention, mask=mask)
     if why is not None and case.self_attention and impl.inputs == "qkv":
@@ -355,16 +424,6 @@ def select_impls(spec: str | None, impls=IMPLS) -> tuple[Implementation, ...]:
     return tuple(im for im in impls if im in chosen)  # keep the canonical order
 
 
-def impl_by_key(key: str, impls=IMPLS) -> Implementation:
-    """The implementation of `impls` whose `bench_key` is `key`: the one place the benchmark turns a key
-    (the spelling of rows, worker specs, --baseline and --verdict) back into its Implementation.
-    ValueError naming the known keys."""
-    for im in impls:
-        if im.bench_key == key:
-            return im
-    raise ValueError(f"{key!r} is not among the implementations: {', '.join(im.bench_key for im in impls)}")
-
-
 # ---------------------------------------------------------------- FLOPs
 
 
@@ -377,7 +436,8 @@ def forward_flops(problem: Problem, kept: int | None = None) -> int:
     query head (a key/value head serves N/K of them), 2·N·H per kept (b, t, s) entry each;
     `kept` is how many of the B·T·S entries the keep-mask keeps (default: all, no mask).
     Not counted (lower order): softmax, scaling, biases, and RoPE's rotation (~3 FLOPs per
-    element of q and k).
+    element of q and k); likewise the layers after Llama's QK-norm (per element of q and k),
+    soft-cap and sinks (per score), whose H is `head_size` (N·H need not be E).
     For the classic layer (K = N, N·H = E) without a mask: 2·B·E²·(2·T + 2·S) + 4·B·T·S·E.
     """
     c = problem.config
@@ -387,7 +447,7 @@ def forward_flops(problem: Problem, kept: int | None = None) -> int:
 
 
 FLOPS_FORMULA = ("fwd = 2·B·E·H·(2·N·T + 2·K·S) + 4·N·H·P, P = the (b, t, s) entries kept by the mask (B·T·S without one) "
-                 "(softmax, biases, RoPE not counted); fwd+bwd = 3 × fwd")
+                 "(softmax, biases, RoPE, QK-norm, soft-cap, sinks not counted); fwd+bwd = 3 × fwd")
 
 
 def pass_flops(case: BenchCase, pass_: str) -> int:
@@ -405,15 +465,15 @@ def pass_flops(case: BenchCase, pass_: str) -> int:
 def estimate_bytes(impl: Implementation, case: BenchCase, pass_: str) -> int:
     """A deliberately generous upper estimate of an item's peak memory, to skip what cannot fit.
 
-    Activations: on the query side ~8 arrays of (B, T, E) (input, q, its rotation, context,
-    output, slack); on the key side the two inputs (B, S, E) and k, v and k's rotation with
+    Activations: on the query side ~8 arrays of (B, T, max(E, N·H)) (input, q, its norm and
+    rotation, context, output, slack); on the key side the two inputs (B, S, E) and k, v and k's rotation with
     K heads, ~4 arrays each of (B, S, E) and (B, S, K·H). A materialising implementation
     also holds ~3 float32 (B, N, T, S) arrays in the forward (scores, softmax, weights) and
     ~6 with the backward (saved + gradients).
     """
     c = case.config
     item = max(DTYPES[case.dtype].itemsize, 4)
-    acts = (8 * case.seq_q * case.embed + 4 * case.seq_k * (case.embed + c.kv_heads * c.head_size)) * case.batch * item
+    acts = (8 * case.seq_q * max(case.embed, case.heads * c.head_size) + 4 * case.seq_k * (case.embed + c.kv_heads * c.head_size)) * case.batch * item
     params = sum(int(np.prod(shape)) for shape in c.weight_shapes().values())
     weights = params * 4 * 3  # params, grads, optimiser-free slack
     scores = 0
@@ -504,14 +564,25 @@ PRESETS = {
 def canonical_weights(config: AttentionConfig, dtype: str, seed: int) -> dict[str, np.ndarray]:
     """One canonical state dict (parity.convert layout) shared by every implementation.
 
-    Every entry of `config.weight_shapes()` (k/v with K heads, absent biases absent) with
-    torch.nn.Linear's default init, U(-1/√E, 1/√E), drawn in float32 and rounded once
-    to the case dtype, so every framework starts from the very same bits.
+    The projections (`config.weight_shapes()`: k/v with K heads, absent biases absent) with
+    torch.nn.Linear's default init, U(-1/√E, 1/√E); after them the QK-norm weights and the sinks
+    by `parity.draw.state_dict`'s rule, away from the constants the models initialise them to
+    (offset + w in [0.5, 1.5], sinks standard normal), so that an implementation that drops one
+    computes something else. Drawn in float32 and rounded once to the case dtype, so every
+    framework starts from the very same bits.
     """
     rng = np.random.default_rng(seed)
     bound = 1.0 / np.sqrt(config.embed_dim)
-    return {name: rng.uniform(-bound, bound, shape).astype(np.float32).astype(DTYPES[dtype])
-            for name, shape in config.weight_shapes().items()}
+    shapes = config.weight_shapes()
+    extras = ("q_norm.weight", "k_norm.weight", "sinks")
+    sd = {name: rng.uniform(-bound, bound, shape).astype(np.float32)
+          for name, shape in shapes.items() if name not in extras}
+    for name in ("q_norm.weight", "k_norm.weight"):
+        if name in shapes:
+            sd[name] = ((1.0 - config.qk_norm_offset) + rng.uniform(-0.5, 0.5, shapes[name])).astype(np.float32)
+    if "sinks" in shapes:
+        sd["sinks"] = rng.standard_normal(shapes["sinks"]).astype(np.float32)
+    return {name: a.astype(DTYPES[dtype]) for name, a in sd.items()}
 
 
 def make_inputs(case: BenchCase, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -551,8 +622,8 @@ def structure_for(impl: Implementation, case: BenchCase) -> tuple | None:
     gets is_causal=True on a causal case whose mask is SDPA's top-left triangle (T = S)."""
     mask = case.bench_mask
     if impl.structured:
-        kw = mask.structure(case.batch, case.seq_q, case.seq_k)
-        return None if kw is None else (kw, None)
+        structure = mask.structure(case.batch, case.seq_q, case.seq_k)
+        return None if structure is None else (structure.keywords(), None)
     if impl.takes_is_causal and mask.kind == "causal" and case.seq_q == case.seq_k:
         return {"is_causal": True}, None
     return None
@@ -561,15 +632,3 @@ def structure_for(impl: Implementation, case: BenchCase) -> tuple | None:
 def impl_keep_mask(impl: Implementation, case: BenchCase) -> np.ndarray | None:
     """The dense mask `impl` is called with: none when it takes the case's structure instead."""
     return None if structure_for(impl, case) is not None else keep_mask(case)
-
-
-def empty_row(impl: Implementation, case: BenchCase, pass_: str, **kw) -> dict:
-    """A row with every field present (None where not measured)."""
-    row = dict.fromkeys(ROW_FIELDS)
-    row.update(
-        impl=impl.family or impl.name, framework=impl.framework, mode=impl.mode, need_weights=impl.returns_weights,
-        **case.fields(), param_grads=impl.uses_params if pass_ == "fwd+bwd" else None,
-    )
-    row["pass"] = pass_
-    row.update(kw)
-    return row

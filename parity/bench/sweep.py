@@ -30,17 +30,17 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-import numpy as np
 import psutil
 
-from mha_spec import allocator
+from mha_spec import PASSES, allocator
 from parity.bench import verdict as verdicts
-from parity.bench.measure import apply_peak, summarize
+from parity.bench.measure import apply_peak
 from parity.bench.measure import interference as measure_interference
 from parity.bench.measure import interference_notes
+from parity.bench.records import Key, empty_row, merge_rows
 from parity.bench.spec import (
-    FLOPS_FORMULA, MEASURED, NO_PARAM_GRADS, NOISY_IQR, BenchCase, Preset, Timing, empty_row, estimate_bytes,
-    framework_device, pass_flops, row_key, unsupported,
+    FLOPS_FORMULA, MEASURED, NO_PARAM_GRADS, NOISY_IQR, BenchCase, Preset, Timing, estimate_bytes, framework_device,
+    pass_flops, why_not_in_bench,
 )
 from parity.bench.worker import TAG
 from parity.devices import DevicePlan, resolve_device
@@ -85,7 +85,7 @@ class RunConfig:
     impls: tuple[Implementation, ...] = ()
     cases: tuple[BenchCase, ...] = ()
     user_impls: tuple[str, ...] = ()  # module:attribute specs the workers load (--impl)
-    passes: tuple[str, ...] = ("fwd", "fwd+bwd")
+    passes: tuple[str, ...] = PASSES
     threads: int | None = None
     precision: str = "highest"  # highest | default
     seed: int = 0
@@ -120,10 +120,11 @@ class Item:
     pass_: str
     skip: str | None = None
 
-    def spec(self) -> dict:
-        """What a worker is sent for this item: its implementation's key and its case's fields, which the
-        worker turns back into objects once (`worker.main`)."""
-        return {"id": self.id, "impl": self.impl.bench_key, "case": self.case.fields(), "pass": self.pass_}
+    def to_json(self) -> dict:
+        """What a worker is sent for this item: its implementation's `Key` and its `Case`, as their JSON,
+        which the worker turns back into objects once (`worker.main`)."""
+        return {"id": self.id, "impl": Key.of(self.impl).to_json(), "case": self.case.to_json(), "pass": self.pass_}
+
 
 
 def plan(cfg: RunConfig) -> list[Item]:
@@ -133,7 +134,7 @@ def plan(cfg: RunConfig) -> list[Item]:
     for case in cfg.cases:
         for impl in cfg.impls:
             for pass_ in cfg.passes:
-                skip = cfg.plan.skip_reason or unsupported(impl, case)
+                skip = cfg.plan.skip_reason or why_not_in_bench(impl, case)
                 if skip:
                     pass  # the device is absent, or the implementation declares it does not run this case
                 elif case.dtype == "float16" and framework_device(impl.framework, cfg.plan) == "cpu":
@@ -307,7 +308,7 @@ def _death_message(end: WorkerEnd, cfg: RunConfig) -> str:
     return (f"{why}; stderr: {tail}" if tail else why)[:800]
 
 
-def run_group(
+def spawn_group(
     cfg: RunConfig, items: list[Item], peaks: list[dict], out: Collected,
     on_event: Callable[[str, object], None], scratch: str, spawn: Spawn = _spawn, process: int = 0,
 ) -> None:
@@ -319,7 +320,7 @@ def run_group(
         spec = {
             "device": cfg.plan.to_dict(), "threads": cfg.threads,
             "precision": cfg.precision, "seed": cfg.seed, "timing": asdict(cfg.timing),
-            "peaks": peaks, "items": [it.spec() for it in pending], "interleave": cfg.interleave,
+            "peaks": peaks, "items": [it.to_json() for it in pending], "interleave": cfg.interleave,
             "user_impls": list(cfg.user_impls), "verdict": list(cfg.verdict) if cfg.verdict else None,
             # The best rates so far: the worker re-measures its peak when a row beats them.
             "known_peaks": [rec for rec in out.peaks if rec.get("gflops")],
@@ -355,7 +356,7 @@ def execute(cfg: RunConfig, items: list[Item], on_event=lambda kind, data: None,
                     # them all, so a burst of load during one measurement cannot lower the bar.
                     dtypes = sorted({it.case.dtype for it in group})
                     peaks = [{"dtype": d, "sizes": list(cfg.preset.peak_sizes)} for d in dtypes]
-                    run_group(cfg, group, peaks, out, on_event, scratch, spawn, process)
+                    spawn_group(cfg, group, peaks, out, on_event, scratch, spawn, process)
     except KeyboardInterrupt:
         out.interrupted = True
         for it in items:
@@ -368,48 +369,10 @@ def execute(cfg: RunConfig, items: list[Item], on_event=lambda kind, data: None,
 # ---------------------------------------------------------------- post-processing
 
 
-def merge_rows(parts: list[dict]) -> dict:
-    """One row from an item's rows of every worker process: the median, IQR and min of all their
-    samples together (so a shift between processes widens the IQR), the rounds and repeats summed,
-    each process's median kept (`process_medians_s`), the compile times' median, the largest memory
-    and output difference. A process whose row is an error or a skip makes the row that one."""
-    for i, r in enumerate(parts):
-        if r["status"] not in MEASURED:
-            bad = dict(r)
-            if len(parts) > 1 and r.get("message"):
-                bad["message"] = f"{r['message']} (worker process {i + 1} of {len(parts)})"
-            # A row measured and rejected keeps its samples as every merged row does (processes -> rounds):
-            # a verdict named with --verdict still reads them.
-            bad["samples"] = [p["samples"] for p in parts] if all(p.get("samples") for p in parts) else None
-            return bad
-    if any(not r.get("samples") for r in parts):  # a worker that sent no samples: nothing to pool
-        return dict(parts[0], processes=len(parts), process_medians_s=[r["median_s"] for r in parts])
-    stats = summarize([t for r in parts for rnd in r["samples"] for t in rnd])
-
-    def median_of(name):
-        xs = [r[name] for r in parts if r.get(name) is not None]
-        return float(np.median(xs)) if xs else None
-
-    def max_of(name):
-        xs = [r[name] for r in parts if r.get(name) is not None]
-        return max(xs) if xs else None
-
-    noise = stats.noise()
-    row = dict(parts[0])
-    row.update(median_s=stats.median_s, iqr_s=stats.iqr_s, min_s=stats.min_s, repeats=stats.repeats,
-               rounds=sum(r.get("rounds") or len(r["samples"]) for r in parts), processes=len(parts),
-               process_medians_s=[r["median_s"] for r in parts], compile_s=median_of("compile_s"),
-               recompile_s=median_of("recompile_s"), peak_mem_bytes=max_of("peak_mem_bytes"),
-               out_max_diff=max_of("out_max_diff"), grad_rel_diff=max_of("grad_rel_diff"),
-               status="noisy" if noise else "ok", message=noise,
-               samples=[r["samples"] for r in parts])
-    return row
-
-
 def finish(items: list[Item], out: Collected, baseline: str | None = None) -> list[dict]:
     """Rows in plan order (merged over the worker processes) with GFLOP/s, peak fraction and the
     ratio to the baseline (`baseline_of`). A merged row keeps its `samples` (processes -> rounds ->
-    seconds) for the verdicts; the reports write only ROW_FIELDS."""
+    seconds) for the verdicts; the reports write only the `records.Row` fields."""
     rows = []
     for it in items:
         row = merge_rows(out.rows[it.id])
@@ -450,7 +413,7 @@ def finish_verdicts(cfg: RunConfig, items: list[Item], rows: list[dict], out: Co
         if not cfg.verdict:  # a row doing less backward work is not ranked against one doing more
             same = verdicts.same_work({i: row.get("param_grads") for i, (_, row) in usable.items()})
             usable = {i: m for i, m in usable.items() if i in same}
-        keys = {i: it.impl.bench_key for i, (it, _) in usable.items()}
+        keys = {i: str(Key.of(it.impl)) for i, (it, _) in usable.items()}
         pair = verdicts.choose_pair(keys, {i: it.impl.framework for i, (it, _) in usable.items()},
                                     {i: row["median_s"] for i, (_, row) in usable.items()}, cfg.verdict)
         if pair is None:
@@ -459,7 +422,7 @@ def finish_verdicts(cfg: RunConfig, items: list[Item], rows: list[dict], out: Co
         n = min(len(ra), len(rb))
         v = verdicts.compute(label, pass_, a, ra[:n], b, rb[:n], paired=cfg.interleave)
         texts = [*interference, *group_interference(out, {it.id for it, _ in members}, cores)]
-        vs.append(verdicts.finalize(v, {it.impl.bench_key: row for it, row in members}, texts))
+        vs.append(verdicts.finalize(v, {str(Key.of(it.impl)): row for it, row in members}, texts))
     return vs
 
 
@@ -500,12 +463,12 @@ def _ratios(items, rows, baseline: str | None = None) -> None:
         if row.get("param_grads") is False and row["status"] != "skip":
             row["message"] = "; ".join(m for m in (row.get("message"), NO_PARAM_GRADS) if m)
     for members in groups.values():
-        measured = {row_key(r): r.get("param_grads") for r in members if r["status"] in MEASURED and r.get("median_s")}
+        measured = {str(Key.of_row(r)): r.get("param_grads") for r in members if r["status"] in MEASURED and r.get("median_s")}
         same = verdicts.same_work(measured)  # by default, a row doing the most backward work
         key = baseline_of([k for k in measured if k in same or k == baseline], baseline)
         if key is None:
             continue
-        base_row = next(r for r in members if row_key(r) == key)
+        base_row = next(r for r in members if str(Key.of_row(r)) == key)
         for row in members:
             if row.get("param_grads") != base_row.get("param_grads"):
                 continue

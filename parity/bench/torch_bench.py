@@ -8,6 +8,7 @@ import sys
 import numpy as np
 import torch
 
+from mha_spec import Kernel
 from parity import convert, kernel_ran
 from parity.bench.measure import Bench, CpuPeakRss, first_call_overhead
 from parity.bench.spec import DTYPES, BenchCase, canonical_weights, impl_keep_mask, make_inputs, rope_positions, structure_for
@@ -128,17 +129,28 @@ SDPA, BMM_SOFTMAX = kernel_ran.SDPA, kernel_ran.BMM_SOFTMAX  # the torch kernels
 # Whose need_weights=False path is F.scaled_dot_product_attention and whose weights path is
 # baddbmm + softmax (mha_torch's two cores; torch.nn.MultiheadAttention's fast and slow paths).
 SDPA_FAMILIES = ("ours-torch", "torch-mha", "torch-sdpa-core", "torch-sdpa-gqa")
+# Their kernel by need_weights: the weights path materialises them, the fused path asks SDPA.
+SDPA_FAMILY_KERNELS = {True: Kernel(BMM_SOFTMAX, source="weights"), False: Kernel(SDPA)}
 
 
-def kernel_label(impl: Implementation) -> str:
+# What SDPA cannot compute: our fused path runs the materialised core instead where the layer has these.
+SDPA_UNTAKEN = ("softcap", "sinks")
+
+
+def kernel_label(impl: Implementation, config=None) -> str:
     """The benchmark row's `kernel` of a torch implementation: "sdpa" or "bmm-softmax (weights)" for
-    SDPA_FAMILIES; a user's layer its name; any other (the eager transformers peers) its family or name."""
+    SDPA_FAMILIES; a user's layer its name; any other (the eager transformers peers) its family or name.
+    config: the unit's `mha_spec.AttentionConfig` (None: the classic layer's); our fused path on a layer
+    with a soft-cap or sinks, which SDPA does not take, asks the materialised core, "bmm-softmax (softcap)"."""
     if impl.role == "user":
-        return impl.name
+        return str(Kernel(impl.name))
     name = impl.family or impl.name
     if name not in SDPA_FAMILIES:
-        return name
-    return f"{BMM_SOFTMAX} (weights)" if impl.returns_weights else SDPA
+        return str(Kernel(name))
+    untaken = [m for m in SDPA_UNTAKEN if config is not None and getattr(config, m) not in (None, False)]
+    if name == "ours-torch" and not impl.returns_weights and untaken:
+        return str(Kernel(BMM_SOFTMAX, source=", ".join(untaken)))
+    return str(SDPA_FAMILY_KERNELS[impl.returns_weights])
 
 
 def build(impl: Implementation, case: BenchCase, pass_: str, device: str, seed: int) -> Bench:
@@ -173,7 +185,7 @@ def build(impl: Implementation, case: BenchCase, pass_: str, device: str, seed: 
         seen["label"] = observed
         return out.detach().float().cpu().numpy()
 
-    requested = kernel_label(impl)
+    requested = kernel_label(impl, case.config)
 
     def ran():
         return None if "label" not in seen else kernel_ran.torch_verdict(requested, seen["label"].label)

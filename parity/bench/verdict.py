@@ -39,16 +39,14 @@ import math
 
 import numpy as np
 
+from parity.bench.records import VERDICT_FIELDS, VERDICT_FIELDS_2  # noqa: F401  (the JSON's, `records.Verdict`)
+
 CI_LEVEL = 0.95
 CI_TARGET = 0.05  # stop sampling once (hi - lo) / 2 <= CI_TARGET * ratio
 MIN_ROUNDS = 6  # fewer rounds (over all processes) than this never give a conclusive verdict
 MIN_PROCESSES = 2  # nor fewer worker processes: one process cannot show the run-to-run spread
 N_RESAMPLES = 2000
 SEED = 0  # the bootstrap's resampling is seeded: the same samples give the same interval
-# The fields of a verdict, in this order in the JSON; a file of schema mha-bench/2 has the first eight.
-VERDICT_FIELDS = ("case", "pass", "faster", "slower", "ratio", "ci", "conclusive", "repeats", "rounds", "processes",
-                  "interference", "reason", "note")
-VERDICT_FIELDS_2 = VERDICT_FIELDS[:8]
 
 
 def _padded(nested) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

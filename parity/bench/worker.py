@@ -4,9 +4,9 @@
 
 SPEC (read from stdin, so no file is left behind) holds the device plan the parent
 resolved (`parity.devices.DevicePlan.to_dict`: each framework's device is read off it), threads,
-precision, seed, timing, the matmul peaks to measure and the items (each an implementation key,
-a case's `BenchCase.fields()` and a pass). `main` turns the plan, each key and each case back into
-objects once and hands those objects on. Results go to
+precision, seed, timing, the matmul peaks to measure and the items (`sweep.Item.to_json`: an
+implementation's `records.Key`, a `records.Case` and a pass, each as its JSON). `main` turns the plan,
+each key and each case back into objects once and hands those objects on. Results go to
 stdout as tagged JSON lines, one per event, flushed at once, so that the parent keeps
 every finished row even if this process is killed (out of memory) half-way:
 
@@ -41,10 +41,10 @@ from parity.bench import verdict
 from parity.bench.measure import (
     InterferenceProbe, flat, pin_threads, prepare, same_gradients, same_output, sample, summary,
 )
-from parity.bench.spec import (
-    IMPLS, PEAK_TIMING, BenchCase, Timing, empty_row, framework_device, impl_by_key, pass_flops,
-)
+from parity.bench.records import Case, Key, empty_row
+from parity.bench.spec import IMPLS, PEAK_TIMING, BenchCase, Timing, framework_device, pass_flops
 from parity.devices import DevicePlan
+from parity.implementation import FRAMEWORKS
 from parity.impls import load_user_impl
 
 TAG = "@@"
@@ -161,7 +161,7 @@ def prepare_group(mods: dict, group, plan: DevicePlan, seed: int, timing: Timing
     return rows, benches, prepared, notes
 
 
-def run_group(mods: dict, group, spec: dict, timing: Timing, clock, probe=None, plan: DevicePlan | None = None):
+def time_group(mods: dict, group, spec: dict, timing: Timing, clock, probe=None, plan: DevicePlan | None = None):
     """All implementations of one (case, pass): build, check outputs, time, summarise.
 
     group: [(item id, Implementation, BenchCase, pass)]; plan: the run's device plan (`main` reads it
@@ -170,7 +170,7 @@ def run_group(mods: dict, group, spec: dict, timing: Timing, clock, probe=None, 
     carries its raw `samples` (rounds of seconds), from which the parent computes the verdict
     over every worker process of the case."""
     precision, interleave, named = spec["precision"], spec.get("interleave", True), spec.get("verdict")
-    keys = {item_id: impl.bench_key for item_id, impl, _, _ in group}
+    keys = {item_id: str(Key.of(impl)) for item_id, impl, _, _ in group}
     fws = {item_id: impl.framework for item_id, impl, _, _ in group}
     case, pass_ = group[0][2], group[0][3]
     check = OutputCheck(keys, case.dtype, precision, case.bias_terms)
@@ -312,11 +312,11 @@ def main(argv=None) -> int:
     cpus = pin_threads(spec.get("threads"))  # before any framework sizes its pools
     user = [i for s in spec.get("user_impls", []) for i in load_user_impl(s)]
     known = (*IMPLS, *user)
-    items = [(item["id"], impl_by_key(item["impl"], known), BenchCase.from_fields(item["case"]), item["pass"])
+    items = [(item["id"], Key.from_json(item["impl"]).find(known), Case.from_json(item["case"]), item["pass"])
              for item in spec["items"]]
     plan = DevicePlan.from_dict(spec["device"])
     mods, devices = {}, {}
-    for fw in sorted({impl.framework for _, impl, _, _ in items}, key=("torch", "jax").index):
+    for fw in sorted({impl.framework for _, impl, _, _ in items}, key=FRAMEWORKS.index):
         devices[fw] = framework_device(fw, plan)
         mod, env = setup(fw, devices[fw], spec, cpus, compiles=any(impl.mode == "compile" for _, impl, _, _ in items))
         emit("ENV", {"framework": fw, **env})
@@ -341,7 +341,7 @@ def main(argv=None) -> int:
     for group in groups(items):
         for mod in mods.values():
             mod.reset_compiled()
-        rows, probes = run_group(mods, group, spec, timing, clock, probe, plan)
+        rows, probes = time_group(mods, group, spec, timing, clock, probe, plan)
         bar.vet(rows, {item_id: case for item_id, _, case, _ in group})
         for item_id, row in rows:
             emit("ROW", {"id": item_id, **row})

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mha_spec import VARIANT_FEATURES
+from mha_spec import LLAMA_FEATURES
 from parity.impls import implementation
 
 BUGS = ("position-off-by-one", "new-key-at-position-0", "padding-attended")
@@ -120,7 +120,7 @@ def _make(bug=None):
 
 def _declare(name: str, bug=None, doc: str = ""):
     # Runs every layer (classic, grouped, both RoPE conventions, without biases): variants declares them all.
-    return implementation(name=name, framework="torch", decode=True, variants=VARIANT_FEATURES, doc=doc)(_make(bug))
+    return implementation(name=name, framework="torch", decode=True, variants=LLAMA_FEATURES, doc=doc)(_make(bug))
 
 
 decoder = _declare("decoder-example", doc="parity.examples.decoders: a Llama-style decoder through the decode protocol")

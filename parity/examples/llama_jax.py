@@ -31,7 +31,7 @@ def _rotate_half(x):
     return jnp.concatenate([-x2, x1], axis=-1)
 
 
-def _rope_cos_sin(positions, length: int, head_dim: int, theta: float, dtype):
+def rope_cos_sin(positions, length: int, head_dim: int, theta: float, dtype):
     """cos, sin (B|1, L, 1, H) for rotate-half; float32 for 16-bit inputs, else the inputs' dtype."""
     acc = jnp.float32 if jnp.dtype(dtype).itemsize < 4 else dtype
     pos = jnp.arange(length) if positions is None else jnp.asarray(positions)
@@ -42,7 +42,7 @@ def _rope_cos_sin(positions, length: int, head_dim: int, theta: float, dtype):
     return jnp.cos(emb), jnp.sin(emb)
 
 
-def _apply_rope(x, cos, sin):
+def apply_rope(x, cos, sin):
     return (x.astype(cos.dtype) * cos + _rotate_half(x.astype(cos.dtype)) * sin).astype(x.dtype)
 
 
@@ -57,7 +57,7 @@ def make_attention(config, *, repeat_kv=None, rotate=None, key_position_shift: i
     N, K, H = config.num_heads, config.kv_heads, config.head_size
     G = N // K
     repeat_kv = repeat_kv or (lambda x, g: jnp.repeat(x, g, axis=2))
-    rotate = rotate or _apply_rope
+    rotate = rotate or apply_rope
 
     def linear(x, p, name):
         y = x @ p[f"{name}.weight"].T
@@ -73,8 +73,8 @@ def make_attention(config, *, repeat_kv=None, rotate=None, key_position_shift: i
         if config.rope is not None:
             if key_positions is None:
                 key_positions = jnp.arange(S)
-            q_rot = rotate(q, *_rope_cos_sin(positions, T, H, config.rope_theta, q.dtype))
-            k_rot = rotate(k, *_rope_cos_sin(key_positions + key_position_shift, S, H, config.rope_theta, k.dtype))
+            q_rot = rotate(q, *rope_cos_sin(positions, T, H, config.rope_theta, q.dtype))
+            k_rot = rotate(k, *rope_cos_sin(key_positions + key_position_shift, S, H, config.rope_theta, k.dtype))
         k_all, v_all = repeat_kv(k_rot, G), repeat_kv(v, G)  # (B, S, N, H)
         scores = jnp.einsum("BTNH,BSNH->BNTS", q_rot, k_all) / jnp.sqrt(jnp.asarray(H, q.dtype))
         if keep is not None:

@@ -8,8 +8,8 @@
     run(cases="masks")  # packed documents and sliding windows, with the leak check
 
 The command line is `mha-parity` (parity.cli). Modules: `matrix` (cases and inputs),
-`checks` (forward, gradient, training, peers, divergence) on the implementations of
-`parity.impls`, `decode` (a prompt and single-token steps with a KV cache), `leak` (on the
+`checks` (the registry of checks, `CHECKS`, one module each: forward, gradient, training, peers; the
+unit and its oracle) on the implementations of `parity.impls`, `decode` (a prompt and single-token steps with a KV cache), `leak` (on the
 structured mask cases: a perturbed document reaches nothing the mask keeps it from),
 `judge` (the comparison), `report` (rows and renderings), `plot`
 (the margin picture), `runner` (`run`).
@@ -32,10 +32,10 @@ from parity.harness.matrix import (
     quick_matrix,
 )
 from parity.harness.report import Report, Row
-from parity.harness.runner import run, select_impls
+from parity.harness.runner import RunRequest, run, select_impls
 
 __all__ = [
-    "run", "Report", "Row", "Case", "Shape", "CHECKS", "MASK_KINDS", "STRUCTURED_MASKS", "SHAPES", "VARIANT_SHAPES",
+    "run", "RunRequest", "Report", "Row", "Case", "Shape", "CHECKS", "MASK_KINDS", "STRUCTURED_MASKS", "SHAPES", "VARIANT_SHAPES",
     "MASK_SHAPES", "CASE_SETS", "default_matrix", "modern_matrix", "mask_matrix", "quick_matrix", "draw_inputs",
     "select_impls",
 ]

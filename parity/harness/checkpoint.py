@@ -16,10 +16,13 @@ attention: every tensor under the prefix is read (or is a buffer checked against
 or a tensor the layout names as no part of attention); one left over is refused, named with
 the feature it implies (q_norm/k_norm QK-norm, sinks attention sinks, qkv_proj fused
 projections, ...); so is a config.json (the directory's, or the one beside a file) of a
-model whose attention the tool does not model, naming what it does (soft-capping, a query
-scale, a head_dim other than E/N, partial or scaled RoPE, per-layer windows, ...:
-`parity.layouts.unmodelled_features`). Refusals are usage errors (exit 2, on stderr), raised
-before anything runs.
+model whose attention the tool does not model, naming what it does (partial or scaled RoPE,
+fused projections, ...: `parity.layouts.unmodelled_features`). Qwen3, Gemma 2 and 3, OLMo 2
+and GPT-OSS are read (`parity.layouts.attention_config`): head_dim, QK-norm (q_norm/k_norm
+weights), the query scale, soft-capping and sinks from config.json, the layer index from the
+prefix (layer_types[L]: a sliding_attention layer gets its window as Mistral's below; Gemma 3's
+RoPE base per layer type). Refusals are usage errors (exit 2, on stderr), raised before anything
+runs.
 
 The layer runs as a decoder's self-attention at B, T, S (default 2, 5, 5): query, key and
 value are one sequence when T == S; with T < S the T queries are the newest of S tokens
@@ -58,12 +61,15 @@ import os
 from dataclasses import dataclass
 
 from mha_spec import AttentionConfig, Problem
+from parity.harness.checks import checkpoint_checks
 from parity.harness.matrix import Case, Inputs, Shape, draw_inputs
 from parity.impls.registry import LoadError
 
 DEFAULT_SHAPE = (2, 5, 5)
-CHECKS = ("forward", "gradient", "peers", "decode")  # training and sharded check our modules on drawn layers
-WINDOW_CHECKS = ("forward", "gradient", "leak", "peers")  # with a sliding window smaller than S: no decode case
+# The registry's checks a --checkpoint run selects by default (`Check.on_checkpoint`): training and sharded
+# check our modules on drawn layers; with a sliding window smaller than S the leak check runs and no decode case.
+CHECKS = checkpoint_checks(window=False)
+WINDOW_CHECKS = checkpoint_checks(window=True)
 DTYPES_DEFAULT = ("float64", "float32")  # --dtypes picks others (bfloat16, float16)
 MASKS = (("causal", "nan"), ("padding", "uniform"))  # (mask kind, masked-row policy): see the module docstring
 # With a sliding window smaller than S: (masked-row policy, padding ANDed) of the two window cases.
@@ -93,8 +99,14 @@ class CheckpointLayer:
     @property
     def layer_text(self) -> str:
         c = self.config
-        return (f"E={c.embed_dim} N={c.num_heads} K={c.kv_heads} H={c.head_size} qkv_bias={c.qkv_bias} "
+        text = (f"E={c.embed_dim} N={c.num_heads} K={c.kv_heads} H={c.head_size} qkv_bias={c.qkv_bias} "
                 f"out_bias={c.out_bias} rope={c.rope} rope_theta={c.rope_theta:g}")
+        if c.qk_norm is not None:
+            text += f" qk_norm={c.qk_norm} qk_norm_eps={c.qk_norm_eps:g} qk_norm_offset={c.qk_norm_offset:g}"
+        for name in ("scale", "softcap"):
+            if getattr(c, name) is not None:
+                text += f" {name}={getattr(c, name):g}"
+        return text + (" sinks=True" if c.sinks else "")
 
     @property
     def environment(self) -> dict:
@@ -177,13 +189,14 @@ def load_layer(path, layout: str = "hf-llama", prefix: str = "", *, num_heads: i
                 raise LoadError(f"--checkpoint {path} is a directory: its config.json gives the layer, so "
                                 f"{', '.join(extra)} {'is' if len(extra) == 1 else 'are'} not taken (a single .safetensors file needs them)")
             parsed = layouts.read_config_json(path)  # read once: the window, then the layer
-            window = sliding_window(*parsed)
+            window = sliding_window(*parsed, layer=layouts.layer_index(prefix))
             sd, config = layouts.read_checkpoint(path, layout, prefix=prefix, ignore_sliding_window=window is not None,
                                                  config_json=parsed)
             config_json = parsed[1]
+            tensors = layouts.account(layouts.checkpoint_tensor_names(path), layout, prefix, _features(config))
         else:
-            sd, config, window, config_json = _read_file(path, layout, prefix, num_heads, num_kv_heads, rope_theta)
-        tensors = layouts.account(layouts.checkpoint_tensor_names(path), layout, prefix)
+            sd, config, window, config_json, tensors = _read_file(path, layout, prefix, num_heads, num_kv_heads,
+                                                                  rope_theta)
     except LoadError:
         raise
     except (OSError, ValueError, TypeError, KeyError, NotImplementedError) as e:
@@ -204,13 +217,17 @@ def read_sliding_window(directory) -> int | None:
     return sliding_window(read_json(config_path), config_path)
 
 
-def sliding_window(cfg, where: str) -> int | None:
+def sliding_window(cfg, where: str, layer: int | None = None) -> int | None:
     """A parsed config.json's sliding_window W for a model whose every layer attends to its last W keys
-    (Mistral, Mixtral: `layouts.HF_MODELS` names the field "sliding_window"); None when unset or for another
-    model (Qwen2's use_sliding_window is left to `read_checkpoint`, which refuses it). A W that is not a
-    positive int is a ValueError naming it and `where` (the config.json's path)."""
-    from parity.layouts import HF_MODELS
+    (Mistral, Mixtral: `layouts.HF_MODELS` names the field "sliding_window"), or for block `layer` (L, from
+    its prefix: `layouts.layer_index`) of a model whose layer_types[L] is "sliding_attention" (Qwen3, Gemma 2
+    and 3, GPT-OSS: `layouts.layer_window`); None when unset or for another model (Qwen2's use_sliding_window
+    is left to `read_checkpoint`, which refuses it). A W that is not a positive int is a ValueError naming it
+    and `where` (the config.json's path)."""
+    from parity.layouts import HF_MODELS, layer_window
 
+    if isinstance(cfg, dict) and (W := layer_window(cfg, where, layer)) is not None:
+        return W
     model = HF_MODELS.get(cfg.get("model_type")) if isinstance(cfg, dict) else None
     if model is None or model.sliding_window_field != "sliding_window" or cfg.get("sliding_window") is None:
         return None
@@ -221,10 +238,11 @@ def sliding_window(cfg, where: str) -> int | None:
 
 
 def _read_file(path, layout, prefix, num_heads, num_kv_heads, rope_theta):
-    """(state dict, AttentionConfig, sliding window, the config.json read or None) of a single weight file, from
-    the flags; a config.json beside the file is read too (`_beside`), and the flags must agree with it."""
+    """(state dict, AttentionConfig, sliding window, the config.json read or None, its tensors under the prefix
+    accounted for) of a single weight file, from the flags; a config.json beside the file is read too
+    (`_beside`), and the flags must agree with it."""
     from parity import layouts
-    from parity.canonical import check_variant_state_dict
+    from parity.canonical import LAYER_FIELDS, check_variant_state_dict
 
     rope = "half" if layout == "hf-llama" else None  # Hugging Face's convention; the classic layouts have none
     missing = ["--heads"] if num_heads is None else []
@@ -235,20 +253,32 @@ def _read_file(path, layout, prefix, num_heads, num_kv_heads, rope_theta):
                         f"give {' and '.join(missing)} (or the checkpoint directory holding config.json)")
     if rope is None and rope_theta is not None:
         raise LoadError(f"--rope-theta: layout {layout!r} has no rotary embedding")
-    described, window, where = _beside(path, layout, prefix)
-    sd = layouts.read_layout(path, layout, prefix=prefix, num_heads=num_heads, rope_theta=rope_theta)
-    E, kv_rows = sd["q_proj.weight"].shape[1], sd["k_proj.weight"].shape[0]
+    names = layouts.checkpoint_tensor_names(path)
+    described, window, where = _beside(path, layout, layouts.account(names, layout, prefix), prefix)
+    tensors = layouts.account(names, layout, prefix, _features(described))
+    sd = layouts.read_layout(path, layout, prefix=prefix, num_heads=num_heads, rope_theta=rope_theta,
+                             qk_norm=getattr(described, "qk_norm", None), sinks=getattr(described, "sinks", False))
+    (NH, E), kv_rows = sd["q_proj.weight"].shape, sd["k_proj.weight"].shape[0]
     if num_kv_heads is None:
-        num_kv_heads = kv_rows // (E // num_heads)  # read_layout checked: a whole number of heads dividing N
-    read, _ = check_variant_state_dict(sd, num_heads, num_kv_heads)
-    config = AttentionConfig(E, num_heads, num_kv_heads=num_kv_heads, qkv_bias=read.qkv_bias, out_bias=read.out_bias,
-                             rope=rope, rope_theta=10000.0 if rope_theta is None else float(rope_theta))
+        num_kv_heads = kv_rows // (NH // num_heads)  # read_layout checked: a whole number of heads dividing N
+    layer = {} if described is None else {f: getattr(described, f) for f in LAYER_FIELDS}  # what the tensors cannot say
+    read, _ = check_variant_state_dict(sd, num_heads, num_kv_heads, **layer)
+    config = AttentionConfig(E, num_heads, num_kv_heads=num_kv_heads, head_dim=read.head_dim, qkv_bias=read.qkv_bias,
+                             out_bias=read.out_bias, rope=rope, sinks=read.sinks,
+                             rope_theta=10000.0 if rope_theta is None else float(rope_theta), **layer)
     if described is not None:
         _agree(path, config, described)
-    return sd, config, window, where
+    return sd, config, window, where, tensors
 
 
-def _beside(path, layout: str, prefix: str):
+def _features(config) -> tuple[str, ...]:
+    """The layer features whose tensors the layout reads (`parity.layouts.account`): the config's QK-norm, sinks."""
+    if config is None:
+        return ()
+    return (*(("qk_norm",) if config.qk_norm else ()), *(("sinks",) if config.sinks else ()))
+
+
+def _beside(path, layout: str, tensors, prefix: str = ""):
     """(AttentionConfig, sliding window, its path) of the config.json in a single weight file's directory (a
     save_pretrained directory); (None, None, None) when there is none. For hf-llama its model must be one
     `parity.layouts.read_hf_config` reads; for every layout, what it sets that the tool does not model
@@ -269,9 +299,11 @@ def _beside(path, layout: str, prefix: str):
             raise ValueError(f"{where} (beside the weight file) describes attention the tool does not model: "
                              f"{'; '.join(features)}")
         return None, None, where
-    layouts.hf_model(cfg, where, layouts.account(layouts.checkpoint_tensor_names(path), layout, prefix))
-    window = sliding_window(cfg, where)
-    return layouts.attention_config(cfg, where, ignore_sliding_window=window is not None), window, where
+    layouts.hf_model(cfg, where, tensors)
+    layer = layouts.layer_index(prefix)
+    window = sliding_window(cfg, where, layer)
+    return (layouts.attention_config(cfg, where, ignore_sliding_window=window is not None, layer=layer), window,
+            where)
 
 
 def _agree(path, config: AttentionConfig, described: AttentionConfig) -> None:
@@ -281,7 +313,9 @@ def _agree(path, config: AttentionConfig, described: AttentionConfig) -> None:
               ("--rope-theta", "rope_theta", "rope_theta"),
               ("the file's q/k/v biases", "the model's q/k/v biases", "qkv_bias"),
               ("the file's out_proj bias", "the model's out_proj bias", "out_bias"),
-              ("E", "hidden_size", "embed_dim"))
+              ("E", "hidden_size", "embed_dim"),
+              ("the file's head_dim (q_proj's rows / N)", "head_dim", "head_size"),
+              ("the file's sinks", "the model's sinks", "sinks"))
     differ = [f"{flag} {getattr(config, attr)!r} but {field} {getattr(described, attr)!r}"
               for flag, field, attr in fields if getattr(config, attr) != getattr(described, attr)]
     if differ:

@@ -22,7 +22,7 @@ wrong positions can still give the right outputs: that row, and the cross-framew
 
   ours         torch and torch-fused (eager), jax-jit and jax-fused (one jax.jit: the prompt and
                then one compiled step for every position); the prompt is one call
-  torch->jax   the prompt by torch, the cache converted (`parity.kv_cache.torch_to_jax`), the steps
+  torch->jax   the prompt by torch, the cache converted (`parity.cache_transfer.torch_to_jax`), the steps
                by jax-jit; jax->torch the reverse (rows for the steps)
   decoders     every Implementation with decode=True (peers and the user's): fn(p, x_t, cache,
                position) -> (out, cache) fed one token per call, prompt included (position -1 for
@@ -54,6 +54,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from parity import reference
+from parity.harness.checks.oracle import layer_fields
 from parity.harness.judge import judge, status
 from parity.harness.report import Row, error_row
 from parity.impls import Implementation, builtin
@@ -130,23 +131,25 @@ def schedule(shape) -> Schedule:
 
 
 def _oracle(unit, policy: str, at: str | None = None):
-    """(float64 intermediates, the yardstick judged at `at` (default the run dtype; `Unit.oracle`'s), the keep-mask
+    """(float64 intermediates, the yardstick judged at `at` (default the run dtype; `Oracle.forward`'s), the keep-mask
     (B, 1, T, T)) of the one causal forward the decode case's calls must equal, under the masked-row policy `policy`."""
     at = at or unit.dtype
-    if (policy, at) not in unit.decode_oracles:
-        s, sch = unit.case.shape, schedule(unit.case.shape)
-        sd = {k: reference.as_float64(v) for k, v in unit.x.state_dict.items()}
-        x = reference.as_float64(unit.x.query)
-        keep = reference.decode_keep(sch.starts, sch.tokens)  # (B, 1, T, T)
-        kw = {"num_heads": s.N, "num_kv_heads": s.num_kv_heads, "rope": s.rope, "rope_theta": s.rope_theta,
-              "masked_rows": policy}
-        if s.rope is not None:
-            pos = reference.decode_positions(sch.starts, sch.tokens)  # (B, T)
-            kw.update(positions=pos, key_positions=pos)
-        exact = reference.forward(sd, x, x, x, keep, **kw)
-        runs = yardstick_runs(lambda sd, xs, dt: reference.forward(sd, *xs, keep, dtype=dt, **kw), sd, (x, x, x), at)
-        unit.decode_oracles[(policy, at)] = (exact, envelope(exact, runs), keep)
-    return unit.decode_oracles[(policy, at)]
+    return unit.oracle.cached(("decode", policy, at), lambda: _decode_oracle(unit, policy, at))
+
+
+def _decode_oracle(unit, policy: str, at: str):
+    s, sch = unit.case.shape, schedule(unit.case.shape)
+    sd = {k: reference.as_float64(v) for k, v in unit.x.state_dict.items()}
+    x = reference.as_float64(unit.x.query)
+    keep = reference.decode_keep(sch.starts, sch.tokens)  # (B, 1, T, T)
+    kw = {"num_heads": s.N, "num_kv_heads": s.num_kv_heads, "rope": s.rope, "rope_theta": s.rope_theta,
+          "masked_rows": policy, **layer_fields(s)}
+    if s.rope is not None:
+        pos = reference.decode_positions(sch.starts, sch.tokens)  # (B, T)
+        kw.update(positions=pos, key_positions=pos)
+    exact = reference.forward(sd, x, x, x, keep, **kw)
+    runs = yardstick_runs(lambda sd, xs, dt: reference.forward(sd, *xs, keep, dtype=dt, **kw), sd, (x, x, x), at)
+    return exact, envelope(exact, runs), keep
 
 
 # ---------------------------------------------------------------- running ours
@@ -162,92 +165,51 @@ class Call:
     hi: int
     out: np.ndarray  # (B, hi - lo, E)
     stages: dict
-    given: object  # parity.kv_cache.NumpyKVCache, (B, K, C, H)
+    given: object  # parity.cache_transfer.NumpyKVCache, (B, K, C, H)
     cache: object  # the framework's cache it returned
     after: object  # that cache as a NumpyKVCache
     before: object = None  # the framework's cache it was given
     kernel: tuple = ("", "")  # (kernel, note): what this call ran (`_read_kernels`)
 
 
-def _run(dec, sch: Schedule, x, calls, cache, impl: Implementation) -> list[Call]:
+def _run(unit, dec, sch: Schedule, x, calls, cache, impl: Implementation) -> list[Call]:
     """Feed `calls` ((label, lo, hi) of the schedule) of x (B, T, E) to `dec` (runner.decoder) from `cache`;
-    a torch call's kernel is read by the profiler around that call alone."""
-    from parity import kv_cache  # both frameworks' caches: imported when a decode unit runs
+    each call's kernel is read around that call alone where its runner observes calls (torch's profiler)."""
+    from parity import cache_transfer  # both frameworks' caches: imported when a decode unit runs
 
     out = []
     for label, lo, hi in calls:
-        given, before = kv_cache.to_numpy(cache), cache
-        with _observed(impl) as seen:
+        given, before = cache_transfer.to_numpy(cache), cache
+        with unit.runner(impl).observe(impl) as seen:
             y, stages, cache = dec.call(cache, x[:, lo:hi])
-        out.append(Call(label, lo, hi, y, stages, given, cache, kv_cache.to_numpy(cache), before, seen.kernel))
+        out.append(Call(label, lo, hi, y, stages, given, cache, cache_transfer.to_numpy(cache), before, seen.kernel))
     return out
 
 
-def _read_kernels(impl: Implementation, dec, calls: list[Call], x) -> list[Call]:
-    """The calls with the kernel each ran: torch's as `_run` read them; our JAX decoder's from the jaxpr of
-    the program that call ran (`parity.kernel_ran`: a trace from the cache that call was given, no compile),
-    checked against the module's own choice. The prompt and the steps are different programs (T differs), so
-    a kernel table may pick a kernel for each; the steps are one program (the `compiles` row says so), read
-    once. ("", "") where the reading fails."""
-    if impl.framework != "jax":
-        return calls
-    from parity import kernel_ran
-
-    read: dict[int, tuple[str, str]] = {}
+def _read_kernels(unit, impl: Implementation, dec, calls: list[Call], x) -> list[Call]:
+    """The calls with the kernel each ran: as `_run` observed them, or where the runner reads a call's program
+    instead (our JAX decoder: the jaxpr of the program that call ran, a trace from the cache that call was given,
+    no compile; `decode_call_kernel`), as it reads them. The prompt and the steps are different programs (T
+    differs), so a kernel table may pick a kernel for each; the steps are one program (the `compiles` row says
+    so), read once."""
+    runner = unit.runner(impl)
+    read: dict[int, tuple[str, str] | None] = {}
+    out = []
     for call in calls:
         T = call.hi - call.lo
         if T not in read:
-            try:
-                xs = jax_put(np.asarray(x[:, call.lo:call.hi]), dec.device)
-                read[T] = kernel_ran.jax_row_kernel(lambda p, c, x: dec.program(p, c, x)[0],
-                                                    (dec.params, call.before, xs), dec.device, ours=True,
-                                                    need_weights=impl.returns_weights)
-            except Exception:  # noqa: BLE001 - the calls ran; only the reading failed: the field stays ""
-                read[T] = ("", "")
-    return [dataclasses.replace(call, kernel=read[call.hi - call.lo]) for call in calls]
-
-
-def jax_put(x, device):
-    import jax
-
-    return jax.device_put(x, device)
-
-
-class _observed:
-    """Around a decode call (ours) or run (a decoder's): for a torch implementation, the profiler's reading of
-    the kernels it ran (`kernel`: (kernel, note) after the block); for JAX nothing is observed here."""
-
-    def __init__(self, impl: Implementation):
-        self.impl, self.kernel, self._ctx = impl, ("", ""), None
-
-    def __enter__(self):
-        if self.impl.framework == "torch":
-            from parity import kernel_ran
-
-            self._ctx = kernel_ran.torch_observer()
-            self._seen = self._ctx.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        if self._ctx is None:
-            return False
-        self._ctx.__exit__(*exc)
-        if exc[0] is None:
-            from parity import kernel_ran
-            from parity.bench.torch_bench import kernel_label
-
-            self.kernel = kernel_ran.torch_verdict(kernel_label(self.impl) if self.impl.role == "ours" else None,
-                                                   self._seen.label)
-        return False
+            read[T] = runner.decode_call_kernel(impl, dec, call.before, x[:, call.lo:call.hi])
+        out.append(call if read[T] is None else dataclasses.replace(call, kernel=read[T]))
+    return out
 
 
 def _convert(cache, to: str, unit):
     """Our cache of one framework as the other's (`to`), on the unit's device, bit for bit."""
-    from parity import kv_cache
+    from parity import cache_transfer
 
     if to == "jax":
-        return kv_cache.torch_to_jax(cache, device=unit.runners["jax"].device)
-    return kv_cache.jax_to_torch(cache, device=unit.runners["torch"].device)
+        return cache_transfer.torch_to_jax(cache, device=unit.runners["jax"].device)
+    return cache_transfer.jax_to_torch(cache, device=unit.runners["torch"].device)
 
 
 # ---------------------------------------------------------------- judging
@@ -426,11 +388,11 @@ def _error(unit, impl: Implementation, e: BaseException) -> Row:
 
 
 def _ours(unit, impl: Implementation, sch: Schedule, runs: dict) -> list[Row]:
-    if impl.framework == "jax" and impl.mode == "eager":
+    if unit.runner(impl).replays_jit(impl):
         return [_skip(unit, impl, EAGER_JAX_DECODE_SKIP)]
     if impl.mode == "compile":
         return [_skip(unit, impl, COMPILE_DECODE_SKIP)]
-    why = unit.unsupported(impl)
+    why = unit.why_not_here(impl)
     if why:
         return [_skip(unit, impl, why)]
     policy = impl.policy(unit.case.masked_rows)
@@ -439,8 +401,8 @@ def _ours(unit, impl: Implementation, sch: Schedule, runs: dict) -> list[Row]:
     try:
         dec = unit.decoder(impl, policy)
         traced = len(getattr(dec, "traces", ()))
-        calls = _run(dec, sch, unit.x.query, sch.calls(), dec.empty(sch.starts.shape[0], sch.capacity, sch.starts),
-                     impl)
+        calls = _run(unit, dec, sch, unit.x.query, sch.calls(),
+                     dec.empty(sch.starts.shape[0], sch.capacity, sch.starts), impl)
     except Exception as e:
         return [_error(unit, impl, e)]
     runs[impl.name] = calls
@@ -452,8 +414,8 @@ def _ours(unit, impl: Implementation, sch: Schedule, runs: dict) -> list[Row]:
             rows.append(unit.row("decode", impl, "oracle", "fail", "compiles", kernel=NO_KERNEL, message=(
                 f"the jitted step was traced {steps} times for {sch.steps} single-token steps: one compiled step "
                 "must serve every position (the cache's lengths are data, not shapes)")))
-    calls = _read_kernels(impl, dec, calls, unit.x.query)  # after the retrace count: a reading traces
-    by = "in one call" + (", under jax.jit" if impl.framework == "jax" else "")
+    calls = _read_kernels(unit, impl, dec, calls, unit.x.query)  # after the retrace count: a reading traces
+    by = unit.runner(impl).decode_how
     rows = _rows_of_calls(unit, impl, sch, calls, exact, low, keep, table, by, extra) + rows
     return rows + [_cache_row(unit, impl, sch, calls[-1].after, exact, low, table)]
 
@@ -470,8 +432,8 @@ def _cross(unit, sch: Schedule, runs: dict) -> list[Row]:
         try:
             dec = unit.decoder(builtin(then), policy)
             cache = _convert(runs[first][0].cache, builtin(then).framework, unit)
-            calls = _read_kernels(builtin(then), dec, _run(dec, sch, unit.x.query, sch.calls()[1:], cache, builtin(then)),
-                                  unit.x.query)
+            calls = _read_kernels(unit, builtin(then), dec,
+                                  _run(unit, dec, sch, unit.x.query, sch.calls()[1:], cache, builtin(then)), unit.x.query)
         except Exception as e:
             rows.append(_error(unit, impl, e))
             continue
@@ -482,7 +444,7 @@ def _cross(unit, sch: Schedule, runs: dict) -> list[Row]:
 
 def _decoder(unit, impl: Implementation, sch: Schedule) -> list[Row]:
     """A decoder (decode=True) through the protocol, one token per call."""
-    why = unit.unsupported(impl)
+    why = unit.why_not_here(impl)
     if why:
         return [_skip(unit, impl, why)]
     policy = impl.policy(unit.case.masked_rows)
@@ -490,9 +452,10 @@ def _decoder(unit, impl: Implementation, sch: Schedule) -> list[Row]:
     table = unit.table(impl)
     try:
         built = unit.built(impl, policy)
-        with _observed(impl) as seen:
-            out = unit.runner(impl).decode_tokens(built, unit.x.query, sch.positions())  # (B, T, E)
-        kernel = seen.kernel if impl.framework == "torch" else (unit.runner(impl).decode_engine(built, unit.x.query), "")
+        runner = unit.runner(impl)
+        with runner.observe(impl, expected=impl.role == "ours") as seen:
+            out = runner.decode_tokens(built, unit.x.query, sch.positions())  # (B, T, E)
+        kernel = runner.decoder_kernel(built, unit.x.query, seen.kernel)
     except MissingPackage as e:
         return [_skip(unit, impl, f"{impl.name} not run: {e}")]
     except Exception as e:

@@ -37,7 +37,7 @@ def perturbed_tokens(unit) -> tuple[np.ndarray, np.ndarray, str]:
     """(query tokens (B, T) bool, key/value tokens (B, S) bool, in words) the check perturbs. packed: the
     first document of the row where perturbing it leaves the most queries of that row unaffected (the
     first such row); window: the first two tokens of every row."""
-    s, st = unit.case.shape, unit.x.structure
+    s, st = unit.case.shape, unit.x.structure_kw
     pq, pk = np.zeros((s.B, s.T), bool), np.zeros((s.B, s.S), bool)
     what = "keys" if s.cross else "tokens"
     if unit.case.mask == "packed":
@@ -111,12 +111,12 @@ def leak_margin(changed: int, worst: float, scale: float, dtype: str) -> float:
 
 
 def _skip(unit, impl) -> str | None:
-    why = unit.unsupported(impl)
+    why = unit.why_not_here(impl)
     if why:
         return why
     if impl.decode:
         return f"{impl.name} is a decoder (decode=True): the decode check judges it"
-    if impl.role == "ours" and impl.framework == "jax" and impl.mode == "eager":
+    if unit.runner(impl).replays_jit(impl):
         return EAGER_JAX_SKIP
     return None
 
@@ -136,19 +136,19 @@ def check_leak(unit, impls) -> list[Row]:
     q2 = _perturb(x.query, pq, rng)
     k2, v2 = (q2.copy(), q2.copy()) if not unit.case.shape.cross else (_perturb(x.key, pk, rng), _perturb(x.value, pk, rng))
     inputs = [(x.query, x.key, x.value), (q2, k2, v2)]
-    for framework in ("torch", "jax"):
-        group = [i for i in run if i.framework == framework]
+    for runner in unit.runners.values():  # each runner's implementations run together (one program for JAX's jit ones)
+        group = [i for i in run if unit.runner(i) is runner]
         if not group:
             continue
         try:
             builts = [unit.built(i, i.policy(unit.case.masked_rows)) for i in group]
-            results = unit.runners[framework].vjp_each(builts, inputs, x.keep, x.cotangent)
+            results = runner.vjp_each(builts, inputs, x.keep, x.cotangent)
         except Exception:  # noqa: BLE001 - each implementation alone then reports its own error
             results = []
             for i in group:
                 try:
                     b = unit.built(i, i.policy(unit.case.masked_rows))
-                    results.append(unit.runners[framework].vjp_each([b], inputs, x.keep, x.cotangent)[0])
+                    results.append(runner.vjp_each([b], inputs, x.keep, x.cotangent)[0])
                 except Exception as e:
                     results.append(e)
         for impl, result in zip(group, results):

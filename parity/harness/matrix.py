@@ -23,15 +23,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from mha_spec import MASK_KINDS, MASKED_ROWS_POLICIES, AttentionConfig, Problem
+from mha_spec import MASK_KINDS, MASKED_ROWS_POLICIES, AttentionConfig, Problem, Structure
 from parity import draw
+from parity.canonical import LAYER_FIELDS
 from parity.dtypes import DTYPES
 from parity.implementation import STRUCTURED_MASKS, UNIT_MASKS
 
 # leak: on the structured mask cases, one document (or the tokens outside a window) perturbed, the rest
 # bit-unchanged (parity.harness.leak); decode: prefill + single-token steps with a KV cache, on the cases
 # marked decode=True (parity.harness.decode); sharded: with devices >= 2 (parity.sharded)
-CHECKS = ("forward", "gradient", "leak", "training", "peers", "decode", "sharded")
+from parity.harness.checks import CHECKS  # noqa: E402 - the registry's names, live (parity.harness.checks.registry)
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,8 @@ class Shape:
 
     B, T, S, E, N the sizes; cross: False is self-attention (key = value = query, T == S).
     The layer beyond the classic one, as `mha_spec.AttentionConfig` names it: num_kv_heads,
-    qkv_bias, out_bias, rope, rope_theta. `config`/`problem` are the mha_spec objects,
+    qkv_bias, out_bias, rope, rope_theta, and the layers after Llama's fields (head_dim, qk_norm,
+    qk_norm_eps, qk_norm_offset, scale, softcap, sinks). `config`/`problem` are the mha_spec objects,
     validated there (a bad combination is the ValueError AttentionConfig raises).
     """
 
@@ -56,6 +58,13 @@ class Shape:
     out_bias: bool = True
     rope: str | None = None
     rope_theta: float = 10000.0
+    head_dim: int | None = None
+    qk_norm: str | None = None
+    qk_norm_eps: float = 1e-6
+    qk_norm_offset: float = 0.0
+    scale: float | None = None
+    softcap: float | None = None
+    sinks: bool = False
 
     def __post_init__(self):
         self.problem  # validates the layer and the sizes (mha_spec raises)
@@ -68,17 +77,17 @@ class Shape:
         if not isinstance(problem, Problem):
             raise TypeError(f"Shape.of takes an mha_spec.Problem, got {type(problem).__name__}")
         c = problem.config
-        if c.head_dim is not None and c.head_dim * c.num_heads != c.embed_dim:
-            raise ValueError(f"shape {name}: the harness's layers have E = N*H, got E={c.embed_dim}, "
-                             f"N={c.num_heads}, head_dim={c.head_dim}")
+        head_dim = None if c.head_dim is None or c.head_dim * c.num_heads == c.embed_dim else c.head_dim
         return cls(name, problem.B, problem.T, problem.S, c.embed_dim, c.num_heads, cross, c.num_kv_heads,
-                   c.qkv_bias, c.out_bias, c.rope, c.rope_theta)
+                   c.qkv_bias, c.out_bias, c.rope, c.rope_theta, head_dim,
+                   **{f: getattr(c, f) for f in LAYER_FIELDS}, sinks=c.sinks)
 
     @property
     def config(self) -> AttentionConfig:
         """The layer (masked_rows "nan"; a `Case` has its own policy)."""
         return AttentionConfig(self.E, self.N, num_kv_heads=self.num_kv_heads, qkv_bias=self.qkv_bias,
-                               out_bias=self.out_bias, rope=self.rope, rope_theta=self.rope_theta)
+                               out_bias=self.out_bias, rope=self.rope, rope_theta=self.rope_theta,
+                               head_dim=self.head_dim, sinks=self.sinks, **{f: getattr(self, f) for f in LAYER_FIELDS})
 
     @property
     def problem(self) -> Problem:
@@ -86,7 +95,7 @@ class Shape:
 
     @property
     def H(self) -> int:
-        return self.E // self.N
+        return self.config.head_size
 
     @property
     def K(self) -> int:
@@ -120,8 +129,6 @@ class Case:
     name: str = field(default="", compare=False)
 
     def __post_init__(self):
-        from parity.reference import ALIGNMENTS, window_sides
-
         if self.mask not in UNIT_MASKS:
             raise ValueError(f"mask {self.mask!r} is not one of {UNIT_MASKS}")
         if self.masked_rows not in MASKED_ROWS_POLICIES:
@@ -130,10 +137,12 @@ class Case:
         if (self.mask == "window") != (self.window is not None):
             raise ValueError(f"case {label}: window= is given with mask 'window' and only then, got mask={self.mask!r}, "
                              f"window={self.window!r}")
+        try:
+            band = self.structure()
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"case {label}: {e}") from None
         if self.window is not None:
-            object.__setattr__(self, "window", window_sides(self.window))
-        if self.alignment not in ALIGNMENTS:
-            raise ValueError(f"case {label}: alignment={self.alignment!r} is not one of {ALIGNMENTS}")
+            object.__setattr__(self, "window", (band.left, band.right))
         if self.padded and self.mask not in STRUCTURED_MASKS:
             raise ValueError(f"case {label}: padded=True combines padding with a structured mask {STRUCTURED_MASKS}; "
                              f"mask {self.mask!r} has its own kind")
@@ -148,6 +157,15 @@ class Case:
     def mask_label(self) -> str:
         """The mask part of the case's name: its kind, "+padding" when padding is ANDed."""
         return f"{self.mask}+padding" if self.padded else self.mask
+
+    def structure(self, segment_ids=None, key_segment_ids=None) -> Structure:
+        """The case's structured mask (`mha_spec.Structure`) with these drawn segment ids (B, T), (B, S): a
+        window is causal; packed documents are causal within each in self-attention, and in cross-attention
+        the keys' documents are their own (no causal order). A dense case's asks nothing (`Inputs.keep`)."""
+        s = self.shape
+        return Structure.of(s.T, s.S, is_causal=self.mask == "window" or (self.mask == "packed" and not s.cross),
+                            window=self.window, segment_ids=segment_ids, key_segment_ids=key_segment_ids,
+                            alignment=self.alignment)
 
     @property
     def structured(self) -> bool:
@@ -199,6 +217,26 @@ VARIANT_SHAPES = {
     )
 }
 
+# The layers after Llama (mha_spec.VARIANT_FEATURES' last six), each at sizes of its own with a head dim
+# other than E/N, as the families ship them. T > 1 everywhere: QK-norm is invisible in a one-token
+# forward. The soft-cap is small enough to bind on these draws (|scaled logits| reach it), as Gemma 2's
+# 50 does on a trained model's logits; the norm weights and sinks are drawn away from their init.
+MODERN_SHAPES = {
+    s.name: s
+    for s in (
+        Shape("qwen3", B=2, T=5, S=5, E=12, N=3, cross=False, num_kv_heads=1, head_dim=8, qkv_bias=False,
+              out_bias=False, rope="half", rope_theta=1e6, qk_norm="head"),  # QK-norm per head
+        Shape("gemma2", B=3, T=5, S=7, E=12, N=3, cross=True, num_kv_heads=1, head_dim=8, qkv_bias=False,
+              out_bias=False, rope="half", rope_theta=500.0, scale=0.5, softcap=0.5),  # soft-capped logits
+        Shape("gemma3", B=2, T=6, S=6, E=20, N=4, cross=False, num_kv_heads=2, head_dim=6, qkv_bias=False,
+              out_bias=False, rope="half", rope_theta=500.0, qk_norm="head", qk_norm_offset=1.0, scale=0.25),
+        Shape("olmo2", B=3, T=4, S=6, E=18, N=3, cross=True, head_dim=4, qkv_bias=False, out_bias=False,
+              rope="half", rope_theta=500.0, qk_norm="flat", qk_norm_eps=1e-5),  # the whole projection
+        Shape("gpt-oss", B=2, T=5, S=5, E=16, N=4, cross=False, num_kv_heads=2, head_dim=6, rope="half",
+              rope_theta=500.0, sinks=True),  # sinks, every bias
+    )
+}
+
 # Decoding with a KV cache (the decode check, `parity.harness.decode`): causal self-attention over T
 # tokens, run as a prompt of T - 3 tokens in one call and 3 single-token steps, the rows left-padded
 # by 0, 2, 1, ... tokens. Sizes small and distinct from the other shapes'; no RoPE base is 10000.
@@ -216,6 +254,12 @@ DECODE_SHAPES = {
         Shape("decode-rope-interleaved", B=2, T=7, S=7, E=20, N=2, cross=False, rope="interleaved",
               rope_theta=500.0),  # H=10
         Shape("decode-no-bias", B=3, T=5, S=5, E=15, N=5, cross=False, qkv_bias=False, out_bias=False),  # H=3
+        # The layers after Llama: the cache holds the normalised, rotated keys; sinks in every step
+        Shape("decode-gemma3", B=2, T=6, S=6, E=12, N=3, cross=False, num_kv_heads=1, head_dim=8, qkv_bias=False,
+              out_bias=False, rope="half", rope_theta=500.0, qk_norm="head", qk_norm_offset=1.0, scale=0.3,
+              softcap=0.6),
+        Shape("decode-gpt-oss", B=3, T=6, S=6, E=16, N=4, cross=False, num_kv_heads=2, head_dim=6, rope="half",
+              rope_theta=500.0, sinks=True),
     )
 }
 
@@ -302,6 +346,8 @@ _DECODE_CASES = (
          dtypes=("float32", "bfloat16", "float16")),
     Case(_D["decode-rope-interleaved"], "causal", "zero", jax_eager=False, decode=True, dtypes=_WIDE),
     Case(_D["decode-no-bias"], "causal", "uniform", jax_eager=False, decode=True, dtypes=("float32",)),
+    Case(_D["decode-gemma3"], "causal", "zero", jax_eager=False, decode=True, dtypes=("float32",)),
+    Case(_D["decode-gpt-oss"], "causal", "nan", jax_eager=False, decode=True, dtypes=("float32",)),
 )
 
 
@@ -332,6 +378,20 @@ def mask_matrix() -> tuple[Case, ...]:
     )
 
 
+_N = MODERN_SHAPES
+# The layers after Llama: each feature's own masks and policies; a fully masked row under "nan" in the
+# sinks layer (the sink takes its weight: zeros, not NaN); each layer in 16-bit too; the self-attention
+# ones with their family's transformers module as a peer (hf-qwen3, hf-gemma3, hf-gpt-oss).
+_MODERN_CASES = (
+    Case(_N["qwen3"], "causal", "nan", train=True, peers=True, jax_eager=False,
+         dtypes=("float64", "float32", "bfloat16")),
+    Case(_N["gemma2"], "padding", "uniform", jax_eager=False, dtypes=("float64", "float32", "float16")),
+    Case(_N["gemma3"], "random", "zero", peers=True, jax_eager=False, dtypes=("float64", "float32", "bfloat16")),
+    Case(_N["olmo2"], "padding", "zero", jax_eager=False, dtypes=("float64", "float32", "float16")),
+    Case(_N["gpt-oss"], "random", "nan", peers=True, jax_eager=False, dtypes=("float64", "float32", "bfloat16")),
+)
+
+
 def modern_matrix() -> tuple[Case, ...]:
     """Every variant case (`mha-parity --cases modern`): each feature alone, every mask kind and
     policy among them, float64 and float32, and the Llama layer also in bfloat16, with peers and
@@ -350,6 +410,7 @@ def modern_matrix() -> tuple[Case, ...]:
         Case(_V["no-out-bias"], "random", "nan", jax_eager=False, dtypes=_WIDE),
         Case(_V["llama"], "padding", "uniform", train=True, peers=True, jax_eager=False,
              dtypes=("float64", "float32", "bfloat16")),
+        *_MODERN_CASES,
         *_DECODE_CASES,
         *_DEFAULT_MASK_CASES,
     )
@@ -435,10 +496,9 @@ class Inputs:
     target: np.ndarray  # (B, T, E), for the training check
     positions: np.ndarray | None = None  # int64 (B, T), RoPE cases only
     key_positions: np.ndarray | None = None  # int64 (B, S); equal to positions in self-attention
-    # A structured case's masks as keywords (`reference.structured_keep`'s, those the case uses: is_causal,
-    # window, segment_ids (B, T) int64, key_segment_ids (B, S), alignment) and the rest of its mask, the
-    # padding (bool (B, 1, T, S) or None): keep is structured_keep(**structure) AND padding.
-    structure: dict | None = None
+    # A structured case's mask (`Case.structure`, segment ids (B, T) and (B, S) int64) and the rest of its
+    # mask, the padding (bool (B, 1, T, S) or None): keep is structured_keep(**structure_kw) AND padding.
+    structure: Structure | None = None
     padding: np.ndarray | None = None
 
     def in_dtype(self, dtype: np.dtype) -> Inputs:
@@ -453,9 +513,9 @@ class Inputs:
 
     @property
     def structure_kw(self) -> dict:
-        """The structured masks as keywords ({} on a dense case): what the oracle and a `structured`
-        implementation are given."""
-        return dict(self.structure or {})
+        """The structured masks as keywords ({} on a dense case; `Structure.keywords`): what the oracle and a
+        `structured` implementation are given."""
+        return {} if self.structure is None else self.structure.keywords()
 
     @property
     def position_kw(self) -> dict:
@@ -502,31 +562,25 @@ def _documents(rng: np.random.Generator, B: int, L: int, counts) -> np.ndarray:
     raise ValueError(f"no {B} different layouts of {list(counts)} documents in rows of {L} tokens")
 
 
-def _structure(case: Case, rng: np.random.Generator) -> tuple[dict, np.ndarray | None]:
-    """A structured case's masks as keywords and its padding keep-mask (B, 1, T, S) or None."""
+def _structure(case: Case, rng: np.random.Generator) -> tuple[Structure, np.ndarray | None]:
+    """A structured case's mask, its segment ids drawn (packed: 2 or 3 documents a row), and its padding
+    keep-mask (B, 1, T, S) or None."""
     s = case.shape
     B, T, S = s.B, s.T, s.S
-    structure = {}
-    if case.mask == "window":
-        structure.update(is_causal=True, window=case.window)
-    else:  # packed: 2 or 3 documents a row
+    segment_ids = key_segment_ids = None
+    if case.mask == "packed":
         counts = [2 + (b % 2) for b in range(B)]
-        structure["segment_ids"] = _documents(rng, B, T, counts)
+        segment_ids = _documents(rng, B, T, counts)
         if s.cross:
-            keys = _documents(rng, B, S, counts)
+            keys = key_segment_ids = _documents(rng, B, S, counts)
             keys[0][keys[0] == keys[0].max()] = counts[0]  # row 0's last query document has no keys
-            structure["key_segment_ids"] = keys
-        else:
-            structure["is_causal"] = True
-    if case.alignment != "top-left":
-        structure["alignment"] = case.alignment
     padding = None
     if case.padded:
         lengths = rng.integers(1, S + 1, size=B)
         lengths[-1] = 0  # a row of padding only: its rows are fully masked
         padding = np.broadcast_to(np.arange(S)[None, None, None, :] < lengths[:, None, None, None], (B, 1, T, S))
         padding = np.ascontiguousarray(padding)
-    return structure, padding
+    return case.structure(segment_ids, key_segment_ids), padding
 
 
 def _case_rng(seed: int, name: str) -> np.random.Generator:
@@ -583,9 +637,9 @@ def draw_inputs(case: Case, seed: int, state_dict: dict | None = None) -> Inputs
         from parity.reference import segment_positions, structured_keep
 
         structure, padding = _structure(case, rng)
-        built = np.broadcast_to(structured_keep(s.T, s.S, **structure), (s.B, 1, s.T, s.S))
+        built = np.broadcast_to(structured_keep(s.T, s.S, **structure.keywords()), (s.B, 1, s.T, s.S))
         keep = np.ascontiguousarray(built if padding is None else built & padding)  # (B, 1, T, S)
-        if s.rope is not None and "segment_ids" in structure:  # positions restart with each document
-            positions = segment_positions(structure["segment_ids"])
-            key_positions = segment_positions(structure.get("key_segment_ids", structure["segment_ids"]))
+        if s.rope is not None and structure.segment_ids is not None:  # positions restart with each document
+            positions = segment_positions(structure.segment_ids)
+            key_positions = segment_positions(structure.key_segment_ids)
     return Inputs(query, key, value, keep, sd, cotangent, target, positions, key_positions, structure, padding)

@@ -7,6 +7,7 @@ import math
 import traceback
 from dataclasses import asdict, dataclass, field
 
+from mha_spec import DTYPE_NAMES
 from parity.tolerances import ratio
 
 STATUSES = ("pass", "fail", "error", "skip")
@@ -249,7 +250,7 @@ def verdict_lines(report: Report) -> list[tuple[str, str]]:
             continue
         bad = [r for r in ran if r.status in ("fail", "error")]
         checks = [c for c in ("forward", "gradient", "leak", "decode", "peers", "training") if any(r.check == c for r in ran)]
-        dtypes = [d for d in ("float64", "float32", "bfloat16", "float16") if any(r.dtype == d for r in ran)]
+        dtypes = [d for d in DTYPE_NAMES if any(r.dtype == d for r in ran)]
         at = ""
         if impl.computes_in is not None and any(impl.judged_at(d) != d for d in dtypes):
             at = f" ({', '.join(d for d in dtypes if impl.judged_at(d) != d)} at the {impl.computes_in} bound: computes_in)"

@@ -16,21 +16,11 @@ from mha_spec.files import check_writable, write_atomic
 from parity.devices import DevicePlan, device_label, resolve_device
 from parity.dtypes import DTYPES, numpy_dtype
 from parity.env import environment, pinned
-from parity.harness import checks as _checks
-from parity.harness.matrix import (CASE_SETS, CHECKS, SHAPES, Case, all_cases, declared_shape, default_matrix, draw_inputs,
+from parity.harness.checks import CHECKS, Unit, checks_of, run_unit, user_checks
+from parity.harness.matrix import (CASE_SETS, SHAPES, Case, all_cases, declared_shape, default_matrix, draw_inputs,
                                    layer_cases, quick_matrix)
 from parity.harness.report import Report, Row, to_json, to_markdown
 from parity.impls import Implementation, select
-from parity.implementation import STRUCTURED_MASKS
-
-
-USER_CHECKS = ("forward", "gradient", "leak", "decode")  # the checks that run a user's implementation (the others run ours and the peers)
-
-
-def checks_of(impl: Implementation) -> tuple[str, ...]:
-    """The checks that run one implementation of the user's: a decoder's is the decode check, the others'
-    forward, gradient and leak (the leak check on the structured mask cases only)."""
-    return ("decode",) if impl.decode else ("forward", "gradient", "leak")
 
 
 def select_impls(impls=None, compile: bool = False) -> tuple[Implementation, ...]:
@@ -40,12 +30,22 @@ def select_impls(impls=None, compile: bool = False) -> tuple[Implementation, ...
     torch.compile twin of each selected eager torch implementation of ours; naming a
     compile implementation in `impls` runs it with or without `compile`.
     """
+    names, user = split_impls(impls)
+    return _choose(names, user, compile)
+
+
+def split_impls(impls) -> tuple[tuple[str, ...] | None, tuple[Implementation, ...]]:
+    """(names of ours, or None when `impls` is None; the user's Implementation objects) of a sequence of both."""
     impls = list(impls) if impls is not None else None
-    user = tuple(i for i in impls or () if isinstance(i, Implementation))
     bad = [i for i in impls or () if not isinstance(i, (str, Implementation))]
     if bad:
         raise TypeError(f"impls must be names or parity.impls.Implementation objects, got {bad!r}")
-    names = None if impls is None else [i for i in impls if isinstance(i, str)]
+    names = None if impls is None else tuple(i for i in impls if isinstance(i, str))
+    return names, tuple(i for i in impls or () if isinstance(i, Implementation))
+
+
+def _choose(names, user: tuple, compile: bool) -> tuple[Implementation, ...]:
+    """`select_impls` of names of ours (None: the default selection) and the user's implementations."""
     ours = select("ours")
     chosen = [i for i in ours if (i.name in names if names is not None else i.mode != "compile")]
     unknown = sorted(set(names or ()) - {i.name for i in ours})
@@ -88,57 +88,38 @@ def _select_cases(cases, patterns, pool=None) -> tuple[Case, ...]:
 def _validate(dtypes, checks, paths) -> tuple[tuple, tuple]:
     """The dtypes and checks to run (None: all), validated; every output path tried before anything runs."""
     dtypes = DTYPES if dtypes is None else tuple(dtypes)
-    checks = CHECKS if checks is None else tuple(checks)
+    known = tuple(CHECKS)
+    checks = known if checks is None else tuple(checks)
     for path in paths:
         if path:
             check_writable(path)
     for d in dtypes:
         numpy_dtype(d)
-    unknown = set(checks) - set(CHECKS)
+    unknown = set(checks) - set(known)
     if unknown:
-        raise ValueError(f"unknown checks {sorted(unknown)}; known: {CHECKS}")
+        raise ValueError(f"unknown checks {sorted(unknown)}; known: {known}")
     if not dtypes:
         raise ValueError(f"no dtype selected; choose from {DTYPES}")
     if not checks:
-        raise ValueError(f"no check selected; choose from {CHECKS}")
+        raise ValueError(f"no check selected; choose from {known}")
     return dtypes, checks
 
 
 def _runners(plan: DevicePlan) -> dict:
     import jax
 
+    from parity.bench.torch_bench import kernel_label
     from parity.impls.jax_impls import JaxRunner
     from parity.impls.torch_impls import TorchRunner
 
-    return {"torch": TorchRunner(plan.torch_device), "jax": JaxRunner(jax.devices(plan.jax_platform)[0])}
+    # torch's rows name the kernel the profiler saw against the one the benchmark's table says it asks for
+    return {"torch": TorchRunner(plan.torch_device, requested_kernel=kernel_label),
+            "jax": JaxRunner(jax.devices(plan.jax_platform)[0])}
 
 
-def run(
-    *,
-    cases=None,
-    case_filter=(),
-    state_dict=None,
-    environment=None,
-    dtypes=None,
-    checks=None,
-    impls=None,
-    device: str = "auto",
-    seed: int = 0,
-    quick: bool = False,
-    compile: bool = False,
-    framework_defaults: bool = False,
-    json_path=None,
-    markdown_path=None,
-    plot_path=None,
-    on_progress=None,
-    on_start=None,
-    should_stop=None,
-    devices: int | None = None,
-    shardings=None,
-    job_timeout_s: float | None = None,
-    layouts=None,
-) -> Report:
-    """Run the parity matrix; return the report (and write it, if paths are given).
+@dataclass(frozen=True)
+class RunRequest:
+    """What `run` is asked to do (`run(request)`, or `run(**keywords)`: `RunRequest.of`).
 
     cases: a sequence of `Case`, or a case set's name ("default", "quick", "modern": the layers with
     grouped heads, RoPE, no biases) (default: the default matrix, or the quick one); case_filter:
@@ -146,31 +127,75 @@ def run(
     case); state_dict: fixed weights (canonical names, any float dtype, e.g. a checkpoint's layer)
     for every case instead of the drawn ones (each case's layer must be theirs); environment: extra
     entries for the report's environment (e.g. the file checked); dtypes, checks: names to keep (None: whatever the
-    cases run, all checks; named ones that nothing runs get a skip row saying why); impls: names of
-    ours and/or `parity.impls.Implementation` objects (your own; see `select_impls`).
+    cases run, all checks; named ones that nothing runs get a skip row saying why); impls: names of ours (None:
+    every one but the torch.compile ones; see `select_impls`); user: your own `parity.impls.Implementation`s.
     on_start(total_units) and on_progress(description) drive a progress bar; should_stop() is asked between units (a
     graceful Ctrl-C). devices >= 2 adds the sharded check (`parity.harness.sharded`: tensor-, sequence- and
-    data-parallel shardings over that many simulated CPU devices / gloo processes; `shardings` filters them
-    (`layouts`: its old spelling, warns); job_timeout_s: how long a sharded worker group may go without finishing a
-    job, default parity.harness.sharded.launch.DEFAULT_JOB_TIMEOUT_S; should_stop() is polled while the workers run,
-    and they stop between jobs). A unit that raises becomes error rows; KeyboardInterrupt stops the loop, and the
-    report of what finished is still written (report.interrupted is True).
+    data-parallel shardings over that many simulated CPU devices / gloo processes; `shardings` filters them;
+    job_timeout_s: how long a sharded worker group may go without finishing a job, default
+    parity.harness.sharded.launch.DEFAULT_JOB_TIMEOUT_S; should_stop() is polled while the workers run, and they
+    stop between jobs). json_path, markdown_path, plot_path: the files to write.
     """
-    started = time.perf_counter()
-    paths = (json_path, markdown_path, plot_path)
-    p = _plan(cases, case_filter, dtypes, checks, impls, device, quick, compile, paths)
-    _check_weights(p.cases, seed, state_dict)
-    with pinned(framework_defaults, p.x64):
-        report = Report(_environment(p.device, seed, framework_defaults, _run_entries(p, environment)))
-        if on_start is not None:
-            on_start(len(p.units))
+
+    cases: object = None
+    case_filter: tuple = ()
+    state_dict: dict | None = None
+    environment: dict | None = None
+    dtypes: tuple | None = None
+    checks: tuple | None = None
+    impls: tuple | None = None
+    user: tuple = ()
+    device: str = "auto"
+    seed: int = 0
+    quick: bool = False
+    compile: bool = False
+    framework_defaults: bool = False
+    json_path: str | None = None
+    markdown_path: str | None = None
+    plot_path: str | None = None
+    on_progress: object = None
+    on_start: object = None
+    should_stop: object = None
+    devices: int | None = None
+    shardings: tuple | None = None
+    job_timeout_s: float | None = None
+
+    @classmethod
+    def of(cls, *, impls=None, shardings=None, layouts=None, **kw) -> RunRequest:
+        """The request of `run`'s keywords: impls names of ours and/or `parity.impls.Implementation` objects
+        (your own), split into `impls` and `user`; `layouts`: the old spelling of `shardings` (warns)."""
+        names, user = split_impls(impls)
+        return cls(impls=names, user=user, shardings=_shardings(shardings, layouts), **kw)
+
+    @property
+    def paths(self) -> tuple:
+        return self.json_path, self.markdown_path, self.plot_path
+
+    def stopped(self) -> bool:
+        return self.should_stop is not None and self.should_stop()
+
+
+def run(request: RunRequest | None = None, /, **keywords) -> Report:
+    """Run the parity matrix a `RunRequest` (or the keywords of one: `RunRequest.of`) asks for; return the report
+    (and write it, if paths are given). A unit that raises becomes error rows; KeyboardInterrupt stops the loop,
+    and the report of what finished is still written (report.interrupted is True)."""
+    if request is None:
+        request = RunRequest.of(**keywords)
+    elif keywords:
+        raise TypeError(f"run takes a RunRequest or its keywords, not both (got {sorted(keywords)})")
+    r, started = request, time.perf_counter()
+    p = plan_run(r)
+    _check_weights(p.cases, r.seed, r.state_dict)
+    with pinned(r.framework_defaults, p.x64):
+        report = Report(_environment(p.device, r.seed, r.framework_defaults, _run_entries(p, r.environment)))
+        if r.on_start is not None:
+            r.on_start(len(p.units))
         try:
-            _fill(report, p, seed, on_progress, should_stop, state_dict,
-                  lambda: _sharded(devices, _shardings(shardings, layouts), p.dtypes, p.checks, seed, should_stop, job_timeout_s))
+            _fill(report, p, r, lambda: _sharded(r, p.dtypes, p.checks))
         except KeyboardInterrupt:
             report.interrupted = True
         finally:
-            _finish(report, p, started, paths)
+            _finish(report, p, started, r.paths)
     return report
 
 
@@ -197,15 +222,15 @@ def _finish(report, p, started: float, paths) -> None:
     report.write_errors = write_reports(report, *paths)
 
 
-def _fill(report, p, seed, on_progress, should_stop, state_dict, sharded) -> None:
+def _fill(report, p, r: RunRequest, sharded) -> None:
     """The rows of every unit, then the sharded check's (`sharded()`); skip rows where the device is absent."""
     if p.device.skip_reason:
         report.rows += [Row(c.name, ch, "*", "*", d, device_label(p.device.name), "skip", message=p.device.skip_reason)
                         for c, d in p.units for ch in p.checks]
         return
-    _loop(report, p, seed, _runners(p.device), on_progress, should_stop, state_dict)
+    _loop(report, p, r, _runners(p.device))
     report.rows += sharded()
-    if should_stop is not None and should_stop():  # the sharded workers stopped between jobs
+    if r.stopped():  # the sharded workers stopped between jobs
         report.interrupted = True
 
 
@@ -227,9 +252,11 @@ class RunPlan:
         return any(d == "float64" for _, d in self.units)
 
 
-def _plan(cases, case_filter, dtypes, checks, impls, device, quick, compile, paths) -> RunPlan:
-    named = (dtypes if dtypes is not None else (), checks if checks is not None else ())
-    dtypes, checks = _validate(dtypes, checks, paths)
+def plan_run(r: RunRequest) -> RunPlan:
+    """What `r` asks for, decided and validated before anything runs (a ValueError naming what is wrong)."""
+    cases, case_filter, quick = r.cases, r.case_filter, r.quick
+    named = (r.dtypes if r.dtypes is not None else (), r.checks if r.checks is not None else ())
+    dtypes, checks = _validate(r.dtypes, r.checks, r.paths)
     if isinstance(cases, str):
         if cases not in CASE_SETS:
             raise ValueError(f"unknown case set {cases!r}; case sets: {', '.join(CASE_SETS)}")
@@ -237,7 +264,7 @@ def _plan(cases, case_filter, dtypes, checks, impls, device, quick, compile, pat
     given = cases is not None
     cases = tuple(cases) if given else (quick_matrix() if quick else default_matrix())
     cases = _select_cases(cases, case_filter, pool=cases if given or quick else all_cases())
-    chosen = select_impls(impls, compile)
+    chosen = _choose(r.impls, r.user, r.compile)
     if not given and all(pattern in CASE_SETS for pattern in case_filter):  # whole sets, not cases picked by name
         cases += own_cases([i for i in chosen if i.role == "user"], cases, dtypes, quick, whole=not case_filter)
     units = tuple((c, d) for c in cases for d in dtypes if d in c.dtypes)
@@ -248,7 +275,7 @@ def _plan(cases, case_filter, dtypes, checks, impls, device, quick, compile, pat
                          f"{'it' if len(idle) == 1 else 'them'} (--checks {','.join(checks)}); the checks that run "
                          + "; ".join(f"{i.name}: {', '.join(checks_of(i))}" for i in idle)
                          + " (a decoder, decode=True, runs in the decode check only)")
-    return RunPlan(cases, dtypes, checks, chosen, peers, units, resolve_device(device), named)
+    return RunPlan(cases, dtypes, checks, chosen, peers, units, resolve_device(r.device), named)
 
 
 def _runs_in(impl: Implementation, case: Case, dtypes) -> set:
@@ -308,25 +335,26 @@ def _decoder_cases(impl: Implementation, cases, dtypes, quick: bool, whole: bool
                  dtypes=tuple(d for d in DTYPES if d in wanted)),)
 
 
-def _loop(report, p: RunPlan, seed, runners, on_progress, should_stop, state_dict=None) -> None:
+def _loop(report, p: RunPlan, r: RunRequest, runners) -> None:
     for case, dtype in p.units:
-        if should_stop is not None and should_stop():
+        if r.stopped():
             report.interrupted = True
             return
-        if on_progress is not None:
-            on_progress(f"{case.name} {dtype}")
-        report.rows += _run_unit(case, dtype, seed, p.checks, p.impls, p.peers, runners, state_dict)
+        if r.on_progress is not None:
+            r.on_progress(f"{case.name} {dtype}")
+        report.rows += _run_unit(case, dtype, r.seed, p.checks, p.impls, p.peers, runners, r.state_dict)
 
 
 def _shardings(shardings, layouts):
     if layouts is not None:
-        warnings.warn("run(layouts=...) is spelled shardings=...", DeprecationWarning, stacklevel=3)
+        warnings.warn("run(layouts=...) is spelled shardings=...", DeprecationWarning, stacklevel=4)
     return shardings if layouts is None else layouts
 
 
-def _sharded(devices, shardings, dtypes, checks, seed, should_stop, job_timeout_s=None) -> list[Row]:
-    """The sharded check across `devices` processes/devices, when asked (float64 and float32 only)."""
-    if "sharded" not in checks or not devices or (should_stop is not None and should_stop()):
+def _sharded(r: RunRequest, dtypes, checks) -> list[Row]:
+    """The sharded check across `r.devices` processes/devices, when asked (float64 and float32 only)."""
+    devices, shardings, should_stop, job_timeout_s = r.devices, r.shardings, r.should_stop, r.job_timeout_s
+    if "sharded" not in checks or not devices or r.stopped():
         return []
     from parity.harness.sharded import SHARDINGS, run_sharded
 
@@ -335,7 +363,8 @@ def _sharded(devices, shardings, dtypes, checks, seed, should_stop, job_timeout_
         why = "--devices must be at least 2" if devices < 2 else "sharded checks run in float64/float32 only"
         return [Row("*", "sharded", "*", "*", "*", device_label("cpu"), "skip", message=why)]
     timeout = {} if job_timeout_s is None else {"job_timeout_s": job_timeout_s}
-    return run_sharded(devices=devices, shardings=tuple(shardings or SHARDINGS), dtypes=wide, seed=seed, should_stop=should_stop, **timeout)
+    return run_sharded(devices=devices, shardings=tuple(shardings or SHARDINGS), dtypes=wide, seed=r.seed,
+                       should_stop=should_stop, **timeout)
 
 
 def case_inputs(case, seed: int, state_dict=None):
@@ -347,7 +376,7 @@ def case_inputs(case, seed: int, state_dict=None):
 def _run_unit(case, dtype, seed, checks, impls, peers, runners, state_dict=None) -> list[Row]:
     try:
         x = case_inputs(case, seed, state_dict).in_dtype(numpy_dtype(dtype))
-        return _checks.run_unit(_checks.Unit(case, dtype, x, runners, checks), impls, peers)
+        return run_unit(Unit(case, dtype, x, runners, checks), impls, peers)
     except KeyboardInterrupt:
         raise
     except Exception as e:  # MemoryError included: one unit's failure must not end the run
@@ -363,28 +392,19 @@ def coverage(rows, cases, dtypes, checks, impls, device: str) -> list[Row]:
             runs_in = sorted({x for c in cases for x in c.dtypes}, key=DTYPES.index)
             out.append(Row("*", "*", "*", "*", d, device, "skip",
                            message=f"nothing ran in {d}: the selected cases run in {', '.join(runs_in)}"))
-    flag = {"training": "train", "peers": "peers", "decode": "decode"}
     for ch in checks:
-        if any(r.check == ch for r in ran):
-            continue
-        if ch == "sharded":
-            reason = "it runs with --devices N (N >= 2 simulated devices / processes)"
-        elif ch == "leak":
-            enabled = [c.name for c in cases if c.structured]
-            reason = (f"it runs on the structured mask cases ({', '.join(STRUCTURED_MASKS)}; --cases masks): "
-                      + (", ".join(enabled) if enabled else "none is selected"))
-        elif ch in flag:
-            enabled = [c.name for c in cases if getattr(c, flag[ch])]
-            reason = (f"it runs only on cases with {flag[ch]}=True: "
-                      + (", ".join(enabled) + " (in float64/float32 for training)" if enabled else "none is selected"))
-        else:
-            reason = "no selected implementation, case and dtype ran it"
-        out.append(Row("*", ch, "*", "*", "*", device, "skip", message=f"nothing ran for {ch}: {reason}"))
-    for impl in impls if set(USER_CHECKS) & set(checks or CHECKS) else ():
+        if not any(r.check == ch for r in ran):
+            out.append(Row("*", ch, "*", "*", "*", device, "skip", message=f"nothing ran for {ch}: {_idle_reason(ch, cases)}"))
+    for impl in impls if set(user_checks()) & set(checks or CHECKS) else ():
         if not any(r.impl == impl.name for r in ran):
             out.append(Row("*", "*", impl.name, "*", "*", device, "skip",
                            message=f"nothing ran for {impl.name} (see its skip rows, or the dtype/check selection)"))
     return out
+
+
+def _idle_reason(check: str, cases) -> str:
+    """Why the check `check` ran nothing on `cases`: as the registry's check says."""
+    return CHECKS[check].reason(cases) if check in CHECKS else "no selected implementation, case and dtype ran it"
 
 
 def unchecked(rows, impls) -> list[str]:
@@ -433,4 +453,4 @@ def write_reports(report: Report, json_path=None, markdown_path=None, plot_path=
     return failures
 
 
-__all__ = ["run", "select_impls", "coverage", "unchecked", "write_reports"]
+__all__ = ["run", "RunRequest", "RunPlan", "plan_run", "select_impls", "split_impls", "coverage", "unchecked", "write_reports"]

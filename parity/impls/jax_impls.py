@@ -10,7 +10,9 @@ Legend (see mha_spec): B T S N H E, K key/value heads.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import types
 from dataclasses import dataclass, field
 
 import jax
@@ -26,6 +28,19 @@ from parity.peers.common import MissingPackage, linear_leaves, merged
 # ---------------------------------------------------------------- factories
 
 
+def module_leaves(params: dict) -> dict:
+    """Our JAX module's parameters from canonical ones (traced ones too): each projection's kernel and bias,
+    the QK-norm weights and the sinks where the layer has them -- every one of them, so a gradient or a
+    training step reaches each (a leaf left to the module's own copy would be a constant)."""
+    leaves = {p: linear_leaves(params, p) for p in convert.PROJECTIONS}
+    for name in ("q_norm", "k_norm"):
+        if f"{name}.weight" in params:
+            leaves[name] = {"weight": params[f"{name}.weight"]}
+    if "sinks" in params:
+        leaves["sinks"] = params["sinks"]
+    return leaves
+
+
 def _ours(sd, num_heads, *, dtype, device, masked_rows, need_weights, problem=None):
     # problem: the layer's grouped heads and RoPE (the biases are the state dict's keys); None, as a
     # direct call may pass, is the layer the state dict describes without RoPE.
@@ -34,7 +49,7 @@ def _ours(sd, num_heads, *, dtype, device, masked_rows, need_weights, problem=No
         graphdef, state = nnx.split(convert.to_jax(sd, num_heads, masked_rows=masked_rows, **layer))
 
     def module(params):
-        return merged(graphdef, state, {p: linear_leaves(params, p) for p in convert.PROJECTIONS})
+        return merged(graphdef, state, module_leaves(params))
 
     def fn(params, query, key, value, mask, **positions):
         return module(params)(query, key, value, mask, need_weights=need_weights, **positions)
@@ -68,7 +83,7 @@ class OursDecoder:
 
         def step(params, cache, x):
             self.traces.append(x.shape[1])  # runs once per trace
-            m = merged(graphdef, state, {p: linear_leaves(params, p) for p in convert.PROJECTIONS})
+            m = merged(graphdef, state, module_leaves(params))
             out, _, new, stages = m(x, x, x, cache=cache, need_weights=need_weights, return_intermediates=True)
             return out, new, stages_dict(impl, stages)
 
@@ -111,6 +126,8 @@ class JaxRunner:
     """
 
     framework = "jax"
+    ours = "jax-jit"  # our implementation a JAX peer is judged against
+    decode_how = "in one call, under jax.jit"  # how our decoder's prompt runs (the decode rows say it)
 
     def __init__(self, device):
         self.device = device
@@ -256,6 +273,56 @@ class JaxRunner:
 
     def grads(self, b: Built, query, key, value, keep, cotangent) -> dict:
         return self._results(b, query, key, value, keep, cotangent)[2]
+
+    @contextlib.contextmanager
+    def observe(self, impl: Implementation, expected: bool = True):
+        """`with runner.observe(impl) as seen: call()`: nothing is observed around a JAX call (its kernel is
+        read from its program's trace: `forward_reading_kernel`, `decode_call_kernel`); `seen.kernel` stays
+        ("", "")."""
+        yield types.SimpleNamespace(kernel=("", ""))
+
+    def forward_reading_kernel(self, b: Built, query, key, value, keep):
+        """((output, weights), (kernel, note)): `forward`, and the kernel read from its forward program's jaxpr
+        (`parity.kernel_ran.jax_row_kernel`: a trace, no compile); ("", "") where the reading fails."""
+        from parity import kernel_ran
+
+        result = self.forward(b, query, key, value, keep)
+        try:
+            xs, mask, _ = self._device_args(b, query, key, value, keep, None)
+            program = self._program(b, False, query.shape, key.shape[1])
+            # The mask is a constant of the traced program, as in the forward that ran: a peer that reads
+            # it as causal / segment ids (the Pallas kernels) can, and no kernel choice depends on its values.
+            kernel = kernel_ran.jax_row_kernel(lambda params, *xs: program(params, *xs, mask, None), (b.params, *xs),
+                                               self.device, ours=b.impl.role == "ours",
+                                               need_weights=b.impl.returns_weights)
+        except Exception:  # noqa: BLE001 - the forward ran; only the reading failed: the field stays ""
+            kernel = ("", "")
+        return result, kernel
+
+    def replays_jit(self, impl: Implementation) -> bool:
+        """Whether `impl` is our jitted program run op by op (our eager JAX): the jit one's rows check it."""
+        return impl.role == "ours" and impl.mode == "eager"
+
+    def joins(self, impl: Implementation) -> bool:
+        """Whether `prefetch` computes `impl` with others in one compiled program: the jit implementations."""
+        return impl.mode == "jit"
+
+    def decode_call_kernel(self, impl: Implementation, dec, cache, x) -> tuple[str, str]:
+        """The kernel one call of our decoder `dec` ran, from the given `cache` on x (B, T, E): read from the
+        jaxpr of that call's program (`parity.kernel_ran`: a trace, no compile), checked against the module's
+        own choice; ("", "") where the reading fails."""
+        from parity import kernel_ran
+
+        try:
+            xs = jax.device_put(np.asarray(x), dec.device)
+            return kernel_ran.jax_row_kernel(lambda p, c, x: dec.program(p, c, x)[0], (dec.params, cache, xs),
+                                             dec.device, ours=True, need_weights=impl.returns_weights)
+        except Exception:  # noqa: BLE001 - the calls ran; only the reading failed: the field stays ""
+            return ("", "")
+
+    def decoder_kernel(self, b: Built, x, observed: tuple[str, str]) -> tuple[str, str]:
+        """The kernel of a decoder's run (decode=True): what its first step's trace runs (`decode_engine`)."""
+        return self.decode_engine(b, x), ""
 
     def vjp(self, b: Built, query, key, value, keep, cotangent):
         """(output, weights, gradients) of one program: the output the gradients were taken from."""

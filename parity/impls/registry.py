@@ -71,7 +71,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from mha_spec import VARIANT_FEATURES, Problem
+from mha_spec import VARIANT_FEATURES, AttentionConfig, Problem
+from parity.canonical import LAYER_FIELDS
 from parity.implementation import (
     FRAMEWORKS,
     INPUTS,
@@ -140,11 +141,14 @@ def mask_for(impl: Implementation, keep: np.ndarray | None, num_heads: int, dtyp
 
 
 def layer_kwargs(state_dict: dict, num_heads: int, problem: Problem | None) -> dict:
-    """num_kv_heads, rope, rope_theta for our modules' converters (`parity.convert.to_torch/to_jax`):
-    the problem's; without one, the state dict's key/value heads (k_proj rows / H) and no RoPE."""
+    """num_kv_heads, rope, rope_theta and the fields the tensors cannot say (`parity.canonical.LAYER_FIELDS`:
+    qk_norm, its eps and offset, scale, softcap; those at their defaults are left out) for our modules'
+    converters (`parity.convert.to_torch/to_jax`): the problem's; without one, the state dict's key/value
+    heads (k_proj rows / H) and no RoPE."""
     if problem is not None:
         c = problem.config
-        return {"num_kv_heads": c.num_kv_heads, "rope": c.rope, "rope_theta": c.rope_theta}
+        extra = {f: getattr(c, f) for f in LAYER_FIELDS if getattr(c, f) != getattr(AttentionConfig, f)}
+        return {"num_kv_heads": c.num_kv_heads, "rope": c.rope, "rope_theta": c.rope_theta, **extra}
     q_rows, kv_rows = np.shape(state_dict["q_proj.weight"])[0], np.shape(state_dict["k_proj.weight"])[0]
     K = kv_rows * num_heads // q_rows if q_rows else num_heads
     return {"num_kv_heads": None if K == num_heads else K}

@@ -8,7 +8,9 @@ Legend (see mha_spec): B T S N H E, K key/value heads.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import types
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -89,12 +91,19 @@ class Built:
 
 
 class TorchRunner:
-    """Builds and runs registered torch implementations on one device; NumPy in, NumPy out."""
+    """Builds and runs registered torch implementations on one device; NumPy in, NumPy out.
+
+    It reads the kernel a call ran by the profiler around that call (`observe`, `parity.kernel_ran`), checked
+    against the kernel the implementation asks for: `requested_kernel(impl)` (the harness passes
+    `parity.bench.torch_bench.kernel_label`); None: the reading alone."""
 
     framework = "torch"
+    ours = "torch"  # our implementation a torch peer is judged against
+    decode_how = "in one call"  # how our decoder's prompt runs (the decode rows say it)
 
-    def __init__(self, device: str):
+    def __init__(self, device: str, requested_kernel=None):
         self.device = torch.device(device)
+        self.requested_kernel = requested_kernel
 
     def t(self, a):
         return None if a is None else convert.numpy_to_tensor(np.asarray(a), self.device)
@@ -158,6 +167,44 @@ class TorchRunner:
     def forward(self, b: Built, query, key, value, keep):
         out, w, _ = self._run(b, query, key, value, keep, None)
         return out, w
+
+    @contextlib.contextmanager
+    def observe(self, impl: Implementation, expected: bool = True):
+        """`with runner.observe(impl) as seen: call()`; then `seen.kernel`: (kernel, note), the profiler's reading
+        of what the calls in the block ran, checked against the kernel `impl` asks for where `expected` (by
+        `requested_kernel`; else the reading alone)."""
+        from parity import kernel_ran
+
+        reading = types.SimpleNamespace(kernel=("", ""))
+        with kernel_ran.torch_observer() as seen:
+            yield reading
+        requested = self.requested_kernel(impl) if expected and self.requested_kernel is not None else None
+        reading.kernel = kernel_ran.torch_verdict(requested, seen.label)
+
+    def forward_reading_kernel(self, b: Built, query, key, value, keep):
+        """((output, weights), (kernel, note)): `forward`, with the kernel it ran read by the profiler around it."""
+        with self.observe(b.impl) as seen:
+            result = self.forward(b, query, key, value, keep)
+        return result, seen.kernel
+
+    def replays_jit(self, impl: Implementation) -> bool:
+        """Whether `impl` is our jitted program run op by op (JAX's eager one): torch has none."""
+        return False
+
+    def joins(self, impl: Implementation) -> bool:
+        """Whether `prefetch` computes `impl` with others in one program: torch runs each call on its own."""
+        return False
+
+    def prefetch(self, builts, query, key, value, keep, cotangent) -> None:
+        """Nothing: each torch call runs eagerly when asked (see JaxRunner.prefetch)."""
+
+    def decode_call_kernel(self, impl: Implementation, dec, cache, x):
+        """None: a torch decode call's kernel is read around the call (`observe`)."""
+        return None
+
+    def decoder_kernel(self, b: Built, x, observed: tuple[str, str]) -> tuple[str, str]:
+        """The kernel of a decoder's run (decode=True): the profiler's reading around it (`observed`)."""
+        return observed
 
     def vjp(self, b: Built, query, key, value, keep, cotangent):
         """(output, weights, gradients) of ONE call: the output the gradients were taken from, and the

@@ -1,6 +1,6 @@
 """What several peers share: the optional-package skip, dtypes and casts, the classic-layer refusal,
-the q/k/v projections of the peers that compute them around a library's attention core (`jax_project`,
-`torch_project`), flax's per-head weight layout (Keras's MultiHeadAttention stores it too), and the wrappers that
+the q/k/v and output projections of the peers that compute them around a library's attention core
+(`jax_project`, `torch_project`, `jax_out`, `torch_out`), flax's per-head weight layout (Keras's MultiHeadAttention stores it too), and the wrappers that
 plug canonical parameters into a flax module (`linear_leaves`, `merged`: our JAX module is an nnx
 module too, so parity.impls.jax_impls uses them as well).
 
@@ -95,6 +95,24 @@ def torch_project(x, params, name: str, heads: int, head_dim: int):
     return y.view(x.shape[0], x.shape[1], heads, head_dim).transpose(1, 2)
 
 
+def jax_out(ctx, params):
+    """The context (B, L, N, H) or (B, L, N·H) through out_proj: (B, L, E); the bias when the layer has one.
+    The one output projection of the peers that compute their projections around a library's core."""
+    import jax.numpy as jnp
+
+    ctx = ctx.reshape(ctx.shape[0], ctx.shape[1], -1)  # (B, L, N·H)
+    out = jnp.einsum("BLF,EF->BLE", ctx, params["out_proj.weight"])
+    return out + params["out_proj.bias"] if "out_proj.bias" in params else out
+
+
+def torch_out(ctx, params):
+    """`jax_out` in torch, from the heads-first context (B, N, L, H) that F.scaled_dot_product_attention returns."""
+    import torch.nn.functional as F
+
+    B, _, L, _ = ctx.shape
+    return F.linear(ctx.transpose(1, 2).reshape(B, L, -1), params["out_proj.weight"], params.get("out_proj.bias"))
+
+
 # ---------------------------------------------------------------- flax's per-head layout
 
 # Our projection name -> the flax (linen and nnx) MultiHeadAttention submodule name.
@@ -176,7 +194,8 @@ def linear_leaves(params, p: str, kernel_shape=None) -> dict:
 
 
 def merged(graphdef, state, layers: dict):
-    """The flax.nnx module with `layers` ({submodule: {"kernel", "bias"}}) as its parameters, traceable.
+    """The flax.nnx module with `layers` ({submodule: {"kernel", "bias", ...}} or {parameter: array}) as its
+    parameters, traceable.
 
     Works on copies: Variables created outside a jax transformation cannot be mutated inside it.
     """
@@ -185,7 +204,10 @@ def merged(graphdef, state, layers: dict):
 
     pure = jax.tree.map(lambda a: a, nnx.to_pure_dict(state))
     for name, leaves in layers.items():
-        pure[name].update(leaves)
+        if isinstance(leaves, dict):
+            pure[name].update(leaves)
+        else:  # a parameter of the module itself (our sinks)
+            pure[name] = leaves
     fresh = jax.tree.map(lambda a: a, state)
     nnx.replace_by_pure_dict(fresh, pure)
     return nnx.merge(graphdef, fresh)

@@ -9,6 +9,9 @@
                sliding window from config.sliding_window (create_sliding_window_causal_mask, with
                generate's 2D attention mask), packed documents from position_ids alone (HF's packing:
                no attention_mask, documents where the positions restart)
+    hf-qwen3, hf-gemma2, hf-gemma3, hf-olmo2, hf-gpt-oss
+               each family's own attention module (eager) with its rotary embedding, on the layers
+               with its feature (QK-norm per head or flat, soft-cap, sinks): self-attention, as hf-llama
 
     to_hf_cache / from_hf_cache     mha_torch.kv_cache.KVCache <-> a one-layer DynamicCache
     hf_attention_mask               the (B, L) 0/1 mask HF keeps beside it (its padding: HF has no
@@ -55,7 +58,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from mha_spec import VARIANT_FEATURES
+from mha_spec import LLAMA_FEATURES
 from parity.canonical import check_state_dict, numpy_to_tensor, tensor_to_numpy, torch_dtype_of
 from parity.implementation import Implementation
 from parity.layouts import from_layout, to_layout
@@ -743,6 +746,168 @@ def hf_llama_decode(sd, num_heads, *, dtype, device, problem):
 
 # ---------------------------------------------------------------- declarations
 
+# ---------------------------------------------------------------- the layers after Llama: each family's own module
+
+
+# peer -> (transformers config class, modeling module, attention class, rotary class, the features it runs,
+# those its layer always has). Each runs its family's attention module as transformers ships it, on our weights.
+_FAMILY_MODULES = {
+    "hf-qwen3": ("Qwen3Config", "qwen3", "Qwen3Attention", "Qwen3RotaryEmbedding",
+                 ("grouped", "no-qkv-bias", "no-out-bias", "head-dim"), ("rope-half", "qk-norm-head")),
+    "hf-gemma2": ("Gemma2Config", "gemma2", "Gemma2Attention", "Gemma2RotaryEmbedding",
+                  ("grouped", "no-qkv-bias", "no-out-bias", "head-dim", "scale"), ("rope-half", "softcap")),
+    # transformers' Gemma3Attention stores attn_logit_softcapping but never applies it (5.x): no softcap here.
+    "hf-gemma3": ("Gemma3TextConfig", "gemma3", "Gemma3Attention", "Gemma3RotaryEmbedding",
+                  ("grouped", "no-qkv-bias", "no-out-bias", "head-dim", "scale"), ("rope-half", "qk-norm-head")),
+    "hf-olmo2": ("Olmo2Config", "olmo2", "Olmo2Attention", "Olmo2RotaryEmbedding",
+                 ("grouped", "no-qkv-bias", "no-out-bias", "head-dim"), ("rope-half", "qk-norm-flat")),
+    "hf-gpt-oss": ("GptOssConfig", "gpt_oss", "GptOssAttention", "GptOssRotaryEmbedding",
+                   ("grouped", "no-qkv-bias", "no-out-bias", "head-dim"), ("rope-half", "sinks")),
+}
+_NORM_OFFSET = {"hf-qwen3": 0.0, "hf-gemma3": 1.0, "hf-olmo2": 0.0}  # the offset each module's RMSNorm adds to w
+# Where a peer runs only cases without a fully masked row (none at present: a soft-capped layer's fully
+# masked row, whose gradient flows through the cap at the key's own score, is the oracle's too).
+_NO_EMPTY_ROWS: dict[str, tuple[str, ...]] = {}
+
+
+def _family_config(name: str, config):
+    """The one-layer transformers config of peer `name`'s family for an mha_spec.AttentionConfig (eager, full
+    attention, the default RoPE at config.rope_theta, every bias when the layer has any)."""
+    import transformers
+
+    cls = _FAMILY_MODULES[name][0]
+    rope = {"rope_type": "default", "rope_theta": float(config.rope_theta)}
+    kw = dict(hidden_size=config.embed_dim, num_attention_heads=config.num_heads, num_key_value_heads=config.kv_heads,
+              head_dim=config.head_size, attention_bias=config.qkv_bias or config.out_bias, num_hidden_layers=1,
+              intermediate_size=2 * config.embed_dim, vocab_size=SMALL_VOCAB, max_position_embeddings=_LLAMA_HEADROOM,
+              attention_dropout=0.0, attn_implementation="eager", rope_parameters=rope)
+    if name != "hf-olmo2":
+        kw["layer_types"] = ["full_attention"]
+    if config.qk_norm is not None:
+        kw["rms_norm_eps"] = config.qk_norm_eps
+    if name in ("hf-gemma2", "hf-gemma3"):  # transformers scales by query_pre_attn_scalar**-0.5, an int field
+        kw.update(query_pre_attn_scalar=max(1, round(config.softmax_scale ** -2)), attn_logit_softcapping=config.softcap)
+    if name == "hf-gemma3":
+        kw["rope_parameters"] = {"full_attention": rope}
+    if name == "hf-gpt-oss":
+        kw.update(num_local_experts=2, num_experts_per_tok=1)
+    return getattr(transformers, cls)(**kw)
+
+
+def _family_parts(name: str, sd, config, dtype):
+    """(the family's attention module holding sd, its rotary embedding, the canonical names sd has).
+
+    An absent bias is a zero bias of the module with attention_bias=True (exactly no bias; its gradient is
+    not reported). A QK-norm weight w of the layer's offset o goes in as o + w - (the module's own offset),
+    the same norm weight (offset + w) in the module's spelling; its gradient is the same.
+    """
+    import importlib
+
+    _, module, attention, rotary = _FAMILY_MODULES[name][:4]
+    modeling = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
+    dt = np_dtype(dtype)
+    sd = {k: np.asarray(v).astype(dt) for k, v in sd.items()}
+    names = tuple(sorted(sd))
+    if any(k.endswith(".bias") for k in sd):
+        every = dataclasses.replace(config, qkv_bias=True, out_bias=True).weight_shapes()
+        sd = {**{k: np.zeros(s, dt) for k, s in every.items() if k.endswith(".bias")}, **sd}
+    shift = config.qk_norm_offset - _NORM_OFFSET.get(name, 0.0) if config.qk_norm else 0.0
+    if shift:
+        sd.update({k: (sd[k].astype(np.float64) + shift).astype(dt) for k in ("q_norm.weight", "k_norm.weight")})
+    hf = _family_config(name, config)
+    att = getattr(modeling, attention)(hf, layer_idx=0).to(torch_dtype_of(dt)).eval()
+    if hasattr(hf, "query_pre_attn_scalar"):  # a scale whose inverse square is no integer: the module's own field
+        att.scaling = config.softmax_scale
+    att.load_state_dict({k: numpy_to_tensor(v) for k, v in to_layout(sd, "hf-llama").items()}, strict=True)
+    return att, getattr(modeling, rotary)(hf), names
+
+
+def _family_call(name, att, rotary, keep, position_ids, dtype):
+    """call(x) -> the family's attention of x with its rotary cos/sin and our keep-mask as its additive mask."""
+    dt = np_dtype(dtype)
+    mask = None if keep is None else numpy_to_tensor(additive_mask(np.asarray(keep, bool), dt))
+
+    def call(x):
+        emb = rotary(x, position_ids, "full_attention") if name == "hf-gemma3" else rotary(x, position_ids)
+        out = att(x, position_embeddings=emb, attention_mask=mask)[0]
+        return out
+
+    return call
+
+
+def _family_peer(name: str, sd, num_heads, *, dtype, device, problem):
+    """fn(query, key, value, keep, positions=, key_positions=) running peer `name`'s module, with fn.vjp."""
+    require("transformers")
+    config = problem.config
+    if config.num_heads != num_heads:
+        raise ValueError(f"{name}: num_heads={num_heads} but the problem's config has {config.num_heads}")
+
+    def fn(query, key, value, keep, *, positions=None, key_positions=None):
+        import torch
+
+        q, k, v = (tensor_to_numpy(x) for x in (query, key, value))
+        _self_attention(q, k, v, name)
+        keep = None if keep is None else tensor_to_numpy(keep)
+        ids = _llama_position_ids(positions, key_positions, *q.shape[:2])
+        att, rotary, _ = _family_parts(name, sd, config, dtype)
+        with torch.no_grad():
+            out = _family_call(name, att, rotary, keep, ids, dtype)(_torch_inputs(q, np_dtype(dtype)))
+        return numpy_to_tensor(tensor_to_numpy(out), device)
+
+    def vjp(query, keep, cotangent, *, positions=None, key_positions=None):
+        """NumPy in and out: {"input": d x, canonical weight name: gradient} of sum(output * cotangent)."""
+        import torch
+
+        dt = np_dtype(dtype)
+        query = np.asarray(query)
+        att, rotary, names = _family_parts(name, sd, config, dtype)
+        ids = _llama_position_ids(positions, key_positions, *query.shape[:2])
+        call = _family_call(name, att, rotary, None if keep is None else np.asarray(keep), ids, dtype)
+        x = _torch_inputs(query, dt).requires_grad_(True)
+        with torch.enable_grad():
+            (call(x) * _torch_inputs(cotangent, dt)).sum().backward()
+        grads = from_layout({n: tensor_to_numpy(p.grad) for n, p in att.named_parameters()}, "hf-llama",
+                            qk_norm=config.qk_norm, sinks=config.sinks)
+        return {"input": tensor_to_numpy(x.grad), **{n: grads[n] for n in names}}
+
+    fn.vjp = vjp
+    return fn
+
+
+def hf_qwen3(sd, num_heads, *, dtype, device, problem):
+    """transformers Qwen3Attention (eager): QK-norm per head (w, offset 0)."""
+    return _family_peer("hf-qwen3", sd, num_heads, dtype=dtype, device=device, problem=problem)
+
+
+def hf_gemma2(sd, num_heads, *, dtype, device, problem):
+    """transformers Gemma2Attention (eager): query_pre_attn_scalar's scale, soft-capped logits."""
+    return _family_peer("hf-gemma2", sd, num_heads, dtype=dtype, device=device, problem=problem)
+
+
+def hf_gemma3(sd, num_heads, *, dtype, device, problem):
+    """transformers Gemma3Attention (eager): QK-norm per head (1 + w), scale."""
+    return _family_peer("hf-gemma3", sd, num_heads, dtype=dtype, device=device, problem=problem)
+
+
+def hf_olmo2(sd, num_heads, *, dtype, device, problem):
+    """transformers Olmo2Attention (eager): QK-norm over the whole q and k projections."""
+    return _family_peer("hf-olmo2", sd, num_heads, dtype=dtype, device=device, problem=problem)
+
+
+def hf_gpt_oss(sd, num_heads, *, dtype, device, problem):
+    """transformers GptOssAttention (eager): a learned sink logit per head."""
+    return _family_peer("hf-gpt-oss", sd, num_heads, dtype=dtype, device=device, problem=problem)
+
+
+def _family_implementation(name: str, factory: str, doc: str) -> Implementation:
+    variants, requires = _FAMILY_MODULES[name][4:]
+    return Implementation(name, "torch", f"{__name__}:{factory}", masked_rows="uniform", mask_shape="BTS",
+                          uses_params=False, computes_in="float32", role="peer", bench=False, masked_row_grads="flow",
+                          variants=variants, requires=requires, classic=False,
+                          runs_on=_NO_EMPTY_ROWS.get(name, ("self/none/*", "self/causal/*", "self/*/float32",
+                                                            "self/*/bfloat16")), doc=doc)
+
+
 # The float16 units without a fully masked row, where an additive finfo(float16).min mask is exact.
 NO_EMPTY_ROWS_FLOAT16 = ("self/none/float16", "self/causal/float16")
 
@@ -759,7 +924,7 @@ IMPLEMENTATIONS = (
                    "a query with only padding is uniform over all keys"),
     # float64 and float16 only where no row is fully masked (none, causal self-attention): see the module docstring.
     Implementation("hf-llama", "torch", f"{__name__}:hf_llama", masked_rows="uniform", mask_shape="BTS", uses_params=False,
-                   computes_in="float32", role="peer", bench=False, masked_row_grads="flow", variants=VARIANT_FEATURES,
+                   computes_in="float32", role="peer", bench=False, masked_row_grads="flow", variants=LLAMA_FEATURES,
                    runs_on=("self/none/*", "self/causal/*", "self/*/float32", "self/*/bfloat16"),
                    doc="transformers LlamaAttention (eager) with LlamaRotaryEmbedding, position_ids = the positions; "
                    "additive mask 0 / finfo.min, so empty rows are uniform and their gradient flows; cos/sin and softmax "
@@ -777,9 +942,22 @@ IMPLEMENTATIONS = (
     # A decoder's only fully masked rows are its left-padding tokens, whose outputs are not judged: it runs
     # in every dtype (in float64 such a row is NaN, finfo(float64).min being -inf in the float32 softmax).
     Implementation("hf-llama-decode", "torch", f"{__name__}:hf_llama_decode", decode=True, masked_rows="uniform",
-                   computes_in="float32", role="peer", bench=False, masked_row_grads="flow", variants=VARIANT_FEATURES,
+                   computes_in="float32", role="peer", bench=False, masked_row_grads="flow", variants=LLAMA_FEATURES,
                    runs_on=("self/*/*",),
                    doc="transformers LlamaAttention (eager) decoding one token per call with a DynamicCache "
                    "(past_key_values), generate's 2D attention mask (left padding 0) turned into the additive mask "
                    "over the cache by create_causal_mask, position_ids = the positions; cos/sin and softmax in float32"),
+    # The layers after Llama, each run by its family's own module (self-attention, one position list, additive
+    # finfo.min mask: where hf-llama runs). cos/sin in float32 (and the QK-norm, and all but GPT-OSS's softmax).
+    _family_implementation("hf-qwen3", "hf_qwen3", "transformers Qwen3Attention (eager), QK-norm per head; "
+                           "cos/sin, norm and softmax in float32"),
+    _family_implementation("hf-gemma2", "hf_gemma2", "transformers Gemma2Attention (eager), query_pre_attn_scalar's "
+                           "scale and attn_logit_softcapping; cos/sin and softmax in float32; a fully masked row's "
+                           "gradient flows through the cap (finfo.min added after it)"),
+    _family_implementation("hf-gemma3", "hf_gemma3", "transformers Gemma3Attention (eager), QK-norm per head "
+                           "(1 + w; a layer's other offset goes in as its w), scale; float32 inside"),
+    _family_implementation("hf-olmo2", "hf_olmo2", "transformers Olmo2Attention (eager), QK-norm over the whole "
+                           "q and k projections; cos/sin, norm and softmax in float32"),
+    _family_implementation("hf-gpt-oss", "hf_gpt_oss", "transformers GptOssAttention (eager), a sink logit per "
+                           "head in the softmax (in the model's dtype); cos/sin in float32"),
 )

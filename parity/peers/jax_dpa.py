@@ -26,7 +26,7 @@ import math
 
 import numpy as np
 
-from mha_spec import VARIANT_FEATURES
+from mha_spec import LLAMA_FEATURES, Structure
 from parity.implementation import Implementation
 from parity.peers.common import FRAMEWORK_PEER_CASES, jax_project
 
@@ -136,22 +136,21 @@ def dpa_masks(sd, num_heads, *, dtype, device, problem):
     def fn(params, query, key, value, padding, *, positions=None, key_positions=None, is_causal=False, window=None,
            segment_ids=None, key_segment_ids=None, alignment="top-left"):
         B, T, _ = query.shape
-        S = key.shape[1]
-        if alignment == "bottom-right" and T != S:
+        st = Structure.of(T, key.shape[1], is_causal=is_causal, window=window, segment_ids=segment_ids,
+                          key_segment_ids=key_segment_ids, alignment=alignment)
+        if st.offset != 0:
             raise ValueError(f"jax.nn.dot_product_attention aligns is_causal and local_window_size top-left (query t "
-                             f"at key t): alignment='bottom-right' with T={T} != S={S} cannot be expressed")
+                             f"at key t): alignment='bottom-right' with T={T} != S={st.S} cannot be expressed")
         q = jax_project(query, params, "q_proj", N, H)  # (B, T, N, H)
         k, v = jax_project(key, params, "k_proj", K, H), jax_project(value, params, "v_proj", K, H)  # (B, S, K, H)
         if cfg.rope is not None:
             q, k = rope(q, positions, cfg.rope_theta, cfg.rope), rope(k, key_positions, cfg.rope_theta, cfg.rope)
-        kw = {"is_causal": bool(is_causal)}
-        if window is not None:
-            left, right = (window, window) if isinstance(window, int) else window
-            kw["local_window_size"] = (S if left is None else int(left), S if right is None else int(right))
+        kw = {"is_causal": st.is_causal}
+        if st.window is not None:  # an unbounded side reaches every key
+            kw["local_window_size"] = tuple(st.S if w is None else w for w in st.window)
         mask, ok = None, True
-        if segment_ids is not None:
-            k_seg = segment_ids if key_segment_ids is None else key_segment_ids
-            mask = segment_ids[:, None, :, None] == k_seg[:, None, None, :]  # (B, 1, T, S)
+        if st.segment_ids is not None:
+            mask = st.segment_ids[:, None, :, None] == st.key_segment_ids[:, None, None, :]  # (B, 1, T, S)
         if padding is not None:
             lengths, ok = key_lengths(padding)
             if not isinstance(ok, jax.core.Tracer) and not bool(ok):
@@ -180,7 +179,7 @@ IMPLEMENTATIONS = (
     Implementation("jax-dpa-gqa", "jax", f"{__name__}:dpa_gqa", "jit", False, masked_rows="uniform",
                    computes_in="float32", role="peer", bench=True, materializes=True,
                    runs_on=("cross/*/float64", "cross/*/float32", "self/padding/float64", "self/padding/float32"),
-                   variants=VARIANT_FEATURES,
+                   variants=LLAMA_FEATURES,
                    doc="our projections around jax.nn.dot_product_attention with K key/value heads, RoPE as complex "
                    "pairs; mask True = attend; empty rows uniform; softmax in float32 (also for float64 inputs)"),
     # Self-attention only: its is_causal and local_window_size are top-left aligned (see dpa_masks). float32
@@ -188,7 +187,7 @@ IMPLEMENTATIONS = (
     Implementation("jax-dpa-masks", "jax", f"{__name__}:dpa_masks", "jit", False, masked_rows="uniform",
                    computes_in="float32", role="peer", bench=False, materializes=True, structured=True,
                    runs_on=("self/packed/float32", "self/window/float32"),
-                   variants=VARIANT_FEATURES,
+                   variants=LLAMA_FEATURES,
                    doc="jax-dpa-gqa with the structured masks as jax.nn.dot_product_attention's arguments: is_causal, "
                    "local_window_size=(left, right), key_value_seq_lengths for the padding, documents as a bool mask; "
                    "empty rows uniform; softmax in float32"),

@@ -81,9 +81,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mha_spec import VARIANT_FEATURES
+from mha_spec import LLAMA_FEATURES
 from parity.implementation import Implementation
-from parity.peers.common import MissingPackage, jax_project
+from parity.peers.common import MissingPackage, jax_out, jax_project
 from parity.peers.jax_dpa import rope
 
 # What no other file of parity/ uses (tests/test_house.py): the Pallas package and its kernels.
@@ -289,14 +289,6 @@ def tpu_flash_core(q, k, v, *, causal: bool, segment_ids, sm_scale: float, inter
 # ---------------------------------------------------------------- factories (parity.impls.registry's contract)
 
 
-def _out(params, ctx):
-    """context (B, L, N*H) -> output (B, L, E)."""
-    import jax.numpy as jnp
-
-    out = jnp.einsum("BLF,EF->BLE", ctx, params["out_proj.weight"])
-    return out + params["out_proj.bias"] if "out_proj.bias" in params else out
-
-
 def _flash_peer(name: str, core, num_heads: int, device, problem):
     import jax.numpy as jnp
 
@@ -317,7 +309,7 @@ def _flash_peer(name: str, core, num_heads: int, device, problem):
         if K != N:  # query head h reads key/value head h // (N / K)
             k, v = jnp.repeat(k, N // K, axis=2), jnp.repeat(v, N // K, axis=2)
         ctx = core(q, k, v, causal=causal, segment_ids=seg, sm_scale=1.0 / math.sqrt(H), interpret=interpret)
-        return _out(params, ctx.reshape(B, T, N * H))
+        return jax_out(ctx.reshape(B, T, N * H), params)
 
     return fn
 
@@ -390,7 +382,7 @@ def decode_step(params, x_t, cache: DecodeCache | None, position, *, config, int
         ctx = decode_attention.gqa(jnp.pad(q[:, 0], widen), k_all, v_all, start_idx=jnp.asarray(first),
                                    kv_seq_len=jnp.full((B,), length + 1, jnp.int32), sm_scale=1.0 / math.sqrt(H),
                                    block_h=GPU_BLOCK, block_k=GPU_BLOCK, k_splits=1, interpret=interpret)  # (B, N, Hp)
-    out = _out(params, ctx[:, :, :H].reshape(B, 1, N * H))
+    out = jax_out(ctx[:, :, :H].reshape(B, 1, N * H), params)
     return out, DecodeCache(k_all, v_all, length + 1, start)
 
 
@@ -417,15 +409,15 @@ _WHERE = "on CPU in Pallas interpret mode (interpret), natively on its own accel
 
 IMPLEMENTATIONS = (
     Implementation("pallas-gpu-flash", "jax", f"{__name__}:gpu_flash", "eager", False, masked_rows="uniform",
-                   role="peer", bench=False, materializes=False, dtypes=_ONLY, runs_on=_PACKED, variants=VARIANT_FEATURES,
+                   role="peer", bench=False, materializes=False, dtypes=_ONLY, runs_on=_PACKED, variants=LLAMA_FEATURES,
                    doc=f"Pallas GPU flash attention (Triton mha, its own backward) {_WHERE}; causal and segment-id "
                    "masks only (others: skip), T padded to blocks of 16, K heads repeated to N"),
     Implementation("pallas-tpu-flash", "jax", f"{__name__}:tpu_flash", "eager", False, masked_rows="uniform",
-                   role="peer", bench=False, materializes=False, dtypes=_ONLY, runs_on=_PACKED, variants=VARIANT_FEATURES,
+                   role="peer", bench=False, materializes=False, dtypes=_ONLY, runs_on=_PACKED, variants=LLAMA_FEATURES,
                    doc=f"Pallas TPU flash attention (Mosaic flash_attention, its own backward) {_WHERE}; causal and "
                    "segment-id masks only (others: skip), T padded to blocks of 128, K heads repeated to N"),
     Implementation("pallas-gpu-decode", "jax", f"{__name__}:gpu_decode", "eager", False, masked_rows="zero",
-                   role="peer", bench=False, materializes=False, dtypes=_ONLY, variants=VARIANT_FEATURES, decode=True,
+                   role="peer", bench=False, materializes=False, dtypes=_ONLY, variants=LLAMA_FEATURES, decode=True,
                    doc=f"Pallas GPU decode attention (gqa: K heads native) {_WHERE}; one query a call over a cache "
                    "growing in slots of 16, the left padding as start_idx"),
 )

@@ -23,9 +23,9 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from mha_spec import VARIANT_FEATURES
+from mha_spec import LLAMA_FEATURES
 from parity.implementation import Implementation
-from parity.peers.common import FRAMEWORK_PEER_CASES, torch_project
+from parity.peers.common import FRAMEWORK_PEER_CASES, torch_out, torch_project
 
 if TYPE_CHECKING:
     import torch
@@ -46,7 +46,7 @@ def sdpa_core(sd, num_heads, *, dtype, device):
         q, k, v = (torch_project(x, params, p, N, H) for x, p in ((query, "q_proj"), (key, "k_proj"), (value, "v_proj")))
         ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, is_causal=is_causal,
                                              scale=1.0 / math.sqrt(H))  # (B, N, T, H)
-        return F.linear(ctx.transpose(1, 2).reshape(B, T, E), params["out_proj.weight"], params["out_proj.bias"])
+        return torch_out(ctx, params)
 
     return fn
 
@@ -114,8 +114,7 @@ def sdpa_gqa(sd, num_heads, *, dtype, device, problem):
             k = apply_rope(k, *rope_cos_sin(key_positions, S, H, cfg.rope_theta, k.dtype, k.device), rope)
         ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, is_causal=is_causal, scale=1.0 / math.sqrt(H),
                                              enable_gqa=K != N)  # (B, N, T, H)
-        return F.linear(ctx.transpose(1, 2).reshape(B, T, N * H), params["out_proj.weight"],
-                        params.get("out_proj.bias"))
+        return torch_out(ctx, params)
 
     return fn
 
@@ -129,7 +128,7 @@ IMPLEMENTATIONS = (
                    "fully masked rows give 0"),
     # float64/float32: 16-bit adds compiles and transformers calls to the default run and proves no more.
     Implementation("torch-sdpa-gqa", "torch", f"{__name__}:sdpa_gqa", masked_rows="zero", role="peer",
-                   bench=True, runs_on=("*/*/float64", "*/*/float32"), variants=VARIANT_FEATURES, takes_is_causal=True,
+                   bench=True, runs_on=("*/*/float64", "*/*/float32"), variants=LLAMA_FEATURES, takes_is_causal=True,
                    doc="our projections around F.scaled_dot_product_attention(enable_gqa=True) on the K key/value "
                    "heads, RoPE by its own rotate_half/rotate_every_two; bool mask True = attend; empty rows give 0"),
 )

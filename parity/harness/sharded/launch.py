@@ -49,23 +49,30 @@ def _torch_commands(spec_path, out_path, devices: int):
     return [(argv, worker_env(RANK=r, LOCAL_RANK=r, WORLD_SIZE=devices, MASTER_ADDR="127.0.0.1", MASTER_PORT=port)) for r in range(devices)]
 
 
+def _jax_launch(devices: int, processes: int | None):
+    """JAX: `processes` processes (default 1) sharing the simulated devices."""
+    return lambda spec_path, out_path: _jax_commands(spec_path, out_path, devices, processes or 1)
+
+
+def _torch_launch(devices: int, processes: int | None):
+    """torch: one process per device."""
+    if processes not in (None, devices):
+        raise ValueError(f"torch runs one process per device: processes={processes}, devices={devices}")
+    return lambda spec_path, out_path: _torch_commands(spec_path, out_path, devices)
+
+
+LAUNCHES = {"jax": _jax_launch, "torch": _torch_launch}  # framework -> (devices, processes) -> commands
+
+
 def start(framework: str, runs, *, devices: int, processes: int | None = None) -> CheckGroup:
     """Start a worker group on `runs`; collect its rows with `finish([group, ...])`.
 
     runs: [{"jobs": [Job, ...], "plant": None | name}, ...]. JAX: `processes` processes
     (default 1) sharing `devices` simulated devices; torch: one process per device.
     """
-    if framework == "jax":
-        def commands(spec_path, out_path):
-            return _jax_commands(spec_path, out_path, devices, processes or 1)
-    elif framework == "torch":
-        if processes not in (None, devices):
-            raise ValueError(f"torch runs one process per device: processes={processes}, devices={devices}")
-
-        def commands(spec_path, out_path):
-            return _torch_commands(spec_path, out_path, devices)
-    else:
+    if framework not in LAUNCHES:
         raise ValueError(f"unknown framework {framework!r}; known: {FRAMEWORKS}")
+    commands = LAUNCHES[framework](devices, processes)
     spec = {"runs": [{"jobs": [j.to_dict() for j in run["jobs"]], "plant": run.get("plant")} for run in runs]}
     return CheckGroup(f"sharded-{framework}-", spec, commands, "rows.jsonl", runs=runs, device=f"{devices}xcpu")
 
