@@ -32,6 +32,15 @@ def rotate_half(x):
     return torch.cat((-x2, x1), dim=-1)
 
 
+def rotary(position_ids, head_dim: int, theta: float, dtype):
+    """cos, sin (B, 1, L, H) for rotate-half, computed in float32 (as HF's rotary embedding), then cast to `dtype`."""
+    H = head_dim
+    inv_freq = 1.0 / (theta ** (torch.arange(0, H, 2, dtype=torch.float32) / H))
+    freqs = position_ids[:, :, None].float() * inv_freq.to(position_ids.device)  # (B, L, H/2)
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # (B, 1, L, H)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
 def repeat_kv(x, groups: int):
     """(B, K, L, H) -> (B, K·groups, L, H): query head h reads key/value head h // groups."""
     B, K, L, H = x.shape
@@ -50,12 +59,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(num_heads * self.head_dim, hidden_size, bias=False)
 
     def rotary(self, position_ids, dtype):
-        """cos, sin (B, 1, L, H), computed in float32 (as HF's rotary embedding), then cast to `dtype`."""
-        H = self.head_dim
-        inv_freq = 1.0 / (self.rope_theta ** (torch.arange(0, H, 2, dtype=torch.float32) / H))
-        freqs = position_ids[:, :, None].float() * inv_freq.to(position_ids.device)  # (B, L, H/2)
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # (B, 1, L, H)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        return rotary(position_ids, self.head_dim, self.rope_theta, dtype)
 
     def forward(self, hidden_states, attention_mask=None, position_ids=None):
         B, L, _ = hidden_states.shape

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from parity.examples.llama_torch import repeat_kv, rotate_half
+from parity.examples.llama_torch import repeat_kv, rotary, rotate_half
 from parity.impls import implementation
 
 # Qwen3's layer always has grouped heads, rotate-half RoPE, no biases and its QK-norm per head.
@@ -49,14 +49,6 @@ class Qwen3Attention(nn.Module):
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
         self.q_norm, self.k_norm = RMSNorm(head_dim, eps), RMSNorm(head_dim, eps)
 
-    def rotary(self, position_ids, dtype):
-        """cos, sin (B, 1, L, H), computed in float32 (as HF's rotary embedding), then cast to `dtype`."""
-        H = self.head_dim
-        inv_freq = 1.0 / (self.rope_theta ** (torch.arange(0, H, 2, dtype=torch.float32) / H))
-        freqs = position_ids[:, :, None].float() * inv_freq.to(position_ids.device)  # (B, L, H/2)
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # (B, 1, L, H)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
-
     def forward(self, hidden_states, attention_mask=None, position_ids=None):
         B, L, _ = hidden_states.shape
         N, K, H = self.num_heads, self.num_kv_heads, self.head_dim
@@ -65,7 +57,7 @@ class Qwen3Attention(nn.Module):
         v = self.v_proj(hidden_states).view(B, L, K, H).transpose(1, 2)  # (B, K, L, H)
         if position_ids is None:
             position_ids = torch.arange(L, device=hidden_states.device)[None].expand(B, L)
-        cos, sin = self.rotary(position_ids, q.dtype)
+        cos, sin = rotary(position_ids, H, self.rope_theta, q.dtype)
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
         k, v = repeat_kv(k, N // K), repeat_kv(v, N // K)  # (B, N, L, H)
         scores = q @ k.transpose(2, 3) * H ** -0.5  # (B, N, L, L)
