@@ -139,9 +139,11 @@ def test_decode_matches_oracle(need_weights, rng):
                             masked_rows="nan", **kw)
     m = convert.to_jax(sd, N, num_kv_heads=K, rope="interleaved", masked_rows="nan", **kw)
     cache, outs, at = m.init_cache(B, L, starts=jnp.asarray(starts)), [], 0
+    # under jit, as a decoding loop runs it: one program for the prompt, one for the steps
+    step = nnx.jit(lambda m, xs, cache: m(xs, xs, xs, need_weights=need_weights, cache=cache))
     for n in (3, 1, 1, 1):
         xs = jnp.asarray(x[:, at:at + n])
-        out, w, cache = m(xs, xs, xs, need_weights=need_weights, cache=cache)
+        out, w, cache = step(m, xs, cache)
         if need_weights:
             np.testing.assert_allclose(np.asarray(w), want.weights[len(outs)], rtol=0, atol=ATOL)
         outs.append(np.asarray(out))
