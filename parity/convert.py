@@ -110,6 +110,17 @@ def _refuse_tensor_fields(module_kwargs: dict, cfg) -> None:
                 raise ValueError(f"{field}={given!r} contradicts the state dict's tensors, which say {field}={said!r}")
 
 
+def _module_layer(sd, num_heads: int, num_kv_heads, module_kwargs: dict):
+    """(AttentionConfig, dtype, the module's layer keywords) of a canonical state dict for either module:
+    the fields the tensors cannot say are taken out of module_kwargs (`LAYER_FIELDS`), a head_dim= or
+    sinks= there must agree with the tensors (`_refuse_tensor_fields`)."""
+    layer = {f: module_kwargs.pop(f) for f in LAYER_FIELDS if f in module_kwargs}
+    cfg, dtype = check_variant_state_dict(sd, num_heads, num_kv_heads, **layer)
+    _refuse_tensor_fields(module_kwargs, cfg)
+    return cfg, dtype, dict(layer, num_kv_heads=num_kv_heads, head_dim=cfg.head_dim, qkv_bias=cfg.qkv_bias,
+                            out_bias=cfg.out_bias, sinks=cfg.sinks)
+
+
 def to_torch(sd, num_heads: int, *, num_kv_heads: int | None = None, **module_kwargs):
     """Canonical state dict -> mha_torch.MultiHeadAttention in the weights' dtype.
 
@@ -120,13 +131,9 @@ def to_torch(sd, num_heads: int, *, num_kv_heads: int | None = None, **module_kw
     """
     from mha_torch import MultiHeadAttention
 
-    layer = {f: module_kwargs.pop(f) for f in LAYER_FIELDS if f in module_kwargs}
-    cfg, dtype = check_variant_state_dict(sd, num_heads, num_kv_heads, **layer)
+    cfg, dtype, layer = _module_layer(sd, num_heads, num_kv_heads, module_kwargs)
     refuse_dtype_change(module_kwargs, "dtype", dtype, numpy_dtype_of_torch)
-    _refuse_tensor_fields(module_kwargs, cfg)
-    m = MultiHeadAttention(cfg.embed_dim, num_heads, num_kv_heads=num_kv_heads, head_dim=cfg.head_dim,
-                           qkv_bias=cfg.qkv_bias, out_bias=cfg.out_bias, sinks=cfg.sinks,
-                           dtype=torch_dtype_of(dtype), **layer, **module_kwargs)
+    m = MultiHeadAttention(cfg.embed_dim, num_heads, **layer, dtype=torch_dtype_of(dtype), **module_kwargs)
     device = m.q_proj.weight.device
     m.load_state_dict({name: numpy_to_tensor(sd[name], device) for name in cfg.weight_shapes()}, strict=True)
     return m
@@ -172,15 +179,11 @@ def to_jax(sd, num_heads: int, *, num_kv_heads: int | None = None, **module_kwar
 
     from mha_jax import MultiHeadAttention
 
-    layer = {f: module_kwargs.pop(f) for f in LAYER_FIELDS if f in module_kwargs}
-    cfg, dtype = check_variant_state_dict(sd, num_heads, num_kv_heads, **layer)
+    cfg, dtype, layer = _module_layer(sd, num_heads, num_kv_heads, module_kwargs)
     check_jax_dtype(dtype)
     refuse_dtype_change(module_kwargs, "param_dtype", dtype, np.dtype)
-    _refuse_tensor_fields(module_kwargs, cfg)
     rngs = module_kwargs.pop("rngs", None) or nnx.Rngs(0)
-    m = MultiHeadAttention(cfg.embed_dim, num_heads, rngs=rngs, num_kv_heads=num_kv_heads, head_dim=cfg.head_dim,
-                           qkv_bias=cfg.qkv_bias, out_bias=cfg.out_bias, sinks=cfg.sinks, param_dtype=dtype, **layer,
-                           **module_kwargs)
+    m = MultiHeadAttention(cfg.embed_dim, num_heads, rngs=rngs, **layer, param_dtype=dtype, **module_kwargs)
     for p in PROJECTIONS:
         proj = getattr(m, p)
         proj.kernel[...] = jnp.asarray(sd[f"{p}.weight"].T)  # (E_in, E_out)
