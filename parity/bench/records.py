@@ -195,7 +195,8 @@ class Row:
 
 
 def _json_name(f) -> str:
-    return f.metadata["json"] or f.name
+    """A field's JSON name: its own where it has one (`pass_` -> "pass"), else the field's."""
+    return f.metadata.get("json") or f.name
 
 
 def _names(**match) -> tuple[str, ...]:
@@ -406,7 +407,7 @@ class Verdict:
     faster >= 1, ci its interval (None: a single round). A file of schema mha-bench/2 has the first eight fields."""
 
     case: str
-    pass_: str
+    pass_: str = field(metadata={"json": "pass"})
     faster: str  # a `Key`
     slower: str
     ratio: float
@@ -422,7 +423,7 @@ class Verdict:
     @classmethod
     def of(cls, data: Mapping) -> Verdict:
         """A verdict from its JSON object, unchecked; absent later fields are None."""
-        values = {f.name: data.get("pass" if f.name == "pass_" else f.name) for f in fields(cls)}
+        values = {f.name: data.get(_json_name(f)) for f in fields(cls)}
         for name in ("ci", "interference"):
             if values[name] is not None:
                 values[name] = tuple(values[name])
@@ -436,7 +437,7 @@ class Verdict:
         return cls.of(data)
 
     def to_json(self) -> dict:
-        out = {("pass" if f.name == "pass_" else f.name): getattr(self, f.name) for f in fields(self)}
+        out = {_json_name(f): getattr(self, f.name) for f in fields(self)}
         for name in ("ci", "interference"):
             if out[name] is not None:
                 out[name] = list(out[name])
@@ -474,5 +475,5 @@ class Verdict:
 
 
 # The fields of a verdict, in this order in the JSON; a file of schema mha-bench/2 has the first eight.
-VERDICT_FIELDS = tuple("pass" if f.name == "pass_" else f.name for f in fields(Verdict))
+VERDICT_FIELDS = tuple(_json_name(f) for f in fields(Verdict))
 VERDICT_FIELDS_2 = VERDICT_FIELDS[:8]
