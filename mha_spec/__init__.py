@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mha_spec.kernel import Kernel  # the kernel label, shared by mha_jax and parity
+from mha_spec.rope import REFUSED_SCALINGS, ROPE_SCALINGS, RopeScaling, rope_frequencies  # RoPE as models ship it
 from mha_spec.structure import ALIGNMENTS, Structure, is_int, window_sides  # the mask structure
 
 # The vocabularies both modules and every tool share: one home each.
@@ -167,7 +168,8 @@ QK_NORMS = ("head", "flat")
 LLAMA_FEATURES = ("grouped", "rope-half", "rope-interleaved", "no-qkv-bias", "no-out-bias")
 """The features of the Llama-era layers (Llama, Mistral, Qwen2): `VARIANT_FEATURES`' first five."""
 
-VARIANT_FEATURES = (*LLAMA_FEATURES, "head-dim", "qk-norm-head", "qk-norm-flat", "scale", "softcap", "sinks")
+VARIANT_FEATURES = (*LLAMA_FEATURES, "head-dim", "qk-norm-head", "qk-norm-flat", "scale", "softcap", "sinks",
+                    "rope-partial", "rope-scaled")
 """What a layer may use beyond the classic module (`AttentionConfig.features`).
 
 grouped           fewer key/value heads than query heads (K < N; K = 1 is multi-query)
@@ -179,6 +181,8 @@ qk-norm-head      an RMSNorm of each head's q and k before RoPE (Qwen3, Gemma 3)
 scale             a softmax scale other than H**-0.5 (Gemma's query_pre_attn_scalar)
 softcap           the logits soft-capped, cap*tanh(s/cap) (Gemma 2)
 sinks             a learned sink logit per query head in the softmax (GPT-OSS)
+rope-partial      RoPE on the first rope_dim < H features of each head only (GPT-NeoX, Phi-3, GLM)
+rope-scaled       RoPE with scaled frequencies (`mha_spec.rope`: linear, llama3, yarn, longrope)
 An implementation declares the features it runs (`parity.impls.Implementation.variants`); a layer
 with a feature it does not declare is never run on it.
 """
@@ -206,6 +210,10 @@ class AttentionConfig:
     softcap       None, or cap: the scaled logits become cap * tanh(s / cap) before the mask (Gemma 2)
     sinks         a learned logit per query head in the softmax's denominator, its column dropped after
                   (GPT-OSS); a row that keeps no key then gives all its weight to the sink (zeros)
+    rope_dim      R: RoPE rotates the first R features of each head, the other H - R pass (None: R = H;
+                  even, 2 <= R <= H; partial_rotary_factor * H, GPT-NeoX's rotary_pct * H)
+    rope_scaling  None, or a `mha_spec.RopeScaling` (linear, llama3, yarn, longrope): the frequencies and
+                  the cos/sin factor as transformers' modeling_rope_utils defines them (`mha_spec.rope`)
 
     Weights: q_proj (N*H, E), k_proj and v_proj (K*H, E), out_proj (E, N*H); with qk_norm q_norm.weight
     (H,) | (N*H,) and k_norm.weight (H,) | (K*H,); with sinks, sinks (N,).
@@ -227,6 +235,8 @@ class AttentionConfig:
     scale: float | None = None
     softcap: float | None = None
     sinks: bool = False
+    rope_dim: int | None = None
+    rope_scaling: RopeScaling | None = None
 
     def __post_init__(self):
         E = _positive_int("embed_dim", self.embed_dim)
@@ -272,6 +282,43 @@ class AttentionConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if not isinstance(self.sinks, bool):
             raise TypeError(f"sinks must be a bool, got {self.sinks!r}")
+        self._check_rope()
+
+    def _check_rope(self) -> None:
+        """Partial rotary and the scaled frequencies: both need rope, and they must fit the head."""
+        R, scaling = self.rope_dim, self.rope_scaling
+        if R is not None:
+            if self.rope is None:
+                raise ValueError(f"rope_dim={R!r} is given with rope=None: it would be ignored")
+            if isinstance(R, bool) or not isinstance(R, int) or R < 2 or R % 2 or R > self.head_size:
+                raise ValueError(f"rope_dim must be an even int, 2 <= rope_dim <= head_dim={self.head_size}, got {R!r}")
+        if scaling is not None:
+            if not isinstance(scaling, RopeScaling):
+                raise TypeError(f"rope_scaling must be an mha_spec.RopeScaling (RopeScaling.parse('kind:key=value,...')), "
+                                f"got {type(scaling).__name__}")
+            if self.rope is None:
+                raise ValueError(f"rope_scaling={scaling} is given with rope=None: it would be ignored")
+            if scaling.short_factor is not None and len(scaling.short_factor) != self.rotary_dim // 2:
+                raise ValueError(f"rope_scaling longrope has {len(scaling.short_factor)} factors per list; the layer "
+                                 f"rotates rope_dim / 2 = {self.rotary_dim // 2} pairs")
+
+    @property
+    def rotary_dim(self) -> int:
+        """R, the features of each head RoPE rotates: rope_dim, default H (0 without RoPE)."""
+        if self.rope is None:
+            return 0
+        return self.rope_dim if self.rope_dim is not None else self.head_size
+
+    def rope_frequencies(self, long: bool = False) -> tuple[float, ...]:
+        """inv_freq (R/2 float64 numbers) for RoPE, scaled (`mha_spec.rope`); LongRoPE's long ones with long."""
+        if self.rope is None:
+            raise ValueError("rope_frequencies of a layer without RoPE (rope=None)")
+        return rope_frequencies(self.rotary_dim, self.rope_theta, self.rope_scaling, long)
+
+    @property
+    def rope_scale(self) -> float:
+        """What cos and sin are multiplied by: the scaling's attention factor (1 without one)."""
+        return 1.0 if self.rope_scaling is None else self.rope_scaling.scale
 
     @property
     def softmax_scale(self) -> float:
@@ -310,6 +357,10 @@ class AttentionConfig:
         found.update(name for name in ("scale", "softcap") if getattr(self, name) is not None)
         if self.sinks:
             found.add("sinks")
+        if self.rope is not None and self.rotary_dim != self.head_size:
+            found.add("rope-partial")
+        if self.rope_scaling is not None:
+            found.add("rope-scaled")
         return frozenset(found)
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
