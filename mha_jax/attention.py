@@ -20,7 +20,7 @@ from mha_jax.chunked import (accumulation_dtype, band_keep, chunked_attention, f
 from mha_jax import kernels, pallas
 from mha_jax.kv_cache import KVCache
 from mha_spec import (MASKED_ROWS_POLICIES, AttentionConfig, check_cache_shapes, check_mask_values, check_positions,
-                      check_qkv_shapes, mask_shape_4d, refuse_no_new_tokens, Stages, Structure)
+                      check_qkv_shapes, mask_shape_4d, refuse_no_new_tokens, RopeScaling, Stages, Structure)
 from mha_spec.structure import check_segment_shape
 
 # Stages (framework-free, in mha_spec) as a pytree, so return_intermediates works under jit.
@@ -332,42 +332,92 @@ def _lead(pos) -> int:
     return pos.shape[0] if pos.ndim == 2 else 1
 
 
-def rope_cos_sin(pos, length: int, head_dim: int, theta: float, acc):
-    """cos and sin of position · theta ** (-2i / H), (B|1, L, 1, H/2) in the accumulation dtype.
+def _positions_max(pos, length: int):
+    """The largest of (L,) | (B, L) positions (None: arange(L)) as a Python int, or a traced scalar;
+    None when there are none (L = 0 or B = 0)."""
+    if length == 0 or (pos is not None and pos.size == 0):
+        return None
+    if pos is None:
+        return length - 1
+    if isinstance(pos, jax.core.Tracer):
+        return jnp.max(pos)
+    return int(np.max(np.asarray(pos)))
 
-    The frequencies are float64 on the host, rounded once. The angles and their cos/sin are
-    float64 too where that exists: on the device with x64, on the host when the positions
-    are known (None means arange(L)); only traced positions without x64 take float32 angles
-    (an angle error up to |angle|·2⁻²⁴).
-    """
-    inv_freq = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)  # (H/2,)
+
+def rope_uses_long(config: AttentionConfig, *calls):
+    """LongRoPE's switch for one call (`mha_spec.RopeScaling.uses_long`): whether the largest position of
+    the call, over every (positions, length) pair in `calls` (positions (L,) | (B, L) or None for
+    arange(L)) and the whole batch, passes original_max_position_embeddings.
+
+    False when the layer's frequencies do not switch; a Python bool when every position is known
+    here, else a traced bool scalar (a select under jit, never a branch on data)."""
+    scaling = config.rope_scaling
+    if scaling is None or not scaling.switches:
+        return False
+    maxima = [m for m in (_positions_max(pos, length) for pos, length in calls) if m is not None]
+    if not maxima:  # no positions at all: nothing rotates, either table will do
+        return False
+    if all(isinstance(m, int) for m in maxima):
+        return scaling.uses_long(max(maxima))
+    top = jnp.max(jnp.stack([jnp.asarray(m) for m in maxima]))
+    return top + 1 > scaling.original_max_position_embeddings  # uses_long, traced
+
+
+def _angle_cos_sin(inv_freq: np.ndarray, scale: float, pos, length: int, acc):
+    """cos and sin of position · inv_freq times `scale`, (B|1, L, 1, R/2) in acc; float64 angles where
+    they exist (on the device with x64, on the host for known positions), else float32 ones."""
     if jax.config.jax_enable_x64:
         p = jnp.arange(length) if pos is None else jnp.asarray(pos)
         angles = p.astype(jnp.float64).reshape(_lead(p), length, 1, 1) * jnp.asarray(inv_freq)
-        return jnp.cos(angles).astype(acc), jnp.sin(angles).astype(acc)
+        return (jnp.cos(angles) * scale).astype(acc), (jnp.sin(angles) * scale).astype(acc)
     if pos is None or not isinstance(pos, jax.core.Tracer):
         p = np.arange(length) if pos is None else np.asarray(pos)
         angles = p.astype(np.float64).reshape(_lead(p), length, 1, 1) * inv_freq
-        return jnp.asarray(np.cos(angles), acc), jnp.asarray(np.sin(angles), acc)
+        return jnp.asarray(np.cos(angles) * scale, acc), jnp.asarray(np.sin(angles) * scale, acc)
     angles = pos.astype(jnp.float32).reshape(_lead(pos), length, 1, 1) * jnp.asarray(inv_freq, jnp.float32)
-    return jnp.cos(angles).astype(acc), jnp.sin(angles).astype(acc)
+    return (jnp.cos(angles) * np.float32(scale)).astype(acc), (jnp.sin(angles) * np.float32(scale)).astype(acc)
+
+
+def rope_cos_sin(config: AttentionConfig, pos, length: int, acc, long=False):
+    """RoPE's cos and sin for the layer `config` at positions (L,) | (B, L) (None: arange(L)):
+    (B|1, L, 1, R/2) in the accumulation dtype `acc`, R = `config.rotary_dim`.
+
+    The frequencies are `config.rope_frequencies(long)` (float64 on the host, never recomputed), cos
+    and sin are multiplied by `config.rope_scale`. The angles and their cos/sin are float64 where that
+    exists: on the device with x64, on the host when the positions are known; only traced positions
+    without x64 take float32 angles (an angle error up to |angle|·2⁻²⁴). `long` is LongRoPE's switch
+    (`rope_uses_long`): a Python bool picks one table; a traced bool selects between both.
+    """
+    scale = config.rope_scale
+
+    def table(use_long: bool):
+        return _angle_cos_sin(np.asarray(config.rope_frequencies(use_long), np.float64), scale, pos, length, acc)
+
+    if isinstance(long, (bool, np.bool_)):
+        return table(bool(long))
+    (cos_l, sin_l), (cos_s, sin_s) = table(True), table(False)
+    return jnp.where(long, cos_l, cos_s), jnp.where(long, sin_l, sin_s)
 
 
 def rotate(x, cos, sin, convention: str):
-    """RoPE: rotate each feature pair of x (B, L, n, H) by the angles whose cos/sin are given.
+    """RoPE: rotate the first R = 2·cos.shape[-1] features of each head of x (B, L, n, H) by the angles
+    whose cos/sin (B|1, L, 1, R/2) are given; features R..H-1 pass through unchanged.
 
-    "half" pairs feature i with i + H/2, "interleaved" 2i with 2i + 1. The rotation runs in
-    cos's dtype (the accumulation dtype); the result is in x's dtype.
+    Within the rotated part "half" pairs feature i with i + R/2, "interleaved" 2i with 2i + 1. The
+    rotation runs in cos's dtype (the accumulation dtype); the result is in x's dtype.
     """
-    H = x.shape[-1]
-    xa = x.astype(cos.dtype)
+    H, R = x.shape[-1], 2 * cos.shape[-1]
+    if R > H:
+        raise ValueError(f"RoPE tables for {R} features, the heads of x {tuple(x.shape)} have {H}")
+    xa = x[..., :R].astype(cos.dtype)  # (B, L, n, R)
     if convention == "half":
-        x1, x2 = xa[..., : H // 2], xa[..., H // 2:]
+        x1, x2 = xa[..., : R // 2], xa[..., R // 2:]
         out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     else:
         x1, x2 = xa[..., 0::2], xa[..., 1::2]
-        out = jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).reshape(x.shape)
-    return out.astype(x.dtype)
+        out = jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).reshape(xa.shape)
+    out = out.astype(x.dtype)
+    return out if R == H else jnp.concatenate([out, x[..., R:]], axis=-1)  # (B, L, n, H)
 
 
 def _integer_array(x, name: str):
@@ -496,7 +546,11 @@ class MultiHeadAttention(nnx.Module):
     projections E -> K·H and query head h reading key/value head h // (N/K); qkv_bias and
     out_bias; rope None | "half" | "interleaved" with rope_theta, rotating q and k after the
     head split at integer `positions` (T,) | (B, T) and `key_positions` (S,) | (B, S)
-    (default arange; positions without rope are a ValueError). The layers after Llama, as
+    (default arange; positions without rope are a ValueError); rope_dim R rotates the first R
+    features of each head only (None: all H), rope_scaling a `mha_spec.RopeScaling` (linear,
+    llama3, yarn, longrope: the frequencies and the cos/sin factor of `mha_spec.rope`; LongRoPE's
+    long factors when the call's largest position, over queries and keys or with a cache over the
+    new tokens, passes original_max_position_embeddings, `rope_uses_long`). The layers after Llama, as
     `mha_spec.AttentionConfig` defines them: head_dim H (None: E/N; q_proj E -> N·H, out_proj
     N·H -> E); qk_norm None | "head" | "flat" with qk_norm_eps and qk_norm_offset, an RMSNorm
     (`QKNorm`: attributes `q_norm`, `k_norm`, each with a `weight` initialised to 1 - offset) of
@@ -551,6 +605,8 @@ class MultiHeadAttention(nnx.Module):
         scale: float | None = None,
         softcap: float | None = None,
         sinks: bool = False,
+        rope_dim: int | None = None,
+        rope_scaling: RopeScaling | None = None,
         dtype=None,
         param_dtype=jnp.float32,
         precision=None,
@@ -558,7 +614,8 @@ class MultiHeadAttention(nnx.Module):
         self.config = AttentionConfig(embed_dim, num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                                       qkv_bias=qkv_bias, out_bias=out_bias, rope=rope, rope_theta=rope_theta,
                                       masked_rows=masked_rows, qk_norm=qk_norm, qk_norm_eps=qk_norm_eps,
-                                      qk_norm_offset=qk_norm_offset, scale=scale, softcap=softcap, sinks=sinks)
+                                      qk_norm_offset=qk_norm_offset, scale=scale, softcap=softcap, sinks=sinks,
+                                      rope_dim=rope_dim, rope_scaling=rope_scaling)
         self.head_dim = self.config.head_size
         _check_dtype("dtype", dtype)
         _check_dtype("param_dtype", param_dtype)
@@ -663,9 +720,10 @@ class MultiHeadAttention(nnx.Module):
         v, _ = self._heads(self.v_proj, value, dtype)  # (B, S, K, H)
         q, k = (x if y is None else y for x, y in ((q_in, q_normed), (k_in, k_normed)))
         if rope is not None:
-            acc, theta = accumulation_dtype(dtype), self.config.rope_theta
-            q = rotate(q, *rope_cos_sin(positions, T, self.head_dim, theta, acc), rope)
-            k = rotate(k, *rope_cos_sin(key_positions, S, self.head_dim, theta, acc), rope)
+            acc, cfg = accumulation_dtype(dtype), self.config
+            long = rope_uses_long(cfg, (positions, T), (key_positions, S))  # over queries and keys
+            q = rotate(q, *rope_cos_sin(cfg, positions, T, acc, long), rope)
+            k = rotate(k, *rope_cos_sin(cfg, key_positions, S, acc, long), rope)
         # K key/value heads all the way down: query head h reads key/value head h // (N/K)
         # in every core (grouped contractions; never a tile, never a copy per query head).
         kw = {"masked_rows": self.masked_rows, "precision": self.precision, **self._logits(dtype)}
@@ -723,8 +781,9 @@ class MultiHeadAttention(nnx.Module):
         if rope is not None:
             if positions is None:
                 positions = cache.positions(T)  # (B, T): traced under jit
-            acc, theta = accumulation_dtype(dtype), self.config.rope_theta
-            cos, sin = rope_cos_sin(positions, T, self.head_dim, theta, acc)
+            # LongRoPE: over the new tokens only; the cached keys keep the rotation they were written with.
+            acc, cfg = accumulation_dtype(dtype), self.config
+            cos, sin = rope_cos_sin(cfg, positions, T, acc, rope_uses_long(cfg, (positions, T)))
             q, k = rotate(q, cos, sin, rope), rotate(k, cos, sin, rope)
         context, weights, new_cache, scores = cached_attention(
             q, k, v, cache, masked_rows=self.masked_rows, need_weights=need_weights, precision=self.precision,

@@ -15,9 +15,11 @@ runs the maths of `mha_jax.MultiHeadAttention` inside `jax.shard_map` over one m
 - "dp" (batch): everything split along B (positions of shape (B, L) too), parameters
   replicated.
 
-Grouped key/value heads (`num_kv_heads`), RoPE (`rope`, `rope_theta`, `positions`,
-`key_positions`, given for the whole problem as to the module) and projections without
-bias (a params entry without "bias") are those of `mha_jax.MultiHeadAttention`.
+Grouped key/value heads (`num_kv_heads`), RoPE (`rope`, `rope_theta`, `rope_dim`, `rope_scaling`,
+`positions`, `key_positions`, given for the whole problem as to the module) and projections without
+bias (a params entry without "bias") are those of `mha_jax.MultiHeadAttention`. LongRoPE's switch is
+decided once from the whole problem's positions, outside the shards (a device holding a block of
+positions alone could not know the call's largest), and reaches every shard as a replicated scalar.
 
 `shard_heads(module, mesh)` is the other tensor-parallel route: it places the module's
 kernels head-sharded (NamedSharding) and the unchanged module runs under `jax.jit`, GSPMD
@@ -46,9 +48,9 @@ from jax.sharding import PartitionSpec as P
 
 import numpy as np
 
-from mha_jax.attention import attention_core, rope_cos_sin, rotate
+from mha_jax.attention import attention_core, rope_cos_sin, rope_uses_long, rotate
 from mha_jax.chunked import accumulation_dtype, fill_masked_rows, fold_scale
-from mha_spec import PROJECTIONS, SHARDINGS, AttentionConfig, check_positions, check_qkv_shapes, mask_shape_4d
+from mha_spec import PROJECTIONS, SHARDINGS, AttentionConfig, RopeScaling, check_positions, check_qkv_shapes, mask_shape_4d
 
 
 
@@ -141,10 +143,10 @@ def key_block_start(src, n: int, block: int):
     return src * block
 
 
-def _heads(params, query, key, value, cfg: AttentionConfig, precision, positions=None, key_positions=None):
+def _heads(params, query, key, value, cfg: AttentionConfig, precision, positions=None, key_positions=None, long=False):
     """The q/k/v projections split into heads, q and k rotated for RoPE: (B, L, n, H), n the heads
     this shard holds. positions (B|1, T') and key_positions (B|1, S'): this shard's rows' global
-    positions (RoPE only)."""
+    positions (RoPE only); long: LongRoPE's switch of the whole call (`rope_uses_long`)."""
     H = cfg.head_size
 
     def split(x, name):
@@ -154,15 +156,15 @@ def _heads(params, query, key, value, cfg: AttentionConfig, precision, positions
     q, k, v = split(query, "q_proj"), split(key, "k_proj"), split(value, "v_proj")
     if cfg.rope is not None:
         acc = accumulation_dtype(query.dtype)
-        q = rotate(q, *rope_cos_sin(positions, q.shape[1], H, cfg.rope_theta, acc), cfg.rope)
-        k = rotate(k, *rope_cos_sin(key_positions, k.shape[1], H, cfg.rope_theta, acc), cfg.rope)
+        q = rotate(q, *rope_cos_sin(cfg, positions, q.shape[1], acc, long), cfg.rope)
+        k = rotate(k, *rope_cos_sin(cfg, key_positions, k.shape[1], acc, long), cfg.rope)
     return q, k, v
 
 
-def _tp_body(params, query, key, value, keep, positions, key_positions, *, cfg, precision, axis):
+def _tp_body(params, query, key, value, keep, positions, key_positions, *, cfg, precision, axis, long=False):
     dtype = query.dtype
     B, T, _ = query.shape
-    q, k, v = _heads(params, query, key, value, cfg, precision, positions, key_positions)  # (B, T, N/tp, H), (B, S, K/tp, H) x 2
+    q, k, v = _heads(params, query, key, value, cfg, precision, positions, key_positions, long)  # (B, T, N/tp, H), (B, S, K/tp, H) x 2
     context, _ = attention_core(q, k, v, keep, masked_rows=cfg.masked_rows, precision=precision)  # (B, T, N/tp, H)
     acc = accumulation_dtype(dtype)
     kernel = params["out_proj"]["kernel"].astype(dtype)  # (N·H/tp, E): this shard's input rows
@@ -238,18 +240,18 @@ def ring_attention(q, k, v, keep=None, *, axis: str, masked_rows="nan", S_total:
     return jnp.transpose(ctx, (0, 2, 1, 3)).astype(dtype)  # (B, T/n, N, H)
 
 
-def _sp_body(params, query, key, value, keep, positions, key_positions, *, cfg, precision, axis, S_total):
+def _sp_body(params, query, key, value, keep, positions, key_positions, *, cfg, precision, axis, S_total, long=False):
     dtype = query.dtype
     B, Tb, _ = query.shape
-    q, k, v = _heads(params, query, key, value, cfg, precision, positions, key_positions)  # (B, T/n, N, H), (B, S/n, K, H) x 2
+    q, k, v = _heads(params, query, key, value, cfg, precision, positions, key_positions, long)  # (B, T/n, N, H), (B, S/n, K, H) x 2
     context = ring_attention(q, k, v, keep, axis=axis, masked_rows=cfg.masked_rows, S_total=S_total, precision=precision)
     return _project(context.reshape(B, Tb, -1), params["out_proj"], dtype, precision)  # (B, T/n, E)
 
 
-def _dp_body(params, query, key, value, keep, positions, key_positions, *, cfg, precision, axis):
+def _dp_body(params, query, key, value, keep, positions, key_positions, *, cfg, precision, axis, long=False):
     dtype = query.dtype
     B, T, _ = query.shape
-    q, k, v = _heads(params, query, key, value, cfg, precision, positions, key_positions)  # (B/n, T, N, H), (B/n, S, K, H) x 2
+    q, k, v = _heads(params, query, key, value, cfg, precision, positions, key_positions, long)  # (B/n, T, N, H), (B/n, S, K, H) x 2
     context, _ = attention_core(q, k, v, keep, masked_rows=cfg.masked_rows, precision=precision)
     return _project(context.reshape(B, T, -1), params["out_proj"], dtype, precision)
 
@@ -289,7 +291,8 @@ def _whole_positions(pos, batch: int, length: int, name: str):
     return pos.reshape(pos.shape[0] if pos.ndim == 2 else 1, length)  # not -1: the length may be 0
 
 
-def _layer(params, num_heads, num_kv_heads, rope, rope_theta, masked_rows) -> AttentionConfig:
+def _layer(params, num_heads, num_kv_heads, rope, rope_theta, masked_rows, rope_dim: int | None = None,
+           rope_scaling: RopeScaling | None = None) -> AttentionConfig:
     """The layer the params describe, checked (a ValueError naming a parameter whose shape is off)."""
     missing = [p for p in PROJECTIONS if p not in params or "kernel" not in params[p]]
     if missing:
@@ -299,7 +302,8 @@ def _layer(params, num_heads, num_kv_heads, rope, rope_theta, masked_rows) -> At
     if len(set(qkv_bias)) > 1:
         raise ValueError(f"q/k/v biases come all three or none; present: {qkv_bias} for q_proj, k_proj, v_proj")
     cfg = AttentionConfig(E, num_heads, num_kv_heads=num_kv_heads, qkv_bias=qkv_bias[0], out_bias="bias" in params["out_proj"],
-                          rope=rope, rope_theta=rope_theta, masked_rows=masked_rows)
+                          rope=rope, rope_theta=rope_theta, masked_rows=masked_rows, rope_dim=rope_dim,
+                          rope_scaling=rope_scaling)
     shapes = cfg.weight_shapes()
     for name in sorted(shapes, key=lambda n: n.endswith(".bias")):  # a kernel's width says more than its bias's
         shape = shapes[name]
@@ -326,18 +330,18 @@ def _sharding_of(sharding, layout) -> str:
 def sharded_attention(params, query, key, value, mask=None, *, mesh, sharding: str | None = None, num_heads: int,
                       num_kv_heads: int | None = None, rope: str | None = None, rope_theta: float = 10000.0,
                       positions=None, key_positions=None, masked_rows: str = "nan", axis: str = "x", precision=None,
-                      layout: str | None = None):
+                      layout: str | None = None, rope_dim: int | None = None, rope_scaling: RopeScaling | None = None):
     """The output (B, T, E) of multi-head attention run over `axis` of `mesh` in `sharding`.
 
     params as `params_of` returns (no "bias" entry: a projection without bias); query
     (B, T, E), key and value (B, S, E), mask a keep-mask, and num_kv_heads, rope,
-    rope_theta, positions (T,) | (B, T) and key_positions (S,) | (B, S) as for
+    rope_theta, rope_dim, rope_scaling, positions (T,) | (B, T) and key_positions (S,) | (B, S) as for
     `mha_jax.MultiHeadAttention`, all of the whole problem. Call it under `jax.jit`;
     `jax.grad` through it gives every parameter's and input's gradient. `layout=` is the old
     spelling of `sharding=` (it warns).
     """
     sharding = _sharding_of(sharding, layout)
-    cfg = _layer(params, num_heads, num_kv_heads, rope, rope_theta, masked_rows)
+    cfg = _layer(params, num_heads, num_kv_heads, rope, rope_theta, masked_rows, rope_dim, rope_scaling)
     B, T, S = check_qkv_shapes(query.shape, key.shape, value.shape, cfg.embed_dim)
     _check_dtypes(query, key, value)
     if rope is None and (positions is not None or key_positions is not None):
@@ -351,20 +355,27 @@ def sharded_attention(params, query, key, value, mask=None, *, mesh, sharding: s
     body = {"tp": _tp_body, "sp": partial(_sp_body, S_total=S), "dp": _dp_body}[sharding]
     args, specs = [params, query, key, value], [pspec, qspec, kvspec, kvspec]
     # keep, positions, key_positions: an argument each where present, None (a constant) where not.
-    extra = {"keep": None, "positions": None, "key_positions": None}
+    extra = {"keep": None, "positions": None, "key_positions": None, "long": None}
     if keep is not None:
         extra["keep"] = (keep, keepspec)
     if rope is not None:
         for name, pos, L in (("positions", positions, T), ("key_positions", key_positions, S)):
             whole = _whole_positions(pos, B, L, name)
             extra[name] = (whole, _positions_spec(sharding, axis, whole.shape))
+        # LongRoPE: the whole call's largest position decides, before any shard sees only its block.
+        long = rope_uses_long(cfg, (extra["positions"][0], T), (extra["key_positions"][0], S))
+        if isinstance(long, bool):
+            kw["long"] = long
+        else:  # traced: every shard gets the one scalar, replicated
+            extra["long"] = (long, P())
     present = [name for name, x in extra.items() if x is not None]
     args += [extra[name][0] for name in present]
     specs += [extra[name][1] for name in present]
 
     def body_of(*a):
         given = dict(zip(present, a[4:]))
-        return body(*a[:4], given.get("keep"), given.get("positions"), given.get("key_positions"), **kw)
+        more = {"long": given["long"]} if "long" in given else {}
+        return body(*a[:4], given.get("keep"), given.get("positions"), given.get("key_positions"), **kw, **more)
 
     if AxisType.Explicit in tuple(mesh.axis_types):
         # Explicit-sharding meshes (jax.make_mesh's default) want arguments already laid out.

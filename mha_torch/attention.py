@@ -356,27 +356,61 @@ def positions_4d(pos, batch: int, length: int, name: str, device) -> torch.Tenso
     return pos.to(device=device, dtype=torch.int64).reshape(lead, 1, length, 1)
 
 
-def rotate(x, pos, theta: float, convention: str):
-    """RoPE: rotate each feature pair of x (B, n, L, H) by position * theta ** (-2i / H).
+def rope_max_position(config: AttentionConfig, *positions: torch.Tensor):
+    """LongRoPE's call length: the largest of the call's positions (each (B|1, 1, L, 1) int64), over the whole
+    batch, as an int64 scalar tensor (no .item(): torch.compile traces it); None when the layer's frequencies do
+    not depend on the call (no scaling, or a kind other than longrope). With no position at all (B = 0 or
+    L = 0) it is -1: no token rotates, and the short table is as good as any."""
+    scaling = config.rope_scaling
+    if scaling is None or not scaling.switches:
+        return None
+    flat = torch.cat([p.reshape(-1) for p in positions])  # every position of the call
+    if flat.numel() == 0:
+        return torch.full((), -1, dtype=torch.int64, device=flat.device)
+    return flat.amax()
 
-    "half" pairs feature i with i + H/2, "interleaved" 2i with 2i + 1. cos/sin and the
-    rotation run in the accumulation dtype (float32 for 16-bit and float32 inputs, float64
-    stays float64); the result is in x's dtype.
+
+def rope_inv_freq(config: AttentionConfig, max_position, device) -> torch.Tensor:
+    """float64 (R/2,): the layer's inv_freq from `config.rope_frequencies` (never recomputed here); for LongRoPE
+    the long or the short table by `scaling.uses_long(max_position)`, a select on a scalar tensor (no branch on
+    data, so torch.compile has no graph break)."""
+    inv_freq = torch.tensor(config.rope_frequencies(), dtype=torch.float64, device=device)
+    scaling = config.rope_scaling
+    if scaling is None or not scaling.switches:
+        return inv_freq
+    if max_position is None:
+        raise ValueError(f"rope_scaling kind {scaling.kind!r} switches tables by the call's largest position: "
+                         "rotate needs max_position (`rope_max_position`)")
+    long = torch.tensor(config.rope_frequencies(long=True), dtype=torch.float64, device=device)
+    return torch.where(scaling.uses_long(torch.as_tensor(max_position, device=device)), long, inv_freq)
+
+
+def rotate(x, pos, config: AttentionConfig, max_position=None):
+    """RoPE as `config` defines it (`mha_spec.rope`): x (B, n, L, H), pos int64 (B|1, 1, L, 1) -> (B, n, L, H).
+
+    Only the first R = config.rotary_dim features rotate; features R..H-1 pass through unchanged. Within the
+    rotated part "half" pairs feature i with i + R/2, "interleaved" 2i with 2i + 1; pair i turns by
+    position * inv_freq[i] (`rope_inv_freq`; max_position: `rope_max_position` of the call, needed by
+    LongRoPE only). cos and sin come from float64 angles, times config.rope_scale (float64), then cast to the
+    accumulation dtype (float32 for 16-bit and float32 inputs, float64 stays float64), where the rotation
+    runs; the result is in x's dtype. Differentiable in x (cos and sin are constants).
     """
-    H = x.shape[-1]
+    H, R = x.shape[-1], config.rotary_dim
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    # The frequencies in float64 whatever acc is: theta ** (-2i/H) rounded once.
-    inv_freq = theta ** (-torch.arange(0, H, 2, dtype=torch.float64, device=x.device) / H)
-    angles = pos.to(torch.float64) * inv_freq  # (B|1, 1, L, H/2)
-    cos, sin = torch.cos(angles).to(acc), torch.sin(angles).to(acc)
-    xa = x.to(acc)
-    if convention == "half":
-        x1, x2 = xa[..., : H // 2], xa[..., H // 2:]
+    angles = pos.to(torch.float64) * rope_inv_freq(config, max_position, x.device)  # (B|1, 1, L, R/2)
+    cos, sin = torch.cos(angles), torch.sin(angles)
+    if config.rope_scale != 1.0:  # YaRN's and LongRoPE's attention factor, on cos and sin alike
+        cos, sin = cos * config.rope_scale, sin * config.rope_scale
+    cos, sin = cos.to(acc), sin.to(acc)
+    xa = x[..., :R].to(acc)  # (B, n, L, R)
+    if config.rope == "half":
+        x1, x2 = xa[..., : R // 2], xa[..., R // 2:]
         out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
     else:
         x1, x2 = xa[..., 0::2], xa[..., 1::2]
-        out = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).reshape(x.shape)
-    return out.to(x.dtype)
+        out = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).reshape(xa.shape)
+    out = out.to(x.dtype)
+    return out if R == H else torch.cat([out, x[..., R:]], dim=-1)  # the other H - R features pass
 
 
 def _integer_tensor(x, name: str) -> torch.Tensor:
@@ -510,6 +544,12 @@ class MultiHeadAttention(nn.Module):
     softcap=c (scores c·tanh(s/c) before the mask); sinks=True (Parameter sinks (N,), zeros: each row's
     softmax also holds its head's sink, a row that keeps no key then gets zero weights, whatever
     masked_rows says). Stages q_norm and k_norm (after the norm, before RoPE; None without qk_norm).
+    RoPE as the models ship it (`mha_spec.rope`, `rotate`): rope_dim=R rotates the first R features of
+    each head (the rest pass; Stages q_rot/k_rot keep all H); rope_scaling=`mha_spec.RopeScaling`
+    (linear, llama3, yarn, longrope) scales the frequencies and cos/sin. LongRoPE takes its long factors
+    when the call's largest position (over positions and key_positions, the whole batch; with a cache,
+    the new tokens') + 1 passes original_max_position_embeddings: every token of the call, not the
+    cached keys, which keep their rotation.
     Which kernel runs: need_weights=True is `attention_core` always; need_weights=False is SDPA (with
     scale=) unless the layer has softcap or sinks, which SDPA cannot take: then the fused path runs the
     materialised `attention_core` (no SDPA call, same results as need_weights=True). The cache path
@@ -521,12 +561,13 @@ class MultiHeadAttention(nn.Module):
                  rope: str | None = None, rope_theta: float = 10000.0, masked_rows: str = "nan",
                  qk_norm: str | None = None, qk_norm_eps: float = 1e-6, qk_norm_offset: float = 0.0,
                  scale: float | None = None, softcap: float | None = None, sinks: bool = False,
-                 dtype=None, device=None):
+                 rope_dim: int | None = None, rope_scaling=None, dtype=None, device=None):
         super().__init__()
         self.config = AttentionConfig(embed_dim, num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                                       qkv_bias=qkv_bias, out_bias=out_bias, rope=rope, rope_theta=rope_theta,
                                       masked_rows=masked_rows, qk_norm=qk_norm, qk_norm_eps=qk_norm_eps,
-                                      qk_norm_offset=qk_norm_offset, scale=scale, softcap=softcap, sinks=sinks)
+                                      qk_norm_offset=qk_norm_offset, scale=scale, softcap=softcap, sinks=sinks,
+                                      rope_dim=rope_dim, rope_scaling=rope_scaling)
         self.head_dim = self.config.head_size
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise TypeError(f"dtype must be a floating torch.dtype (or None), got {dtype!r}")
@@ -565,6 +606,10 @@ class MultiHeadAttention(nn.Module):
                 extra += f", {name}={getattr(c, name)!r}"
         if c.sinks:
             extra += ", sinks=True"
+        if c.rope_dim is not None:
+            extra += f", rope_dim={c.rope_dim}"
+        if c.rope_scaling is not None:  # its RopeScaling.parse spelling
+            extra += f", rope_scaling={str(c.rope_scaling)!r}"
         return f"embed_dim={self.embed_dim}, num_heads={self.num_heads}{extra}, masked_rows={self.masked_rows!r}"
 
     def _split_heads(self, x):
@@ -641,9 +686,10 @@ class MultiHeadAttention(nn.Module):
         q_in, k_in, v_in, q_norm, k_norm = self.project(query, key, value)  # (B, N, T, H), (B, K, S, H) x2, ...
         q, k, v = (q_in if q_norm is None else q_norm), (k_in if k_norm is None else k_norm), v_in
         if rope is not None:
-            theta = self.config.rope_theta
-            q = rotate(q, positions_4d(positions, B, T, "positions", q.device), theta, rope)
-            k = rotate(k, positions_4d(key_positions, B, S, "key_positions", k.device), theta, rope)
+            q_pos = positions_4d(positions, B, T, "positions", q.device)  # (B|1, 1, T, 1)
+            k_pos = positions_4d(key_positions, B, S, "key_positions", k.device)  # (B|1, 1, S, 1)
+            top = rope_max_position(self.config, q_pos, k_pos)  # LongRoPE: over queries and keys alike
+            q, k = rotate(q, q_pos, self.config, top), rotate(k, k_pos, self.config, top)
         q_rot, k_rot = (q, k) if rope is not None else (None, None)  # (B, N, T, H), (B, K, S, H)
         group = q.shape[1] // k.shape[1]
         if group > 1 and need_weights:
@@ -704,10 +750,11 @@ class MultiHeadAttention(nn.Module):
                            kv_heads=k_in.shape[1], head_dim=self.head_dim)
         q, k = (q_in if q_norm is None else q_norm), (k_in if k_norm is None else k_norm)
         if rope is not None:
-            theta = self.config.rope_theta
             pos = cache.positions(T) if positions is None else positions  # (B, T) | (T,)
             pos = positions_4d(pos, B, T, "positions", q.device)  # (B|1, 1, T, 1)
-            q, k = rotate(q, pos, theta, rope), rotate(k, pos, theta, rope)
+            # LongRoPE: the new tokens' largest position; the cached keys keep the rotation they had.
+            top = rope_max_position(self.config, pos)
+            q, k = rotate(q, pos, self.config, top), rotate(k, pos, self.config, top)
         q_rot, k_rot = (q, k) if rope is not None else (None, None)  # (B, N, T, H), (B, K, T, H)
         # The old cache's keep-mask: its lengths are where the new tokens went.
         keep = cache.keep_mask(T)  # (B, 1, T, C)

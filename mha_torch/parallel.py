@@ -25,7 +25,10 @@ the whole problem, as to the one-device module. head_dim, scale and softcap run 
 sharding. qk_norm and sinks run under sequence and data parallelism (their parameters are
 replicated there, like the projections'); tensor parallelism refuses them with a ValueError:
 a "flat" norm needs the whole projection, and the replicated "head" norm weights and the sinks
-would get only this rank's heads' share of their gradients.
+would get only this rank's heads' share of their gradients. Partial and scaled RoPE (`rope_dim`,
+`rope_scaling`) run under every sharding through the module's one `rotate`; LongRoPE's table follows
+the whole problem's largest position (tp and sp see every position; dp refuses it with per-row (B, L)
+positions, as a rank's call sees only its rows).
 
 Gradients are torch autograd through these collectives. Sizes that do not split evenly
 are a ValueError (nothing is padded); a process group that is not initialised is a
@@ -45,6 +48,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from mha_torch.attention import (
     LOW_PRECISION, apply_masked_row_policy, keep_mask_4d, positions_4d, attention_core, fused_attention_core, rotate,
+    rope_max_position,
 )
 from mha_spec import check_qkv_shapes
 
@@ -97,13 +101,22 @@ def _check_positions_used(module, positions, key_positions) -> None:
         raise ValueError("positions/key_positions are given but rope=None: they would be ignored")
 
 
-def _rotated(module, x, pos, batch: int, length: int, start: int, name: str):
+def _rope_top(module, positions, key_positions, B: int, T: int, S: int, device):
+    """LongRoPE's max over the WHOLE problem's positions and key_positions (every rank sees them all, so
+    every block picks the table the one-device module picks); None without RoPE or when nothing switches."""
+    if module.config.rope is None:
+        return None
+    return rope_max_position(module.config, positions_4d(positions, B, T, "positions", device),
+                             positions_4d(key_positions, B, S, "key_positions", device))
+
+
+def _rotated(module, x, pos, batch: int, length: int, start: int, name: str, top=None):
     """x (B, n, L_block, H) rotated with the positions of rows start ... of the whole problem's `length`
-    (pos: (length,) | (B, length) | None = arange); x itself without RoPE."""
+    (pos: (length,) | (B, length) | None = arange), top the call's `_rope_top`; x itself without RoPE."""
     if module.config.rope is None:
         return x
     block = positions_4d(pos, batch, length, name, x.device).narrow(2, start, x.shape[-2])  # (B|1, 1, L_block, 1)
-    return rotate(x, block, module.config.rope_theta, module.config.rope)
+    return rotate(x, block, module.config, top)
 
 
 def tp_forward(module, query, key, value, mask=None, need_weights: bool = False, *, positions=None, key_positions=None):
@@ -118,8 +131,11 @@ def tp_forward(module, query, key, value, mask=None, need_weights: bool = False,
     _check_positions_used(module, positions, key_positions)
     keep = None if mask is None else keep_mask_4d(mask, B, module.num_heads, T, S)
     options = module.core_options()  # scale and softcap; no sinks (refused above)
-    q = _rotated(module, module._split_heads(module.q_proj(query)), positions, B, T, 0, "positions")  # (B, N/tp, T, H)
-    k = _rotated(module, module._split_heads(module.k_proj(key)), key_positions, B, S, 0, "key_positions")  # (B, K/tp, S, H)
+    top = _rope_top(module, positions, key_positions, B, T, S, query.device)
+    q = _rotated(module, module._split_heads(module.q_proj(query)), positions, B, T, 0, "positions",
+                 top)  # (B, N/tp, T, H)
+    k = _rotated(module, module._split_heads(module.k_proj(key)), key_positions, B, S, 0, "key_positions",
+                 top)  # (B, K/tp, S, H)
     v = module._split_heads(module.v_proj(value))  # (B, K/tp, S, H)
     if keep is not None and keep.shape[1] > 1:
         n_local = q.shape[1]  # a per-head mask: this rank's heads
@@ -305,8 +321,10 @@ def sequence_parallel_forward(module, query, key, value, mask=None, *, positions
     T, S = Tb * n, Sb * n
     keep = _local_rows(mask, B, module.num_heads, T, S, me * Tb, Tb, batch=False)
     q, k, v, q_norm, k_norm = module.project(query, key, value)  # (B, N, T/n, H), (B, K, S/n, H) x2, ...
-    q = _rotated(module, q if q_norm is None else q_norm, positions, B, T, me * Tb, "positions")  # (B, N, T/n, H)
-    k = _rotated(module, k if k_norm is None else k_norm, key_positions, B, S, me * Sb, "key_positions")  # (B, K, S/n, H)
+    top = _rope_top(module, positions, key_positions, B, T, S, query.device)  # the whole problem's, not the block's
+    q = _rotated(module, q if q_norm is None else q_norm, positions, B, T, me * Tb, "positions", top)  # (B, N, T/n, H)
+    k = _rotated(module, k if k_norm is None else k_norm, key_positions, B, S, me * Sb, "key_positions",
+                 top)  # (B, K, S/n, H)
     context = ring_attention(q, k, v, keep, group=group, masked_rows=module.masked_rows, S_total=S,
                              **module.core_options())
     return module.out_proj(context.transpose(1, 2).reshape(B, Tb, -1))  # (B, T/n, E)
@@ -323,10 +341,25 @@ def _batch_rows(pos, B: int, length: int, start: int, rows: int, name: str):
     return pos.narrow(0, start, rows)
 
 
+def _refuse_per_row_longrope(module, positions, key_positions) -> None:
+    """ValueError for LongRoPE with per-row (B, L) positions under data parallelism: its table follows the
+    largest position of the WHOLE batch, and a rank's module call sees only its rows (shared (L,) positions
+    or the default arange are the same on every rank, so those run)."""
+    scaling = module.config.rope_scaling
+    per_row = [name for name, p in (("positions", positions), ("key_positions", key_positions))
+               if isinstance(p, torch.Tensor) and p.ndim == 2]
+    if scaling is not None and scaling.switches and per_row:
+        raise ValueError(f"data parallel does not run rope_scaling kind {scaling.kind!r} with per-row "
+                         f"{' and '.join(per_row)} (B, L): its long/short table follows the whole batch's largest "
+                         f"position, which a rank holding only its rows cannot see; pass positions shared by the "
+                         f"batch (L,) or use sequence or tensor parallelism")
+
+
 def data_parallel_forward(module, query, key, value, mask=None, *, positions=None, key_positions=None, group=None):
     """This rank's batch rows (B/n, T, E) through the module; mask and positions given for the whole batch."""
     me, n = _require_group(group)
     Bb, T, S = check_qkv_shapes(query.shape, key.shape, value.shape, module.embed_dim)
+    _refuse_per_row_longrope(module, positions, key_positions)
     keep = _local_rows(mask, Bb * n, module.num_heads, T, S, me * Bb, Bb, batch=True)
     pos = {"positions": _batch_rows(positions, Bb * n, T, me * Bb, Bb, "positions"),
            "key_positions": _batch_rows(key_positions, Bb * n, S, me * Bb, Bb, "key_positions")}

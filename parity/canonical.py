@@ -156,6 +156,10 @@ def bias_flags(keys) -> tuple[bool, bool]:
 LAYER_FIELDS = ("qk_norm", "qk_norm_eps", "qk_norm_offset", "scale", "softcap")
 """The `mha_spec.AttentionConfig` fields a state dict's tensors cannot say (head_dim and sinks they can)."""
 
+ROPE_FIELDS = ("rope", "rope_theta", "rope_dim", "rope_scaling")
+"""The `mha_spec.AttentionConfig` fields of RoPE, which the tensors cannot say either: rope_dim and rope_scaling
+need rope, so wherever a layer's rope and rope_theta travel (module conversions, a checkpoint's layer) these do."""
+
 
 def check_variant_state_dict(sd, num_heads: int, num_kv_heads=None, **layer):
     """Validate a canonical state dict of any supported layer; return (AttentionConfig, dtype).

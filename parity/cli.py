@@ -37,8 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="a small matrix that takes a few seconds")
     p.add_argument("--cases", type=comma_separated(), default=(), metavar="A,B",
                    help="case sets or case name prefixes/globs (e.g. 'self/*,cross'); sets: 'modern' (grouped and "
-                   "multi-query heads, RoPE half/interleaved, projections without bias, a Llama layer), 'masks' (packed "
-                   "documents and sliding windows, with padding and T != S), 'default', 'quick'")
+                   "multi-query heads, RoPE half/interleaved, projections without bias, a Llama layer, the layers after "
+                   "it), 'rope' (partial and scaled RoPE: llama3, yarn, longrope, linear; also in 'modern'), 'masks' "
+                   "(packed documents and sliding windows, with padding and T != S), 'default', 'quick'")
     p.add_argument("--dtypes", type=comma_separated(DTYPES), default=None, metavar=",".join(DTYPES),
                    help="default: every dtype each case runs in")
     p.add_argument("--checks", type=comma_separated(CHECKS), default=None, metavar=",".join(CHECKS),
@@ -51,7 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="check on this layer at --shape B,T,S (default 2,5,5) instead of the matrix: causal, padding and "
                    "random masks (--quick: causal), and with --checks decode a decode of the S tokens; keys E, N, K, rope "
                    "(none|half|interleaved), theta (with rope only), "
-                   "bias (all|none|qkv|out)")
+                   "bias (all|none|qkv|out); H, qk_norm, qk_norm_eps, qk_norm_offset, scale, softcap, sinks=yes; "
+                   "rope_dim=R (partial rotary) and rope_scaling=kind:key=value,... (linear|llama3|yarn|longrope, "
+                   "lists a;b;c), with rope only")
     p.add_argument("--compile", action="store_true", help="also run torch.compile of the selected torch implementations (slow on CPU)")
     p.add_argument("--framework-defaults", action="store_true",
                    help="keep the frameworks' default matmul precision (TF32 on GPU, bf16 passes on TPU) instead of 'highest'")

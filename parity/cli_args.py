@@ -62,22 +62,28 @@ def positive_ints(text: str) -> tuple[int, ...]:
 
 # --layer's keys: E, N, K (key/value heads), H (a head dim of its own), rope (none | half | interleaved),
 # theta, bias (all | none | qkv | out: which projections have one), and the layers after Llama: qk_norm
-# (none | head | flat) with qk_norm_eps and qk_norm_offset, scale, softcap, sinks (yes | no).
+# (none | head | flat) with qk_norm_eps and qk_norm_offset, scale, softcap, sinks (yes | no); RoPE as the models
+# ship it: rope_dim (partial rotary) and rope_scaling, `mha_spec.RopeScaling`'s spelling kind:key=value,...
+# (lists a;b;c), whose own keys follow it up to the next --layer key.
 _LAYER_BIASES = {"all": (True, True), "none": (False, False), "qkv": (True, False), "out": (False, True)}
 _LAYER_KEYS = ("E", "N", "K", "H", "rope", "theta", "bias", "qk_norm", "qk_norm_eps", "qk_norm_offset", "scale",
-               "softcap", "sinks")
+               "softcap", "sinks", "rope_dim", "rope_scaling")
 _SINKS = {"yes": True, "no": False}
 
 
 def _layer_fields(text: str) -> dict:
-    """--layer's text as {key: value}, each key known and given once."""
-    fields = {}
+    """--layer's text as {key: value}, each key known and given once; rope_scaling's value runs on over the
+    items that are no --layer key (its own keys: 'rope_scaling=yarn:factor=4,original_max_position_embeddings=64')."""
+    fields, last = {}, None
     for item in (t.strip() for t in text.split(",") if t.strip()):
         key, sep, value = item.partition("=")
+        if last == "rope_scaling" and sep and key not in _LAYER_KEYS:
+            fields[last] += "," + item  # one of the scaling's own keys
+            continue
         if not sep or key not in _LAYER_KEYS or key in fields:
             raise argparse.ArgumentTypeError(f"{text!r}: {item!r} is not one of {', '.join(k + '=' for k in _LAYER_KEYS)} "
                                              f"(each once), e.g. E=64,N=4,K=2,rope=half,bias=none")
-        fields[key] = value
+        fields[key], last = value, key
     missing = [k for k in ("E", "N") if k not in fields]
     if missing:
         raise argparse.ArgumentTypeError(f"{text!r}: {' and '.join(missing)} missing (e.g. E=64,N=4)")
@@ -96,6 +102,10 @@ def _layer_numbers(text: str, fields: dict) -> dict:
                 numbers[key] = positive_float(fields[key])
         if "qk_norm_offset" in fields:
             numbers["qk_norm_offset"] = float(fields["qk_norm_offset"])
+        if "rope_dim" in fields:
+            numbers["rope_dim"] = positive_int(fields["rope_dim"])
+        if "rope_scaling" in fields:
+            numbers["rope_scaling"] = _rope_scaling(fields["rope_scaling"])
     except (argparse.ArgumentTypeError, ValueError) as e:
         raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
     if numbers["num_kv_heads"] == numbers["num_heads"]:
@@ -103,12 +113,25 @@ def _layer_numbers(text: str, fields: dict) -> dict:
     return numbers
 
 
+def _rope_scaling(text: str):
+    """'kind:key=value,...' -> mha_spec.RopeScaling; a kind it refuses (dynamic) is a ValueError naming why."""
+    from mha_spec import RopeScaling
+
+    try:
+        return RopeScaling.parse(text)
+    except (NotImplementedError, TypeError) as e:
+        raise ValueError(str(e)) from None
+
+
 def parse_layer(text: str):
     """An argparse `type`: 'E=64,N=4,K=2,rope=half,theta=500,bias=none' -> mha_spec.AttentionConfig.
 
     E and N are required; K defaults to N, H to E/N, rope to none, theta to 10000 (only with rope=), bias
-    to all; qk_norm=head|flat (qk_norm_eps=, qk_norm_offset=: Gemma's 1), scale=, softcap=, sinks=yes. A key
-    the layer would ignore (theta= without rope=, qk_norm_eps= without qk_norm=) is an error, not dropped."""
+    to all; qk_norm=head|flat (qk_norm_eps=, qk_norm_offset=: Gemma's 1), scale=, softcap=, sinks=yes;
+    rope_dim=R (partial rotary, the first R features of each head) and rope_scaling=kind:key=value,...
+    (`mha_spec.RopeScaling.parse`: linear, llama3, yarn, longrope; lists a;b;c), both with rope= only. A key
+    the layer would ignore (theta= or rope_dim= without rope=, qk_norm_eps= without qk_norm=, a scaling key its
+    kind does not read) is an error, not dropped."""
     from mha_spec import QK_NORMS, ROPE_CONVENTIONS, AttentionConfig
 
     fields = _layer_fields(text)

@@ -38,6 +38,7 @@ from parity.canonical import (
     CANONICAL_KEYS,
     LAYER_FIELDS,
     PROJECTIONS,
+    ROPE_FIELDS,
     SUPPORTED_DTYPES,
     bias_flags,
     check_jax_dtype,
@@ -125,9 +126,9 @@ def to_torch(sd, num_heads: int, *, num_kv_heads: int | None = None, **module_kw
     """Canonical state dict -> mha_torch.MultiHeadAttention in the weights' dtype.
 
     The keys say which biases the layer has and whether it has sinks; q_proj's rows say head_dim;
-    k/v weights of K*H rows need num_kv_heads=K. rope, rope_theta and masked_rows pass through to the
-    module, and so do the fields the tensors cannot say (qk_norm, qk_norm_eps, qk_norm_offset, scale,
-    softcap): q_norm.weight/k_norm.weight need qk_norm.
+    k/v weights of K*H rows need num_kv_heads=K. rope, rope_theta, rope_dim, rope_scaling and masked_rows
+    pass through to the module, and so do the fields the tensors cannot say (qk_norm, qk_norm_eps,
+    qk_norm_offset, scale, softcap): q_norm.weight/k_norm.weight need qk_norm.
     """
     from mha_torch import MultiHeadAttention
 
@@ -170,9 +171,9 @@ def to_jax(sd, num_heads: int, *, num_kv_heads: int | None = None, **module_kwar
     """Canonical state dict -> mha_jax.MultiHeadAttention with param_dtype = the weights' dtype.
 
     The keys say which biases the layer has and whether it has sinks; q_proj's rows say head_dim;
-    k/v weights of K*H rows need num_kv_heads=K. rope, rope_theta and masked_rows pass through to the
-    module, and so do the fields the tensors cannot say (qk_norm, qk_norm_eps, qk_norm_offset, scale,
-    softcap): q_norm.weight/k_norm.weight need qk_norm.
+    k/v weights of K*H rows need num_kv_heads=K. rope, rope_theta, rope_dim, rope_scaling and masked_rows
+    pass through to the module, and so do the fields the tensors cannot say (qk_norm, qk_norm_eps,
+    qk_norm_offset, scale, softcap): q_norm.weight/k_norm.weight need qk_norm.
     """
     import jax.numpy as jnp
     from flax import nnx
@@ -198,11 +199,13 @@ def to_jax(sd, num_heads: int, *, num_kv_heads: int | None = None, **module_kwar
 
 
 def _layer_kwargs(m) -> dict:
-    """What a module's weights do not say about its layer: masked_rows, num_kv_heads, rope, rope_theta and
-    the fields of `parity.canonical.LAYER_FIELDS` (qk_norm, its eps and offset, scale, softcap)."""
+    """What a module's weights do not say about its layer: masked_rows, num_kv_heads, its RoPE
+    (`parity.canonical.ROPE_FIELDS`: rope, rope_theta and, when set, rope_dim and rope_scaling) and the fields of
+    `parity.canonical.LAYER_FIELDS` (qk_norm, its eps and offset, scale, softcap); a field at its default is left
+    out, so a module without the newer keywords still takes the result."""
     c = m.config
-    return dict(masked_rows=c.masked_rows, num_kv_heads=c.num_kv_heads, rope=c.rope, rope_theta=c.rope_theta,
-                **{f: getattr(c, f) for f in LAYER_FIELDS if getattr(c, f) != getattr(AttentionConfig, f)})
+    kept = {f: getattr(c, f) for f in (*ROPE_FIELDS[2:], *LAYER_FIELDS) if getattr(c, f) != getattr(AttentionConfig, f)}
+    return dict(masked_rows=c.masked_rows, num_kv_heads=c.num_kv_heads, rope=c.rope, rope_theta=c.rope_theta, **kept)
 
 
 def torch_to_jax(m):

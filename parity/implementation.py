@@ -374,7 +374,7 @@ class Implementation:
         if not callable(fn):
             raise TypeError(f"{self.name}: the factory returned {type(fn).__name__}, not a callable")
         if self.inputs != "qkv" or self.names is not None:
-            fn = to_contract(self, fn)
+            fn = to_contract(self, fn, num_heads=num_heads)
         return fn
 
     def resolve_factory(self) -> Callable:

@@ -22,6 +22,12 @@ Dtypes pass through unchanged (bfloat16 included).
               (Llama, Mistral, Qwen2,        biases: none (Llama, Mistral), q/k/v (Qwen2), all four (attention_bias);
               Qwen3, Gemma 2/3, OLMo 2,      q_norm.weight/k_norm.weight (H,) per head or (NH,)/(KH,) flat (OLMo 2),
               GPT-OSS)                       sinks (N,): read only for a layer described with QK-norm / sinks
+    hf-phi3   model.layers.{i}.self_attn.    qkv_proj.weight (NH + 2KH, E) rows q | k | v; o_proj.weight (E, NH); no biases
+    hf-gpt-neox gpt_neox.layers.{i}.attention. query_key_value.weight (3E, E) viewed (N, 3, H): per head q, k, v;
+                                             .bias (3E,); dense.weight/bias (E, E)/(E,) (biases: both or neither)
+    hf-falcon transformer.h.{i}.self_attention. query_key_value.weight (NH + 2KH, E) viewed (K, N/K + 2, H): per
+                                             key/value head its query heads, its k, its v (multi_query: K = 1;
+                                             classic: K = N); dense (E, E); biases both or neither; needs num_heads
 
 KH is K*H, the key/value heads' rows, NH is N*H, the query heads' (E unless the layer
 has a head_dim of its own, read off o_proj's columns): a file does not say N, so from the
@@ -47,6 +53,7 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
+from mha_spec import is_int
 from mha_spec.files import read_json
 from parity.canonical import SUPPORTED_DTYPES, bias_flags, check_state_dict, tensor_to_numpy
 from parity.weight_file import file_path, open_weight_file, path_error, path_problem
@@ -73,6 +80,10 @@ class Stored:
     # A tensor of a layer feature ("qk_norm", "sinks") the tensors alone cannot describe (a norm's epsilon and
     # offset are config.json's): read only when the caller says the layer has it; otherwise it is unread.
     feature: str | None = None
+    # q, k and v fused along the ROWS (axis 0) of one (out, in) tensor, a `FUSIONS` entry: "rows" (Phi-3's
+    # qkv_proj: all of q, then k, then v) or "grouped" (per key/value head: that head's N/K query heads, its k,
+    # its v -- GPT-NeoX and Falcon; `fuse_qkv`). None: the parts are concatenated along the last axis as above.
+    fused: str | None = None
 
 
 _ALL_BIASES = ((True, True),)  # (qkv_bias, out_bias) pairs
@@ -96,8 +107,14 @@ class Layout:
 
     @property
     def grouped(self) -> bool:
-        """Whether k/v may have fewer rows than q (shape "KH")."""
-        return any("KH" in s.shape for sp in self.spellings for s in sp)
+        """Whether k/v may have fewer rows than q (shape "KH"), or q/k/v are fused along rows (`Stored.fused`):
+        then the canonical dict is checked as a layer of N*H, K*H rows with the biases it has."""
+        return any("KH" in s.shape or s.fused for sp in self.spellings for s in sp)
+
+    @property
+    def fused(self) -> Stored | None:
+        """The tensor holding q, k and v fused along its rows (its weight), None for a layout without one."""
+        return next((s for s in self.spellings[0] if s.fused and len(s.shape) == 2), None)
 
 
 def _linear(key: str, proj: str, rows: str = "E", optional_bias: bool = False, cols: str = "E") -> tuple[Stored, Stored]:
@@ -163,8 +180,46 @@ LAYOUT_TABLES: dict[str, Layout] = {
         bias_sets=((False, False), (True, False), (True, True)),
         buffers=("rotary_emb.inv_freq",),  # persistent in Llama checkpoints written before transformers 4.31
     ),
+    # Phi-3: qkv_proj (N*H + 2*K*H, E) holds all of q's rows, then k's, then v's (Phi3Attention slices them so);
+    # no biases; o_proj (E, N*H), head_dim of its own allowed.
+    "hf-phi3": Layout(
+        "hf-phi3",
+        ((Stored("qkv_proj.weight", ("QKV", "E"), _QKV_W, fused="rows"),
+          Stored("o_proj.weight", ("E", "NH"), ("out_proj.weight",))),),
+        ("qkv_proj.weight",),
+        bias_sets=((False, False),),
+    ),
+    # GPT-NeoX (Pythia): query_key_value (3E, E) viewed (N, 3, H), each head's q, k, v in turn (GPTNeoXAttention's
+    # view(..., N, 3H).chunk(3)): the grouped fusion with K = N ("3E": GPT-NeoX has no grouped heads); biases on
+    # both projections or neither (attention_bias). Checkpoints before transformers 4.3x keep the causal mask, its
+    # fill and RoPE's inv_freq as buffers beside the weights.
+    "hf-gpt-neox": Layout(
+        "hf-gpt-neox",
+        ((Stored("query_key_value.weight", ("3E", "E"), _QKV_W, fused="grouped"),
+          Stored("query_key_value.bias", ("3E",), _QKV_B, optional=True, fused="grouped"),
+          *_linear("dense", "out_proj", optional_bias=True)),),
+        ("query_key_value.weight",),
+        bias_sets=((False, False), (True, True)),
+        buffers=("rotary_emb.inv_freq", "bias", "masked_bias"),
+    ),
+    # Falcon: one layout for its three fusions, because they are one formula. FalconAttention._split_heads views
+    # query_key_value's rows (K, N/K + 2, H) with new_decoder_architecture (each key/value head's group of query
+    # heads, then its k, then its v); multi_query's [Q (N*H) | K (H) | V (H)] is that view with K = 1, and the
+    # classic per-head (N, 3, H) is it with K = N. The rows, (N + 2K) * H, and num_heads= (which the split needs
+    # anyway) say K, so a layout name per variant would only be a second way to say what the shapes say -- and a
+    # way to name the wrong one. dense (E, E): Falcon's head_dim is E/N. Biases on both or neither (config's bias).
+    "hf-falcon": Layout(
+        "hf-falcon",
+        ((Stored("query_key_value.weight", ("QKV", "E"), _QKV_W, fused="grouped"),
+          Stored("query_key_value.bias", ("QKV",), _QKV_B, optional=True, fused="grouped"),
+          *_linear("dense", "out_proj", optional_bias=True)),),
+        ("query_key_value.weight",),
+        bias_sets=((False, False), (True, True)),
+    ),
 }
 LAYOUTS = tuple(LAYOUT_TABLES)
+FUSIONS = ("rows", "grouped")
+"""How a layout fuses q, k and v along one tensor's rows (`Stored.fused`, `fuse_qkv`)."""
 
 _BIAS_SET_NAMES = {(True, True): "all four biases", (True, False): "q/k/v biases only",
                    (False, True): "out_proj bias only", (False, False): "no biases"}
@@ -198,9 +253,11 @@ def _dims(shape: tuple[str, ...], units: Mapping) -> tuple[int, ...]:
 
 
 def _expected(s: Stored, units: Mapping | None) -> str:
-    sym = f"({', '.join(s.shape)}{',' if len(s.shape) == 1 else ''})"
+    shape = tuple("N*H + 2*K*H" if d == "QKV" else d for d in s.shape)
+    sym = f"({', '.join(shape)}{',' if len(shape) == 1 else ''})"
     text = sym if units is None else f"{_dims(s.shape, units)} = {sym}"
-    return text + (" stored (in, out) as a Conv1D" if s.in_out else "")
+    fused = {"rows": ", rows q | k | v", "grouped": ", rows per key/value head: its N/K query heads, its k, its v"}
+    return text + (" stored (in, out) as a Conv1D" if s.in_out else "") + fused.get(s.fused, "")
 
 
 _HEAD_UNITS = ("N", "H|NH", "H|KH")  # the units a block's sinks and QK-norm weights say (`_head_units`)
@@ -293,6 +350,79 @@ def _kv_rows(layout: Layout, spelling: int, get, prefix: str, E: int, source: st
     return shape[0]
 
 
+def fused_heads(layout: str, NH: int, KH: int, num_heads: int | None, what: str = "") -> tuple[int, int, int] | None:
+    """(N, K, H) of a layout's fused q/k/v tensor (`Stored.fused`) for a layer of N*H = NH query rows and K*H = KH
+    key/value rows; None for a "rows" fusion without num_heads (its split needs no heads). The "grouped" fusion
+    interleaves per key/value head, so where its rows split depends on N and H, which the tensors do not say:
+    it needs num_heads=N. A ValueError (starting with `what`) names what does not fit."""
+    lay = _layout(layout)
+    stored = lay.fused
+    if stored is None:
+        raise ValueError(f"layout {layout!r} fuses no q/k/v tensor")
+    if num_heads is None:
+        if stored.fused == "grouped":
+            raise ValueError(f"{what}layout {layout!r}: {stored.key} interleaves q, k and v per key/value head "
+                             f"(viewed (K, N/K + 2, H)), so splitting it needs num_heads= (config.json's "
+                             f"num_attention_heads); the tensors do not say N")
+        return None
+    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads <= 0:
+        raise ValueError(f"{what}num_heads must be a positive int, got {num_heads!r}")
+    if NH % num_heads:
+        raise ValueError(f"{what}layout {layout!r}: num_heads={num_heads} does not divide N*H={NH}, the query rows "
+                         f"of {stored.key}")
+    H = NH // num_heads
+    if KH % H or num_heads % (KH // H):
+        raise ValueError(f"{what}layout {layout!r}: {stored.key} has K*H={KH} key/value rows, not K heads of "
+                         f"H = N*H/N = {H} with K dividing num_heads={num_heads}")
+    if "3E" in stored.shape and KH != NH:
+        raise ValueError(f"{what}layout {layout!r} has no grouped heads: {stored.key} holds (N, 3, H), so K must be "
+                         f"N={num_heads}, got K={KH // H}")
+    return num_heads, KH // H, H
+
+
+def fuse_qkv(parts, fused: str, heads: tuple[int, int, int] | None, concat):
+    """q (N*H, ...), k, v (K*H, ...) -> the fused tensor, rows ((N + 2K)*H, ...), bit for bit (a permutation of the
+    rows). `fused`: a `FUSIONS` entry; heads (N, K, H) (`fused_heads`), needed by "grouped"; concat(arrays, axis):
+    the framework's concatenation (np.concatenate; torch.cat and jnp.concatenate serve the contract, so autodiff
+    carries gradients back through it: its transpose is the split)."""
+    q, k, v = parts
+    if fused == "rows":
+        return concat([q, k, v], 0)
+    N, K, H = heads
+    rest = tuple(q.shape[1:])
+    groups = concat([q.reshape((K, N // K, H) + rest), k.reshape((K, 1, H) + rest), v.reshape((K, 1, H) + rest)], 1)
+    return groups.reshape(((N + 2 * K) * H,) + rest)  # (K, N/K + 2, H, ...) -> rows
+
+
+def split_qkv(arr, fused: str, NH: int, KH: int, heads: tuple[int, int, int] | None):
+    """The inverse of `fuse_qkv`: the fused rows -> (q (N*H, ...), k (K*H, ...), v (K*H, ...)), views of `arr`."""
+    if fused == "rows":
+        return arr[:NH], arr[NH:NH + KH], arr[NH + KH:]
+    N, K, H = heads
+    rest = tuple(arr.shape[1:])
+    groups = arr.reshape((K, N // K + 2, H) + rest)  # each key/value head's query heads, its k, its v
+    return (groups[:, :-2].reshape((N * H,) + rest), groups[:, -2].reshape((K * H,) + rest),
+            groups[:, -1].reshape((K * H,) + rest))
+
+
+def _fused_kv_rows(lay: Layout, spelling: int, get, prefix: str, E: int, NH: int, source: str) -> int | None:
+    """K*H of a layout fusing q/k/v along rows, from its weight's rows R = N*H + 2*K*H (N*H the output
+    projection's columns; "3E" layouts: K*H = N*H, the rows then checked to be 3E); None for another layout."""
+    stored = next((s for s in lay.spellings[spelling] if s.fused and len(s.shape) == 2), None)
+    if stored is None:
+        return None
+    if "3E" in stored.shape:
+        return NH
+    key = prefix + stored.key
+    shape = tuple(get(key).shape)
+    rows = shape[0] if len(shape) == 2 else 0
+    if rows <= NH or (rows - NH) % 2 or NH % ((rows - NH) // 2):
+        raise ValueError(f"{source}layout {lay.name!r}: {key} has shape {shape}, expected (N*H + 2*K*H, E) = "
+                         f"({NH} + 2*K*H, {E}): the N*H={NH} query rows (the output projection's columns), then K*H "
+                         f"rows for each of k and v, K*H dividing N*H")
+    return (rows - NH) // 2
+
+
 def _head_units(get, keys: Mapping, NH: int, KH: int, what: str, qk_norm: str | None = None) -> dict:
     """{"N": ..., "H|NH": ..., "H|KH": ...} as a block's sinks (N,) and q_norm weight say them; `keys` maps each
     unit to the key of the tensor in it, for those the block holds. A file does not say N: sinks give it; a
@@ -325,8 +455,11 @@ def _head_units(get, keys: Mapping, NH: int, KH: int, what: str, qk_norm: str | 
 
 
 def _stored_key(layout: Layout, part: str) -> str:
-    """The layout's name (first spelling) of the tensor holding canonical `part` alone."""
-    return next((s.key for s in layout.spellings[0] if s.parts == (part,)), part)
+    """The layout's name (first spelling) of the tensor holding canonical `part` alone, or of the fused tensor
+    holding it among q, k and v."""
+    fused = next((f"{s.key} (its {part.split('_')[0]} rows)" for s in layout.spellings[0] if s.fused and part in s.parts),
+                 part)
+    return next((s.key for s in layout.spellings[0] if s.parts == (part,)), fused)
 
 
 def _check_heads(sd: dict, layout: Layout, num_heads: int | None, prefix: str, source: str) -> None:
@@ -442,7 +575,8 @@ _IMPLIED_FEATURES = (
     (("sinks",), "attention sinks: a learned logit per head in the softmax's denominator, which layout {layout!r} "
                  "reads only for a layer described with it (config.json's model: GPT-OSS)"),
     (("qkv_proj", "query_key_value", "c_attn", "Wqkv", "wqkv", "qkv", "W_pack", "in_proj_weight", "in_proj_bias"),
-     "fused projections: q, k and v in one tensor, which layout {layout!r} does not read"),
+     "fused projections: q, k and v in one tensor, which layout {layout!r} does not read (layouts hf-phi3, "
+     "hf-gpt-neox and hf-falcon read Phi-3's qkv_proj, GPT-NeoX's and Falcon's query_key_value)"),
     (("dense", "c_proj", "o_proj", "out_proj", "wo", "output"),
      "an output projection under a name layout {layout!r} does not read"),
     (("q_proj", "k_proj", "v_proj", "query", "key", "value", "wq", "wk", "wv"),
@@ -531,7 +665,7 @@ def _close(stored: np.ndarray, expected: np.ndarray) -> bool:
 
 
 def _check_buffer(rel: str, arr: np.ndarray, key: str, source: str, NH: int, num_heads: int | None,
-                  rope_theta: float | None) -> None:
+                  rope_theta: float | None, rope_dim: int | None = None, rope_scaling=None) -> None:
     """A layout's buffer (`Layout.buffers`) must say what the layer computes, else a ValueError naming it.
     NH: the query heads' width N*H (E unless the layer has a head_dim of its own)."""
     arr = np.asarray(arr)
@@ -539,13 +673,20 @@ def _check_buffer(rel: str, arr: np.ndarray, key: str, source: str, NH: int, num
         if num_heads is None or rope_theta is None:
             raise ValueError(f"{source}{key} holds RoPE's inverse frequencies: give num_heads= and rope_theta= "
                              f"(config.json's) so they are checked against the layer")
+        from mha_spec import rope_frequencies
+
         H = NH // num_heads
-        expected = 1.0 / float(rope_theta) ** (np.arange(0, H, 2, dtype=np.float64) / H)
-        if arr.dtype.kind != "f" or arr.shape != expected.shape or not _close(arr, expected):
-            raise ValueError(f"{source}{key} ({arr.dtype}{list(arr.shape)}) is not the default RoPE's "
-                             f"1 / rope_theta^(2i/H) for rope_theta={rope_theta:g} and H={H} (expected "
-                             f"{expected[:3].tolist()}..., stored {arr.ravel()[:3].tolist()}...): a scaled RoPE or "
-                             f"another base, which the layer would not compute")
+        R = H if rope_dim is None else rope_dim
+        tables = [np.array(rope_frequencies(R, float(rope_theta), rope_scaling, long), np.float64)
+                  for long in ((False, True) if rope_scaling is not None and rope_scaling.switches else (False,))]
+        if arr.dtype.kind != "f" or not any(arr.shape == t.shape and _close(arr, t) for t in tables):
+            expected = tables[0]
+            said = "the default RoPE's 1 / rope_theta^(2i/H)" if rope_scaling is None else f"RoPE scaled {rope_scaling}"
+            sizes = f"H={H}" if R == H else f"R={R} of H={H}"
+            raise ValueError(f"{source}{key} ({arr.dtype}{list(arr.shape)}) is not {said} for rope_theta="
+                             f"{rope_theta:g} and {sizes} (expected {expected[:3].tolist()}..., stored "
+                             f"{arr.ravel()[:3].tolist()}...): a scaled RoPE or another base, which the layer would "
+                             f"not compute")
     elif rel == "bias":  # GPT-2's causal mask, (1, 1, P, P) lower-triangular ones
         P = arr.shape[-1] if arr.ndim == 4 else -1
         if arr.shape != (1, 1, P, P) or not np.array_equal(arr.astype(bool), np.tril(np.ones((P, P), bool))[None, None]) \
@@ -579,15 +720,36 @@ def _block_units(lay: Layout, spelling: int, fetch, present: set, prefix: str, s
     E = _embed_dim(lay, spelling, fetch, prefix, source)
     NH = _query_rows(lay, spelling, fetch, prefix, E, source)
     KH = _kv_rows(lay, spelling, fetch, prefix, E, source, NH)
+    if KH is None:
+        KH = _fused_kv_rows(lay, spelling, fetch, prefix, E, NH, source)
     held = {s.shape[0]: prefix + s.key for s in lay.spellings[spelling]
             if s.shape and s.shape[0] in _HEAD_UNITS and prefix + s.key in present}
-    return {"E": E, "3E": 3 * E, "KH": KH, "NH": NH,
+    return {"E": E, "3E": 3 * E, "KH": KH, "NH": NH, "QKV": None if KH is None else NH + 2 * KH,
             **_head_units(fetch, held, NH, KH, f"{source}layout {lay.name!r}: ", qk_norm)}
+
+
+def _shape_error(lay: Layout, spelling: int, s: Stored, arr, units: Mapping, prefix: str, source: str) -> ValueError:
+    """A tensor of the block whose shape is not the one its layout's units give: named, with where each unit
+    was read from and a hint at the usual mistake."""
+    E, NH, KH = units["E"], units["NH"], units["KH"]
+    stored = lay.spellings[spelling]
+    hint = " -- a (3E, E) c_attn is nn.Linear's (out, in) orientation: transposed?" if s.in_out and len(s.parts) > 1 else ""
+    if lay.grouped and s.parts in (("q_proj.weight",), ("out_proj.weight",)):
+        hint = (" -- q_proj's rows and the output projection's columns are both N*H: a head_dim other than "
+                "E/N shows in both")
+    kv_from = next((t.key for t in stored if t.shape and t.shape[0] in ("KH", "QKV")), None)
+    kh = "" if KH is None or kv_from is None else f", K*H={KH} from {prefix}{kv_from}"
+    nh_from = next((t.key for t in stored if t.shape[1:] == ("NH",)), None)
+    if lay.grouped and nh_from is not None and (NH != E or s.shape[0] == "NH"):
+        kh += f", N*H={NH} from {prefix}{nh_from}"
+    return ValueError(f"{source}layout {lay.name!r}: {prefix + s.key} has shape {tuple(arr.shape)}, expected "
+                      f"{_expected(s, units)} (E={E}{kh}){hint}")
 
 
 def _from_getter(get, keys, layout: str, prefix: str, source: str = "", num_heads: int | None = None,
                  finite: bool = False, rope_theta: float | None = None, get_buffer=None,
-                 qk_norm: str | None = None, sinks: bool = False) -> dict[str, np.ndarray]:
+                 qk_norm: str | None = None, sinks: bool = False, rope_dim: int | None = None,
+                 rope_scaling=None) -> dict[str, np.ndarray]:
     """Shared by from_layout and read_layout: `get(key)` returns one tensor, `keys` are all keys.
 
     `source` ("model.safetensors: ") starts every error message about the tensors; `finite`: a
@@ -625,28 +787,27 @@ def _from_getter(get, keys, layout: str, prefix: str, source: str = "", num_head
         key = prefix + s.key
         arr = fetch(key)
         if tuple(arr.shape) != _dims(s.shape, units):
-            hint = " -- a (3E, E) c_attn is nn.Linear's (out, in) orientation: transposed?" if s.in_out and len(s.parts) > 1 else ""
-            if lay.grouped and s.parts in (("q_proj.weight",), ("out_proj.weight",)):
-                hint = (" -- q_proj's rows and the output projection's columns are both N*H: a head_dim other than "
-                        "E/N shows in both")
-            kh = "" if KH is None else f", K*H={KH} from {prefix}{next(t.key for t in lay.spellings[spelling] if t.shape and t.shape[0] == 'KH')}"
-            if lay.grouped and (NH != E or s.shape[0] == "NH"):
-                kh += f", N*H={NH} from {prefix}{next(t.key for t in lay.spellings[spelling] if t.shape[1:] == ('NH',))}"
-            raise ValueError(f"{source}layout {layout!r}: {key} has shape {tuple(arr.shape)}, expected {_expected(s, units)} (E={E}{kh}){hint}")
-        for name, part in zip(s.parts, np.split(arr, len(s.parts), axis=-1)):
+            raise _shape_error(lay, spelling, s, arr, units, prefix, source)
+        if s.fused:  # the heads are needed (and checked) only once the fused tensor's shape is known good
+            heads = fused_heads(layout, NH, KH, num_heads, source)
+            parts = split_qkv(arr, s.fused, NH, KH, heads)
+        else:
+            parts = np.split(arr, len(s.parts), axis=-1)
+        for name, part in zip(s.parts, parts):
             sd[name] = np.ascontiguousarray(part.T if s.in_out else part).copy()
     # which biases; the dtypes: one of the four, the same for every tensor
     _check_canonical(sd, lay, f"{source}layout {layout!r} under prefix {prefix!r}: ")
     _check_heads(sd, lay, num_heads, prefix, source)
     _check_norm_kind(sd, lay, qk_norm, num_heads, prefix, source)
     for key in tensors.buffers:
-        _check_buffer(key[len(prefix):], _as_numpy((get_buffer or get)(key), key), key, source, NH, num_heads, rope_theta)
+        _check_buffer(key[len(prefix):], _as_numpy((get_buffer or get)(key), key), key, source, NH, num_heads, rope_theta,
+                      rope_dim, rope_scaling)
     return sd
 
 
 def from_layout(tensors: Mapping, layout: str, *, prefix: str = "", num_heads: int | None = None,
                 rope_theta: float | None = None, qk_norm: str | None = None,
-                sinks: bool = False) -> dict[str, np.ndarray]:
+                sinks: bool = False, rope_dim: int | None = None, rope_scaling=None) -> dict[str, np.ndarray]:
     """One attention block of a checkpoint (a mapping of names to numpy/torch/jax arrays) -> canonical.
 
     num_heads=N, when given, is checked against the shapes (in units of heads for
@@ -662,7 +823,7 @@ def from_layout(tensors: Mapping, layout: str, *, prefix: str = "", num_heads: i
     if not isinstance(tensors, Mapping):
         raise TypeError(f"tensors must be a mapping of name -> array, got {type(tensors).__name__}")
     return _from_getter(tensors.__getitem__, tensors.keys(), layout, prefix, num_heads=num_heads, rope_theta=rope_theta,
-                        qk_norm=qk_norm, sinks=sinks)
+                        qk_norm=qk_norm, sinks=sinks, rope_dim=rope_dim, rope_scaling=rope_scaling)
 
 
 def to_layout(sd, layout: str, *, prefix: str = "", spelling: int = 0, num_heads: int | None = None) -> dict[str, np.ndarray]:
@@ -676,20 +837,40 @@ def to_layout(sd, layout: str, *, prefix: str = "", spelling: int = 0, num_heads
     lay = _layout(layout)
     if spelling not in range(len(lay.spellings)):
         raise ValueError(f"layout {layout!r} has spellings {list(range(len(lay.spellings)))}, got spelling={spelling!r}")
-    _check_canonical(sd, lay, f"layout {layout!r}: ")
+    E, _ = _check_canonical(sd, lay, f"layout {layout!r}: ")
     _check_heads(sd, lay, num_heads, "", "")
+    heads = _fused_canonical(sd, lay, E, num_heads)
     out = {}
     for s in lay.spellings[spelling]:
         if s.optional and not all(p in sd for p in s.parts):
             continue
         parts = [sd[p].T if s.in_out else sd[p] for p in s.parts]
-        out[prefix + s.key] = np.ascontiguousarray(np.concatenate(parts, axis=-1))
+        if s.fused:
+            out[prefix + s.key] = np.ascontiguousarray(fuse_qkv(parts, s.fused, heads, np.concatenate))
+        else:
+            out[prefix + s.key] = np.ascontiguousarray(np.concatenate(parts, axis=-1))
     return out
+
+
+def _fused_canonical(sd: Mapping, lay: Layout, E: int, num_heads: int | None) -> tuple[int, int, int] | None:
+    """The heads (N, K, H) a layout fusing q/k/v needs of a canonical dict (`fused_heads`; None for another
+    layout, or a "rows" fusion without num_heads), and a ValueError when the dict does not fit the layout's
+    units: GPT-NeoX's and Falcon's output projection is (E, E), so N*H must be E."""
+    if lay.fused is None:
+        return None
+    NH, KH = sd["q_proj.weight"].shape[0], sd["k_proj.weight"].shape[0]
+    if "NH" not in (d for s in lay.spellings[0] for d in s.shape) and NH != E:
+        raise ValueError(f"layout {lay.name!r}: q_proj.weight has {NH} rows, expected E={E}: the layout's output "
+                         f"projection is (E, E), so its heads span E (head_dim = E/N)")
+    if "3E" in lay.fused.shape and KH != NH:
+        raise ValueError(f"layout {lay.name!r}: k_proj.weight has {KH} rows, expected E={E}: {lay.fused.key} holds "
+                         f"(N, 3, H), so the layout has no grouped heads (K = N)")
+    return fused_heads(lay.name, NH, KH, num_heads, f"layout {lay.name!r}: ")
 
 
 def read_layout(path, layout: str, *, prefix: str = "", num_heads: int | None = None,
                 rope_theta: float | None = None, qk_norm: str | None = None,
-                sinks: bool = False) -> dict[str, np.ndarray]:
+                sinks: bool = False, rope_dim: int | None = None, rope_scaling=None) -> dict[str, np.ndarray]:
     """Read one attention block from a .safetensors checkpoint: only its tensors are read (lazily).
 
     Every error names the file: a directory, a missing, truncated or pickle file, a tensor
@@ -701,7 +882,8 @@ def read_layout(path, layout: str, *, prefix: str = "", num_heads: int | None = 
     """
     with open_weight_file(path) as f:
         return _from_getter(f.get, f.keys, layout, prefix, source=f"{f.path}: ", num_heads=num_heads, finite=True,
-                            rope_theta=rope_theta, get_buffer=f.get_buffer, qk_norm=qk_norm, sinks=sinks)
+                            rope_theta=rope_theta, get_buffer=f.get_buffer, qk_norm=qk_norm, sinks=sinks,
+                            rope_dim=rope_dim, rope_scaling=rope_scaling)
 
 
 # ---------------------------------------------------------------- transformers checkpoint directories
@@ -728,6 +910,11 @@ class HFModel:
     # layer_types[L] says whether layer L is full or sliding_attention (window sliding_window): a layer's
     # attention depends on L, which the prefix then has to say.
     layer_types: bool = False
+    bias_default: bool = False  # a bias flag's value when config.json lacks its field (GPT-NeoX: attention_bias True)
+    # Its attention rotates the first R features and passes the rest (Phi-3's and GPT-NeoX's apply_rotary_pos_emb);
+    # the others rotate the whole head, so a partial_rotary_factor there is refused (their cos/sin of R features
+    # would not even broadcast against q's H).
+    partial_rope: bool = False
 
 
 _BY_LAYER = dict(head_dim=True, qkv_bias="attention_bias", out_bias="attention_bias", layer_types=True)
@@ -737,7 +924,8 @@ HF_MODELS: dict[str, HFModel] = {
     "llama": HFModel("hf-llama", qkv_bias="attention_bias", out_bias="attention_bias"),
     "mistral": HFModel("hf-llama", qkv_bias=False, out_bias=False, sliding_window_field="sliding_window"),
     "mixtral": HFModel("hf-llama", qkv_bias=False, out_bias=False, sliding_window_field="sliding_window"),
-    "qwen2": HFModel("hf-llama", qkv_bias=True, out_bias=False, sliding_window_field="use_sliding_window"),
+    # Qwen2: layer L slides when use_sliding_window and L >= max_window_layers (Qwen2Config's layer_types rule).
+    "qwen2": HFModel("hf-llama", qkv_bias=True, out_bias=False, layer_types=True),
     "qwen3": HFModel("hf-llama", **_BY_LAYER, qk_norm="head"),
     # Qwen3-MoE's attention is Qwen3's; its sliding_window applies to every layer when use_sliding_window is set.
     "qwen3_moe": HFModel("hf-llama", head_dim=True, qkv_bias="attention_bias", out_bias="attention_bias",
@@ -749,6 +937,14 @@ HF_MODELS: dict[str, HFModel] = {
     "gemma3_text": HFModel("hf-llama", **_BY_LAYER, qk_norm="head", qk_norm_offset=1.0, query_scalar=True),
     "olmo2": HFModel("hf-llama", head_dim=True, qkv_bias="attention_bias", out_bias="attention_bias", qk_norm="flat"),
     "gpt_oss": HFModel("hf-llama", **_BY_LAYER, sinks=True),
+    # Phi-3: q/k/v fused (qkv_proj), no biases, LongRoPE and partial RoPE, one sliding_window for every layer.
+    "phi3": HFModel("hf-phi3", qkv_bias=False, out_bias=False, head_dim=True, sliding_window_field="sliding_window",
+                    partial_rope=True),
+    # GPT-NeoX (Pythia): q/k/v fused per head, partial RoPE (a quarter by default), attention_bias default True.
+    "gpt_neox": HFModel("hf-gpt-neox", qkv_bias="attention_bias", out_bias="attention_bias", bias_default=True,
+                        partial_rope=True),
+    # Falcon: q/k/v fused per key/value head (`_falcon_kv_heads` says how many), config's bias on both.
+    "falcon": HFModel("hf-falcon", qkv_bias="bias", out_bias="bias"),
 }
 
 _DEFAULT_ROPE_THETA = 10000.0  # transformers' RotaryEmbeddingConfigMixin.default_theta
@@ -780,39 +976,128 @@ def _rope_fields(cfg: Mapping, source: str) -> dict[str, Mapping]:
     return fields
 
 
-def _refuse_scaling(name: str, params: Mapping, source: str) -> None:
-    """Anything in one RoPE field but the default, unscaled, whole-head RoPE is refused by name."""
-    if any(isinstance(v, Mapping) for v in params.values()):
-        raise NotImplementedError(f"{source}: {name} nested per layer type ({sorted(params)}) are not supported: "
-                                  f"every layer here has one RoPE")
-    for key in _ROPE_TYPE_KEYS:
-        if key in params and params[key] != "default":
-            raise NotImplementedError(f"{source}: rope_type {params[key]!r} ({name}.{key}, in {name} = {dict(params)}) is "
-                                      f"not supported: our modules implement the default, unscaled RoPE only")
+# The RoPE keys of rope_parameters read here; every other key belongs to the scaling (`mha_spec.RopeScaling`,
+# which names one it does not read) or, for the default RoPE, is refused by name.
+_ROPE_OWN_KEYS = ("rope_type", "type", "rope_theta", "partial_rotary_factor")
+# The base a config.json without one gets: transformers' default_theta of the model's config class.
+_DEFAULT_THETAS = {"gpt_oss": 150000.0}
+# rope_type spellings transformers maps to another kind for one model (Phi3Config: "su" and "yarn" are LongRoPE).
+_KIND_ALIASES = {"phi3": {"su": "longrope", "yarn": "longrope"}}
+_SCALED_ORIGINAL = ("llama3", "yarn", "longrope")  # the kinds transformers gives original_max_position_embeddings
 
 
-def _rope_theta(cfg: Mapping, source: str) -> float:
-    """rope_theta as transformers reads it, from rope_scaling (when set), else rope_parameters, else the
-    top-level rope_theta (transformers 4.x), else 10000. A scaled, partial or per-layer RoPE in any field,
-    under either type spelling, is refused by name; so is a rope_theta in rope_parameters that a set
+def _rope_params(cfg: Mapping, source: str) -> Mapping:
+    """The RoPE field transformers reads (a set rope_scaling, else rope_parameters; {} for neither); nested per
+    layer type here (`_layer_rope` picked none) is refused; so is a rope_theta in rope_parameters that a set
     rope_scaling hides (transformers would not use it)."""
     fields = _rope_fields(cfg, source)
     for name, params in fields.items():
-        _refuse_scaling(name, params, source)
-    for where, holder in [*fields.items(), ("config.json's top level", cfg)]:
-        factor = holder.get("partial_rotary_factor")
-        if factor is not None and factor != 1.0:
-            raise NotImplementedError(f"{source}: partial_rotary_factor={factor!r} ({where}) is not supported: our "
-                                      f"modules rotate the whole head")
-    read = next(iter(fields.values()), {})  # the field transformers reads
-    theta = read.get("rope_theta", cfg.get("rope_theta", _DEFAULT_ROPE_THETA))
+        if any(isinstance(v, Mapping) for v in params.values()):
+            raise NotImplementedError(f"{source}: {name} nested per layer type ({sorted(params)}) are not supported: "
+                                      f"every layer here has one RoPE")
+    read = next(iter(fields.values()), {})
     hidden = fields.get("rope_parameters", {}).get("rope_theta") if "rope_scaling" in fields else None
-    if hidden is not None and hidden != theta:
+    if hidden is not None and hidden != read.get("rope_theta", cfg.get("rope_theta", hidden)):
         raise _config_error(source, f"rope_parameters.rope_theta = {hidden!r}, but rope_scaling is set too and "
-                                    f"transformers reads it instead (rope_theta {theta!r}): say one rope_theta")
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)):
-        raise _config_error(source, f"rope_theta = {theta!r} is not a number")
-    return float(theta)
+                                    f"transformers reads it instead (rope_theta {read.get('rope_theta', cfg.get('rope_theta'))!r}): "
+                                    f"say one rope_theta")
+    return read
+
+
+def _rope_kind(params: Mapping, model_type, source: str) -> str:
+    """The RoPE kind: rope_type (transformers 5 reads it first), else type (4.x's spelling); both set and
+    different is refused (readers of either release would compute different RoPEs)."""
+    said = {k: params[k] for k in ("rope_type", "type") if params.get(k) is not None}
+    if len(set(said.values())) > 1:
+        raise _config_error(source, f"rope_type = {said['rope_type']!r} but type = {said['type']!r} in the RoPE "
+                                    f"parameters: transformers 5 reads the first, 4.x the second; say one")
+    kind = next(iter(said.values()), "default")
+    if not isinstance(kind, str):
+        raise _config_error(source, f"rope_type = {kind!r} is not a string")
+    return _KIND_ALIASES.get(model_type, {}).get(kind, kind)
+
+
+def _rope_number(holder: Mapping, key: str, where: str, source: str):
+    value = holder[key]
+    if not _number(value):
+        raise _config_error(source, f"{where}{key} = {value!r} is not a number")
+    return value
+
+
+def _rope_base_and_fraction(cfg: Mapping, params: Mapping, model_type, source: str) -> tuple[float, float]:
+    """(rope_theta, partial_rotary_factor) as transformers reads them: rope_parameters first, then config.json's
+    top level (4.x), GPT-NeoX's own rotary_emb_base and rotary_pct, then the model's defaults (GPT-NeoX rotates a
+    quarter of each head unless told otherwise: GPTNeoXConfig's rotary_pct default 0.25)."""
+    theta_keys = ("rope_theta", "rotary_emb_base") if model_type == "gpt_neox" else ("rope_theta",)
+    fraction_keys = ("partial_rotary_factor", "rotary_pct") if model_type == "gpt_neox" else ("partial_rotary_factor",)
+    out = []
+    for keys, default in ((theta_keys, _DEFAULT_THETAS.get(model_type, _DEFAULT_ROPE_THETA)),
+                          (fraction_keys, 0.25 if model_type == "gpt_neox" else 1.0)):
+        value = default
+        for where, holder in (("rope_parameters.", params), ("", cfg)):
+            key = next((k for k in keys if holder.get(k) is not None), None)
+            if key is not None:
+                value = _rope_number(holder, key, where, source)
+                break
+        out.append(float(value))
+    return out[0], out[1]
+
+
+def _rope_scaling(cfg: Mapping, params: Mapping, kind: str, model_type, source: str):
+    """The `mha_spec.RopeScaling` of a scaled RoPE from the keys of its rope_parameters; None for the default one,
+    whose every other key is refused by name. original_max_position_embeddings as transformers'
+    standardize_rope_params takes it for llama3, yarn and longrope: config.json's top level first (Phi-3 keeps it
+    there; Phi3Config's default 4096), else rope_parameters', else max_position_embeddings; LongRoPE's and
+    YaRN's factor, when unset, max_position_embeddings / original_max_position_embeddings."""
+    from mha_spec import RopeScaling
+
+    keys = {k: v for k, v in params.items() if k not in _ROPE_OWN_KEYS}
+    if kind == "default":
+        if extra := sorted(k for k, v in keys.items() if v is not None):
+            raise _config_error(source, f"the RoPE parameters set {extra} with rope_type 'default', which reads none "
+                                        f"of them: they would be ignored")
+        return None
+    if kind in _SCALED_ORIGINAL:
+        top = cfg.get("original_max_position_embeddings", 4096 if model_type == "phi3" else None)
+        original = top if top is not None else keys.get("original_max_position_embeddings",
+                                                        cfg.get("max_position_embeddings"))
+        keys["original_max_position_embeddings"] = original
+        if kind in ("yarn", "longrope") and keys.get("factor") is None:
+            longest = cfg.get("max_position_embeddings")
+            if not _number(longest) or not _number(original) or original <= 0:
+                raise _config_error(source, f"rope_type {kind!r} without a factor needs max_position_embeddings / "
+                                            f"original_max_position_embeddings, got {longest!r} / {original!r}")
+            keys["factor"] = longest / original
+    try:
+        return RopeScaling.from_mapping(kind, keys)
+    except NotImplementedError as e:
+        raise NotImplementedError(f"{source}: {e}") from e
+    except (TypeError, ValueError) as e:
+        raise _config_error(source, f"the RoPE parameters {dict(params)}: {e}") from e
+
+
+def _rope(cfg: Mapping, H: int, source: str, partial: bool = True) -> dict:
+    """The AttentionConfig RoPE fields (rope_theta, rope_dim, rope_scaling) of a config.json (the layer's RoPE
+    already picked: `_layer_rope`): the kind (`_rope_kind`), the base and the rotated fraction
+    (`_rope_base_and_fraction`: rope_dim = int(H * fraction), transformers' rule), the scaling
+    (`_rope_scaling`). A kind the tool does not model (dynamic, proportional, ...) is refused by name, and so is
+    a partial RoPE for a model whose attention rotates the whole head (partial=False: `HFModel.partial_rope`)."""
+    model_type = cfg.get("model_type")
+    params = _rope_params(cfg, source)
+    kind = _rope_kind(params, model_type, source)
+    theta, fraction = _rope_base_and_fraction(cfg, params, model_type, source)
+    if not 0 < fraction <= 1:
+        raise _config_error(source, f"partial_rotary_factor = {fraction!r} is not in (0, 1]")
+    if fraction != 1 and not partial:
+        raise NotImplementedError(f"{source}: partial_rotary_factor={fraction!r}: {model_type!r}'s attention rotates "
+                                  f"the whole head (its apply_rotary_pos_emb has no pass-through part), so RoPE on "
+                                  f"part of each head is not this model's")
+    R = int(H * fraction)
+    if R < 2 or R % 2:
+        raise _config_error(source, f"partial_rotary_factor = {fraction!r} rotates int({H} * {fraction!r}) = {R} "
+                                    f"features of each head: RoPE rotates an even number >= 2")
+    return dict(rope_theta=theta, rope_dim=None if R == H else R,
+                rope_scaling=_rope_scaling(cfg, params, kind, model_type, source))
 
 
 def _int_field(cfg: Mapping, field: str, source: str, default=None) -> int:
@@ -850,8 +1135,6 @@ FAMILY_FEATURES: dict[str, tuple[str, ...]] = {
     "gemma3_text": ("QK-norm: Gemma's RMSNorm (scale 1 + w) over each head of q and k before RoPE (q_norm, k_norm)",),
     "olmo2": ("QK-norm: an RMSNorm over the whole q and k projections, all heads at once, before RoPE (q_norm, k_norm)",),
     "gpt_oss": ("attention sinks: a learned logit per head in the softmax's denominator (sinks)",),
-    "phi3": ("fused projections: q, k and v in one tensor (qkv_proj)",),
-    "gpt_neox": ("fused projections: q, k and v in one tensor, interleaved per head (query_key_value)",),
 }
 
 _QK_NORM_FLAGS = ("use_qk_norm", "qk_layernorm", "qk_norm", "use_qk_layernorm")
@@ -1034,8 +1317,7 @@ def attention_config(cfg: Mapping, where: str, *, masked_rows: str = "nan", igno
         cfg = {**text, "model_type": "gemma3"}
     E = _int_field(cfg, "hidden_size", where)
     N = _int_field(cfg, "num_attention_heads", where)
-    K = cfg.get("num_key_value_heads")
-    K = N if K is None else _int_field(cfg, "num_key_value_heads", where)
+    K = _kv_heads(cfg, N, where)
     head_dim = cfg.get("head_dim")
     if head_dim is not None and not model.head_dim and (E % N or head_dim != E // N):
         raise _config_error(where, f"head_dim = {head_dim!r} but hidden_size / num_attention_heads = {E} / {N}: our "
@@ -1053,12 +1335,12 @@ def attention_config(cfg: Mapping, where: str, *, masked_rows: str = "nan", igno
     flags = {}
     for name in ("qkv_bias", "out_bias"):
         rule = getattr(model, name)
-        flags[name] = rule if isinstance(rule, bool) else cfg.get(rule, False)
+        flags[name] = rule if isinstance(rule, bool) else cfg.get(rule, model.bias_default)
         if not isinstance(flags[name], bool):
             raise _config_error(where, f"{rule} = {flags[name]!r} is not a bool")
-    theta = _rope_theta(_layer_rope(cfg, layer_type, where), where)
+    rope = _rope(_layer_rope(cfg, layer_type, where), H or E // N, where, model.partial_rope)
     try:
-        return AttentionConfig(E, N, num_kv_heads=K if K != N else None, head_dim=H, rope="half", rope_theta=theta,
+        return AttentionConfig(E, N, num_kv_heads=K if K != N else None, head_dim=H, rope="half", **rope,
                                masked_rows=masked_rows, **flags, **_modern_fields(cfg, model, where, H or E // N))
     except (TypeError, ValueError) as e:
         raise _config_error(where, str(e)) from e
@@ -1079,7 +1361,7 @@ def _layer_type(cfg: Mapping, model: HFModel, where: str, layer: int | None, ign
     A layer type the tool does not model, no layer_types, or a prefix that does not say L is refused by name."""
     if not model.layer_types:
         return None
-    types = cfg.get("layer_types")
+    types = _layer_types(cfg)
     if types is None and cfg.get("model_type") == "qwen3" and not cfg.get("use_sliding_window"):
         types = ["full_attention"]  # Qwen3Config's rule: sliding layers only with use_sliding_window
         layer = None
@@ -1103,12 +1385,29 @@ def _layer_type(cfg: Mapping, model: HFModel, where: str, layer: int | None, ign
     return kind
 
 
+def _layer_types(cfg: Mapping):
+    """config.json's layer_types as the model's config class makes them. Qwen2Config: without use_sliding_window
+    its sliding_window is None, so no layer slides whatever layer_types says; with it, layer_types when given,
+    else layer L slides when L >= max_window_layers (default 28)."""
+    types = cfg.get("layer_types")
+    if cfg.get("model_type") != "qwen2":
+        return types
+    layers = cfg.get("num_hidden_layers")
+    if not cfg.get("use_sliding_window") or cfg.get("sliding_window") is None:
+        count = len(types) if isinstance(types, (list, tuple)) else layers if is_int(layers) and layers > 0 else 1
+        return ["full_attention"] * count
+    first = cfg.get("max_window_layers", 28)
+    if types is None and is_int(layers) and is_int(first):
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    return types
+
+
 def layer_window(cfg: Mapping, where: str, layer: int | None) -> int | None:
     """The sliding window W (the last W keys) of block L of a model with layer_types whose layer L is
     "sliding_attention"; None for a full layer, another model, or a prefix that names no layer (refused by
     `attention_config` when it matters). A W that is not a positive int is a ValueError naming it."""
     model = HF_MODELS.get(cfg.get("model_type")) if isinstance(cfg, Mapping) else None
-    types = cfg.get("layer_types") if model is not None and model.layer_types else None
+    types = _layer_types(cfg) if model is not None and model.layer_types else None
     if not isinstance(types, (list, tuple)) or layer is None or not 0 <= layer < len(types) \
             or types[layer] != "sliding_attention":
         return None
@@ -1133,6 +1432,37 @@ def _layer_rope(cfg: Mapping, layer_type: str | None, where: str) -> Mapping:
         raise NotImplementedError(f"{where}: rope_parameters nested per layer type ({sorted(params)}) has no entry "
                                   f"for this layer's type {layer_type!r}")
     return {**cfg, "rope_parameters": params[layer_type]}
+
+
+def _kv_heads(cfg: Mapping, N: int, where: str) -> int:
+    """K, the key/value heads: num_key_value_heads (absent: N); Falcon's as FalconAttention takes them
+    (`_falcon_kv_heads`)."""
+    if cfg.get("model_type") == "falcon":
+        return _falcon_kv_heads(cfg, N, where)
+    K = cfg.get("num_key_value_heads")
+    return N if K is None else _int_field(cfg, "num_key_value_heads", where)
+
+
+def _falcon_kv_heads(cfg: Mapping, N: int, where: str) -> int:
+    """Falcon's K: num_kv_heads (default N) with new_decoder_architecture, else 1 with multi_query (FalconConfig's
+    default True), else N (the classic per-head fusion). ALiBi is refused by name: position biases on the scores,
+    which the tool does not model (its RoPE is then off). parallel_attn only places the MLP beside attention."""
+    if cfg.get("alibi"):
+        raise NotImplementedError(f"{where}: alibi = {cfg['alibi']!r}: ALiBi position biases on the scores (and no "
+                                  f"RoPE), which the tool does not model")
+    for flag in ("new_decoder_architecture", "multi_query"):
+        if not isinstance(cfg.get(flag, False), bool):
+            raise _config_error(where, f"{flag} = {cfg[flag]!r} is not a bool")
+    if cfg.get("new_decoder_architecture", False):
+        K = cfg.get("num_kv_heads")
+        return N if K is None else _int_field(cfg, "num_kv_heads", where)
+    if cfg.get("multi_query", True):
+        return 1
+    K = cfg.get("num_kv_heads")
+    if K is not None and K != N:
+        raise _config_error(where, f"num_kv_heads = {K!r} with neither new_decoder_architecture nor multi_query: "
+                                   f"Falcon's classic attention has one key/value head per query head ({N})")
+    return N
 
 
 def _modern_fields(cfg: Mapping, model: HFModel, where: str, H: int) -> dict:
@@ -1197,22 +1527,26 @@ def read_checkpoint(path, layout: str = "hf-llama", *, prefix: str = "", config=
     if os.path.isdir(path):
         if config is None:
             config = _directory_config(path, layout, prefix, masked_rows, ignore_sliding_window, config_json)
-        theta = config.rope_theta if config.rope is not None else None
         single, index = _weight_files(path)
         if single is not None:
-            sd = read_layout(single, layout, prefix=prefix, num_heads=config.num_heads, rope_theta=theta,
-                             qk_norm=config.qk_norm, sinks=config.sinks)
+            sd = read_layout(single, layout, prefix=prefix, num_heads=config.num_heads, **_layer_read(config))
         else:
-            sd = _read_sharded(path, index, layout, prefix, config.num_heads, theta, config)
+            sd = _read_sharded(path, index, layout, prefix, config.num_heads, config)
     else:
         if config is None:
             raise TypeError(f"{path} is a single weight file, which does not say the layer's heads or RoPE: pass "
                             f"config=mha_spec.AttentionConfig(...), or the checkpoint directory holding config.json")
-        sd = read_layout(path, layout, prefix=prefix, num_heads=config.num_heads,
-                         rope_theta=config.rope_theta if config.rope is not None else None,
-                         qk_norm=config.qk_norm, sinks=config.sinks)
+        sd = read_layout(path, layout, prefix=prefix, num_heads=config.num_heads, **_layer_read(config))
     _check_fits(sd, config, path, prefix)
     return sd, config
+
+
+def _layer_read(config) -> dict:
+    """The keywords `read_layout` takes from a layer's config: the features whose tensors are read (qk_norm,
+    sinks) and the RoPE a stored inv_freq is checked against (`parity.canonical.ROPE_FIELDS` but rope)."""
+    rope = {"rope_theta": config.rope_theta, "rope_dim": config.rope_dim, "rope_scaling": config.rope_scaling} \
+        if config.rope is not None else {}
+    return dict(rope, qk_norm=config.qk_norm, sinks=config.sinks)
 
 
 def _check_fits(sd: dict, config, path: str, prefix: str) -> None:
@@ -1240,16 +1574,25 @@ def _directory_config(path: str, layout: str, prefix: str, masked_rows: str, ign
     unread. parsed: the directory's config.json already read (`read_config_json`)."""
     cfg, where = read_config_json(path) if parsed is None else parsed
     tensors = None
-    if (cfg.get("model_type") not in HF_MODELS or cfg.get("auto_map")) and prefix:
+    known = HF_MODELS.get(cfg.get("model_type")) if not cfg.get("auto_map") else None
+    if (known is None or known.layout != layout) and prefix:
         try:  # the tensors are named when they can be listed; the refusal stands either way
             tensors = account(checkpoint_tensor_names(path), layout, prefix)
         except (OSError, ValueError):
             tensors = None
     model = hf_model(cfg, where, tensors)
     if model.layout != layout:
-        raise ValueError(f"{where}: model_type {cfg['model_type']!r} uses layout {model.layout!r}, not {layout!r}")
+        raise ValueError(layout_mismatch(cfg, where, model, layout, tensors))
     return attention_config(cfg, where, masked_rows=masked_rows, ignore_sliding_window=ignore_sliding_window,
                             layer=layer_index(prefix))
+
+
+def layout_mismatch(cfg: Mapping, where: str, model: HFModel, layout: str, tensors: TensorAccount | None) -> str:
+    """Why a config.json's model is not read with `layout`: the layout its model_type has, and what `layout`
+    would leave unread under the prefix (fused projections, ...) when the tensors were listed."""
+    unread = f"; under the prefix, layout {layout!r} would leave unread {tensors.describe_unread()}" \
+        if tensors is not None and tensors.unread else ""
+    return f"{where}: model_type {cfg.get('model_type')!r} uses layout {model.layout!r}, not {layout!r}{unread}"
 
 
 def _weight_files(directory) -> tuple[str | None, str | None]:
@@ -1289,7 +1632,7 @@ def checkpoint_tensor_names(path) -> frozenset:
         return f.keys
 
 
-def _read_sharded(directory, index_path, layout, prefix, num_heads, rope_theta=None, config=None):
+def _read_sharded(directory, index_path, layout, prefix, num_heads, config):
     """The block's tensors from the shards model.safetensors.index.json names (each shard opened once)."""
     weight_map = _weight_map(index_path)
     with ExitStack() as stack:
@@ -1304,6 +1647,5 @@ def _read_sharded(directory, index_path, layout, prefix, num_heads, rope_theta=N
             return opened[shard]
 
         return _from_getter(lambda key: shard_of(key).get(key), weight_map.keys(), layout, prefix,
-                            source=f"{index_path}: ", num_heads=num_heads, finite=True, rope_theta=rope_theta,
-                            get_buffer=lambda key: shard_of(key).get_buffer(key),
-                            qk_norm=getattr(config, "qk_norm", None), sinks=getattr(config, "sinks", False))
+                            source=f"{index_path}: ", num_heads=num_heads, finite=True,
+                            get_buffer=lambda key: shard_of(key).get_buffer(key), **_layer_read(config))

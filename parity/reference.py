@@ -72,7 +72,7 @@ def keep_mask(mask, B: int, N: int, T: int, S: int):
 
 def config_of(sd, num_heads: int, *, masked_rows: str = "nan", num_kv_heads=None, rope=None,
               rope_theta: float = 10000.0, qk_norm=None, qk_norm_eps: float = 1e-6, qk_norm_offset: float = 0.0,
-              scale=None, softcap=None) -> AttentionConfig:
+              scale=None, softcap=None, rope_dim=None, rope_scaling=None) -> AttentionConfig:
     """The layer a canonical state dict describes; every key and shape checked (ValueError naming them).
     Biases and sinks are read off the keys; q_norm/k_norm weights need qk_norm (their shapes cannot say
     "head" from "flat" when N = K = 1)."""
@@ -87,7 +87,7 @@ def config_of(sd, num_heads: int, *, masked_rows: str = "nan", num_kv_heads=None
                           qkv_bias=any(f"{p}.bias" in sd for p in ("q_proj", "k_proj", "v_proj")),
                           out_bias="out_proj.bias" in sd, rope=rope, rope_theta=rope_theta, masked_rows=masked_rows,
                           qk_norm=qk_norm, qk_norm_eps=qk_norm_eps, qk_norm_offset=qk_norm_offset, scale=scale,
-                          softcap=softcap, sinks="sinks" in sd)
+                          softcap=softcap, sinks="sinks" in sd, rope_dim=rope_dim, rope_scaling=rope_scaling)
     expected = cfg.weight_shapes()
     missing, unexpected = sorted(set(expected) - set(sd)), sorted(set(sd) - set(expected))
     if missing or unexpected:
@@ -111,32 +111,128 @@ def _positions(pos, batch: int, length: int, name: str) -> np.ndarray:
     return pos.astype(np.float64).reshape(pos.shape[0] if pos.ndim == 2 else 1, 1, length, 1)  # not -1: L may be 0
 
 
+def rope_inv_freq(rope_dim: int, theta: float, scaling=None, long: bool = False) -> np.ndarray:
+    """inv_freq (R/2,) float64 of a RoPE over R = rope_dim features: theta ** (-2i / R), scaled by `scaling`
+    (a `mha_spec.RopeScaling`; LongRoPE's long factors with `long`). The oracle's own writing of transformers'
+    modeling_rope_utils (`_compute_{linear_scaling,llama3,yarn,longrope}_parameters`), in float64: it reads
+    the scaling's fields only, never mha_spec's frequencies, so the two are independent writings."""
+    base = 1.0 / theta ** (np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim)  # (R/2,)
+    if scaling is None:
+        return base
+    kind = scaling.kind
+    if kind == "linear":
+        return base / scaling.factor
+    if kind == "llama3":
+        return _llama3_inv_freq(base, scaling)
+    if kind == "yarn":
+        return _yarn_inv_freq(base, rope_dim, theta, scaling)
+    if kind == "longrope":  # 1 / (ext_factor[i] * theta ** (2i / R))
+        factors = np.asarray(scaling.long_factor if long else scaling.short_factor, np.float64)
+        if factors.shape != base.shape:
+            raise ValueError(f"rope_scaling longrope has {factors.size} factors, the layer rotates {base.size} pairs")
+        return base / factors
+    raise ValueError(f"rope_scaling kind {kind!r} is not one the oracle knows (linear, llama3, yarn, longrope)")
+
+
+def _llama3_inv_freq(base: np.ndarray, s) -> np.ndarray:
+    """Llama 3.1: wavelengths past original/low_freq_factor slowed by factor, those under
+    original/high_freq_factor kept, those between blended by how many turns fit the original context."""
+    orig, lo, hi, factor = s.original_max_position_embeddings, s.low_freq_factor, s.high_freq_factor, s.factor
+    wavelen = 2 * np.pi / base
+    slow = np.where(wavelen > orig / lo, base / factor, base)
+    smooth = (orig / wavelen - lo) / (hi - lo)
+    between = ~(wavelen < orig / hi) & ~(wavelen > orig / lo)
+    return np.where(between, (1 - smooth) * slow / factor + smooth * slow, slow)
+
+
+def _yarn_inv_freq(base: np.ndarray, R: int, theta: float, s) -> np.ndarray:
+    """YaRN: pairs below the correction dim of beta_fast keep their frequency (extrapolation), those past
+    that of beta_slow are divided by factor (interpolation), a linear ramp between (transformers' defaults:
+    beta_fast 32, beta_slow 1, truncate True)."""
+    beta_fast = 32.0 if s.beta_fast is None else s.beta_fast
+    beta_slow = 1.0 if s.beta_slow is None else s.beta_slow
+    orig = s.original_max_position_embeddings
+
+    def dim_turning(rotations):  # the (fractional) feature index whose wavelength turns `rotations` times in orig
+        return R * np.log(orig / (rotations * 2 * np.pi)) / (2 * np.log(theta))
+    low, high = dim_turning(beta_fast), dim_turning(beta_slow)
+    if s.truncate is None or s.truncate:
+        low, high = np.floor(low), np.ceil(high)
+    low, high = max(low, 0.0), min(high, R - 1.0)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = np.clip((np.arange(R // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)  # 1: interpolate
+    return base / s.factor * ramp + base * (1.0 - ramp)
+
+
+def rope_attention_factor(scaling) -> float:
+    """What cos and sin are multiplied by (transformers' attention_scaling): attention_factor if given, YaRN's
+    mscale ratio, LongRoPE's sqrt(1 + ln(factor) / ln(original)); 1 otherwise (and without scaling)."""
+    if scaling is None or scaling.kind in ("linear", "llama3"):
+        return 1.0
+    if scaling.attention_factor is not None:
+        return float(scaling.attention_factor)
+    factor = scaling.factor
+    if scaling.kind == "yarn":
+        def mscale(m):
+            return 1.0 if factor <= 1 else 0.1 * m * np.log(factor) + 1.0
+        if scaling.mscale and scaling.mscale_all_dim:  # truthiness, as transformers tests them
+            return float(mscale(scaling.mscale) / mscale(scaling.mscale_all_dim))
+        return float(mscale(1.0))
+    if factor <= 1.0:
+        return 1.0
+    return float(np.sqrt(1 + np.log(factor) / np.log(scaling.original_max_position_embeddings)))
+
+
 def rope_angles(pos, head_dim: int, theta: float) -> np.ndarray:
     """pos (B|1, 1, L, 1) -> angles (B|1, 1, L, H/2): position * theta ** (-2i / H)."""
-    inv_freq = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    return pos * inv_freq
+    return pos * rope_inv_freq(head_dim, theta)
 
 
 def rotate(x, cos, sin, convention: str) -> np.ndarray:
-    """Rotate each feature pair of x (..., H) by the angle whose cos/sin (..., H/2) are given.
+    """Rotate the first R = 2 * cos.shape[-1] features of x (..., H) pairwise by the angles whose cos/sin
+    (..., R/2) are given (times any factor they carry); features R..H-1 pass unchanged.
 
-    "half" pairs feature i with i + H/2, "interleaved" 2i with 2i + 1; passing -sin undoes it.
+    Within the rotated part "half" pairs feature i with i + R/2, "interleaved" 2i with 2i + 1; passing -sin
+    applies the transpose (undoes it when cos² + sin² = 1).
     """
-    H = x.shape[-1]
+    R = 2 * np.shape(cos)[-1]
+    xr, rest = x[..., :R], x[..., R:]
     if convention == "half":
-        x1, x2 = x[..., : H // 2], x[..., H // 2:]
-        return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    return np.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).reshape(x.shape)
+        x1, x2 = xr[..., : R // 2], xr[..., R // 2:]
+        turned = np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    else:
+        x1, x2 = xr[..., 0::2], xr[..., 1::2]
+        pairs = np.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)  # (..., R/2, 2)
+        turned = pairs.reshape(*pairs.shape[:-2], R)
+    if rest.shape[-1] == 0:
+        return turned
+    return np.concatenate([turned, np.broadcast_to(rest, (*turned.shape[:-1], rest.shape[-1]))], axis=-1)
 
 
-def _rope_cos_sin(positions, key_positions, B: int, T: int, S: int, H: int, theta: float, acc):
-    """((cos, sin) of the queries, (cos, sin) of the keys), each (B|1, 1, L, H/2), stored in `acc`."""
-    out = []
-    for pos, L, name in ((positions, T, "positions"), (key_positions, S, "key_positions")):
-        angles = rope_angles(_positions(pos, B, L, name), H, theta)
-        out.append((_round(np.cos(angles), acc), _round(np.sin(angles), acc)))
-    return tuple(out)
+def _rope_table(cfg: AttentionConfig, max_position) -> tuple[np.ndarray, float]:
+    """(inv_freq (R/2,), attention factor) of a call whose largest position is `max_position`: LongRoPE's
+    long factors when max_position + 1 passes original_max_position_embeddings (transformers'
+    `dynamic_rope_update`: the call's length is its largest position id plus one)."""
+    s = cfg.rope_scaling
+    long = s is not None and s.kind == "longrope" and max_position + 1 > s.original_max_position_embeddings
+    return rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, s, bool(long)), rope_attention_factor(s)
+
+
+def _cos_sin(pos, inv_freq, factor: float, acc):
+    """pos (B|1, 1, L, 1) float64 -> (cos, sin) (B|1, 1, L, R/2): of float64 angles, times the attention
+    factor in float64, then stored in `acc`."""
+    angles = pos * inv_freq
+    return _round(factor * np.cos(angles), acc), _round(factor * np.sin(angles), acc)
+
+
+def _rope_cos_sin(positions, key_positions, B: int, T: int, S: int, cfg: AttentionConfig, acc):
+    """((cos, sin) of the queries, (cos, sin) of the keys), each (B|1, 1, L, R/2), stored in `acc`; one table
+    for the whole call, chosen (LongRoPE) by the largest of the positions and the key positions."""
+    pq, pk = _positions(positions, B, T, "positions"), _positions(key_positions, B, S, "key_positions")
+    top = max((p.max() for p in (pq, pk) if p.size), default=-1.0)
+    table = _rope_table(cfg, top)
+    return _cos_sin(pq, *table, acc), _cos_sin(pk, *table, acc)
 
 
 def _linear(x, sd, name, dtype):
@@ -162,7 +258,7 @@ def forward(sd, query, key, value, mask=None, *, num_heads: int, masked_rows: st
             num_kv_heads: int | None = None, rope: str | None = None, rope_theta: float = 10000.0,
             positions=None, key_positions=None, is_causal: bool = False, window=None, segment_ids=None,
             key_segment_ids=None, alignment: str = "top-left", qk_norm=None, qk_norm_eps: float = 1e-6,
-            qk_norm_offset: float = 0.0, scale=None, softcap=None) -> Intermediates:
+            qk_norm_offset: float = 0.0, scale=None, softcap=None, rope_dim=None, rope_scaling=None) -> Intermediates:
     """The layer's maths, stage by stage; returns every intermediate as float64 arrays.
 
     The layer (`mha_spec.AttentionConfig`) is read off the state dict's keys and shapes and the
@@ -174,10 +270,14 @@ def forward(sd, query, key, value, mask=None, *, num_heads: int, masked_rows: st
     The layers after Llama (`mha_spec.AttentionConfig`): qk_norm (with qk_norm_eps, qk_norm_offset and the
     state dict's q_norm.weight, k_norm.weight) normalises q and k before RoPE, `scale` replaces H**-0.5,
     `softcap` caps the scaled logits before the mask, a "sinks" tensor (N,) joins each row's softmax.
+    RoPE as models ship it: `rope_dim` R rotates the first R features of each head only (the rest pass),
+    `rope_scaling` (a `mha_spec.RopeScaling`) scales the frequencies and cos/sin (`rope_inv_freq`,
+    `rope_attention_factor`; LongRoPE's long factors when the largest of positions and key_positions
+    passes its original context).
     """
     cfg = config_of(sd, num_heads, masked_rows=masked_rows, num_kv_heads=num_kv_heads, rope=rope,
                     rope_theta=rope_theta, qk_norm=qk_norm, qk_norm_eps=qk_norm_eps, qk_norm_offset=qk_norm_offset,
-                    scale=scale, softcap=softcap)
+                    scale=scale, softcap=softcap, rope_dim=rope_dim, rope_scaling=rope_scaling)
     E, N, K, H, G = cfg.embed_dim, cfg.num_heads, cfg.kv_heads, cfg.head_size, cfg.group
     B, T, S = check_qkv_shapes(np.shape(query), np.shape(key), np.shape(value), E)
     if rope is None and (positions is not None or key_positions is not None):
@@ -197,7 +297,7 @@ def forward(sd, query, key, value, mask=None, *, num_heads: int, masked_rows: st
     qn, kn = (x if y is None else y for x, y in ((q, q_norm), (k, k_norm)))
     q_rot = k_rot = None
     if rope is not None:
-        (cq, sq), (ck, sk) = _rope_cos_sin(positions, key_positions, B, T, S, H, rope_theta, acc)
+        (cq, sq), (ck, sk) = _rope_cos_sin(positions, key_positions, B, T, S, cfg, acc)
         q_rot, k_rot = _round(rotate(qn, cq, sq, rope), dtype), _round(rotate(kn, ck, sk, rope), dtype)
     qs = qn if q_rot is None else q_rot
     ks = kn if k_rot is None else k_rot
@@ -286,7 +386,8 @@ def backward(sd, query, key, value, mask, cotangent, *, num_heads: int, masked_r
              positions=None, key_positions=None, masked_row_grads: str = "stop",
              per_query_head: bool = False, is_causal: bool = False, window=None, segment_ids=None,
              key_segment_ids=None, alignment: str = "top-left", qk_norm=None, qk_norm_eps: float = 1e-6,
-             qk_norm_offset: float = 0.0, scale=None, softcap=None) -> dict[str, np.ndarray]:
+             qk_norm_offset: float = 0.0, scale=None, softcap=None, rope_dim=None,
+             rope_scaling=None) -> dict[str, np.ndarray]:
     """Gradients of sum(output * cotangent) w.r.t. query, key, value and every weight ("query", "key",
     "value" and the state dict's own names; the norm weights and the sinks too).
 
@@ -295,7 +396,8 @@ def backward(sd, query, key, value, mask, cotangent, *, num_heads: int, masked_r
     that ADDS its mask to the scores computes: the row is differentiated as a softmax like any other, so its
     gradient reaches the query and key gradients -- with "uniform" a large finite fill (finfo.min), with
     "nan" -inf, whose NaN then spreads there. A key/value head's gradients sum over its group's query
-    heads; RoPE's backward rotates back by the same angle. With a low `dtype`: the same maths with each
+    heads; RoPE's backward rotates back by the same angle (the first rope_dim features, times the same
+    attention factor; the rest pass). With a low `dtype`: the same maths with each
     stored result rounded as the modules store it (the softmax backward in float32 as its forward), the
     yardstick of the three-way judge. per_query_head=True adds each query head's share of the k/v
     gradients (`_per_query_head_shares`). The masks and the layer's keywords are `forward`'s.
@@ -311,7 +413,7 @@ def backward(sd, query, key, value, mask, cotangent, *, num_heads: int, masked_r
                       alignment=alignment)
     layer = dict(num_heads=num_heads, masked_rows=masked_rows, num_kv_heads=num_kv_heads, rope=rope,
                  rope_theta=rope_theta, qk_norm=qk_norm, qk_norm_eps=qk_norm_eps, qk_norm_offset=qk_norm_offset,
-                 scale=scale, softcap=softcap)
+                 scale=scale, softcap=softcap, rope_dim=rope_dim, rope_scaling=rope_scaling)
     f = forward(sd, query, key, value, mask, dtype=dtype, positions=positions, key_positions=key_positions,
                 **structured, **layer)
     cfg = config_of(sd, **layer)
@@ -330,7 +432,7 @@ def backward(sd, query, key, value, mask, cotangent, *, num_heads: int, masked_r
         grads["sinks"] = d_sinks
     key_angles = None
     if rope is not None:  # the transpose of a rotation is the rotation by minus the angle
-        (cq, sq), key_angles = _rope_cos_sin(positions, key_positions, B, T, S, H, rope_theta, acc)
+        (cq, sq), key_angles = _rope_cos_sin(positions, key_positions, B, T, S, cfg, acc)
         d_q, d_k = r(rotate(d_q, cq, -sq, rope)), r(rotate(d_k, key_angles[0], -key_angles[1], rope))
     if cfg.qk_norm is not None:  # the projections' gradients, through the norms
         (d_q, grads["q_norm.weight"]), (d_k, grads["k_norm.weight"]) = (
@@ -496,7 +598,7 @@ def _cache_keep(slots: np.ndarray, starts: np.ndarray, capacity: int) -> np.ndar
 def decode(sd, x, *, starts=None, prefill: int, num_heads: int, masked_rows: str = "nan",
            num_kv_heads: int | None = None, rope: str | None = None, rope_theta: float = 10000.0,
            dtype=np.float64, capacity: int | None = None, qk_norm=None, qk_norm_eps: float = 1e-6,
-           qk_norm_offset: float = 0.0, scale=None, softcap=None) -> Decoded:
+           qk_norm_offset: float = 0.0, scale=None, softcap=None, rope_dim=None, rope_scaling=None) -> Decoded:
     """Self-attention over x (B, L, E) run as a decoder: a prefill of the first `prefill` tokens,
     then one token per call, each call projecting only its new tokens against a cache.
 
@@ -508,11 +610,13 @@ def decode(sd, x, *, starts=None, prefill: int, num_heads: int, masked_rows: str
     of the cache as they stand after the call's write (unwritten slots hold zeros). This path
     shares no masking or position code with `forward`, so `forward` with `decode_keep` and
     `decode_positions` is an independent check of it. A low `dtype` rounds each stage as `forward`.
-    qk_norm, scale, softcap and sinks are `forward`'s (the cache holds the normalised, rotated keys).
+    qk_norm, scale, softcap, sinks, rope_dim and rope_scaling are `forward`'s (the cache holds the normalised,
+    rotated keys). LongRoPE picks its table per call from the largest position of the call's new tokens
+    (over the batch); the keys cached before keep the rotation they were written with.
     """
     cfg = config_of(sd, num_heads, masked_rows=masked_rows, num_kv_heads=num_kv_heads, rope=rope,
                     rope_theta=rope_theta, qk_norm=qk_norm, qk_norm_eps=qk_norm_eps, qk_norm_offset=qk_norm_offset,
-                    scale=scale, softcap=softcap)
+                    scale=scale, softcap=softcap, rope_dim=rope_dim, rope_scaling=rope_scaling)
     E, N, K, H = cfg.embed_dim, cfg.num_heads, cfg.kv_heads, cfg.head_size
     x = np.asarray(x)
     if x.ndim != 3 or x.shape[-1] != E:
@@ -529,7 +633,6 @@ def decode(sd, x, *, starts=None, prefill: int, num_heads: int, masked_rows: str
 
     k_cache = np.zeros((B, K, C, H))  # (B, K, C, H)
     v_cache = np.zeros((B, K, C, H))
-    inv_freq = rope_theta ** (-np.arange(0, H, 2, dtype=np.float64) / H) if rope is not None else None
     outputs, all_scores, all_weights = [], [], []
     calls = ([(0, prefill)] if prefill else []) + [(t, t + 1) for t in range(prefill, L)]
     for lo, hi in calls:
@@ -541,8 +644,8 @@ def decode(sd, x, *, starts=None, prefill: int, num_heads: int, masked_rows: str
         if cfg.qk_norm is not None:
             q, k = _qk_norm(q, sd, "q_norm", cfg, dtype), _qk_norm(k, sd, "k_norm", cfg, dtype)
         if rope is not None:
-            angles = _slot_positions(slots, starts).astype(np.float64)[:, None, :, None] * inv_freq  # (B, 1, T, H/2)
-            cos, sin = _round(np.cos(angles), acc), _round(np.sin(angles), acc)
+            pos = _slot_positions(slots, starts).astype(np.float64)[:, None, :, None]  # (B, 1, T, 1)
+            cos, sin = _cos_sin(pos, *_rope_table(cfg, pos.max() if pos.size else -1), acc)  # (B, 1, T, R/2)
             q, k = _round(rotate(q, cos, sin, rope), dtype), _round(rotate(k, cos, sin, rope), dtype)
         k_cache[:, :, lo:hi], v_cache[:, :, lo:hi] = k, v
         scores, weights, context = _attend_cache(q, k_cache, v_cache, _cache_keep(slots, starts, C), masked_rows,

@@ -8,6 +8,7 @@ localised to a stage through the wrapped module's intermediates.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 
 from mha_spec import VARIANT_FEATURES
@@ -152,7 +153,8 @@ def _rotation_at_theta_10000():
     import mha_torch.attention as attention
 
     real = attention.rotate
-    attention.rotate = lambda x, pos, theta, convention: real(x, pos, 10000.0, convention)
+    attention.rotate = lambda x, pos, config, max_position=None: real(
+        x, pos, dataclasses.replace(config, rope_theta=10000.0), max_position)
     try:
         yield
     finally:

@@ -293,7 +293,8 @@ def classic_port(state_dict, num_heads, *, dtype, device):
 def _swapped_rope_convention():
     real = mha_torch.attention.rotate
     other = {"half": "interleaved", "interleaved": "half"}
-    mha_torch.attention.rotate = lambda x, pos, theta, convention: real(x, pos, theta, other[convention])
+    mha_torch.attention.rotate = lambda x, pos, config, max_position=None: real(
+        x, pos, dataclasses.replace(config, rope=other[config.rope]), max_position)
     try:
         yield
     finally:

@@ -403,8 +403,9 @@ class TestRope:
         ang = reference.rope_angles(pos.astype(np.float64).reshape(1, 1, -1, 1), H, THETA)  # (1, 1, L, H/2)
         want_cos = np.cos(ang).astype(np.float32).reshape(1, -1, 1, H // 2)
         with jax.enable_x64(False):
-            cos, _ = rope_cos_sin(jnp.asarray(pos, jnp.int32), pos.size, H, THETA, jnp.float32)
-            traced, _ = jax.jit(lambda p: rope_cos_sin(p, pos.size, H, THETA, jnp.float32))(jnp.asarray(pos, jnp.int32))
+            cfg = AttentionConfig(H, 1, rope="half", rope_theta=THETA)  # one head of H features, unscaled
+            cos, _ = rope_cos_sin(cfg, jnp.asarray(pos, jnp.int32), pos.size, jnp.float32)
+            traced, _ = jax.jit(lambda p: rope_cos_sin(cfg, p, pos.size, jnp.float32))(jnp.asarray(pos, jnp.int32))
         assert cos.dtype == jnp.float32 and traced.dtype == jnp.float32
         np.testing.assert_array_equal(np.asarray(cos), want_cos)
         bound = (np.abs(ang) * 2.0 ** -23 + 2.0 ** -23).reshape(want_cos.shape)

@@ -235,7 +235,8 @@ class TestRope:
         pos = rng.integers(0, 40, size=(B, T))
         ang = reference.rope_angles(pos.astype(np.float64).reshape(B, 1, T, 1), H, THETA)
         want = reference.rotate(x, np.cos(ang), np.sin(ang), rope)
-        got = rotate(torch.from_numpy(x), torch.from_numpy(pos).reshape(B, 1, T, 1), THETA, rope)
+        got = rotate(torch.from_numpy(x), torch.from_numpy(pos).reshape(B, 1, T, 1),
+                     AttentionConfig(E, N, rope=rope, rope_theta=THETA))
         np.testing.assert_allclose(got.numpy(), want, **TOL)
         assert np.abs(want - x).max() > 0.1  # positions turn the features visibly
 

@@ -4,7 +4,7 @@
               [--passes fwd,fwd+bwd] [--dtypes ...] [--seq ...] [--batch ..] [--embed ..] [--heads ..]
               [--kv-heads K,..] [--rope none,half,interleaved] [--bias all|qkv|out|none]
               [--head-dim H] [--qk-norm none|head|flat] [--qk-norm-eps X] [--qk-norm-offset X]
-              [--scale X] [--softcap X] [--sinks]
+              [--scale X] [--softcap X] [--sinks] [--rope-dim R] [--rope-scaling KIND:KEY=VALUE,..]
               [--kv-seq S,..] [--mask none,causal,padding,window:W,packed:D] [--processes P] [--baseline KEY]
               [--threads K] [--precision highest|default] [--verdict A,B]
               [--json P] [--markdown P] [--plot P.png]
@@ -122,6 +122,22 @@ def _add_modern_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scale", type=positive_float, metavar="X", help="the softmax scale (default H**-0.5)")
     p.add_argument("--softcap", type=positive_float, metavar="X", help="cap the logits to X*tanh(s/X) (Gemma 2)")
     p.add_argument("--sinks", action="store_true", help="a learned sink logit per query head (GPT-OSS)")
+    p.add_argument("--rope-dim", type=positive_int, metavar="R",
+                   help="partial rotary: RoPE rotates the first R features of each head (even; needs --rope)")
+    p.add_argument("--rope-scaling", type=_rope_scaling, metavar="KIND:KEY=VALUE,..",
+                   help="scaled RoPE as mha-parity --layer rope_scaling= spells it: linear, llama3, yarn or longrope "
+                   "with transformers' keys, lists a;b;c, e.g. yarn:factor=32,original_max_position_embeddings=4096 "
+                   "(needs --rope)")
+
+
+def _rope_scaling(text: str):
+    """--rope-scaling's argparse `type`: `mha_spec.RopeScaling.parse` (a usage error naming what does not parse)."""
+    from mha_spec import RopeScaling
+
+    try:
+        return RopeScaling.parse(text)
+    except (ValueError, TypeError, NotImplementedError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def finite_float(text: str) -> float:
@@ -144,14 +160,20 @@ def nonnegative_float(text: str) -> float:
 
 
 def modern_layer(args) -> dict:
-    """The `spec.MODERN_FIELDS` keywords of `BenchCase.of` from the flags; ValueError naming a flag the layer
+    """The `spec.LAYER_FIELDS` keywords of `BenchCase.of` from the flags; ValueError naming a flag the layer
     would ignore (--qk-norm-eps or --qk-norm-offset without --qk-norm)."""
     qk_norm = None if args.qk_norm == "none" else args.qk_norm
     for flag, value in (("--qk-norm-eps", args.qk_norm_eps), ("--qk-norm-offset", args.qk_norm_offset)):
         if value is not None and qk_norm is None:
             raise ValueError(f"{flag} {value} is the QK-norm's, but the layer has none: add --qk-norm head|flat")
+    ropes = args.rope or ("none",)
+    for flag, value in (("--rope-dim", args.rope_dim), ("--rope-scaling", args.rope_scaling)):
+        if value is not None and "none" in ropes:
+            raise ValueError(f"{flag} {value} is RoPE's, but --rope {','.join(ropes)} has a layer without it: "
+                             "give --rope half and/or interleaved only")
     return {"head_dim": args.head_dim, "qk_norm": qk_norm, "qk_norm_eps": args.qk_norm_eps,
-            "qk_norm_offset": args.qk_norm_offset, "scale": args.scale, "softcap": args.softcap, "sinks": args.sinks}
+            "qk_norm_offset": args.qk_norm_offset, "scale": args.scale, "softcap": args.softcap, "sinks": args.sinks,
+            "rope_dim": args.rope_dim, "rope_scaling": args.rope_scaling}
 
 
 def _add_timing_arguments(p: argparse.ArgumentParser) -> None:

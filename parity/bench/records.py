@@ -18,9 +18,9 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
-from mha_spec import QK_NORMS, ROPE_CONVENTIONS
+from mha_spec import QK_NORMS, ROPE_CONVENTIONS, RopeScaling
 from parity.bench.spec import (
-    BIASES, MASK_PATHS, MEASURED, MODERN_FIELDS, STATUSES, BenchCase, BenchMask, case_label, variant_fields,
+    BIASES, MASK_PATHS, MEASURED, LAYER_FIELDS, STATUSES, BenchCase, BenchMask, case_label, variant_fields,
 )
 from parity.impls import Implementation
 
@@ -128,6 +128,8 @@ class Row:
     scale: float | None = _field("layer")  # null: H**-0.5
     softcap: float | None = _field("layer")
     sinks: bool | None = _field("layer")
+    rope_dim: int | None = _field("layer")  # R < H rotated features of each head; null: the whole head
+    rope_scaling: str | None = _field("layer")  # a `mha_spec.RopeScaling` as `RopeScaling.parse` reads it; null: unscaled
     dtype: str = _field("str", key=True)
     need_weights: bool = _field("bool", key=True)
     kernel: str | None = _field("text")  # what ran (`parity.kernel_ran`), a `mha_spec.Kernel` label
@@ -206,7 +208,7 @@ def _names(**match) -> tuple[str, ...]:
 
 ROW_FIELDS = tuple(_json_name(f) for f in fields(Row))  # one result row, in this order in the JSON and the Markdown
 MATCH_KEY = _names(key=True)  # what names a row, besides the variant fields
-VARIANT_FIELDS = ("kv_heads", "rope", "bias", "mask", *MODERN_FIELDS)  # `spec.variant_fields`' order
+VARIANT_FIELDS = ("kv_heads", "rope", "bias", "mask", *LAYER_FIELDS)  # `spec.variant_fields`' order
 KEY_FIELDS = (*MATCH_KEY, *VARIANT_FIELDS)  # `match_key`'s order
 
 
@@ -265,7 +267,7 @@ def named(row) -> str:
     return f" ({Key.of_row(row)} {row['pass']} {case_label(row)})"
 
 
-# What a valid value of each `spec.MODERN_FIELDS` field is, null aside (null: the classic layer's).
+# What a valid value of each `spec.LAYER_FIELDS` field is, null aside (null: the classic layer's).
 _LAYER_CHECKS = {
     "head_dim": lambda x: _count(x),
     "qk_norm": lambda x: x in QK_NORMS,
@@ -274,13 +276,23 @@ _LAYER_CHECKS = {
     "scale": lambda x: finite(x) and x > 0,
     "softcap": lambda x: finite(x) and x > 0,
     "sinks": lambda x: isinstance(x, bool),
+    "rope_dim": lambda x: _count(x) and x % 2 == 0,
+    "rope_scaling": lambda x: _scaling_ok(x),
 }
 
 
+def _scaling_ok(text) -> bool:
+    """A row's rope_scaling is a RopeScaling's spelling that reads back to itself."""
+    try:
+        return isinstance(text, str) and str(RopeScaling.parse(text)) == text
+    except (ValueError, TypeError, NotImplementedError):
+        return False
+
+
 def layer_problems(row) -> list[str]:
-    """The `spec.MODERN_FIELDS` of a row that hold no valid value (each null or as `_LAYER_CHECKS` says;
+    """The `spec.LAYER_FIELDS` of a row that hold no valid value (each null or as `_LAYER_CHECKS` says;
     qk_norm_eps and qk_norm_offset only with a qk_norm)."""
-    bad = [k for k in MODERN_FIELDS if row.get(k) is not None and not _LAYER_CHECKS[k](row[k])]
+    bad = [k for k in LAYER_FIELDS if row.get(k) is not None and not _LAYER_CHECKS[k](row[k])]
     if row.get("qk_norm") is None:
         bad += [k for k in ("qk_norm_eps", "qk_norm_offset") if row.get(k) is not None and k not in bad]
     return bad

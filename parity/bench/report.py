@@ -32,7 +32,8 @@ from parity.bench.spec import MEASURED, NO_PARAM_GRADS, NOISY_IQR, case_label, m
 # gain rounds, processes, interference and reason, and their ci is null where there is no interval.
 # /4: rows gain mask_path, grad_rel_diff and param_grads; verdicts gain note. The fields of the layers after
 # Llama (head_dim, qk_norm, qk_norm_eps, qk_norm_offset, scale, softcap, sinks) were added as the variant
-# fields were, without a new schema: a row without them is the classic layer, which is what it measured.
+# fields were, without a new schema: a row without them is the classic layer, which is what it measured. So were
+# rope_dim and rope_scaling (partial rotary, scaled RoPE): a row without them rotated whole heads, unscaled.
 SCHEMA = "mha-bench/4"
 READABLE_SCHEMAS = ("mha-bench/1", "mha-bench/2", "mha-bench/3", SCHEMA)
 CONSOLE_WIDTH = 100

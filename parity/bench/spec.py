@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from mha_spec import MASK_KINDS, PASSES, QK_NORMS, ROPE_CONVENTIONS, AttentionConfig, Problem, Structure
+from mha_spec import MASK_KINDS, PASSES, QK_NORMS, ROPE_CONVENTIONS, AttentionConfig, Problem, RopeScaling, Structure
 from parity.devices import DevicePlan
 from parity.dtypes import numpy_dtype
 from parity.impls import BUILTIN, Implementation
@@ -53,6 +53,11 @@ CLASSIC_FIELDS = {"rope": None, "bias": "all", "mask": "none"}
 # without them (or with them null) is the classic layer: H = E / N, no QK-norm, scale H**-0.5, no soft-cap,
 # no sinks. qk_norm_eps and qk_norm_offset are null without qk_norm (the layer has no norm to take them).
 MODERN_FIELDS = ("head_dim", "qk_norm", "qk_norm_eps", "qk_norm_offset", "scale", "softcap", "sinks")
+# RoPE as the models ship it: rope_dim is R where RoPE rotates only the first R < H features of each head (null:
+# the whole head), rope_scaling a `mha_spec.RopeScaling` in its parse spelling ("yarn:factor=32.0,..."; null:
+# unscaled). A row without them rotated whole heads, unscaled.
+ROPE_FIELDS = ("rope_dim", "rope_scaling")
+LAYER_FIELDS = (*MODERN_FIELDS, *ROPE_FIELDS)  # every layer field of a row beyond kv_heads, rope and bias
 # --mask: none; causal, bottom-right aligned (query t sees keys up to t + S - T, so a query block
 # is the last T positions of a sequence of S, as in a decoder with a cache); padding, each batch
 # row keeps its first S - floor(b·S / 2B) keys (every row keeps at least half: no row is fully
@@ -176,27 +181,35 @@ class BenchMask:
 
 
 def modern_keywords(embed: int, heads: int, modern: dict) -> dict:
-    """`AttentionConfig`'s keywords for the `MODERN_FIELDS` given (None: the classic layer's, left out);
+    """`AttentionConfig`'s keywords for the `LAYER_FIELDS` given (None: the classic layer's, left out);
     ValueError/TypeError naming a field that is not one of them or a qk_norm that is not one of QK_NORMS."""
-    unknown = sorted(set(modern) - set(MODERN_FIELDS))
+    unknown = sorted(set(modern) - set(LAYER_FIELDS))
     if unknown:
-        raise TypeError(f"unknown layer field(s) {', '.join(unknown)}; the layer's are {', '.join(MODERN_FIELDS)}")
+        raise TypeError(f"unknown layer field(s) {', '.join(unknown)}; the layer's are {', '.join(LAYER_FIELDS)}")
     kw = {k: v for k, v in modern.items() if v is not None}
     if kw.get("qk_norm") is not None and kw["qk_norm"] not in QK_NORMS:
         raise ValueError(f"qk_norm {kw['qk_norm']!r} is not None or one of {QK_NORMS}")
     H = kw.get("head_dim")
     if isinstance(H, int) and not isinstance(H, bool) and H * heads == embed:
         del kw["head_dim"]  # N·H = E: the classic layer's head dim, one case however it is spelled
+    if isinstance(kw.get("rope_scaling"), str):
+        kw["rope_scaling"] = RopeScaling.parse(kw["rope_scaling"])  # a row's spelling
+    if kw.get("rope_dim") is not None and kw["rope_dim"] == kw.get("head_dim", embed // heads if heads else None):
+        del kw["rope_dim"]  # R = H: the whole head rotates, one case however it is spelled
     return kw
 
 
 def modern_fields(config: AttentionConfig) -> dict:
-    """The `MODERN_FIELDS` of a layer as a row writes them: head_dim is H (always known), qk_norm_eps and
-    qk_norm_offset null without qk_norm, sinks a bool."""
+    """The `LAYER_FIELDS` of a layer as a row writes them: head_dim is H (always known), qk_norm_eps and
+    qk_norm_offset null without qk_norm, sinks a bool, rope_dim null for the whole head, rope_scaling its
+    `RopeScaling.parse` spelling (null: unscaled)."""
     norm = config.qk_norm is not None
+    partial = config.rope is not None and config.rotary_dim != config.head_size
     return {"head_dim": config.head_size, "qk_norm": config.qk_norm,
             "qk_norm_eps": config.qk_norm_eps if norm else None, "qk_norm_offset": config.qk_norm_offset if norm else None,
-            "scale": config.scale, "softcap": config.softcap, "sinks": config.sinks}
+            "scale": config.scale, "softcap": config.softcap, "sinks": config.sinks,
+            "rope_dim": config.rotary_dim if partial else None,
+            "rope_scaling": None if config.rope_scaling is None else str(config.rope_scaling)}
 
 
 def bias_name(qkv_bias: bool, out_bias: bool) -> str:
@@ -233,8 +246,9 @@ class BenchCase:
            **modern) -> BenchCase:
         """A case from the row fields; ValueError/TypeError (from `AttentionConfig`) for a layer that cannot be.
 
-        modern: the `MODERN_FIELDS` (head_dim, qk_norm, qk_norm_eps, qk_norm_offset, scale, softcap, sinks),
-        each None (or absent) for the classic layer's; a head_dim with N·H = E is the classic layer's."""
+        modern: the `LAYER_FIELDS` (head_dim, qk_norm, qk_norm_eps, qk_norm_offset, scale, softcap, sinks,
+        rope_dim, rope_scaling: a RopeScaling or its parse spelling), each None (or absent) for the classic
+        layer's; a head_dim with N·H = E is the classic layer's, a rope_dim of H the whole head."""
         if bias not in BIASES:
             raise ValueError(f"bias {bias!r} is not one of {tuple(BIASES)}")
         if rope is not None and rope not in ROPE_CONVENTIONS:
@@ -250,7 +264,7 @@ class BenchCase:
         """The case a row (or `fields()`) describes; rows without the variant fields are the classic layer."""
         return cls.of(*(fields[k] for k in ("batch", "seq_q", "seq_k", "embed", "heads", "dtype")),
                       kv_heads=fields.get("kv_heads"), rope=fields.get("rope"), bias=fields.get("bias") or "all",
-                      mask=fields.get("mask") or "none", **{k: fields.get(k) for k in MODERN_FIELDS})
+                      mask=fields.get("mask") or "none", **{k: fields.get(k) for k in LAYER_FIELDS})
 
     @classmethod
     def from_json(cls, data: dict) -> BenchCase:
@@ -338,9 +352,9 @@ def number_text(x) -> str:
 
 
 def modern_label(row: dict) -> str:
-    """The label's words for the `MODERN_FIELDS` that differ from the classic layer (`modern_values`):
+    """The label's words for the `LAYER_FIELDS` that differ from the classic layer (`modern_values`):
     ' H=8 qk_norm=head qk_norm_offset=1 scale=0.25 softcap=30 sinks', '' for the classic layer."""
-    H, qk_norm, eps, offset, scale, softcap, sinks = modern_values(row)
+    H, qk_norm, eps, offset, scale, softcap, sinks, rope_dim, rope_scaling = modern_values(row)
     words = [f"H={H}"] if H * row["heads"] != row["embed"] else []
     if qk_norm is not None:
         words.append(f"qk_norm={qk_norm}")
@@ -348,20 +362,26 @@ def modern_label(row: dict) -> str:
         words += [f"qk_norm_offset={number_text(offset)}"] if offset != AttentionConfig.qk_norm_offset else []
     words += [f"{name}={number_text(x)}" for name, x in (("scale", scale), ("softcap", softcap)) if x is not None]
     words += ["sinks"] if sinks else []
+    words += [f"rope_dim={rope_dim}"] if rope_dim is not None else []
+    words += [f"rope_scaling={rope_scaling}"] if rope_scaling is not None else []
     return "".join(f" {w}" for w in words)
 
 
 def modern_values(row: dict) -> tuple:
-    """(head_dim, qk_norm, qk_norm_eps, qk_norm_offset, scale, softcap, sinks) of a row, resolved: H = E / N
-    where the row has none, the norm's eps and offset their defaults with qk_norm (None without), sinks a
-    bool; a row that predates them is the classic layer."""
+    """(head_dim, qk_norm, qk_norm_eps, qk_norm_offset, scale, softcap, sinks, rope_dim, rope_scaling) of a row,
+    resolved: H = E / N where the row has none, the norm's eps and offset their defaults with qk_norm (None
+    without), sinks a bool, rope_dim None for the whole head; a row that predates them is the classic layer
+    (and one that predates rope_dim and rope_scaling the unscaled RoPE on the whole head)."""
     H = row.get("head_dim") or row["embed"] // row["heads"]
     qk_norm = row.get("qk_norm")
     eps = offset = None
     if qk_norm is not None:
         eps = AttentionConfig.qk_norm_eps if row.get("qk_norm_eps") is None else row["qk_norm_eps"]
         offset = AttentionConfig.qk_norm_offset if row.get("qk_norm_offset") is None else row["qk_norm_offset"]
-    return H, qk_norm, eps, offset, row.get("scale"), row.get("softcap"), bool(row.get("sinks"))
+    rope_dim = row.get("rope_dim")
+    rope_dim = None if rope_dim == H else rope_dim  # R = H is the whole head, however a row spells it
+    return (H, qk_norm, eps, offset, row.get("scale"), row.get("softcap"), bool(row.get("sinks")), rope_dim,
+            row.get("rope_scaling"))
 
 
 def variant_fields(row: dict) -> tuple:

@@ -44,7 +44,13 @@ keys (itself included): with W < S the two cases are the window's, is_causal wit
 checkpoint/window+padding/uniform -- and there is no decode case (a KV cache takes no window);
 with W >= S the window keeps every causal key and the cases are the ones above. Mixtral's
 attention is Mistral's; its mixture-of-experts MLP is not attention and is not read. Qwen2's
-use_sliding_window (per layer, from max_window_layers) stays refused.
+use_sliding_window slides layers max_window_layers and up (its layer_types): those get the window.
+
+Phi-3 (--layout hf-phi3), GPT-NeoX (hf-gpt-neox) and Falcon (hf-falcon) fuse q, k and v in one tensor,
+which their layouts split (`parity.layouts.fuse_qkv`); their RoPE, like Llama 3.1's llama3 scaling and
+GPT-OSS's YaRN, is read from config.json (`parity.layouts.attention_config`: rope_dim from
+partial_rotary_factor / rotary_pct, rope_scaling from rope_parameters); dynamic NTK scaling and Falcon's
+ALiBi are refused by name. A single GPT-NeoX weight file needs its config.json beside it (the rotated part).
 
 Every case draws its inputs and RoPE positions as the matrix does (seeded by the case name),
 the query positions then taken from the key positions (`DecoderCase`); only the weights are
@@ -74,7 +80,13 @@ DTYPES_DEFAULT = ("float64", "float32")  # --dtypes picks others (bfloat16, floa
 MASKS = (("causal", "nan"), ("padding", "uniform"))  # (mask kind, masked-row policy): see the module docstring
 # With a sliding window smaller than S: (masked-row policy, padding ANDed) of the two window cases.
 WINDOW_MASKS = (("nan", False), ("uniform", True))
-_FILE_FLAGS = ("heads", "kv_heads", "rope_theta")  # the dests of the single-file flags (--heads, --kv-heads, --rope-theta)
+_FILE_FLAGS = ("heads", "kv_heads", "rope_theta")
+# The layouts of models with RoPE (rotate-half, as Hugging Face has it): a single file of one is read with
+# --rope-theta, and a config.json beside it must be of a model that layout reads (`parity.layouts.HF_MODELS`).
+_ROPE_LAYOUTS = ("hf-llama", "hf-phi3", "hf-gpt-neox", "hf-falcon")
+# Layouts whose layer a weight file and the flags cannot describe: GPT-NeoX rotates a fraction of each head
+# (rotary_pct, a quarter unless config.json says otherwise), so without config.json its RoPE is unknown.
+_CONFIG_ONLY = {"hf-gpt-neox": "GPT-NeoX rotates part of each head (rotary_pct, 0.25 by default)"}  # the dests of the single-file flags (--heads, --kv-heads, --rope-theta)
 
 
 @dataclass(frozen=True)
@@ -101,6 +113,10 @@ class CheckpointLayer:
         c = self.config
         text = (f"E={c.embed_dim} N={c.num_heads} K={c.kv_heads} H={c.head_size} qkv_bias={c.qkv_bias} "
                 f"out_bias={c.out_bias} rope={c.rope} rope_theta={c.rope_theta:g}")
+        if c.rope_dim is not None:
+            text += f" rope_dim={c.rope_dim}"
+        if c.rope_scaling is not None:
+            text += f" rope_scaling={c.rope_scaling}"
         if c.qk_norm is not None:
             text += f" qk_norm={c.qk_norm} qk_norm_eps={c.qk_norm_eps:g} qk_norm_offset={c.qk_norm_offset:g}"
         for name in ("scale", "softcap"):
@@ -206,6 +222,23 @@ def load_layer(path, layout: str = "hf-llama", prefix: str = "", *, num_heads: i
     return CheckpointLayer(str(path), layout, prefix, sd, config, window, others, config_json)
 
 
+def default_layout(path) -> str:
+    """The layout of the model config.json describes (the directory's, or the one beside a single file:
+    `parity.layouts.HF_MODELS`), so `--checkpoint DIR` of a Phi-3, GPT-NeoX or Falcon needs no --layout;
+    "hf-llama" when there is none, or it is not one the tool reads (`load_layer` then names why)."""
+    from mha_spec.files import read_json
+    from parity.layouts import HF_MODELS
+
+    path = os.fsdecode(path)
+    where = os.path.join(path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path)), "config.json")
+    try:
+        cfg = read_json(where) if os.path.isfile(where) else None
+    except (OSError, ValueError):
+        cfg = None  # load_layer reads it again and names what is wrong with it
+    model = HF_MODELS.get(cfg.get("model_type")) if isinstance(cfg, dict) else None
+    return "hf-llama" if model is None else model.layout
+
+
 def read_sliding_window(directory) -> int | None:
     """config.json's sliding_window W of a checkpoint directory (`sliding_window`); None when it holds no
     config.json."""
@@ -242,9 +275,10 @@ def _read_file(path, layout, prefix, num_heads, num_kv_heads, rope_theta):
     accounted for) of a single weight file, from the flags; a config.json beside the file is read too
     (`_beside`), and the flags must agree with it."""
     from parity import layouts
-    from parity.canonical import LAYER_FIELDS, check_variant_state_dict
+    from parity.canonical import LAYER_FIELDS, ROPE_FIELDS, check_variant_state_dict
 
-    rope = "half" if layout == "hf-llama" else None  # Hugging Face's convention; the classic layouts have none
+    # Hugging Face's convention for the layouts of RoPE models (`_ROPE_LAYOUTS`); the classic layouts have none
+    rope = "half" if layout in _ROPE_LAYOUTS else None
     missing = ["--heads"] if num_heads is None else []
     if rope is not None and rope_theta is None:
         missing.append("--rope-theta")
@@ -255,6 +289,9 @@ def _read_file(path, layout, prefix, num_heads, num_kv_heads, rope_theta):
         raise LoadError(f"--rope-theta: layout {layout!r} has no rotary embedding")
     names = layouts.checkpoint_tensor_names(path)
     described, window, where = _beside(path, layout, layouts.account(names, layout, prefix), prefix)
+    if described is None and layout in _CONFIG_ONLY:
+        raise LoadError(f"--checkpoint {path} is a single weight file with no config.json beside it: {_CONFIG_ONLY[layout]}, "
+                        f"which only config.json says (give the checkpoint directory)")
     tensors = layouts.account(names, layout, prefix, _features(described))
     sd = layouts.read_layout(path, layout, prefix=prefix, num_heads=num_heads, rope_theta=rope_theta,
                              qk_norm=getattr(described, "qk_norm", None), sinks=getattr(described, "sinks", False))
@@ -263,9 +300,11 @@ def _read_file(path, layout, prefix, num_heads, num_kv_heads, rope_theta):
         num_kv_heads = kv_rows // (NH // num_heads)  # read_layout checked: a whole number of heads dividing N
     layer = {} if described is None else {f: getattr(described, f) for f in LAYER_FIELDS}  # what the tensors cannot say
     read, _ = check_variant_state_dict(sd, num_heads, num_kv_heads, **layer)
+    # RoPE's part and scaling are config.json's (a file cannot say them): the described layer's, else none
+    rope_kw = {} if described is None else {f: getattr(described, f) for f in ROPE_FIELDS[2:]}
     config = AttentionConfig(E, num_heads, num_kv_heads=num_kv_heads, head_dim=read.head_dim, qkv_bias=read.qkv_bias,
                              out_bias=read.out_bias, rope=rope, sinks=read.sinks,
-                             rope_theta=10000.0 if rope_theta is None else float(rope_theta), **layer)
+                             rope_theta=10000.0 if rope_theta is None else float(rope_theta), **rope_kw, **layer)
     if described is not None:
         _agree(path, config, described)
     return sd, config, window, where, tensors
@@ -293,13 +332,15 @@ def _beside(path, layout: str, tensors, prefix: str = ""):
     cfg = read_json(where)
     if not isinstance(cfg, dict):
         raise ValueError(f"{where} (beside the weight file) holds a JSON {type(cfg).__name__}, not an object")
-    if layout != "hf-llama":
+    if layout not in _ROPE_LAYOUTS:
         features = layouts.unmodelled_features(cfg)
         if features:
             raise ValueError(f"{where} (beside the weight file) describes attention the tool does not model: "
                              f"{'; '.join(features)}")
         return None, None, where
-    layouts.hf_model(cfg, where, tensors)
+    model = layouts.hf_model(cfg, where, tensors)
+    if model.layout != layout:
+        raise ValueError(layouts.layout_mismatch(cfg, f"{where} (beside the weight file)", model, layout, tensors))
     layer = layouts.layer_index(prefix)
     window = sliding_window(cfg, where, layer)
     return (layouts.attention_config(cfg, where, ignore_sliding_window=window is not None, layer=layer), window,
@@ -315,7 +356,9 @@ def _agree(path, config: AttentionConfig, described: AttentionConfig) -> None:
               ("the file's out_proj bias", "the model's out_proj bias", "out_bias"),
               ("E", "hidden_size", "embed_dim"),
               ("the file's head_dim (q_proj's rows / N)", "head_dim", "head_size"),
-              ("the file's sinks", "the model's sinks", "sinks"))
+              ("the file's sinks", "the model's sinks", "sinks"),
+              ("RoPE's rotated features (config.json's only)", "the rotated part of the head", "rotary_dim"),
+              ("RoPE's scaling (config.json's only)", "the RoPE scaling", "rope_scaling"))
     differ = [f"{flag} {getattr(config, attr)!r} but {field} {getattr(described, attr)!r}"
               for flag, field, attr in fields if getattr(config, attr) != getattr(described, attr)]
     if differ:
@@ -408,8 +451,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "on a causal and a padded case, and decode (a prompt, then single-token steps with a KV cache) "
                    "(default dtypes float64,float32); a tensor under --prefix the layout does not read, or a model "
                    "whose attention the tool does not model, is refused by name (exit 2)")
-    g.add_argument("--layout", default="hf-llama", metavar="NAME",
-                   help=f"how the checkpoint names the block's tensors ({', '.join(LAYOUTS)}; default %(default)s)")
+    g.add_argument("--layout", default=None, metavar="NAME",
+                   help=f"how the checkpoint names the block's tensors ({', '.join(LAYOUTS)}; default: the one of "
+                   f"config.json's model_type (the directory's, or the one beside a file), else hf-llama)")
     g.add_argument("--prefix", default="", metavar="PREFIX", help="the block's key prefix, e.g. model.layers.3.self_attn.")
     g.add_argument("--shape", type=parse_shape, default=None, metavar="B,T,S",
                    help=f"batch, query and key lengths of the --checkpoint or --layer cases (T <= S; T < S is "
@@ -441,7 +485,7 @@ def usage_problem(args) -> str | None:
 def prepare(args) -> CheckpointRun:
     """The --checkpoint run the arguments ask for: the layer read (a `LoadError` otherwise), its cases, and the
     checks/dtypes defaults (the ones given on the command line win)."""
-    layer = load_layer(args.checkpoint, args.layout, args.prefix, num_heads=args.heads,
+    layer = load_layer(args.checkpoint, args.layout or default_layout(args.checkpoint), args.prefix, num_heads=args.heads,
                        num_kv_heads=args.kv_heads, rope_theta=args.rope_theta)
     B, T, S = args.shape or DEFAULT_SHAPE
     constant = constant_tensors(layer.state_dict)

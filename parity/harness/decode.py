@@ -12,7 +12,10 @@ tokens (`reference.forward` with `reference.decode_keep(starts, T)` and, with Ro
 `reference.decode_positions(starts, T)`), by the forward check's judge and bounds (three-way with
 the oracle's own maths in the dtype as the yardstick, in every dtype: `parity.harness.judge`, `parity.tolerances`).
 Only real tokens are judged: a left-padding query attends nothing, so its output is the masked-row
-policy's, not a token's.
+policy's, not a token's. A RoPE whose table follows the call (LongRoPE: long factors once the call's largest
+position passes the original context) has no one forward as its truth: each call rotates with its own
+table and the cached keys keep theirs, so the oracle is stitched per call (`_switching_oracle`: q_rot and
+k_rot from the forward with each call's table, the scores, weights and output from `reference.decode`).
 
 Rows (check "decode", reference "oracle"); the quantity names the call: "prefill" (the prompt's
 real tokens), "step 1", "step 2", "step 3"; for ours also "cache": the cache after the last step (its
@@ -147,9 +150,45 @@ def _decode_oracle(unit, policy: str, at: str):
     if s.rope is not None:
         pos = reference.decode_positions(sch.starts, sch.tokens)  # (B, T)
         kw.update(positions=pos, key_positions=pos)
+    if s.rope_scaling is not None and s.rope_scaling.switches:
+        def maths(sd, xs, dt):
+            return _switching_oracle(sd, xs[0], dt, sch, keep, kw)
+        exact = maths(sd, (x,), np.float64)
+        return exact, envelope(exact, yardstick_runs(maths, sd, (x,), at)), keep
     exact = reference.forward(sd, x, x, x, keep, **kw)
     runs = yardstick_runs(lambda sd, xs, dt: reference.forward(sd, *xs, keep, dtype=dt, **kw), sd, (x, x, x), at)
     return exact, envelope(exact, runs), keep
+
+
+def _one_table(scaling, long: bool):
+    """LongRoPE `scaling` held to one of its tables (both lists that one, its attention factor kept): a forward
+    with it rotates every token as a call that picked that table does, whatever the positions."""
+    factors = scaling.long_factor if long else scaling.short_factor
+    return dataclasses.replace(scaling, short_factor=factors, long_factor=factors, attention_factor=scaling.scale)
+
+
+def _switching_oracle(sd, x, dtype, sch: Schedule, keep, kw: dict):
+    """The decode's truth for a layer whose RoPE table follows the call (LongRoPE): no one forward is it, since
+    each call rotates its tokens with the table its largest position picks and the keys cached before keep
+    theirs. q, k, v (and the norms) are a forward's; q_rot and k_rot, per call, the forward with that call's
+    table; the scores, weights and output the oracle's own decode (`reference.decode`, which picks the table
+    per call), over the T tokens; no context (the decode keeps none: a slip there is named at "output")."""
+    scaling, pos = kw["rope_scaling"], kw["positions"]
+    fixed = {long: reference.forward(sd, x, x, x, keep, dtype=dtype, **{**kw, "rope_scaling": _one_table(scaling, long)})
+             for long in (False, True)}
+    dec_kw = {k: v for k, v in kw.items() if k not in ("positions", "key_positions")}
+    dec = reference.decode(sd, x, starts=sch.starts, prefill=sch.prompt, capacity=sch.capacity, dtype=dtype, **dec_kw)
+    calls = sch.calls()
+    tables = [fixed[scaling.uses_long(int(pos[:, lo:hi].max()))] for _, lo, hi in calls]
+    T = sch.tokens
+
+    def stitched(name):  # (B, n, T, H): each call's tokens from its table's forward
+        return np.concatenate([getattr(f, name)[:, :, lo:hi] for f, (_, lo, hi) in zip(tables, calls)], axis=2)
+
+    return dataclasses.replace(fixed[False], q_rot=stitched("q_rot"), k_rot=stitched("k_rot"), context=None,
+                               scores=np.concatenate([a[..., :T] for a in dec.scores], axis=2),  # (B, N, T, T)
+                               weights=np.concatenate([a[..., :T] for a in dec.weights], axis=2),
+                               output=dec.output, sink_weights=None)
 
 
 # ---------------------------------------------------------------- running ours
@@ -313,7 +352,7 @@ def _stage(unit, sch: Schedule, call: Call, exact, low, keep, table) -> dict:
         e, y = side(name, lo, hi)
         if not _judge_masked(got[..., :T], e, y, valid, table).passed:
             return {"stage": name}
-    if "context" in call.stages:
+    if "context" in call.stages and exact.context is not None:  # a switching RoPE's oracle keeps none
         got, real3 = call.stages["context"], sch.real(lo, hi)[:, :, None]
         y = None if low is None else low.context[:, lo:hi]
         if np.shape(got) == exact.context[:, lo:hi].shape and not _judge_masked(

@@ -23,9 +23,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from mha_spec import MASK_KINDS, MASKED_ROWS_POLICIES, AttentionConfig, Problem, Structure
+from mha_spec import MASK_KINDS, MASKED_ROWS_POLICIES, AttentionConfig, Problem, RopeScaling, Structure
 from parity import draw
-from parity.canonical import LAYER_FIELDS
 from parity.dtypes import DTYPES
 from parity.implementation import STRUCTURED_MASKS, UNIT_MASKS
 
@@ -33,6 +32,7 @@ from parity.implementation import STRUCTURED_MASKS, UNIT_MASKS
 # bit-unchanged (parity.harness.leak); decode: prefill + single-token steps with a KV cache, on the cases
 # marked decode=True (parity.harness.decode); sharded: with devices >= 2 (parity.sharded)
 from parity.harness.checks import CHECKS  # noqa: E402 - the registry's names, live (parity.harness.checks.registry)
+from parity.harness.checks.oracle import LAYER_KEYWORDS  # noqa: E402 - the fields a layer passes by name
 
 
 @dataclass(frozen=True)
@@ -42,8 +42,9 @@ class Shape:
     B, T, S, E, N the sizes; cross: False is self-attention (key = value = query, T == S).
     The layer beyond the classic one, as `mha_spec.AttentionConfig` names it: num_kv_heads,
     qkv_bias, out_bias, rope, rope_theta, and the layers after Llama's fields (head_dim, qk_norm,
-    qk_norm_eps, qk_norm_offset, scale, softcap, sinks). `config`/`problem` are the mha_spec objects,
-    validated there (a bad combination is the ValueError AttentionConfig raises).
+    qk_norm_eps, qk_norm_offset, scale, softcap, sinks), and RoPE as the models ship it: rope_dim (partial
+    rotary, None: the whole head) and rope_scaling (an `mha_spec.RopeScaling`). `config`/`problem` are the
+    mha_spec objects, validated there (a bad combination is the ValueError AttentionConfig raises).
     """
 
     name: str
@@ -65,6 +66,8 @@ class Shape:
     scale: float | None = None
     softcap: float | None = None
     sinks: bool = False
+    rope_dim: int | None = None
+    rope_scaling: RopeScaling | None = None
 
     def __post_init__(self):
         self.problem  # validates the layer and the sizes (mha_spec raises)
@@ -80,14 +83,14 @@ class Shape:
         head_dim = None if c.head_dim is None or c.head_dim * c.num_heads == c.embed_dim else c.head_dim
         return cls(name, problem.B, problem.T, problem.S, c.embed_dim, c.num_heads, cross, c.num_kv_heads,
                    c.qkv_bias, c.out_bias, c.rope, c.rope_theta, head_dim,
-                   **{f: getattr(c, f) for f in LAYER_FIELDS}, sinks=c.sinks)
+                   **{f: getattr(c, f) for f in LAYER_KEYWORDS}, sinks=c.sinks)
 
     @property
     def config(self) -> AttentionConfig:
         """The layer (masked_rows "nan"; a `Case` has its own policy)."""
         return AttentionConfig(self.E, self.N, num_kv_heads=self.num_kv_heads, qkv_bias=self.qkv_bias,
                                out_bias=self.out_bias, rope=self.rope, rope_theta=self.rope_theta,
-                               head_dim=self.head_dim, sinks=self.sinks, **{f: getattr(self, f) for f in LAYER_FIELDS})
+                               head_dim=self.head_dim, sinks=self.sinks, **{f: getattr(self, f) for f in LAYER_KEYWORDS})
 
     @property
     def problem(self) -> Problem:
@@ -126,6 +129,9 @@ class Case:
     window: tuple | None = None
     alignment: str = "top-left"
     padded: bool = False
+    # RoPE cases: the smallest drawn position (queries' and keys' alike, every row shifted by one amount, so the
+    # rows still differ) where a scaled RoPE must be met past its original_max_position_embeddings; None: as drawn.
+    positions_from: int | None = None
     name: str = field(default="", compare=False)
 
     def __post_init__(self):
@@ -150,8 +156,21 @@ class Case:
             raise ValueError(f"case {self.name or self.shape.name}: a decode case is causal self-attention over at least "
                              f"2 tokens (a prompt and a step), got cross={self.shape.cross}, mask={self.mask!r}, "
                              f"T={self.shape.T}")
+        self._check_positions_from(label)
         if not self.name:
             object.__setattr__(self, "name", f"{self.shape.name}/{self.mask_label}/{self.masked_rows}")
+
+    def _check_positions_from(self, label: str) -> None:
+        p = self.positions_from
+        if p is None:
+            return
+        if self.shape.rope is None:
+            raise ValueError(f"case {label}: positions_from={p!r} is given on a layer without RoPE: it would be ignored")
+        if isinstance(p, bool) or not isinstance(p, int) or p < 0:
+            raise ValueError(f"case {label}: positions_from must be an int >= 0, got {p!r}")
+        if self.mask == "packed":
+            raise ValueError(f"case {label}: positions_from with a packed mask: its positions restart with each "
+                             "document (segment_positions)")
 
     @property
     def mask_label(self) -> str:
@@ -237,6 +256,40 @@ MODERN_SHAPES = {
     )
 }
 
+# RoPE as the models ship it (mha_spec.VARIANT_FEATURES' rope-partial and rope-scaled): each scaling kind on
+# its family's layer, original_max_position_embeddings small and the case's positions drawn past it
+# (`Case.positions_from`), so the scaled frequencies are the ones every rotation uses and LongRoPE takes its
+# long table. Sizes small and distinct from the other shapes'; no RoPE base is 10000.
+_R = RopeScaling
+ROPE_SHAPES = {
+    s.name: s
+    for s in (
+        # Llama 3.1: wavelengths below 64/4 kept (pair 0), above 64/1 divided by 8 (pairs 2..7), pair 1 between
+        # (interpolated): every branch of the llama3 rule at H = 16, base 500000.
+        Shape("scaled-llama3", B=3, T=6, S=6, E=64, N=4, cross=False, num_kv_heads=2, qkv_bias=False, out_bias=False,
+              rope="half", rope_theta=500000.0,
+              rope_scaling=_R("llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                              original_max_position_embeddings=64)),
+        # GPT-OSS: YaRN (factor 32, truncate=False as it ships: pair 1 on the ramp, a fraction of each), sinks,
+        # every bias, H = 8 of its own; its layers alternate a sliding window and full attention (two cases).
+        Shape("yarn-gpt-oss", B=2, T=8, S=8, E=20, N=4, cross=False, num_kv_heads=2, head_dim=8, rope="half",
+              rope_theta=150000.0, sinks=True,
+              rope_scaling=_R("yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                              original_max_position_embeddings=256)),
+        # Phi-3 (partial_rotary_factor 0.75, as Phi-4-mini): LongRoPE on the first 6 of H = 8 features, the head
+        # dim its own (N*H = 24 != E); positions past the original 16, so the long factors.
+        Shape("longrope-phi3", B=2, T=5, S=5, E=12, N=3, cross=False, head_dim=8, qkv_bias=False, out_bias=False,
+              rope="half", rope_theta=2500.0, rope_dim=6,
+              rope_scaling=_R("longrope", factor=4.0, original_max_position_embeddings=16,
+                              short_factor=(1.0, 1.25, 1.5), long_factor=(2.0, 5.0, 12.0))),
+        # GPT-NeoX: rotary_pct 0.25, the first 4 of H = 16 features rotate, every bias, no scaling.
+        Shape("partial-neox", B=3, T=5, S=5, E=32, N=2, cross=False, rope="half", rope_theta=2000.0, rope_dim=4),
+        # Linear position interpolation (factor 4), interleaved pairs, H = 4.
+        Shape("scaled-linear", B=2, T=7, S=7, E=20, N=5, cross=False, rope="interleaved", rope_theta=500.0,
+              rope_scaling=_R("linear", factor=4.0)),
+    )
+}
+
 # Decoding with a KV cache (the decode check, `parity.harness.decode`): causal self-attention over T
 # tokens, run as a prompt of T - 3 tokens in one call and 3 single-token steps, the rows left-padded
 # by 0, 2, 1, ... tokens. Sizes small and distinct from the other shapes'; no RoPE base is 10000.
@@ -260,6 +313,13 @@ DECODE_SHAPES = {
               softcap=0.6),
         Shape("decode-gpt-oss", B=3, T=6, S=6, E=16, N=4, cross=False, num_kv_heads=2, head_dim=6, rope="half",
               rope_theta=500.0, sinks=True),
+        # Phi-3's partial LongRoPE with an original context of 5: the prompt (positions up to 3) and the first
+        # step (4) rotate with the short factors, the later steps (5, 6) with the long ones, while the keys
+        # cached before keep their short rotation.
+        Shape("decode-phi3", B=3, T=7, S=7, E=18, N=3, cross=False, head_dim=8, qkv_bias=False, out_bias=False,
+              rope="half", rope_theta=2500.0, rope_dim=6,
+              rope_scaling=_R("longrope", factor=4.0, original_max_position_embeddings=5,
+                              short_factor=(1.0, 1.25, 1.5), long_factor=(2.0, 5.0, 12.0))),
     )
 }
 
@@ -348,6 +408,7 @@ _DECODE_CASES = (
     Case(_D["decode-no-bias"], "causal", "uniform", jax_eager=False, decode=True, dtypes=("float32",)),
     Case(_D["decode-gemma3"], "causal", "zero", jax_eager=False, decode=True, dtypes=("float32",)),
     Case(_D["decode-gpt-oss"], "causal", "nan", jax_eager=False, decode=True, dtypes=("float32",)),
+    Case(_D["decode-phi3"], "causal", "zero", jax_eager=False, decode=True, dtypes=("float32", "float16")),
 )
 
 
@@ -392,12 +453,37 @@ _MODERN_CASES = (
 )
 
 
+_RS = ROPE_SHAPES
+# Each scaling on its family's layer, positions past the original context (`ROPE_SHAPES`), and the partial
+# NeoX layer; together every dtype. GPT-OSS's two cases are its alternating layers: the window, the full one.
+_ROPE_CASES = (
+    Case(_RS["scaled-llama3"], "causal", "nan", peers=True, jax_eager=False, positions_from=70,
+         dtypes=("float64", "float32", "bfloat16")),
+    Case(_RS["yarn-gpt-oss"], "window", "nan", window=(3, 0), peers=True, jax_eager=False, positions_from=300,
+         dtypes=("float64", "float32", "bfloat16")),
+    Case(_RS["yarn-gpt-oss"], "causal", "zero", jax_eager=False, positions_from=300, dtypes=("float32",)),
+    Case(_RS["longrope-phi3"], "padding", "uniform", peers=True, jax_eager=False, positions_from=20,
+         dtypes=("float64", "float32", "float16")),
+    Case(_RS["partial-neox"], "random", "zero", peers=True, jax_eager=False, dtypes=("float64", "float32", "float16")),
+    Case(_RS["scaled-linear"], "padding", "nan", jax_eager=False, positions_from=20, dtypes=_WIDE),
+)
+
+
+def rope_matrix() -> tuple[Case, ...]:
+    """RoPE as the models ship it (`mha-parity --cases rope`, also in `modern`): partial rotary and each
+    scaling (`ROPE_SHAPES`: Llama 3.1's llama3, GPT-OSS's YaRN with sinks over a window and without, Phi-3's
+    partial LongRoPE, GPT-NeoX's rotary_pct 0.25 with biases, linear), positions past the original context;
+    and the decode of Phi-3's layer whose prompt rotates short and whose later steps long."""
+    return (*_ROPE_CASES, *(c for c in _DECODE_CASES if c.shape.name == "decode-phi3"))
+
+
 def modern_matrix() -> tuple[Case, ...]:
     """Every variant case (`mha-parity --cases modern`): each feature alone, every mask kind and
     policy among them, float64 and float32, and the Llama layer also in bfloat16, with peers and
     the training check; includes the default matrix's variant cases. Both RoPE conventions run
     cross-attention with T < S (key positions apart from the query positions) and no RoPE layer
-    has the base 10000 (`VARIANT_SHAPES`). The decode cases (`DECODE_SHAPES`): the default ones (the
+    has the base 10000 (`VARIANT_SHAPES`). Partial and scaled RoPE (`rope_matrix`, `ROPE_SHAPES`).
+    The decode cases (`DECODE_SHAPES`): the default ones (the
     Llama layer, the classic one), grouped heads, each RoPE convention and a layer without biases. The default matrix's
     mask cases (grouped, RoPE and bias-free layers too; `mask_matrix` has them all)."""
     return (
@@ -411,6 +497,7 @@ def modern_matrix() -> tuple[Case, ...]:
         Case(_V["llama"], "padding", "uniform", train=True, peers=True, jax_eager=False,
              dtypes=("float64", "float32", "bfloat16")),
         *_MODERN_CASES,
+        *_ROPE_CASES,
         *_DECODE_CASES,
         *_DEFAULT_MASK_CASES,
     )
@@ -468,7 +555,8 @@ def declared_shape(name: str, features, like: Shape, self_attention: bool) -> Sh
                  rope_theta=500.0 if rope else 10000.0)
 
 
-CASE_SETS = {"default": default_matrix, "quick": quick_matrix, "modern": modern_matrix, "masks": mask_matrix}
+CASE_SETS = {"default": default_matrix, "quick": quick_matrix, "modern": modern_matrix, "masks": mask_matrix,
+             "rope": rope_matrix}
 """Named case sets: `run(cases="modern")`, `mha-parity --cases modern` (a name in --cases selects its set)."""
 
 
@@ -632,6 +720,9 @@ def draw_inputs(case: Case, seed: int, state_dict: dict | None = None) -> Inputs
     if s.rope is not None:  # drawn last: a classic case's numbers are what they always were
         positions = draw.positions(rng, s.B, s.T)
         key_positions = draw.positions(rng, s.B, s.S) if s.cross else positions.copy()
+        if case.positions_from is not None:  # one shift for all: the differences, and so the scores' RoPE, kept
+            shift = case.positions_from - min(positions.min(), key_positions.min())
+            positions, key_positions = positions + shift, key_positions + shift
     structure = padding = None
     if case.structured:  # after everything else: the dense cases' draws are untouched
         from parity.reference import segment_positions, structured_keep

@@ -85,7 +85,7 @@ from parity.implementation import (
     import_attr,
     unit_kind,
 )
-from parity.peers import equinox, flax, hf, jax_dpa, keras, pallas, sdpa, torch_mha
+from parity.peers import equinox, flax, hf, hf_fused, jax_dpa, keras, pallas, sdpa, torch_mha
 
 
 def implementation(**declared):
@@ -140,14 +140,19 @@ def mask_for(impl: Implementation, keep: np.ndarray | None, num_heads: int, dtyp
     return keep
 
 
+# What a layer passes by name beyond num_kv_heads, rope and rope_theta: the fields the tensors cannot say, and
+# RoPE's partial rotary and scaling (once each, should LAYER_FIELDS come to name them).
+_LAYER_KEYWORDS = tuple(dict.fromkeys((*LAYER_FIELDS, "rope_dim", "rope_scaling")))
+
+
 def layer_kwargs(state_dict: dict, num_heads: int, problem: Problem | None) -> dict:
     """num_kv_heads, rope, rope_theta and the fields the tensors cannot say (`parity.canonical.LAYER_FIELDS`:
-    qk_norm, its eps and offset, scale, softcap; those at their defaults are left out) for our modules'
-    converters (`parity.convert.to_torch/to_jax`): the problem's; without one, the state dict's key/value
-    heads (k_proj rows / H) and no RoPE."""
+    qk_norm, its eps and offset, scale, softcap; and rope_dim, rope_scaling; those at their defaults are left
+    out) for our modules' converters (`parity.convert.to_torch/to_jax`): the problem's; without one, the state
+    dict's key/value heads (k_proj rows / H) and no RoPE."""
     if problem is not None:
         c = problem.config
-        extra = {f: getattr(c, f) for f in LAYER_FIELDS if getattr(c, f) != getattr(AttentionConfig, f)}
+        extra = {f: getattr(c, f) for f in _LAYER_KEYWORDS if getattr(c, f) != getattr(AttentionConfig, f)}
         return {"num_kv_heads": c.num_kv_heads, "rope": c.rope, "rope_theta": c.rope_theta, **extra}
     q_rows, kv_rows = np.shape(state_dict["q_proj.weight"])[0], np.shape(state_dict["k_proj.weight"])[0]
     K = kv_rows * num_heads // q_rows if q_rows else num_heads
@@ -190,6 +195,7 @@ PEERS = (
     *flax.IMPLEMENTATIONS,
     *jax_dpa.IMPLEMENTATIONS,
     *hf.IMPLEMENTATIONS,
+    *hf_fused.IMPLEMENTATIONS,
     *keras.IMPLEMENTATIONS,
     *equinox.IMPLEMENTATIONS,
     *pallas.IMPLEMENTATIONS,

@@ -5,6 +5,8 @@
     flax        flax.linen / flax.nnx MultiHeadAttention         flax-linen-mha, flax-nnx-mha, flax-nnx-mha-fused
     jax_dpa     jax.nn.dot_product_attention                     jax-dpa-core, jax-dpa-gqa
     hf          Hugging Face transformers: BERT, GPT-2, Llama    hf-bert, hf-gpt2, hf-llama
+    hf_fused    transformers' fused q/k/v modules: Phi-3,        hf-phi3, hf-gpt-neox, hf-falcon
+                GPT-NeoX, Falcon (through hf's one import)
     keras       Keras 3 MultiHeadAttention, GroupQueryAttention  keras-mha, keras-gqa
     equinox     equinox.nn.MultiheadAttention                    equinox-mha
     pallas      jax's Pallas kernels (interpret mode on CPU)     pallas-gpu-flash, pallas-tpu-flash, pallas-gpu-decode

@@ -13,6 +13,11 @@
                each family's own attention module (eager) with its rotary embedding, on the layers
                with its feature (QK-norm per head or flat, soft-cap, sinks): self-attention, as hf-llama
 
+    Scaled RoPE (linear, llama3, yarn, longrope) reaches every RoPE peer as transformers' rope_parameters
+    (`hf_rope_parameters`: rope_type the kind, the RopeScaling's keys, LongRoPE's factor set explicitly), so each
+    declares rope-scaled; their apply_rotary_pos_emb rotates the whole head, so none declares rope-partial
+    (`full_rotary_parameters` refuses it). Phi-3, GPT-NeoX and Falcon: parity.peers.hf_fused.
+
     to_hf_cache / from_hf_cache     mha_torch.kv_cache.KVCache <-> a one-layer DynamicCache
     hf_attention_mask               the (B, L) 0/1 mask HF keeps beside it (its padding: HF has no
                                     per-row lengths)
@@ -54,6 +59,7 @@ Legend (see mha_spec): B T S N K H E.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 
 import numpy as np
@@ -75,6 +81,16 @@ def _torch_inputs(x, dtype):
 
 # What no other file of parity/ imports (tests/test_house.py).
 OWNS = ("import transformers",)
+
+
+def transformers_module(name: str):
+    """transformers' submodule `name` ("models.phi3.modeling_phi3", "cache_utils", ...), imported on first use:
+    the one door to the library for the peers of its other modules (parity.peers.hf_fused), so that
+    transformers is imported in this file only."""
+    import importlib
+
+    require("transformers")
+    return importlib.import_module(f"transformers.{name}")
 
 # ---------------------------------------------------------------- configs and masks
 
@@ -280,6 +296,46 @@ def hf_attention_vjp(library: str, sd, num_heads: int, query, keep, cotangent, d
 _LLAMA_HEADROOM = 4096  # max_position_embeddings: the rotary cache is rebuilt past it, never truncated; any size works
 
 
+def partial_rotary_factor(rope_dim: int, head_dim: int) -> float:
+    """R/H as transformers' partial_rotary_factor, such that int(H * factor) == R: transformers truncates
+    H * factor to the rotated features (modeling_rope_utils, GPTNeoXAttention.rotary_ndims), and R/H rounded
+    to a float can land one ulp under R (R=30, H=44), so it is nudged up to the next float where it does."""
+    factor = rope_dim / head_dim
+    while int(head_dim * factor) < rope_dim:
+        factor = math.nextafter(factor, 2.0)
+    return factor
+
+
+def hf_rope_parameters(config) -> dict:
+    """The transformers rope_parameters of an mha_spec.AttentionConfig's RoPE: rope_type (the scaling's kind,
+    "default" without one), rope_theta, partial_rotary_factor (R/H, only when R < H) and the RopeScaling's keys
+    under their transformers names (lists for LongRoPE's factors). Every key the scaling has is passed, factor
+    included: LongRoPE's factor otherwise comes from max_position_embeddings / original, which is not ours."""
+    scaling = config.rope_scaling
+    rope = {"rope_type": "default" if scaling is None else scaling.kind, "rope_theta": float(config.rope_theta)}
+    if config.rotary_dim != config.head_size:
+        rope["partial_rotary_factor"] = partial_rotary_factor(config.rotary_dim, config.head_size)
+    if scaling is not None:
+        for f in dataclasses.fields(scaling):
+            value = getattr(scaling, f.name)
+            if f.name != "kind" and value is not None:
+                rope[f.name] = list(value) if isinstance(value, tuple) else value
+    return rope
+
+
+def full_rotary_parameters(config) -> dict:
+    """hf_rope_parameters for the modules whose apply_rotary_pos_emb rotates the whole head (Llama, Mistral,
+    Qwen3, Gemma 2/3, OLMo 2, GPT-OSS, Falcon: q * cos + rotate_half(q) * sin over all H features, so a cos of
+    R < H features does not even broadcast): a partial layer is a ValueError (they do not declare rope-partial).
+    A layer without RoPE gets the default table (the peers pass the identity rotation themselves)."""
+    if config.rope is not None and config.rotary_dim != config.head_size:
+        raise ValueError(f"rope_dim={config.rotary_dim} < head_dim={config.head_size}: this transformers module "
+                         "rotates the whole head (no partial rotary)")
+    if config.rope is None:
+        return {"rope_type": "default", "rope_theta": float(config.rope_theta)}
+    return hf_rope_parameters(config)
+
+
 def _llama_parts(sd, config, dtype):
     """(LlamaAttention holding sd, LlamaRotaryEmbedding, the canonical names sd has).
 
@@ -302,7 +358,7 @@ def _llama_parts(sd, config, dtype):
         every = dataclasses.replace(config, qkv_bias=True, out_bias=True).weight_shapes()
         sd = {**{k: np.zeros(s, dt) for k, s in every.items() if k.endswith(".bias")}, **sd}
     hf = LlamaConfig(hidden_size=E, num_attention_heads=N, num_key_value_heads=K, head_dim=H, attention_bias=any_bias,
-                     rope_theta=float(config.rope_theta), num_hidden_layers=1, intermediate_size=2 * E,
+                     rope_parameters=full_rotary_parameters(config), num_hidden_layers=1, intermediate_size=2 * E,
                      vocab_size=SMALL_VOCAB, max_position_embeddings=_LLAMA_HEADROOM, attention_dropout=0.0,
                      attn_implementation="eager")
     att = LlamaAttention(hf, layer_idx=0).to(torch_dtype_of(dt)).eval()
@@ -311,7 +367,7 @@ def _llama_parts(sd, config, dtype):
     return att, LlamaRotaryEmbedding(hf), names
 
 
-def _llama_position_ids(positions, key_positions, B: int, T: int):
+def hf_position_ids(positions, key_positions, B: int, T: int):
     """HF's one position list (B, T) int64: LlamaAttention rotates queries and keys by the same position_ids."""
     import torch
 
@@ -349,7 +405,7 @@ def _llama_call(att, rotary, config, keep, position_ids, dtype):
 # ---------------------------------------------------------------- factories (parity.impls.registry's contract)
 
 
-def _self_attention(query, key, value, library: str) -> None:
+def check_self_attention(query, key, value, library: str) -> None:
     """The HF modules are self-attention: refuse (clearly) a key or value that is not the query."""
     if not (np.array_equal(key, query) and np.array_equal(value, query)):
         raise ValueError(f"{library} attention is self-attention: key and value must equal query "
@@ -362,7 +418,7 @@ def _torch_peer(forward, library: str, sd, num_heads, *, dtype, device, layout: 
 
     def fn(query, key, value, keep):
         q, k, v = (tensor_to_numpy(x) for x in (query, key, value))
-        _self_attention(q, k, v, library)
+        check_self_attention(q, k, v, library)
         keep = None if keep is None else tensor_to_numpy(keep)
         return numpy_to_tensor(forward(sd, num_heads, q, keep, dtype), device)
 
@@ -396,9 +452,9 @@ def hf_llama(sd, num_heads, *, dtype, device, problem):
         import torch
 
         q, k, v = (tensor_to_numpy(x) for x in (query, key, value))
-        _self_attention(q, k, v, "HF Llama")
+        check_self_attention(q, k, v, "HF Llama")
         keep = None if keep is None else tensor_to_numpy(keep)
-        ids = _llama_position_ids(positions, key_positions, *q.shape[:2])
+        ids = hf_position_ids(positions, key_positions, *q.shape[:2])
         att, rotary, _ = _llama_parts(sd, config, dtype)
         call = _llama_call(att, rotary, config, keep, ids, dtype)
         with torch.no_grad():
@@ -412,7 +468,7 @@ def hf_llama(sd, num_heads, *, dtype, device, problem):
         dt = np_dtype(dtype)
         query = np.asarray(query)
         att, rotary, names = _llama_parts(sd, config, dtype)
-        ids = _llama_position_ids(positions, key_positions, *query.shape[:2])
+        ids = hf_position_ids(positions, key_positions, *query.shape[:2])
         call = _llama_call(att, rotary, config, None if keep is None else np.asarray(keep), ids, dtype)
         x = _torch_inputs(query, dt).requires_grad_(True)
         with torch.enable_grad():
@@ -435,7 +491,7 @@ def hf_mistral_config(config, sliding_window: int | None):
 
     return MistralConfig(hidden_size=config.embed_dim, num_attention_heads=config.num_heads,
                          num_key_value_heads=config.kv_heads, head_dim=config.head_size,
-                         rope_parameters={"rope_type": "default", "rope_theta": float(config.rope_theta)},
+                         rope_parameters=full_rotary_parameters(config),
                          sliding_window=sliding_window, num_hidden_layers=1, intermediate_size=2 * config.embed_dim,
                          vocab_size=SMALL_VOCAB, max_position_embeddings=_LLAMA_HEADROOM, attention_dropout=0.0,
                          attn_implementation="eager")
@@ -533,10 +589,10 @@ def hf_mistral(sd, num_heads, *, dtype, device, problem):
         import torch
 
         q, k, v = (tensor_to_numpy(x) for x in (query, key, value))
-        _self_attention(q, k, v, "HF Mistral")
+        check_self_attention(q, k, v, "HF Mistral")
         keep = None if keep is None else tensor_to_numpy(keep)
         structure = {n: tensor_to_numpy(a) if hasattr(a, "detach") else a for n, a in structure.items()}
-        ids = _llama_position_ids(positions, key_positions, *q.shape[:2])
+        ids = hf_position_ids(positions, key_positions, *q.shape[:2])
         _, call = _mistral_call(sd, config, keep, ids, structure, dtype)
         with torch.no_grad():
             out = call(_torch_inputs(q, np_dtype(dtype)))
@@ -548,7 +604,7 @@ def hf_mistral(sd, num_heads, *, dtype, device, problem):
 
         dt = np_dtype(dtype)
         query = np.asarray(query)
-        ids = _llama_position_ids(positions, key_positions, *query.shape[:2])
+        ids = hf_position_ids(positions, key_positions, *query.shape[:2])
         att, call = _mistral_call(sd, config, None if keep is None else np.asarray(keep), ids, structure, dtype)
         x = _torch_inputs(query, dt).requires_grad_(True)
         with torch.enable_grad():
@@ -664,8 +720,14 @@ class HFDecodeCache:
     attention_mask: object
 
 
-def hf_llama_decode_step(att, rotary, config, x, cache, position):
+def _llama_run(att, x, emb, mask, past):
+    return att(x, position_embeddings=emb, attention_mask=mask, past_key_values=past)[0]
+
+
+def hf_llama_decode_step(att, rotary, config, x, cache, position, run=_llama_run):
     """One decode step of LlamaAttention: x (B, 1, E) torch, position (B,) int64 (-1: left padding).
+    run(att, x, emb, mask, past) -> output calls the module (another family's attention with its own
+    keywords: parity.peers.hf_fused); `att.config` is what create_causal_mask reads.
 
     As HF's generate does with left padding: the 2D attention mask gains a 0 for a padding token
     (1 for a real one), create_causal_mask turns it into the eager additive mask (B, 1, 1, L + 1)
@@ -696,11 +758,10 @@ def hf_llama_decode_step(att, rotary, config, x, cache, position):
         emb = (cos, torch.zeros_like(cos))
     else:
         emb = rotary(x, position_ids)
-    out, _ = att(x, position_embeddings=emb, attention_mask=mask, past_key_values=past)
-    return out, HFDecodeCache(past, mask2d)
+    return run(att, x, emb, mask, past), HFDecodeCache(past, mask2d)
 
 
-def _decode_args(name: str, x_t, position, E: int):
+def decode_args(name: str, x_t, position, E: int):
     """x_t (B, 1, E) floating tensor and position (B,) integer tensor, checked; position as int64 on CPU."""
     import torch
 
@@ -729,7 +790,7 @@ def hf_llama_decode(sd, num_heads, *, dtype, device, problem):
     def fn(p, x_t, cache, position):
         import torch
 
-        pos = _decode_args("hf-llama-decode", x_t, position, config.embed_dim)
+        pos = decode_args("hf-llama-decode", x_t, position, config.embed_dim)
         if x_t.dtype != torch_dtype_of(np_dtype(dtype)):
             raise TypeError(f"hf-llama-decode was built for {dtype}; x_t is {x_t.dtype}")
         if not isinstance(p, Mapping):
@@ -753,16 +814,18 @@ def hf_llama_decode(sd, num_heads, *, dtype, device, problem):
 # those its layer always has). Each runs its family's attention module as transformers ships it, on our weights.
 _FAMILY_MODULES = {
     "hf-qwen3": ("Qwen3Config", "qwen3", "Qwen3Attention", "Qwen3RotaryEmbedding",
-                 ("grouped", "no-qkv-bias", "no-out-bias", "head-dim"), ("rope-half", "qk-norm-head")),
+                 ("grouped", "no-qkv-bias", "no-out-bias", "head-dim", "rope-scaled"), ("rope-half", "qk-norm-head")),
     "hf-gemma2": ("Gemma2Config", "gemma2", "Gemma2Attention", "Gemma2RotaryEmbedding",
-                  ("grouped", "no-qkv-bias", "no-out-bias", "head-dim", "scale"), ("rope-half", "softcap")),
+                  ("grouped", "no-qkv-bias", "no-out-bias", "head-dim", "scale", "rope-scaled"),
+                  ("rope-half", "softcap")),
     # transformers' Gemma3Attention stores attn_logit_softcapping but never applies it (5.x): no softcap here.
     "hf-gemma3": ("Gemma3TextConfig", "gemma3", "Gemma3Attention", "Gemma3RotaryEmbedding",
-                  ("grouped", "no-qkv-bias", "no-out-bias", "head-dim", "scale"), ("rope-half", "qk-norm-head")),
+                  ("grouped", "no-qkv-bias", "no-out-bias", "head-dim", "scale", "rope-scaled"),
+                  ("rope-half", "qk-norm-head")),
     "hf-olmo2": ("Olmo2Config", "olmo2", "Olmo2Attention", "Olmo2RotaryEmbedding",
-                 ("grouped", "no-qkv-bias", "no-out-bias", "head-dim"), ("rope-half", "qk-norm-flat")),
+                 ("grouped", "no-qkv-bias", "no-out-bias", "head-dim", "rope-scaled"), ("rope-half", "qk-norm-flat")),
     "hf-gpt-oss": ("GptOssConfig", "gpt_oss", "GptOssAttention", "GptOssRotaryEmbedding",
-                   ("grouped", "no-qkv-bias", "no-out-bias", "head-dim"), ("rope-half", "sinks")),
+                   ("grouped", "no-qkv-bias", "no-out-bias", "head-dim", "rope-scaled"), ("rope-half", "sinks")),
 }
 _NORM_OFFSET = {"hf-qwen3": 0.0, "hf-gemma3": 1.0, "hf-olmo2": 0.0}  # the offset each module's RMSNorm adds to w
 # Where a peer runs only cases without a fully masked row (none at present: a soft-capped layer's fully
@@ -776,7 +839,7 @@ def _family_config(name: str, config):
     import transformers
 
     cls = _FAMILY_MODULES[name][0]
-    rope = {"rope_type": "default", "rope_theta": float(config.rope_theta)}
+    rope = full_rotary_parameters(config)
     kw = dict(hidden_size=config.embed_dim, num_attention_heads=config.num_heads, num_key_value_heads=config.kv_heads,
               head_dim=config.head_size, attention_bias=config.qkv_bias or config.out_bias, num_hidden_layers=1,
               intermediate_size=2 * config.embed_dim, vocab_size=SMALL_VOCAB, max_position_embeddings=_LLAMA_HEADROOM,
@@ -846,9 +909,9 @@ def _family_peer(name: str, sd, num_heads, *, dtype, device, problem):
         import torch
 
         q, k, v = (tensor_to_numpy(x) for x in (query, key, value))
-        _self_attention(q, k, v, name)
+        check_self_attention(q, k, v, name)
         keep = None if keep is None else tensor_to_numpy(keep)
-        ids = _llama_position_ids(positions, key_positions, *q.shape[:2])
+        ids = hf_position_ids(positions, key_positions, *q.shape[:2])
         att, rotary, _ = _family_parts(name, sd, config, dtype)
         with torch.no_grad():
             out = _family_call(name, att, rotary, keep, ids, dtype)(_torch_inputs(q, np_dtype(dtype)))
@@ -861,7 +924,7 @@ def _family_peer(name: str, sd, num_heads, *, dtype, device, problem):
         dt = np_dtype(dtype)
         query = np.asarray(query)
         att, rotary, names = _family_parts(name, sd, config, dtype)
-        ids = _llama_position_ids(positions, key_positions, *query.shape[:2])
+        ids = hf_position_ids(positions, key_positions, *query.shape[:2])
         call = _family_call(name, att, rotary, None if keep is None else np.asarray(keep), ids, dtype)
         x = _torch_inputs(query, dt).requires_grad_(True)
         with torch.enable_grad():
@@ -924,7 +987,8 @@ IMPLEMENTATIONS = (
                    "a query with only padding is uniform over all keys"),
     # float64 and float16 only where no row is fully masked (none, causal self-attention): see the module docstring.
     Implementation("hf-llama", "torch", f"{__name__}:hf_llama", masked_rows="uniform", mask_shape="BTS", uses_params=False,
-                   computes_in="float32", role="peer", bench=False, masked_row_grads="flow", variants=LLAMA_FEATURES,
+                   computes_in="float32", role="peer", bench=False, masked_row_grads="flow",
+                   variants=(*LLAMA_FEATURES, "rope-scaled"),
                    runs_on=("self/none/*", "self/causal/*", "self/*/float32", "self/*/bfloat16"),
                    doc="transformers LlamaAttention (eager) with LlamaRotaryEmbedding, position_ids = the positions; "
                    "additive mask 0 / finfo.min, so empty rows are uniform and their gradient flows; cos/sin and softmax "
@@ -933,7 +997,8 @@ IMPLEMENTATIONS = (
     # masked rows, NaN in float64 (finfo(float64).min is -inf in the float32 softmax), as for hf-llama.
     Implementation("hf-mistral", "torch", f"{__name__}:hf_mistral", masked_rows="uniform", mask_shape="BTS",
                    uses_params=False, computes_in="float32", role="peer", bench=False, masked_row_grads="flow",
-                   variants=("grouped",), requires=("rope-half", "no-qkv-bias", "no-out-bias"), structured=True,
+                   variants=("grouped", "rope-scaled"), requires=("rope-half", "no-qkv-bias", "no-out-bias"),
+                   structured=True,
                    runs_on=("self/packed/*", "self/window/float32", "self/window/bfloat16"),
                    doc="transformers MistralAttention (eager) with the mask MistralModel builds: sliding_window = W from "
                    "the window (W - 1, 0) through create_sliding_window_causal_mask and generate's 2D attention mask; "
@@ -942,7 +1007,8 @@ IMPLEMENTATIONS = (
     # A decoder's only fully masked rows are its left-padding tokens, whose outputs are not judged: it runs
     # in every dtype (in float64 such a row is NaN, finfo(float64).min being -inf in the float32 softmax).
     Implementation("hf-llama-decode", "torch", f"{__name__}:hf_llama_decode", decode=True, masked_rows="uniform",
-                   computes_in="float32", role="peer", bench=False, masked_row_grads="flow", variants=LLAMA_FEATURES,
+                   computes_in="float32", role="peer", bench=False, masked_row_grads="flow",
+                   variants=(*LLAMA_FEATURES, "rope-scaled"),
                    runs_on=("self/*/*",),
                    doc="transformers LlamaAttention (eager) decoding one token per call with a DynamicCache "
                    "(past_key_values), generate's 2D attention mask (left padding 0) turned into the additive mask "

@@ -133,7 +133,7 @@ class Oracle:
         return floors
 
 
-__all__ = ["Oracle", "layer_fields"]
+__all__ = ["Oracle", "layer_fields", "LAYER_KEYWORDS"]
 
 
 def _moved_projections(sd: dict, xs, cot):
@@ -160,7 +160,13 @@ def _moved_projections(sd: dict, xs, cot):
     return moved, inputs, np.concatenate([cot, np.zeros((*cot.shape[:2], wide - E))], axis=-1)
 
 
+# The AttentionConfig fields a case's layer passes by name beyond the sizes, heads, biases, rope, rope_theta,
+# head_dim and sinks: those the tensors cannot say (`parity.canonical.LAYER_FIELDS`) and RoPE's partial rotary
+# and scaling (once each, should LAYER_FIELDS come to name them too).
+LAYER_KEYWORDS = tuple(dict.fromkeys((*LAYER_FIELDS, "rope_dim", "rope_scaling")))
+
+
 def layer_fields(shape) -> dict:
-    """The layer's fields the tensors cannot say (`parity.canonical.LAYER_FIELDS`), those not at their
-    defaults: the oracle's keywords for QK-norm, the scale and the soft-cap."""
-    return {f: getattr(shape, f) for f in LAYER_FIELDS if getattr(shape, f) != getattr(AttentionConfig, f)}
+    """The layer's `LAYER_KEYWORDS` not at their defaults: the oracle's (and our modules') keywords for
+    QK-norm, the scale, the soft-cap, partial rotary (rope_dim) and scaled RoPE (rope_scaling)."""
+    return {f: getattr(shape, f) for f in LAYER_KEYWORDS if getattr(shape, f) != getattr(AttentionConfig, f)}

@@ -111,8 +111,14 @@ def jobs(*, devices: int, shardings=SHARDINGS, frameworks=FRAMEWORKS, dtypes=("f
 
 
 def unsplittable(job: Job) -> str:
-    """Why `job.devices` cannot split what the job's sharding splits ("" if it can)."""
+    """Why `job.devices` cannot split what the job's sharding splits ("" if it can). A RoPE whose table follows
+    the call (LongRoPE) under dp: each rank's call sees only its rows of the per-row positions the jobs draw,
+    and the module refuses it (its table follows the whole batch's largest position)."""
     p = job.problem
+    scaling = p.config.rope_scaling
+    if job.sharding == "dp" and scaling is not None and scaling.switches:
+        return (f"data parallel does not run rope_scaling {scaling.kind!r} with per-row positions: a rank sees only "
+                "its rows, the table follows the whole batch's largest position")
     heads = {"N": p.config.num_heads} | ({"K": p.config.kv_heads} if "grouped" in p.config.features else {})
     sizes = {"tp": heads, "sp": {"T": p.T, "S": p.S}, "dp": {"B": p.B}}
     bad = [f"{k}={v}" for k, v in sizes["tp" if job.sharding == "tp-gspmd" else job.sharding].items() if v % job.devices]
@@ -178,7 +184,8 @@ def inputs(job: Job) -> JobInputs:
     as64 = [reference.as_float64(x) for x in low]
     sd64 = {k: reference.as_float64(v) for k, v in sd_low.items()}
     kw = {"num_heads": cfg.num_heads, "num_kv_heads": cfg.num_kv_heads, "masked_rows": cfg.masked_rows, "rope": cfg.rope,
-          "rope_theta": cfg.rope_theta, "positions": pos[0], "key_positions": pos[1]}
+          "rope_theta": cfg.rope_theta, "positions": pos[0], "key_positions": pos[1], "rope_dim": cfg.rope_dim,
+          "rope_scaling": cfg.rope_scaling}
     out = reference.forward(sd64, *as64[:3], keep, **kw).output
     grads = reference.backward(sd64, *as64[:3], keep, as64[3], **kw)
     return JobInputs(*low[:3], keep, *pos, sd_low, low[3], out, grads)

@@ -58,7 +58,9 @@ def _params(sd) -> dict:
 def _layer_kwargs(job) -> dict:
     """The layer beyond num_heads, as the module and sharded_attention take it."""
     cfg = job.problem.config
-    return {"num_kv_heads": cfg.num_kv_heads, "rope": cfg.rope, "rope_theta": cfg.rope_theta, "masked_rows": cfg.masked_rows}
+    rope = {k: getattr(cfg, k) for k in ("rope_dim", "rope_scaling") if getattr(cfg, k) is not None}  # partial, scaled
+    return {"num_kv_heads": cfg.num_kv_heads, "rope": cfg.rope, "rope_theta": cfg.rope_theta, "masked_rows": cfg.masked_rows,
+            **rope}
 
 
 def _module(job, inp):

@@ -37,8 +37,9 @@ def _module(job, inp):
     from parity import convert
 
     cfg = job.problem.config
+    rope = {k: getattr(cfg, k) for k in ("rope_dim", "rope_scaling") if getattr(cfg, k) is not None}  # partial, scaled
     return convert.to_torch(inp.state_dict, cfg.num_heads, num_kv_heads=cfg.num_kv_heads, rope=cfg.rope,
-                            rope_theta=cfg.rope_theta, masked_rows=cfg.masked_rows)
+                            rope_theta=cfg.rope_theta, masked_rows=cfg.masked_rows, **rope)
 
 
 def _gather(x, dim: int):
@@ -108,11 +109,11 @@ def planted(plant: str | None, n: int):
         name = {"ring_mask_offset": "key_block_start", "ring_local_positions": "_rotated"}[plant]
         original = getattr(parallel, name)
 
-        def rotated_from_block_start(module, x, pos, batch, length, start, what):
+        def rotated_from_block_start(module, x, pos, batch, length, start, what, top=None):
             if x.shape[-2] == length:  # the whole sequence (tp): not a ring block
-                return original(module, x, pos, batch, length, start, what)
+                return original(module, x, pos, batch, length, start, what, top)
             # A ring block rotated with positions counted from its own start (arange of the block).
-            return original(module, x, None, batch, x.shape[-2], 0, what)
+            return original(module, x, None, batch, x.shape[-2], 0, what, top)
 
         setattr(parallel, name, {"ring_mask_offset": lambda src, n, block: ((src + 1) % n) * block,
                                  "ring_local_positions": rotated_from_block_start}[plant])
