@@ -997,10 +997,12 @@ def _rope_params(cfg: Mapping, source: str) -> Mapping:
                                       f"every layer here has one RoPE")
     read = next(iter(fields.values()), {})
     hidden = fields.get("rope_parameters", {}).get("rope_theta") if "rope_scaling" in fields else None
-    if hidden is not None and hidden != read.get("rope_theta", cfg.get("rope_theta", hidden)):
+    # The theta transformers uses then: rope_scaling's, the top level's, else the model's default (compared
+    # with that default too: a hidden theta nothing else repeats is still ignored by transformers).
+    used = read.get("rope_theta", cfg.get("rope_theta", _DEFAULT_THETAS.get(cfg.get("model_type"), _DEFAULT_ROPE_THETA)))
+    if hidden is not None and hidden != used:
         raise _config_error(source, f"rope_parameters.rope_theta = {hidden!r}, but rope_scaling is set too and "
-                                    f"transformers reads it instead (rope_theta {read.get('rope_theta', cfg.get('rope_theta'))!r}): "
-                                    f"say one rope_theta")
+                                    f"transformers reads it instead (rope_theta {used!r}): say one rope_theta")
     return read
 
 

@@ -381,6 +381,15 @@ def _softmax(scores, keep, sinks, masked_rows: str, acc, dtype):
     return scores, _round(_round(np.where(row_any, weights, fill), acc), dtype), None
 
 
+def _rope_backward(d_q, d_k, positions, key_positions, sizes, cfg, acc, r):
+    """(d_q, d_k, the keys' (cos, sin) or None) before RoPE: the transpose of a rotation is the rotation by minus
+    the angle (the same attention factor; the features past rope_dim pass)."""
+    if cfg.rope is None:
+        return d_q, d_k, None
+    (cq, sq), key_angles = _rope_cos_sin(positions, key_positions, *sizes, cfg, acc)
+    return r(rotate(d_q, cq, -sq, cfg.rope)), r(rotate(d_k, key_angles[0], -key_angles[1], cfg.rope)), key_angles
+
+
 def backward(sd, query, key, value, mask, cotangent, *, num_heads: int, masked_rows: str = "nan", dtype=np.float64,
              num_kv_heads: int | None = None, rope: str | None = None, rope_theta: float = 10000.0,
              positions=None, key_positions=None, masked_row_grads: str = "stop",
@@ -430,10 +439,7 @@ def backward(sd, query, key, value, mask, cotangent, *, num_heads: int, masked_r
     d_q, d_k, d_v, d_scores, d_sinks = _core_backward(f, d_context, keep, flow, cfg, acc, r)
     if d_sinks is not None:
         grads["sinks"] = d_sinks
-    key_angles = None
-    if rope is not None:  # the transpose of a rotation is the rotation by minus the angle
-        (cq, sq), key_angles = _rope_cos_sin(positions, key_positions, B, T, S, cfg, acc)
-        d_q, d_k = r(rotate(d_q, cq, -sq, rope)), r(rotate(d_k, key_angles[0], -key_angles[1], rope))
+    d_q, d_k, key_angles = _rope_backward(d_q, d_k, positions, key_positions, (B, T, S), cfg, acc, r)
     if cfg.qk_norm is not None:  # the projections' gradients, through the norms
         (d_q, grads["q_norm.weight"]), (d_k, grads["k_norm.weight"]) = (
             _qk_norm_backward(d, x, sd, name, cfg, r) for d, x, name in ((d_q, f.q, "q_norm"), (d_k, f.k, "k_norm")))
@@ -595,6 +601,20 @@ def _cache_keep(slots: np.ndarray, starts: np.ndarray, capacity: int) -> np.ndar
     return (s >= starts[:, None, None, None]) & (s <= slots[:, None, :, None])
 
 
+def _decode_sizes(x: np.ndarray, E: int, capacity, prefill) -> tuple[int, int, int]:
+    """(B, L, C) of a decode of x (B, L, E) into a cache of `capacity` slots (default L); ValueErrors name
+    a wrong shape, capacity or prefill."""
+    if x.ndim != 3 or x.shape[-1] != E:
+        raise ValueError(f"x must have shape (B, L, E={E}), got {x.shape}")
+    B, L, _ = x.shape
+    C = L if capacity is None else capacity
+    if isinstance(C, bool) or not isinstance(C, (int, np.integer)) or C < L:
+        raise ValueError(f"capacity must be an int >= L={L} (the tokens decoded), got {capacity!r}")
+    if isinstance(prefill, bool) or not isinstance(prefill, (int, np.integer)) or not 0 <= prefill <= L:
+        raise ValueError(f"prefill must be an int in [0, L={L}], got {prefill!r}")
+    return B, L, C
+
+
 def decode(sd, x, *, starts=None, prefill: int, num_heads: int, masked_rows: str = "nan",
            num_kv_heads: int | None = None, rope: str | None = None, rope_theta: float = 10000.0,
            dtype=np.float64, capacity: int | None = None, qk_norm=None, qk_norm_eps: float = 1e-6,
@@ -619,14 +639,7 @@ def decode(sd, x, *, starts=None, prefill: int, num_heads: int, masked_rows: str
                     scale=scale, softcap=softcap, rope_dim=rope_dim, rope_scaling=rope_scaling)
     E, N, K, H = cfg.embed_dim, cfg.num_heads, cfg.kv_heads, cfg.head_size
     x = np.asarray(x)
-    if x.ndim != 3 or x.shape[-1] != E:
-        raise ValueError(f"x must have shape (B, L, E={E}), got {x.shape}")
-    B, L, _ = x.shape
-    C = L if capacity is None else capacity
-    if isinstance(C, bool) or not isinstance(C, (int, np.integer)) or C < L:
-        raise ValueError(f"capacity must be an int >= L={L} (the tokens decoded), got {capacity!r}")
-    if isinstance(prefill, bool) or not isinstance(prefill, (int, np.integer)) or not 0 <= prefill <= L:
-        raise ValueError(f"prefill must be an int in [0, L={L}], got {prefill!r}")
+    B, L, C = _decode_sizes(x, E, capacity, prefill)
     starts = _starts(starts, B, C)
     acc = _accumulation_dtype(dtype)
     xs = _round(x.astype(np.float64), dtype)

@@ -226,10 +226,13 @@ def _flat_q_norm(t):
     ("olmo2", None, {"model_type": "qwen3"}, "q_norm.weight has shape (32,), expected (H,) for qk_norm='head'"),
     ("qwen3", None, {"model_type": "olmo2"}, "q_norm.weight has shape (8,), expected (N*H,) = (32,) for qk_norm='flat'"),
     ("gemma2", None, {"head_dim": 4}, "head_dim"),
+    # YaRN is read (GPT-OSS's default, field by field: test_checkpoint_rope.py), a key it does not read is not
     ("gpt_oss", None, {"rope_parameters": {"rope_type": "yarn", "factor": 32.0, "rope_theta": 500.0,
-                                           "original_max_position_embeddings": 64}}, "rope_type 'yarn'"),
-    ("gemma3", None, {"rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 500.0},
-                                          "sliding_attention": ROPE}}, "rope_type 'linear'"),
+                                           "original_max_position_embeddings": 64, "low_freq_factor": 1.0}},
+     "rope_scaling 'yarn' does not read low_freq_factor"),
+    # a per-layer-type RoPE is read (Gemma 3's linear: test_gemma3_s_full_layers_read_their_own_scaling), dynamic is not
+    ("gemma3", None, {"rope_parameters": {"full_attention": {"rope_type": "dynamic", "factor": 8.0, "rope_theta": 500.0},
+                                          "sliding_attention": ROPE}}, "'dynamic' is not supported"),
     ("qwen3", None, {"rope_parameters": dict(ROPE, partial_rotary_factor=0.5)}, "partial_rotary_factor=0.5"),
     ("gemma2", None, {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
     ("gemma2", None, {"layer_types": ["sliding_attention", "chunked_attention"]}, "'chunked_attention'"),
@@ -237,6 +240,20 @@ def _flat_q_norm(t):
 def test_a_file_or_config_the_layer_does_not_fit_is_refused(family, tensors, config, said, saved, tmp_path, capsys):
     err = _refused(capsys, _copy(saved, family, tmp_path, tensors, **config))
     assert said in err, err
+
+
+def test_gemma3_s_full_layers_read_their_own_scaling(saved, tmp_path):
+    """Gemma 3 (4B and up) scales only its full-attention layers' RoPE (linear, factor 8): layer 1 reads it,
+    the sliding layer 0 keeps its own unscaled base."""
+    from mha_spec import RopeScaling
+
+    directory = _copy(saved, "gemma3", tmp_path, rope_parameters={
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 500.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 40.0}})
+    _, full = layouts.read_checkpoint(directory, prefix=P1)
+    _, sliding = layouts.read_checkpoint(directory, prefix=P0, ignore_sliding_window=True)
+    assert (full.rope_theta, full.rope_scaling) == (500.0, RopeScaling("linear", factor=8.0))
+    assert (sliding.rope_theta, sliding.rope_scaling) == (40.0, None)
 
 
 def test_a_prefix_without_the_layer_index_is_refused_when_layers_differ(saved, tmp_path, capsys):

@@ -2,13 +2,15 @@
 the run refuses (exit 2, on stderr, before anything runs), naming the tensors and the features.
 
 Tiny save_pretrained checkpoints of the families researchers port today -- Qwen3, Gemma 2,
-Gemma 3, OLMo 2, GPT-OSS, Phi-3, GPT-NeoX -- built with head_dim = E/N wherever the config
-takes one (and Gemma's query_pre_attn_scalar = head_dim). GPT-OSS (its default YaRN RoPE),
-Phi-3 and GPT-NeoX (fused projections, partial RoPE) are refused as a directory and as their
-model.safetensors beside config.json; every family whose block holds a tensor a layout reads
-only for a layer config.json describes (QK-norm weights, sinks) or never (fused projections)
-is refused as that file alone, which cannot say the norm's epsilon or offset. The families
-now read (Qwen3, Gemma 2 and 3, OLMo 2) are accepted and judged in test_checkpoint_modern.py.
+Gemma 3, OLMo 2, GPT-OSS, Phi-3, GPT-NeoX, Phi-2, Falcon -- built with head_dim = E/N wherever the
+config takes one (and Gemma's query_pre_attn_scalar = head_dim). Phi-2 (model_type 'phi': a dense
+output projection, partial RoPE) and a Falcon with ALiBi are refused as a directory and as their
+model.safetensors beside config.json; every family whose block holds a tensor hf-llama reads
+only for a layer config.json describes (QK-norm weights, sinks) or never (fused projections, dense)
+is refused as that file alone, which cannot say the norm's epsilon or offset, and a fused family's
+directory read as hf-llama is refused naming its fused tensor and its own layout. The families read
+(Qwen3, Gemma 2 and 3, OLMo 2, GPT-OSS) are judged in test_checkpoint_modern.py; the RoPE of GPT-OSS,
+Phi-3 and GPT-NeoX, and the fused layouts, in test_checkpoint_rope.py.
 A Llama directory with a config field the tool cannot honour is refused by name too.
 """
 
@@ -26,10 +28,11 @@ from parity.cli import main
 E, N, K = 16, 4, 2
 PREFIX = "model.layers.0.self_attn."
 NEOX = "gpt_neox.layers.0.attention."
+FALCON = "transformer.h.0.self_attention."
 FAST = ["--no-progress", "--impls", "torch", "--checks", "forward", "--dtypes", "float32"]
 
 # family -> (config class, model class, extra config keywords, prefix, what the refusal must name:
-# in every refusal, in the directory's (config.json's) refusal only, and the tensors left unread;
+# in every refusal, in the directory's (config.json's) refusal only, and the tensors hf-llama leaves unread;
 # whether its directory is refused: the families read from config.json are only refused as a file alone)
 FAMILIES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=E // N), PREFIX,
@@ -39,17 +42,24 @@ FAMILIES = {
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(head_dim=E // N, query_pre_attn_scalar=E // N), PREFIX,
                ["QK-norm"], [], ["q_norm.weight", "k_norm.weight"], False),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}, PREFIX, ["QK-norm"], [], ["q_norm.weight", "k_norm.weight"], False),
-    # GPT-OSS's default RoPE is YaRN-scaled: refused by name (its sinks are read; a lone file's are not)
+    # GPT-OSS, Phi-3 and GPT-NeoX directories are read (their RoPE field by field: test_checkpoint_rope.py);
+    # GPT-OSS's sinks, Phi-3's and GPT-NeoX's fused tensors are still refused in a lone file and as hf-llama.
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(head_dim=E // N, num_local_experts=2, num_experts_per_tok=1),
-                PREFIX, [], ["rope_type 'yarn'"], ["sinks"], True),
+                PREFIX, [], [], ["sinks"], False),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(pad_token_id=0, bos_token_id=1, eos_token_id=2), PREFIX,
-             ["fused projections"], [], ["qkv_proj.weight"], True),
+             ["fused projections"], [], ["qkv_proj.weight"], False),
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(num_key_value_heads=None), NEOX,
-                 ["fused projections"], ["partial_rotary_factor=0.25"], ["query_key_value.weight", "dense.weight"], True),
+                 ["fused projections"], [], ["query_key_value.weight", "dense.weight"], False),
+    # Phi-2 (model_type 'phi', not read): its output projection is `dense` and it rotates half of each head.
+    "phi": ("PhiConfig", "PhiForCausalLM", dict(num_key_value_heads=None), PREFIX,
+            [], ["partial_rotary_factor=0.5"], ["dense.weight", "dense.bias"], True),
+    # Falcon is read, ALiBi (Falcon-RW's position biases on the scores) is not: refused by name.
+    "falcon": ("FalconConfig", "FalconForCausalLM", dict(num_key_value_heads=None, intermediate_size=None, alibi=True),
+               FALCON, [], ["alibi = True: ALiBi"], ["query_key_value.weight", "dense.weight"], True),
 }
 TENSORS = [f for f, spec in FAMILIES.items() if spec[6]]  # families whose block holds a tensor hf-llama does not read
 REFUSED = [f for f, spec in FAMILIES.items() if spec[7]]  # families whose directory is refused
-# what a directory's refusal names: the tensors left unread, unless config.json's model is read (its RoPE refused)
+# what a directory's refusal names: the tensors left unread, unless config.json's model is read (a field refused)
 UNREAD_IN_DIRECTORY = [f for f in REFUSED if f not in layouts.HF_MODELS]
 
 
@@ -143,11 +153,16 @@ def test_the_readers_refuse_the_block_too(family, saved):
         with pytest.raises(ValueError, match="is not one of") as info:
             layouts.read_checkpoint(directory, prefix=prefix)
         assert all(f"'{prefix}{key}'" in str(info.value) for key in unread)
-    elif family in REFUSED:
+    elif (own := layouts.HF_MODELS[family].layout) != "hf-llama":  # a fused family read as hf-llama
+        with pytest.raises(ValueError, match=f"model_type '{family}' uses layout '{own}', not 'hf-llama'") as info:
+            layouts.read_checkpoint(directory, prefix=prefix)
+        assert all(f"'{prefix}{key}'" in str(info.value) for key in unread)
+        assert "fused projections" in str(info.value) and own in str(info.value).split("fused projections")[1]
+    elif family == "gpt_oss":  # its layer 0 slides; the rest of the layer (sinks, YaRN) is read
         with pytest.raises(NotImplementedError, match="layer_types\\[0\\] = 'sliding_attention'"):
             layouts.read_checkpoint(directory, prefix=prefix)  # read_checkpoint applies no window
-        with pytest.raises(NotImplementedError, match="rope_type 'yarn'"):
-            layouts.read_checkpoint(directory, prefix=prefix, ignore_sliding_window=True)
+        sd, config = layouts.read_checkpoint(directory, prefix=prefix, ignore_sliding_window=True)
+        assert "sinks" in sd and config.sinks and config.rope_scaling.kind == "yarn"
     with pytest.raises((ValueError, KeyError)) as info:
         layouts.read_layout(alone, "hf-llama", prefix=prefix)
     assert all(f"'{prefix}{key}'" in str(info.value) for key in unread)
@@ -203,9 +218,12 @@ def _llama_with(llama_dir, tmp_path, **changes):
 
 
 @pytest.mark.parametrize("changes, said", [
-    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 500.0, "factor": 8.0, "low_freq_factor": 1.0,
-                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}, "rope_type 'llama3'"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}}, "rope_type 'yarn'"),
+    # llama3 and yarn are read (a Llama 3.1 directory field by field: test_checkpoint_rope.py); what is not:
+    ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 500.0, "factor": 2.0}}, "'dynamic' is not supported"),
+    ({"rope_scaling": {"rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0, "original_max_position_embeddings": 64,
+                       "low_freq_factor": 1.0}}, "rope_scaling 'yarn' does not read low_freq_factor"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.5}},
+     "partial_rotary_factor=0.5"),  # Llama rotates the whole head
     ({"attention_bias": True}, "qkv_bias=True"),  # the weights have none
     ({"head_dim": 8}, "head_dim = 8"),
     ({"auto_map": {"AutoModelForCausalLM": "modeling_mine.MineForCausalLM"}}, "auto_map="),

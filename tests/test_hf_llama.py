@@ -18,7 +18,7 @@ from transformers.masking_utils import create_causal_mask
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
 from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention, Qwen2RotaryEmbedding
 
-from mha_spec import AttentionConfig
+from mha_spec import AttentionConfig, RopeScaling
 from parity import convert, layouts, reference
 from parity.peers import hf
 from parity.tolerances import compare, tolerance_for
@@ -195,6 +195,12 @@ def _config_json(**changes):
      AttentionConfig(E, N, num_kv_heads=K, qkv_bias=False, out_bias=False, rope="half")),
     (_config_json(attention_bias=True, num_key_value_heads=1),
      AttentionConfig(E, N, num_kv_heads=1, rope="half", rope_theta=THETA)),
+    # transformers reads a set rope_scaling (4.x's type spelling) whole, instead of rope_parameters' llama3
+    (_config_json(rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                   "original_max_position_embeddings": 64, "rope_theta": THETA},
+                  rope_scaling={"type": "linear", "factor": 2.0, "rope_theta": THETA}),
+     AttentionConfig(E, N, num_kv_heads=K, qkv_bias=False, out_bias=False, rope="half", rope_theta=THETA,
+                     rope_scaling=RopeScaling("linear", factor=2.0))),
 ])
 def test_config_json_fields_are_read(cfg, expected):
     assert layouts.read_hf_config(cfg) == expected
@@ -202,30 +208,34 @@ def test_config_json_fields_are_read(cfg, expected):
 
 @pytest.mark.parametrize("changes, error, message", [
     ({"head_dim": 8}, ValueError, r"head_dim = 8 but hidden_size / num_attention_heads = 24 / 6"),
-    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": THETA, "factor": 8.0}}, NotImplementedError,
-     r"rope_type 'llama3' .* not supported"),
-    ({"rope_parameters": None, "rope_scaling": {"type": "linear", "factor": 2.0}}, NotImplementedError,
-     r"rope_type 'linear'"),
+    # llama3, linear and yarn are read (field by field: test_checkpoint_rope.py); one missing a key it needs is not
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": THETA, "factor": 8.0}}, ValueError,
+     r"rope_scaling 'llama3' needs low_freq_factor, high_freq_factor"),
+    ({"rope_parameters": None, "rope_scaling": {"type": "linear", "factor": 2.0, "original_max_position_embeddings": 64}},
+     ValueError, r"rope_scaling 'linear' does not read original_max_position_embeddings: it would be ignored"),
     ({"partial_rotary_factor": 0.5}, NotImplementedError, r"partial_rotary_factor=0.5"),
     ({"model_type": "mistral", "sliding_window": 4096}, NotImplementedError,
      r"sliding_window = 4096 turns on sliding-window attention"),
-    ({"model_type": "gemma"}, ValueError, r"model_type 'gemma' is not one of \['gemma2', 'gemma3', 'gemma3_text', 'gpt_oss', 'llama', 'mistral', "
-     r"'mixtral', 'olmo2', 'qwen2', 'qwen3', 'qwen3_moe'\]"),
+    ({"model_type": "gemma"}, ValueError, r"model_type 'gemma' is not one of \['falcon', 'gemma2', 'gemma3', 'gemma3_text', "
+     r"'gpt_neox', 'gpt_oss', 'llama', 'mistral', 'mixtral', 'olmo2', 'phi3', 'qwen2', 'qwen3', 'qwen3_moe'\]"),
     ({"num_key_value_heads": 4}, ValueError, r"num_kv_heads=4 must divide num_heads=6"),
     ({"attention_bias": "yes"}, ValueError, r"attention_bias = 'yes' is not a bool"),
-    # transformers reads a set rope_scaling instead of rope_parameters: scaling there is refused too
-    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, NotImplementedError,
-     r"rope_type 'linear' \(rope_scaling.type, in rope_scaling = "),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}},
-     NotImplementedError, r"rope_type 'yarn' \(rope_scaling.rope_type"),
-    # ... and so is scaling in rope_parameters that a set rope_scaling hides
-    ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0}, "rope_scaling": {"rope_type": "default"}},
-     NotImplementedError, r"rope_type 'llama3' \(rope_parameters.rope_type"),
+    # transformers reads a set rope_scaling instead of rope_parameters: what the tool does not model there is refused
+    ({"rope_scaling": {"type": "dynamic", "factor": 2.0, "rope_theta": THETA}}, NotImplementedError,
+     r"rope_scaling 'dynamic' is not supported: dynamic NTK scaling"),
+    ({"rope_scaling": {"rope_type": "proportional", "factor": 2.0, "rope_theta": THETA}}, NotImplementedError,
+     r"rope_scaling 'proportional' is not supported"),
+    # the default RoPE reads no scaling key: one set would be ignored
+    ({"rope_parameters": {"rope_type": "default", "factor": 2.0, "rope_theta": THETA}}, ValueError,
+     r"the RoPE parameters set \['factor'\] with rope_type 'default', which reads none of them"),
     # either spelling: transformers 5 reads rope_type first, older releases read type alone
-    ({"rope_parameters": {"rope_type": "default", "type": "dynamic", "factor": 2.0, "rope_theta": THETA}},
-     NotImplementedError, r"rope_type 'dynamic' \(rope_parameters.type"),
+    ({"rope_parameters": {"type": "dynamic", "factor": 2.0, "rope_theta": THETA}}, NotImplementedError,
+     r"rope_scaling 'dynamic' is not supported"),
+    ({"rope_parameters": {"rope_type": "default", "type": "dynamic", "factor": 2.0, "rope_theta": THETA}}, ValueError,
+     r"rope_type = 'default' but type = 'dynamic' in the RoPE parameters: transformers 5 reads the first, 4.x the "
+     r"second; say one"),
     ({"rope_scaling": {"rope_theta": THETA, "partial_rotary_factor": 0.5}}, NotImplementedError,
-     r"partial_rotary_factor=0.5 \(rope_scaling\)"),
+     r"partial_rotary_factor=0.5: .*rotates the whole head"),
     ({"rope_scaling": {"full_attention": {"rope_type": "default"}}}, NotImplementedError,
      r"rope_scaling nested per layer type"),
     # a set rope_scaling without rope_theta: transformers takes 10000, not rope_parameters' THETA
