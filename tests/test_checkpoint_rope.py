@@ -214,3 +214,28 @@ def test_mha_parity_judges_a_fused_checkpoint(name, layout, saved, capsys):
                  "--impls", "torch", "--checks", "forward", "--dtypes", "float32"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert f"(layout {layout}," in out and "rope_dim=" in out and " pass" in out and " 0 fail" in out
+
+
+def test_checkpoint_cases_start_past_the_original_context(saved):
+    """A scaled RoPE's cases run at positions past original_max_position_embeddings (the scaling shows there)."""
+    from parity.harness.matrix import draw_inputs
+
+    for name in ("llama3", "phi3", "gpt_oss"):
+        config = _layer(saved, name).config
+        original = config.rope_scaling.original_max_position_embeddings
+        for case in checkpoint.cases(config, 2, 5, 5):
+            x = draw_inputs(case, 0)
+            assert x.positions.min() >= original and x.key_positions.min() >= original, (name, case.name)
+    neox = checkpoint.cases(_layer(saved, "neox").config, 2, 5, 5)
+    assert all(case.positions_from is None for case in neox)  # unscaled: positions as the matrix draws them
+
+
+@pytest.mark.parametrize("name, bug, stage", [("llama3", "llama3_every_frequency", "q_rot"),
+                                              ("phi3", "longrope_wrong_length", "q_rot"),
+                                              ("neox", "neox_split_qkv", "q")])
+def test_a_port_s_rope_slip_is_red_on_the_checkpoint(name, bug, stage, saved, capsys):
+    """The checkpoint's cases reach what each slip gets wrong: the port with it is red, named at its stage."""
+    code = main(["--checkpoint", str(saved[name]), "--prefix", FAMILIES[name][3], "--no-progress", "--checks",
+                 "forward", "--dtypes", "float32", "--impls", "torch", "--impl", f"parity.examples.rope_torch:{bug}"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert code == 1 and f"rope-torch-{bug.replace('_', '-')}" in out and f"(first diverging stage: {stage})" in out, out[-1500:]

@@ -54,7 +54,10 @@ ALiBi are refused by name. A single GPT-NeoX weight file needs its config.json b
 
 Every case draws its inputs and RoPE positions as the matrix does (seeded by the case name),
 the query positions then taken from the key positions (`DecoderCase`); only the weights are
-the checkpoint's. The report's environment names the file, the layout
+the checkpoint's. With a scaled RoPE (llama3, YaRN, LongRoPE) the forward and gradient cases'
+positions start at its original_max_position_embeddings (`past_original`), past the original
+context, where the scaling shows; the decode check's calls run at their cache slots (0, 1, ...),
+below it for these models' contexts. The report's environment names the file, the layout
 and the prefix. A bad path, layout or prefix, or a missing flag, is a `LoadError` (exit 2)
 naming it.
 """
@@ -400,6 +403,15 @@ def window_binds(sliding_window: int | None, S: int) -> bool:
     return sliding_window is not None and sliding_window < S
 
 
+def past_original(config: AttentionConfig) -> int | None:
+    """Where a checkpoint case's positions start: a scaled RoPE's original_max_position_embeddings (every
+    position past the original context, where the scaled frequencies differ from the plain ones most and
+    LongRoPE takes its long factors; RoPE positions need not start at 0, so no long sequence is needed);
+    None for a RoPE without one (positions as the matrix draws them)."""
+    scaling = config.rope_scaling
+    return None if scaling is None else scaling.original_max_position_embeddings
+
+
 def cases(config: AttentionConfig, B: int, T: int, S: int, redraw: tuple = (), decode: bool = False,
           sliding_window: int | None = None) -> tuple[Case, ...]:
     """The checkpoint's cases at B, T, S (see the module docstring); with `redraw` (constant
@@ -411,20 +423,21 @@ def cases(config: AttentionConfig, B: int, T: int, S: int, redraw: tuple = (), d
         raise ValueError(f"--shape {B},{T},{S}: a decoder's queries are the newest of its tokens, so T <= S; got T > S")
     shape = Shape.of("checkpoint", Problem(config, B, T, S), cross=T != S)
     redrawn = Shape.of("checkpoint-redrawn", Problem(config, B, T, S), cross=T != S)
+    past = {"positions_from": past_original(config)}  # the decode check's steps run at their cache slots
     if window_binds(sliding_window, S):
-        window = {"window": (sliding_window - 1, 0), "alignment": "bottom-right"}
+        window = {"window": (sliding_window - 1, 0), "alignment": "bottom-right", **past}
         out = tuple(DecoderCase(shape, "window", policy, padded=padded, peers=True, jax_eager=False, **window)
                     for policy, padded in WINDOW_MASKS)
         if redraw:
             out += (DecoderCase(redrawn, "window", WINDOW_MASKS[0][0], jax_eager=False, redraw=tuple(redraw), **window),)
         return out
-    out = tuple(DecoderCase(shape, mask, policy, peers=True, jax_eager=False, decode=mask == "causal" and T == S and S > 1)
-                for mask, policy in MASKS)
+    out = tuple(DecoderCase(shape, mask, policy, peers=True, jax_eager=False, **past,
+                            decode=mask == "causal" and T == S and S > 1) for mask, policy in MASKS)
     if decode and T < S:
         own = Shape.of("checkpoint-decode", Problem(config, B, S, S), cross=False)
         out += (DecoderCase(own, "causal", "nan", jax_eager=False, decode=True),)
     if redraw:
-        out += (DecoderCase(redrawn, *MASKS[0], jax_eager=False, redraw=tuple(redraw)),)
+        out += (DecoderCase(redrawn, *MASKS[0], jax_eager=False, redraw=tuple(redraw), **past),)
     return out
 
 
