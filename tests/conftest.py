@@ -17,12 +17,16 @@ _CACHE = os.environ["MHA_PARITY_CACHE_DIR"] = tempfile.mkdtemp(prefix="mha-parit
 # masks and gradients, not XLA's optimiser; mha-parity and mha-bench compile at the defaults.
 # The suite is mostly XLA compiles. Measured with jax 0.10.2 on a 2-core Xeon: the fusion
 # emitters off cut XLA's compile time in tests/test_chunked.py's float64 cases from 7.3 s to 3.2 s.
-_TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+_TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false "
+                   "--xla_cpu_multi_thread_eigen=false")
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_TEST_XLA_FLAGS}".strip()
 # Inductor compiles the tests' few torch.compile graphs in this process instead of starting a
 # pool of compile workers, which on 2 cores compete with the other pytest worker (measured:
 # tests/test_torch_attention.py's three compile tests 12.0 s -> 9.4 s alone).
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+# One compute thread per process: `make test` runs two workers on two cores, and the tests' arrays are tiny,
+# so a second torch (OpenMP) or XLA (Eigen) thread per worker only contends with the other worker.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import jax
 import numpy as np
@@ -43,6 +47,27 @@ class Sizes:
 
 
 SIZES = Sizes()
+
+
+_CACHE_SETTINGS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+                   "jax_persistent_cache_min_entry_size_bytes", "jax_compilation_cache_max_size")
+
+
+@pytest.fixture(autouse=True)
+def _compile_cache_off_after_each_test():
+    """A test that runs mha-parity in this process turns JAX's persistent compilation cache on for the
+    process and the processes it starts (`parity.compile_cache.enable`: every program, however small,
+    written to disk). Left on, every later compile of the worker writes there too: with the cache on
+    for the whole suite it took 1056 s instead of 340 s on a 2-core EPYC. So it goes off after the test."""
+    yield
+    if jax.config.jax_compilation_cache_dir is None:
+        return
+    from jax._src import compilation_cache
+
+    jax.config.update("jax_compilation_cache_dir", None)
+    compilation_cache.reset_cache()
+    for name in _CACHE_SETTINGS:
+        os.environ.pop(name.upper(), None)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -104,8 +129,9 @@ def forced_kernel(monkeypatch):
 # `make test` runs the files on two pytest-xdist workers (--dist loadfile: a module's tests and
 # fixtures stay in one process). The longest modules go first, so neither worker is left
 # with one of them at the end while the other idles.
-_LONG_FIRST = ("test_sharded.py", "test_jax_attention.py", "test_pallas_kernel.py", "test_chunked.py", "test_harness.py",
-               "test_mask_cases.py", "test_decode_check.py", "test_peer_pallas.py")
+_LONG_FIRST = ("test_chunked.py", "test_decode_check.py", "test_jax_attention.py", "test_bench_mask_path.py",
+               "test_sharded.py", "test_house.py", "test_pallas_kernel.py", "test_harness.py", "test_mask_cases.py",
+               "test_peer_pallas.py")  # measured with --durations=0 on a 2-core EPYC
 
 
 def pytest_collection_modifyitems(config, items):

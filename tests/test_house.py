@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import pathlib
 
@@ -28,6 +29,7 @@ PEER_MODULES = sorted(p.stem for p in PEERS_DIR.glob("*.py") if p.stem not in ("
 ALLOWED_PRIVATE = {("parity/harness/sharded/jax_worker.py", "mha_jax.parallel._sp_body")}
 
 
+@functools.lru_cache(maxsize=1)  # parsed once for the file's tests (nothing here changes a tree)
 def _sources() -> dict[str, ast.Module]:
     return {str(p.relative_to(ROOT)): ast.parse(p.read_text(), filename=str(p)) for p in sorted((ROOT / "parity").rglob("*.py"))}
 
@@ -240,10 +242,11 @@ def test_every_vocabulary_is_defined_once():
     homes = {"mha_spec": "mha_spec/__init__.py", "parity.implementation": "parity/implementation.py",
              "mha_spec.ALIGNMENTS": "mha_spec/structure.py"}  # the mask structure's own vocabulary
     extra = []
+    trees = {path: ast.parse(p.read_text(), filename=path) for path, p in files.items()}  # parsed once
     for name, vocabulary in _vocabularies().items():
         home = homes.get(name) or homes[name.rsplit(".", 1)[0]]
-        for path, p in files.items():
-            lines = vocabulary_literals(ast.parse(p.read_text(), filename=path), vocabulary)
+        for path in files:
+            lines = vocabulary_literals(trees[path], vocabulary)
             if path == home:
                 lines = lines[1:]  # the definition itself
             extra += [f"{path}:{line} spells out {name}" for line in lines]
