@@ -239,11 +239,11 @@ class Checkpoint:
 
     @property
     def config(self) -> AttentionConfig:
-        """The layer as an mha_spec.AttentionConfig (biases read off the state dict's keys)."""
-        qkv_bias, out_bias = bias_flags(self.state_dict.keys())
-        return AttentionConfig(self.state_dict["q_proj.weight"].shape[1], self.num_heads, num_kv_heads=self.num_kv_heads,
-                               qkv_bias=qkv_bias, out_bias=out_bias, rope=self.rope, rope_theta=self.rope_theta,
-                               masked_rows=self.masked_rows)
+        """The layer as an mha_spec.AttentionConfig (biases and a head dim other than E/N read off the tensors)."""
+        shapes, _ = check_variant_state_dict(self.state_dict, self.num_heads, self.num_kv_heads)
+        return AttentionConfig(shapes.embed_dim, self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=shapes.head_dim,
+                               qkv_bias=shapes.qkv_bias, out_bias=shapes.out_bias, rope=self.rope,
+                               rope_theta=self.rope_theta, masked_rows=self.masked_rows)
 
     def layer_kwargs(self) -> dict:
         """The module keywords the weights do not say: masked_rows, num_kv_heads, rope, rope_theta."""
@@ -305,6 +305,13 @@ def save(obj, path, *, num_heads: int | None = None, masked_rows: str | None = N
         cfg = AttentionConfig(shapes.embed_dim, num_heads, num_kv_heads=num_kv_heads, qkv_bias=shapes.qkv_bias,
                               out_bias=shapes.out_bias, rope=rope,
                               rope_theta=10000.0 if rope_theta is None else rope_theta, masked_rows=masked_rows)
+    unsaved = {f: getattr(cfg, f) for f in (*LAYER_FIELDS, "rope_dim", "rope_scaling", "sinks")
+               if getattr(cfg, f) != getattr(AttentionConfig, f)}
+    if unsaved:  # written without them, the file would load as a different layer (load takes no sinks)
+        raise ValueError(f"save: the weight file format (version {FILE_FORMAT_VERSION}) does not carry "
+                         f"{', '.join(f'{k}={v}' for k, v in unsaved.items())}; the file would load as a layer "
+                         f"without them. Keep the layer's config beside the weights (e.g. a transformers "
+                         f"config.json, read by --checkpoint)")
     check_variant_state_dict(sd, cfg.num_heads, cfg.num_kv_heads)
     metadata = {
         "format": FILE_FORMAT,

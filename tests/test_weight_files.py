@@ -382,3 +382,26 @@ def test_a_partial_bias_set_in_a_file_is_named(tmp_path, rng):
     _write_v2(path, sd)
     with pytest.raises(ValueError, match=re.escape(f"{path}: state dict: missing keys ['v_proj.bias']") + ".*partial set"):
         convert.load(path)
+
+
+@pytest.mark.parametrize("layer", [dict(rope="half", rope_dim=2), dict(rope="half", rope_scaling="linear:factor=2"),
+                                   dict(scale=0.3), dict(softcap=30.0), dict(sinks=True), dict(qk_norm="head")])
+def test_save_refuses_a_layer_the_format_cannot_describe(layer, tmp_path):
+    """A field the file's metadata does not carry would load as another layer: save names it and writes nothing."""
+    from mha_spec import RopeScaling
+    from mha_torch import MultiHeadAttention
+
+    if "rope_scaling" in layer:
+        layer = {**layer, "rope_scaling": RopeScaling.parse(layer["rope_scaling"])}
+    path = tmp_path / "w.safetensors"
+    with pytest.raises(ValueError, match=f"does not carry {next(k for k in layer if k != 'rope')}="):
+        convert.save(MultiHeadAttention(12, 3, **layer), path)
+    assert not path.exists()
+
+
+def test_a_head_dim_of_its_own_round_trips(tmp_path):
+    from mha_torch import MultiHeadAttention
+
+    m = MultiHeadAttention(12, 3, head_dim=8, rope="half", num_kv_heads=1)
+    convert.save(m, tmp_path / "w.safetensors")
+    assert convert.load(tmp_path / "w.safetensors").config == m.config
