@@ -1284,9 +1284,11 @@ def read_hf_config(source, *, masked_rows: str = "nan", ignore_sliding_window: b
     Llama, Mistral, Mixtral and Qwen2; anything else is a ValueError), the RoPE base (transformers
     5's rope_parameters.rope_theta or 4.x's rope_theta; absent: 10000), the biases (Llama's
     attention_bias; Qwen2's q/k/v biases; none for Mistral). RoPE is "half" (transformers'
-    rotate_half). Refused by name: scaled RoPE (rope_type other than "default":
-    llama3, linear, dynamic, yarn, ...), partial_rotary_factor != 1, RoPE nested per layer
-    type, and sliding-window attention (Mistral's sliding_window, Qwen2's
+    rotate_half). Scaled RoPE (rope_scaling / rope_parameters: linear, llama3, yarn, longrope) is read
+    into `mha_spec.RopeScaling`, partial RoPE (partial_rotary_factor, GPT-NeoX's rotary_pct) into rope_dim
+    for the models whose attention rotates part of the head (phi3, gpt_neox). Refused by name: dynamic
+    and proportional RoPE, a RoPE key the kind does not read, partial RoPE on a model that rotates the
+    whole head, RoPE nested per layer type without an entry for the layer, and sliding-window attention (Mistral's sliding_window, Qwen2's
     use_sliding_window) unless ignore_sliding_window=True -- our modules attend to every
     key, which equals a sliding window only while no query sees more keys than the window.
     Another model_type, or modeling code of its own (auto_map), is a ValueError naming what
