@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from mha_spec.kernel import Kernel  # the kernel label, shared by mha_jax and parity
-from mha_spec.rope import REFUSED_SCALINGS, ROPE_SCALINGS, RopeScaling, rope_frequencies  # RoPE as models ship it
+from mha_spec.rope import REFUSED_SCALINGS, ROPE_CONVENTIONS, ROPE_SCALINGS, RopeScaling, rope_frequencies  # RoPE
+from mha_spec.mla import MLA_KEYS, LatentAttentionConfig  # multi-head latent attention (DeepSeek)
 from mha_spec.structure import ALIGNMENTS, Structure, is_int, window_sides  # the mask structure
 
 # The vocabularies both modules and every tool share: one home each.
@@ -142,16 +143,6 @@ def mask_shape_4d(mask_shape, batch: int, heads: int, q_len: int, k_len: int) ->
             f"[B, N, T, S] = {target}"
         )
     return shape4
-
-
-ROPE_CONVENTIONS = ("half", "interleaved")
-"""How rotary position embedding pairs a head's H features (H even).
-
-half         feature i with i + H/2 (GPT-NeoX, Hugging Face's `rotate_half`)
-interleaved  feature 2i with 2i + 1 (GPT-J, Meta's original Llama)
-
-Both rotate pair i by the angle `position * rope_theta ** (-2i / H)`, i < H/2.
-"""
 
 
 def _positive_int(name: str, val) -> int:

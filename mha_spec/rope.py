@@ -33,6 +33,15 @@ import math
 import numbers
 from dataclasses import dataclass, fields
 
+ROPE_CONVENTIONS = ("half", "interleaved")
+"""How rotary position embedding pairs a head's H features (H even).
+
+half         feature i with i + H/2 (GPT-NeoX, Hugging Face's `rotate_half`)
+interleaved  feature 2i with 2i + 1 (GPT-J, Meta's original Llama)
+
+Both rotate pair i by the angle `position * rope_theta ** (-2i / H)`, i < H/2.
+"""
+
 ROPE_SCALINGS = ("linear", "llama3", "yarn", "longrope")
 """The RoPE scalings a layer may have (`AttentionConfig.rope_scaling`), by transformers' rope_type names."""
 
