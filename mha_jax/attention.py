@@ -175,7 +175,7 @@ def _chunked_structured(q, k, v, keep, structure, choice, masked_rows, precision
 
 def fused_attention_core(q, k, v, keep=None, *, masked_rows="nan", precision=None, is_causal: bool = False,
                          window=None, segment_ids=None, key_segment_ids=None, alignment: str = "top-left",
-                         scale=None, softcap=None, sinks=None):
+                         scale=None, softcap=None, sinks=None, chunk=None):
     """The same context as `attention_core`, without returning (or, when large, building) weights.
 
     q (B, T, N, H), k and v (B, S, K, H) with K dividing N; keep as for `attention_core`
@@ -196,6 +196,8 @@ def fused_attention_core(q, k, v, keep=None, *, masked_rows="nan", precision=Non
     scale, softcap and sinks (N,) as `attention_core` takes them: the choice hears which are given
     (`kernels.score_mods_of`) and keeps to the kernels that take them (the einsum core and the
     chunked kernel take all three, dot_product_attention the scale, the Pallas kernels none).
+    chunk C (Llama 4's chunked attention; implies is_causal) is no band: the kernels take it as a dense
+    keep-mask (`Structure.segments_only`), never as a structure they could skip blocks by.
     """
     B, T, N, H = q.shape
     S = k.shape[1]
@@ -203,7 +205,7 @@ def fused_attention_core(q, k, v, keep=None, *, masked_rows="nan", precision=Non
         raise ValueError(f"fused_attention_core needs at least one key: got key shape {k.shape} (S=0)")
     _groups(q, k, v)
     structure = _structure(T, S, B, is_causal=is_causal, window=window, segment_ids=segment_ids,
-                           key_segment_ids=key_segment_ids, alignment=alignment)
+                           key_segment_ids=key_segment_ids, alignment=alignment, chunk=chunk)
     keep = keep_4d(keep, B, N, T, S)  # (B|1, N|1, T|1, S|1): what every kernel below indexes
     kind = _mask_kind(keep, structure)
     logits = {"scale": scale, "softcap": softcap, "sinks": sinks}
@@ -257,7 +259,8 @@ def _dot_product_attention(q, k, v, keep, choice, masked_rows: str, scale):
 def _mask_kind(keep, structure) -> str:
     """The mask's structure as `kernels.fused_choice` takes it, from what the caller asked (a
     keep-mask given as data is MASK_DENSE whatever it holds)."""
-    if keep is not None or structure.window is not None or (structure.is_causal and structure.offset != 0):
+    if (keep is not None or structure.window is not None or (structure.is_causal and structure.offset != 0)
+            or structure.chunk is not None):
         return kernels.MASK_DENSE
     if structure.segment_ids is None:
         return kernels.MASK_CAUSAL if structure.is_causal else kernels.MASK_NONE
@@ -476,6 +479,11 @@ def _build_keep(structure: Structure):
     """bool (B|1, 1, T, S) of a `mha_spec.Structure`, or None when it asks for nothing."""
     band = structure.band()
     keep = None if band is None else band_keep(structure.T, structure.S, band)  # (1, 1, T, S)
+    if structure.chunk is not None:  # not a band: its causal (and window) band AND a(t) // C == s // C
+        C, T, S = structure.chunk, structure.T, structure.S
+        a = jnp.arange(T)[:, None] + structure.offset  # (T, 1)
+        same_chunk = (a // C == jnp.arange(S)[None, :] // C)[None, None]  # (1, 1, T, S)
+        keep = band_keep(T, S, dataclasses.replace(structure, chunk=None).band()) & same_chunk
     if structure.segment_ids is not None:
         same = structure.segment_ids[:, None, :, None] == structure.key_segment_ids[:, None, None, :]  # (B, 1, T, S)
         keep = same if keep is None else keep & same
@@ -483,16 +491,17 @@ def _build_keep(structure: Structure):
 
 
 def structured_keep(T: int, S: int, *, is_causal: bool = False, window=None, segment_ids=None,
-                    key_segment_ids=None, alignment: str = "top-left"):
+                    key_segment_ids=None, alignment: str = "top-left", chunk=None):
     """The keep-mask of the structured keywords (docs/semantics.md, "Packed sequences, sliding
     windows and causal alignment"), as `parity.reference.structured_keep` defines it: bool
     (B|1, 1, T, S), or None when nothing is asked; jit-safe (segment ids may be traced).
     Query t sits at key a(t) = t (top-left) or t + S - T (bottom-right); is_causal keeps
     s <= a(t); window (left, right) keeps a(t) - left <= s <= a(t) + right (an int w is (w, w),
     a side of None is unbounded); segment_ids (B, T) and key_segment_ids (B, S) keep equal ids
-    (key_segment_ids defaults to segment_ids when T = S)."""
+    (key_segment_ids defaults to segment_ids when T = S); chunk C (Llama 4) keeps a(t) // C == s // C
+    and implies is_causal."""
     return _build_keep(_structure(T, S, None, is_causal=is_causal, window=window, segment_ids=segment_ids,
-                                  key_segment_ids=key_segment_ids, alignment=alignment))
+                                  key_segment_ids=key_segment_ids, alignment=alignment, chunk=chunk))
 
 
 def segment_positions(segment_ids):
@@ -508,6 +517,36 @@ def segment_positions(segment_ids):
     starts = (idx == 0) | (seg != prev)
     first = jax.lax.cummax(jnp.where(starts, idx, 0), axis=1)  # (B, L): where each run began
     return idx - first
+
+
+def l2_norm(x, eps: float):
+    """Llama 4's weightless L2Norm over x's last axis: x · rsqrt(mean(x²) + eps), in float32 at least (float64
+    stays float64), the result in x's dtype (qk_norm="l2", after RoPE)."""
+    at = jnp.promote_types(x.dtype, jnp.float32)
+    xa = x.astype(at)
+    return (xa * jax.lax.rsqrt(jnp.mean(xa * xa, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+
+
+def temperature(q, pos, config: AttentionConfig):
+    """Llama 4's NoPE-layer temperature: q (B, T, N, H) times log(floor((pos + 1) / floor_scale) + 1) · attn_scale
+    + 1 at positions pos (T,) | (B, T) (None: arange(T)); in float32 at least (float64 with x64 for float64
+    inputs), the result in q's dtype."""
+    at = jnp.promote_types(q.dtype, jnp.float32)
+    T = q.shape[1]
+    p = jnp.arange(T) if pos is None else jnp.asarray(pos)
+    steps = jnp.floor((p.astype(at) + 1.0) / config.floor_scale).reshape(_lead(p), T, 1, 1)  # (B|1, T, 1, 1)
+    factor = jnp.log1p(steps) * config.attn_scale + 1.0
+    return (q.astype(at) * factor).astype(q.dtype)
+
+
+def _after_rope(q, k, pos, config: AttentionConfig):
+    """Llama 4's steps between RoPE and the scores: the L2 QK-norm of q (B, T, N, H) and k (B, S, K, H), then the
+    NoPE temperature of q at its positions pos (T,) | (B, T) | None."""
+    if config.qk_norm == "l2":
+        q, k = l2_norm(q, config.qk_norm_eps), l2_norm(k, config.qk_norm_eps)
+    if config.attn_temperature_tuning:
+        q = temperature(q, pos, config)
+    return q, k
 
 
 class QKNorm(nnx.Module):
@@ -574,6 +613,9 @@ class MultiHeadAttention(nnx.Module):
     are built as a bool [B|1, 1, T, S] keep-mask inside the program and go through the same
     kernels as mask= does. With a cache they are a ValueError. `segment_positions(segment_ids)`
     gives RoPE positions per document.
+    Llama 4: chunk=C keeps only the keys of the query's own chunk, a(t) // C == s // C (implies is_causal;
+    a dense keep-mask on every kernel; not with a cache); qk_norm="l2" a weightless L2 norm of q and k after
+    RoPE (`l2_norm`); attn_temperature_tuning (rope=None layers) scales q at positions= (`temperature`).
 
     Decoding (docs/semantics.md, "Decoding with a KV cache"): with `cache=` (a
     `mha_jax.kv_cache.KVCache` from `init_cache`) the call is self-attention over T new tokens
@@ -607,6 +649,7 @@ class MultiHeadAttention(nnx.Module):
         sinks: bool = False,
         rope_dim: int | None = None,
         rope_scaling: RopeScaling | None = None,
+        attn_temperature_tuning: bool = False, floor_scale: float = 8192.0, attn_scale: float = 0.1,  # Llama 4
         dtype=None,
         param_dtype=jnp.float32,
         precision=None,
@@ -615,7 +658,9 @@ class MultiHeadAttention(nnx.Module):
                                       qkv_bias=qkv_bias, out_bias=out_bias, rope=rope, rope_theta=rope_theta,
                                       masked_rows=masked_rows, qk_norm=qk_norm, qk_norm_eps=qk_norm_eps,
                                       qk_norm_offset=qk_norm_offset, scale=scale, softcap=softcap, sinks=sinks,
-                                      rope_dim=rope_dim, rope_scaling=rope_scaling)
+                                      rope_dim=rope_dim, rope_scaling=rope_scaling,
+                                      attn_temperature_tuning=attn_temperature_tuning, floor_scale=floor_scale,
+                                      attn_scale=attn_scale)
         self.head_dim = self.config.head_size
         _check_dtype("dtype", dtype)
         _check_dtype("param_dtype", param_dtype)
@@ -638,8 +683,9 @@ class MultiHeadAttention(nnx.Module):
         self.v_proj = linear(kv_width, embed_dim, qkv_bias)
         self.out_proj = linear(embed_dim, width, out_bias)
         flat, norm = qk_norm == "flat", dict(eps=qk_norm_eps, offset=qk_norm_offset, param_dtype=param_dtype)
-        self.q_norm = None if qk_norm is None else QKNorm(width if flat else self.head_dim, **norm)
-        self.k_norm = None if qk_norm is None else QKNorm(kv_width if flat else self.head_dim, **norm)
+        weighted = qk_norm in ("head", "flat")  # "l2" has no weight (`l2_norm`, after RoPE)
+        self.q_norm = QKNorm(width if flat else self.head_dim, **norm) if weighted else None
+        self.k_norm = QKNorm(kv_width if flat else self.head_dim, **norm) if weighted else None
         self.sinks = nnx.Param(jnp.zeros((num_heads,), param_dtype)) if sinks else None
 
     def _logits(self, dtype) -> dict:
@@ -694,21 +740,24 @@ class MultiHeadAttention(nnx.Module):
     def __call__(self, query, key, value, mask=None, need_weights: bool = True, *, positions=None,
                  key_positions=None, return_intermediates: bool = False, cache: KVCache | None = None,
                  is_causal: bool = False, window=None, segment_ids=None, key_segment_ids=None,
-                 alignment: str = "top-left"):
+                 alignment: str = "top-left", chunk=None):
         if cache is not None:
             Structure.refuse_with_cache(is_causal=is_causal, window=window, segment_ids=segment_ids,
-                                        key_segment_ids=key_segment_ids, alignment=alignment)
+                                        key_segment_ids=key_segment_ids, alignment=alignment, chunk=chunk)
             return self._decode(query, key, value, mask, need_weights, positions, key_positions,
                                 return_intermediates, cache)
         B, T, S, dtype = self._check_inputs(query, key, value)
         rope = self.config.rope
-        if rope is None and (positions is not None or key_positions is not None):
-            raise ValueError("positions/key_positions are given but rope=None: they would be ignored")
+        if rope is None and key_positions is not None:
+            raise ValueError("positions/key_positions are given but rope=None: key_positions would be ignored")
+        if not self.config.uses_positions and positions is not None:
+            raise ValueError("positions/key_positions are given but rope=None (and no attn_temperature_tuning): "
+                             "they would be ignored")
         positions = _check_positions(positions, B, T, "positions")
         key_positions = _check_positions(key_positions, B, S, "key_positions")
         keep = None if mask is None else _keep_mask(mask, B, self.num_heads, T, S)
         structure = _structure(T, S, B, is_causal=is_causal, window=window, segment_ids=segment_ids,
-                               key_segment_ids=key_segment_ids, alignment=alignment)
+                               key_segment_ids=key_segment_ids, alignment=alignment, chunk=chunk)
         if need_weights:
             built = _build_keep(structure)  # (B|1, 1, T, S) | None
             if built is not None:
@@ -724,6 +773,7 @@ class MultiHeadAttention(nnx.Module):
             long = rope_uses_long(cfg, (positions, T), (key_positions, S))  # over queries and keys
             q = rotate(q, *rope_cos_sin(cfg, positions, T, acc, long), rope)
             k = rotate(k, *rope_cos_sin(cfg, key_positions, S, acc, long), rope)
+        q, k = _after_rope(q, k, positions, self.config)  # Llama 4: the L2 norm, the NoPE temperature
         # K key/value heads all the way down: query head h reads key/value head h // (N/K)
         # in every core (grouped contractions; never a tile, never a copy per query head).
         kw = {"masked_rows": self.masked_rows, "precision": self.precision, **self._logits(dtype)}
@@ -737,7 +787,7 @@ class MultiHeadAttention(nnx.Module):
         else:
             # mask= and the structured keywords go separately: the kernel choice sees the structure.
             context = fused_attention_core(q, k, v, keep, is_causal=is_causal, window=window, segment_ids=segment_ids,
-                                           key_segment_ids=key_segment_ids, alignment=alignment, **kw)
+                                           key_segment_ids=key_segment_ids, alignment=alignment, chunk=chunk, **kw)
         context = context.reshape(B, T, q.shape[2] * self.head_dim)  # (B, T, N·H), or this device's share
         output = self._project(self.out_proj, context, dtype)  # (B, T, E)
         if return_intermediates:
@@ -762,8 +812,8 @@ class MultiHeadAttention(nnx.Module):
             raise ValueError(f"with a cache, query, key and value are the same new tokens: got query "
                              f"{tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)} (T != S)")
         rope = self.config.rope
-        if rope is None and positions is not None:
-            raise ValueError("positions are given but rope=None: they would be ignored")
+        if not self.config.uses_positions and positions is not None:
+            raise ValueError("positions are given but rope=None (and no attn_temperature_tuning): they would be ignored")
         positions = _check_positions(positions, B, T, "positions")
         query, key, value = (jnp.asarray(x) for x in (query, key, value))
 
@@ -778,13 +828,14 @@ class MultiHeadAttention(nnx.Module):
         if jnp.dtype(cache.k.dtype) != dtype:
             raise TypeError(f"the cache holds {cache.k.dtype} but the module computes in {dtype}")
         q, k = (x if y is None else y for x, y in ((q_in, q_normed), (k_in, k_normed)))
+        if self.config.uses_positions and positions is None:
+            positions = cache.positions(T)  # (B, T): traced under jit
         if rope is not None:
-            if positions is None:
-                positions = cache.positions(T)  # (B, T): traced under jit
             # LongRoPE: over the new tokens only; the cached keys keep the rotation they were written with.
             acc, cfg = accumulation_dtype(dtype), self.config
             cos, sin = rope_cos_sin(cfg, positions, T, acc, rope_uses_long(cfg, (positions, T)))
             q, k = rotate(q, cos, sin, rope), rotate(k, cos, sin, rope)
+        q, k = _after_rope(q, k, positions, self.config)  # Llama 4: the L2 norm, the NoPE temperature
         context, weights, new_cache, scores = cached_attention(
             q, k, v, cache, masked_rows=self.masked_rows, need_weights=need_weights, precision=self.precision,
             return_scores=True, **self._logits(dtype))

@@ -153,14 +153,15 @@ def _positive_int(name: str, val) -> int:
     return val
 
 
-QK_NORMS = ("head", "flat")
-"""`AttentionConfig.qk_norm`: RMSNorm over each head's H features, or over the flattened projection."""
+QK_NORMS = ("head", "flat", "l2")
+"""`AttentionConfig.qk_norm`: RMSNorm over each head's H features, or over the flattened projection (both with
+weights, before RoPE); or Llama 4's weightless L2Norm of each head's H features AFTER RoPE ("l2")."""
 
 LLAMA_FEATURES = ("grouped", "rope-half", "rope-interleaved", "no-qkv-bias", "no-out-bias")
 """The features of the Llama-era layers (Llama, Mistral, Qwen2): `VARIANT_FEATURES`' first five."""
 
 VARIANT_FEATURES = (*LLAMA_FEATURES, "head-dim", "qk-norm-head", "qk-norm-flat", "scale", "softcap", "sinks",
-                    "rope-partial", "rope-scaled")
+                    "rope-partial", "rope-scaled", "qk-norm-l2", "temperature")
 """What a layer may use beyond the classic module (`AttentionConfig.features`).
 
 grouped           fewer key/value heads than query heads (K < N; K = 1 is multi-query)
@@ -174,6 +175,8 @@ softcap           the logits soft-capped, cap*tanh(s/cap) (Gemma 2)
 sinks             a learned sink logit per query head in the softmax (GPT-OSS)
 rope-partial      RoPE on the first rope_dim < H features of each head only (GPT-NeoX, Phi-3, GLM)
 rope-scaled       RoPE with scaled frequencies (`mha_spec.rope`: linear, llama3, yarn, longrope)
+qk-norm-l2        Llama 4's weightless x·rsqrt(mean(x²) + eps) of each head's q and k AFTER RoPE (RoPE layers only)
+temperature       Llama 4's NoPE-layer query temperature log(floor((pos + 1) / floor_scale) + 1)·attn_scale + 1
 An implementation declares the features it runs (`parity.impls.Implementation.variants`); a layer
 with a feature it does not declare is never run on it.
 """
@@ -206,8 +209,15 @@ class AttentionConfig:
     rope_scaling  None, or a `mha_spec.RopeScaling` (linear, llama3, yarn, longrope): the frequencies and
                   the cos/sin factor as transformers' modeling_rope_utils defines them (`mha_spec.rope`)
 
-    Weights: q_proj (N*H, E), k_proj and v_proj (K*H, E), out_proj (E, N*H); with qk_norm q_norm.weight
-    (H,) | (N*H,) and k_norm.weight (H,) | (K*H,); with sinks, sinks (N,).
+    attn_temperature_tuning  Llama 4's NoPE layers (rope=None only): queries are multiplied by
+                  log(floor((pos + 1) / floor_scale) + 1) · attn_scale + 1 before the scores, pos the query's
+                  position (positions=, default arange(T); with a cache the new tokens' positions), computed in
+                  float32 at least; floor_scale, attn_scale its constants (given without it: ValueError)
+
+    qk_norm "l2" (Llama 4's L2Norm, `use_qk_norm` on its RoPE layers): x · rsqrt(mean(x²) + qk_norm_eps) of each
+    head's H features in float32 at least, cast back, on q and k AFTER RoPE; no weights; needs rope.
+    Weights: q_proj (N*H, E), k_proj and v_proj (K*H, E), out_proj (E, N*H); with qk_norm "head" | "flat"
+    q_norm.weight (H,) | (N*H,) and k_norm.weight (H,) | (K*H,) ("l2": none); with sinks, sinks (N,).
     The defaults are the classic module.
     """
 
@@ -228,6 +238,9 @@ class AttentionConfig:
     sinks: bool = False
     rope_dim: int | None = None
     rope_scaling: RopeScaling | None = None
+    attn_temperature_tuning: bool = False
+    floor_scale: float = 8192.0
+    attn_scale: float = 0.1
 
     def __post_init__(self):
         E = _positive_int("embed_dim", self.embed_dim)
@@ -274,6 +287,37 @@ class AttentionConfig:
         if not isinstance(self.sinks, bool):
             raise TypeError(f"sinks must be a bool, got {self.sinks!r}")
         self._check_rope()
+        self._check_llama4()
+
+    def _check_llama4(self) -> None:
+        """Llama 4's L2 QK-norm (RoPE layers only, no weights) and its NoPE layers' query temperature."""
+        if self.qk_norm == "l2":
+            if self.rope is None:
+                raise ValueError("qk_norm='l2' needs rope: Llama 4 applies its L2 norm after RoPE, on RoPE layers only")
+            if self.qk_norm_offset != 0.0:
+                raise ValueError(f"qk_norm_offset={self.qk_norm_offset!r} with qk_norm='l2': the L2 norm has no "
+                                 "weight, so the offset would be ignored")
+        if not isinstance(self.attn_temperature_tuning, bool):
+            raise TypeError(f"attn_temperature_tuning must be a bool, got {self.attn_temperature_tuning!r}")
+        for name in ("floor_scale", "attn_scale"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
+                raise TypeError(f"{name} must be a finite number, got {v!r}")
+        if not self.attn_temperature_tuning:
+            if self.floor_scale != 8192.0 or self.attn_scale != 0.1:
+                raise ValueError(f"floor_scale={self.floor_scale!r}, attn_scale={self.attn_scale!r} are given without "
+                                 "attn_temperature_tuning: they would be ignored")
+            return
+        if self.rope is not None:
+            raise ValueError(f"attn_temperature_tuning with rope={self.rope!r}: Llama 4's temperature on a RoPE layer "
+                             "is not defined (it tunes the NoPE layers only)")
+        if not self.floor_scale > 0:
+            raise ValueError(f"floor_scale must be > 0, got {self.floor_scale!r}")
+
+    @property
+    def uses_positions(self) -> bool:
+        """Whether the layer reads the queries' positions: RoPE, or the NoPE temperature."""
+        return self.rope is not None or self.attn_temperature_tuning
 
     def _check_rope(self) -> None:
         """Partial rotary and the scaled frequencies: both need rope, and they must fit the head."""
@@ -352,6 +396,8 @@ class AttentionConfig:
             found.add("rope-partial")
         if self.rope_scaling is not None:
             found.add("rope-scaled")
+        if self.attn_temperature_tuning:
+            found.add("temperature")
         return frozenset(found)
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -363,7 +409,7 @@ class AttentionConfig:
             shapes.update({"q_proj.bias": (N * H,), "k_proj.bias": (K * H,), "v_proj.bias": (K * H,)})
         if self.out_bias:
             shapes["out_proj.bias"] = (E,)
-        if self.qk_norm is not None:
+        if self.qk_norm in ("head", "flat"):  # "l2" has no weight
             flat = self.qk_norm == "flat"
             shapes.update({"q_norm.weight": (N * H,) if flat else (H,), "k_norm.weight": (K * H,) if flat else (H,)})
         if self.sinks:
@@ -444,7 +490,9 @@ class Stages:
     build scores or weights: those are None there. q_rot (B, N, T, H) and k_rot (B, K, S, H)
     are q and k after the rotary embedding (None without RoPE); with grouped heads k and v
     have K heads, (B, K, S, H). q_norm, k_norm: after the QK RMSNorm, before RoPE (None without
-    qk_norm); with softcap, scores are the capped ones. Arrays of the module's framework.
+    qk_norm); with softcap, scores are the capped ones. Llama 4: with qk_norm="l2" (after RoPE) q_rot/k_rot
+    are after RoPE and the norm, q_norm/k_norm None; the NoPE temperature shows in the scores only.
+    Arrays of the module's framework.
     """
 
     q: Any

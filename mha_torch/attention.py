@@ -413,6 +413,16 @@ def rotate(x, pos, config: AttentionConfig, max_position=None):
     return out if R == H else torch.cat([out, x[..., R:]], dim=-1)  # the other H - R features pass
 
 
+def _refuse_unread_positions(config: AttentionConfig, positions, key_positions) -> None:
+    """ValueError for positions a layer would not read: key positions without RoPE, query positions without RoPE
+    or the NoPE temperature."""
+    if config.rope is None and key_positions is not None:
+        raise ValueError("positions/key_positions are given but rope=None: key_positions would be ignored")
+    if not config.uses_positions and positions is not None:
+        raise ValueError("positions/key_positions are given but rope=None (and no attn_temperature_tuning): "
+                         "they would be ignored")
+
+
 def _integer_tensor(x, name: str) -> torch.Tensor:
     """Segment ids as `Structure.of` checks them in torch: a tensor of integers (TypeError naming it)."""
     if not isinstance(x, torch.Tensor):
@@ -436,6 +446,8 @@ def _build_keep(structure: Structure, device):
         (lo, hi), T, S = band, structure.T, structure.S
         d = torch.arange(S, device=device)[None, :] - torch.arange(T, device=device)[:, None]  # (T, S): s - t
         keep = (d <= hi if lo is None else d >= lo if hi is None else (d >= lo) & (d <= hi))[None, None]  # (1, 1, T, S)
+    if structure.chunk is not None:  # not a band: causal AND a(t) // C == s // C (and the window, if any)
+        keep = _chunk_keep(structure, device)  # (1, 1, T, S)
     if structure.segment_ids is not None:
         q_seg, k_seg = structure.segment_ids.to(device), structure.key_segment_ids.to(device)
         same = q_seg[:, None, :, None] == k_seg[:, None, None, :]  # (B, 1, T, S)
@@ -443,17 +455,32 @@ def _build_keep(structure: Structure, device):
     return keep
 
 
+def _chunk_keep(structure: Structure, device) -> torch.Tensor:
+    """bool (1, 1, T, S) of a structure with a chunk C (Llama 4's chunked layers): query t at a(t) keeps key s
+    when s <= a(t) and a(t) // C == s // C, within the window's sides where it has them."""
+    C, T, S = structure.chunk, structure.T, structure.S
+    a = torch.arange(T, device=device)[:, None] + structure.offset  # (T, 1)
+    s = torch.arange(S, device=device)[None, :]  # (1, S)
+    keep = (s <= a) & (torch.div(a, C, rounding_mode="floor") == torch.div(s, C, rounding_mode="floor"))  # (T, S)
+    if structure.left is not None:
+        keep = keep & (s >= a - structure.left)
+    if structure.right is not None:
+        keep = keep & (s <= a + structure.right)
+    return keep[None, None]
+
+
 def structured_keep(T: int, S: int, *, is_causal: bool = False, window=None, segment_ids=None,
-                    key_segment_ids=None, alignment: str = "top-left", device=None):
+                    key_segment_ids=None, alignment: str = "top-left", device=None, chunk=None):
     """The keep-mask of the structured keywords (docs/semantics.md, "Packed sequences, sliding
     windows and causal alignment"), as `parity.reference.structured_keep` defines it: bool
     (B|1, 1, T, S) on `device` (default: the segment ids' device, else the CPU), or None when
     nothing is asked. Query t sits at key a(t) = t (top-left) or t + S - T (bottom-right);
     is_causal keeps s <= a(t); window (left, right) keeps a(t) - left <= s <= a(t) + right (an
     int w is (w, w), a side of None is unbounded); segment_ids (B, T) and key_segment_ids (B, S)
-    keep equal ids (key_segment_ids defaults to segment_ids when T = S)."""
+    keep equal ids (key_segment_ids defaults to segment_ids when T = S); chunk C (Llama 4) keeps
+    a(t) // C == s // C and implies is_causal."""
     structure = _structure(T, S, None, is_causal=is_causal, window=window, segment_ids=segment_ids,
-                           key_segment_ids=key_segment_ids, alignment=alignment)
+                           key_segment_ids=key_segment_ids, alignment=alignment, chunk=chunk)
     if device is None:
         device = segment_ids.device if segment_ids is not None else torch.device("cpu")
     return _build_keep(structure, device)
@@ -471,6 +498,24 @@ def segment_positions(segment_ids: torch.Tensor) -> torch.Tensor:
     starts = (idx == 0) | (seg != prev)
     first = torch.where(starts, idx, 0).cummax(dim=1).values  # (B, L): where each run began
     return idx - first
+
+
+def l2_norm(x, eps: float):
+    """Llama 4's weightless L2Norm of each head's features: x · rsqrt(mean(x²) + eps) over the last axis,
+    computed in float32 at least (float64 stays float64), returned in x's dtype (qk_norm="l2", after RoPE)."""
+    at = torch.promote_types(x.dtype, torch.float32)
+    xf = x.to(at)
+    return (xf * torch.rsqrt(xf.square().mean(dim=-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def temperature(q, pos, config: AttentionConfig):
+    """Llama 4's NoPE-layer query temperature: q (B, N, T, H) times log(floor((pos + 1) / floor_scale) + 1) ·
+    attn_scale + 1, pos int64 (B|1, 1, T, 1); the factor and the product in float32 at least (float64 stays
+    float64), the result in q's dtype."""
+    at = torch.promote_types(q.dtype, torch.float32)
+    steps = torch.floor((pos.to(at) + 1.0) / config.floor_scale)  # (B|1, 1, T, 1)
+    factor = torch.log1p(steps) * config.attn_scale + 1.0
+    return (q.to(at) * factor).to(q.dtype)
 
 
 class QKNorm(nn.Module):
@@ -550,6 +595,11 @@ class MultiHeadAttention(nn.Module):
     when the call's largest position (over positions and key_positions, the whole batch; with a cache,
     the new tokens') + 1 passes original_max_position_embeddings: every token of the call, not the
     cached keys, which keep their rotation.
+    Llama 4 (`mha_spec.AttentionConfig`): chunk=C keeps, besides the causal order, only the keys of the query's own
+    chunk, a(t) // C == s // C (it implies is_causal; not with a cache); qk_norm="l2" is a weightless
+    x·rsqrt(mean(x²) + eps) of q and k AFTER RoPE (`l2_norm`; Stages q_rot/k_rot are after it, q_norm/k_norm
+    None); attn_temperature_tuning (rope=None layers) multiplies q by log(floor((pos + 1) / floor_scale) + 1) ·
+    attn_scale + 1 at positions= (default arange(T); with a cache `cache.positions(T)`) (`temperature`).
     Which kernel runs: need_weights=True is `attention_core` always; need_weights=False is SDPA (with
     scale=) unless the layer has softcap or sinks, which SDPA cannot take: then the fused path runs the
     materialised `attention_core` (no SDPA call, same results as need_weights=True). The cache path
@@ -561,13 +611,16 @@ class MultiHeadAttention(nn.Module):
                  rope: str | None = None, rope_theta: float = 10000.0, masked_rows: str = "nan",
                  qk_norm: str | None = None, qk_norm_eps: float = 1e-6, qk_norm_offset: float = 0.0,
                  scale: float | None = None, softcap: float | None = None, sinks: bool = False,
-                 rope_dim: int | None = None, rope_scaling=None, dtype=None, device=None):
+                 rope_dim: int | None = None, rope_scaling=None, attn_temperature_tuning: bool = False,
+                 floor_scale: float = 8192.0, attn_scale: float = 0.1, dtype=None, device=None):
         super().__init__()
         self.config = AttentionConfig(embed_dim, num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                                       qkv_bias=qkv_bias, out_bias=out_bias, rope=rope, rope_theta=rope_theta,
                                       masked_rows=masked_rows, qk_norm=qk_norm, qk_norm_eps=qk_norm_eps,
                                       qk_norm_offset=qk_norm_offset, scale=scale, softcap=softcap, sinks=sinks,
-                                      rope_dim=rope_dim, rope_scaling=rope_scaling)
+                                      rope_dim=rope_dim, rope_scaling=rope_scaling,
+                                      attn_temperature_tuning=attn_temperature_tuning, floor_scale=floor_scale,
+                                      attn_scale=attn_scale)
         self.head_dim = self.config.head_size
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise TypeError(f"dtype must be a floating torch.dtype (or None), got {dtype!r}")
@@ -582,7 +635,7 @@ class MultiHeadAttention(nn.Module):
         self.v_proj = nn.Linear(embed_dim, kv_width, bias=qkv_bias, **factory)
         self.out_proj = nn.Linear(q_width, embed_dim, bias=out_bias, **factory)
         # Created after the projections: their random init draws what it always drew.
-        if qk_norm is not None:
+        if qk_norm in ("head", "flat"):  # "l2" has no weight (`l2_norm`)
             flat = qk_norm == "flat"
             norm = {"eps": qk_norm_eps, "offset": qk_norm_offset, **factory}
             self.q_norm = QKNorm(q_width if flat else self.head_dim, **norm)
@@ -610,6 +663,8 @@ class MultiHeadAttention(nn.Module):
             extra += f", rope_dim={c.rope_dim}"
         if c.rope_scaling is not None:  # its RopeScaling.parse spelling
             extra += f", rope_scaling={str(c.rope_scaling)!r}"
+        if c.attn_temperature_tuning:
+            extra += f", attn_temperature_tuning=True, floor_scale={c.floor_scale}, attn_scale={c.attn_scale}"
         return f"embed_dim={self.embed_dim}, num_heads={self.num_heads}{extra}, masked_rows={self.masked_rows!r}"
 
     def _split_heads(self, x):
@@ -623,12 +678,24 @@ class MultiHeadAttention(nn.Module):
         (q (B, N, T, H), k (B, K, S, H), v (B, K, S, H), q normed, k normed)."""
         q, k, v = self.q_proj(query), self.k_proj(key), self.v_proj(value)  # (B, L, n·H)
         norm = self.config.qk_norm
+        if norm == "l2":  # after RoPE (`after_rope`), not here
+            norm = None
         if norm == "flat":  # over each token's whole projection, before the head split
             return tuple(self._split_heads(x) for x in (q, k, v, self.q_norm(q), self.k_norm(k)))
         q, k, v = (self._split_heads(x) for x in (q, k, v))
         if norm is None:
             return q, k, v, None, None
         return q, k, v, self.q_norm(q), self.k_norm(k)
+
+    def after_rope(self, q, k, q_pos):
+        """Llama 4's steps between RoPE and the scores: the L2 QK-norm of q (B, N, T, H) and k (B, K, S, H)
+        (qk_norm="l2"), then the NoPE layers' temperature of q at its positions q_pos (B|1, 1, T, 1)."""
+        c = self.config
+        if c.qk_norm == "l2":
+            q, k = l2_norm(q, c.qk_norm_eps), l2_norm(k, c.qk_norm_eps)
+        if c.attn_temperature_tuning:
+            q = temperature(q, q_pos, c)
+        return q, k
 
     def core_options(self) -> dict:
         """The attention cores' layer keywords: scale, softcap, sinks (the Parameter, or None)."""
@@ -659,20 +726,19 @@ class MultiHeadAttention(nn.Module):
     def forward(self, query, key, value, mask=None, need_weights: bool = True, *, positions=None,
                 key_positions=None, return_intermediates: bool = False, cache: KVCache | None = None,
                 is_causal: bool = False, window=None, segment_ids=None, key_segment_ids=None,
-                alignment: str = "top-left"):
+                alignment: str = "top-left", chunk=None):
         if cache is not None:
             Structure.refuse_with_cache(is_causal=is_causal, window=window, segment_ids=segment_ids,
-                                        key_segment_ids=key_segment_ids, alignment=alignment)
+                                        key_segment_ids=key_segment_ids, alignment=alignment, chunk=chunk)
             return self._forward_cached(query, key, value, cache, mask=mask, need_weights=need_weights,
                                         positions=positions, key_positions=key_positions,
                                         return_intermediates=return_intermediates)
         B, T, S = self._check_inputs(query, key, value)
         rope = self.config.rope
-        if rope is None and (positions is not None or key_positions is not None):
-            raise ValueError("positions/key_positions are given but rope=None: they would be ignored")
+        _refuse_unread_positions(self.config, positions, key_positions)
         keep = None if mask is None else keep_mask_4d(mask, B, self.num_heads, T, S)
         structure = _structure(T, S, B, is_causal=is_causal, window=window, segment_ids=segment_ids,
-                               key_segment_ids=key_segment_ids, alignment=alignment)
+                               key_segment_ids=key_segment_ids, alignment=alignment, chunk=chunk)
         # is_causal alone, top-left (the same as bottom-right when T = S), no mask: SDPA's own
         # is_causal on the fused path, without building or comparing a (T, S) triangle.
         options = self.core_options()
@@ -685,12 +751,14 @@ class MultiHeadAttention(nn.Module):
 
         q_in, k_in, v_in, q_norm, k_norm = self.project(query, key, value)  # (B, N, T, H), (B, K, S, H) x2, ...
         q, k, v = (q_in if q_norm is None else q_norm), (k_in if k_norm is None else k_norm), v_in
+        q_pos = positions_4d(positions, B, T, "positions", q.device)  # (B|1, 1, T, 1)
         if rope is not None:
-            q_pos = positions_4d(positions, B, T, "positions", q.device)  # (B|1, 1, T, 1)
             k_pos = positions_4d(key_positions, B, S, "key_positions", k.device)  # (B|1, 1, S, 1)
             top = rope_max_position(self.config, q_pos, k_pos)  # LongRoPE: over queries and keys alike
             q, k = rotate(q, q_pos, self.config, top), rotate(k, k_pos, self.config, top)
-        q_rot, k_rot = (q, k) if rope is not None else (None, None)  # (B, N, T, H), (B, K, S, H)
+        q, k = self.after_rope(q, k, q_pos)  # Llama 4: the L2 norm, the NoPE temperature
+        # (B, N, T, H), (B, K, S, H); with qk_norm="l2" after the norm too (it follows RoPE)
+        q_rot, k_rot = (q, k) if rope is not None else (None, None)
         group = q.shape[1] // k.shape[1]
         if group > 1 and need_weights:
             # Query head h uses key/value head h // group: repeat each head, never tile.
@@ -741,20 +809,23 @@ class MultiHeadAttention(nn.Module):
         B, T, S = self._check_inputs(query, key, value)
         self._check_cache(cache, B, T, S, mask, key_positions)
         rope = self.config.rope
-        if rope is None and positions is not None:
-            raise ValueError("positions are given but rope=None: they would be ignored")
+        if not self.config.uses_positions and positions is not None:
+            raise ValueError("positions are given but rope=None (and no attn_temperature_tuning): they would be ignored")
 
         q_in, k_in, v_in, q_norm, k_norm = self.project(query, key, value)  # (B, N, T, H), (B, K, T, H) x2, ...
         # K from the projection's width, not num_kv_heads: a tensor-parallel rank holds its share.
         check_cache_shapes(cache.k.shape, cache.v.shape, cache.starts.shape, cache.lengths.shape, layout="BKCH",
                            kv_heads=k_in.shape[1], head_dim=self.head_dim)
         q, k = (q_in if q_norm is None else q_norm), (k_in if k_norm is None else k_norm)
-        if rope is not None:
+        if self.config.uses_positions:
             pos = cache.positions(T) if positions is None else positions  # (B, T) | (T,)
             pos = positions_4d(pos, B, T, "positions", q.device)  # (B|1, 1, T, 1)
+        if rope is not None:
             # LongRoPE: the new tokens' largest position; the cached keys keep the rotation they had.
             top = rope_max_position(self.config, pos)
             q, k = rotate(q, pos, self.config, top), rotate(k, pos, self.config, top)
+        if self.config.uses_positions:
+            q, k = self.after_rope(q, k, pos)  # Llama 4: the L2 norm (rope layers), the NoPE temperature
         q_rot, k_rot = (q, k) if rope is not None else (None, None)  # (B, N, T, H), (B, K, T, H)
         # The old cache's keep-mask: its lengths are where the new tokens went.
         keep = cache.keep_mask(T)  # (B, 1, T, C)

@@ -153,7 +153,8 @@ def bias_flags(keys) -> tuple[bool, bool]:
     return _BIAS_SETS[biases]
 
 
-LAYER_FIELDS = ("qk_norm", "qk_norm_eps", "qk_norm_offset", "scale", "softcap")
+LAYER_FIELDS = ("qk_norm", "qk_norm_eps", "qk_norm_offset", "scale", "softcap", "attn_temperature_tuning", "floor_scale",
+                "attn_scale")
 """The `mha_spec.AttentionConfig` fields a state dict's tensors cannot say (head_dim and sinks they can)."""
 
 ROPE_FIELDS = ("rope", "rope_theta", "rope_dim", "rope_scaling")
@@ -178,7 +179,7 @@ def check_variant_state_dict(sd, num_heads: int, num_kv_heads=None, **layer):
     if not isinstance(w, np.ndarray) or w.ndim != 2:
         raise ValueError(f"q_proj.weight must be a 2-D numpy array (N*H, E), got "
                          f"{getattr(w, 'shape', type(w).__name__)}")
-    unknown = sorted(set(layer) - set(LAYER_FIELDS))
+    unknown = sorted(set(layer) - set(LAYER_FIELDS) - set(ROPE_FIELDS))  # RoPE's: Llama 4's L2 norm needs a RoPE
     if unknown:
         raise TypeError(f"unexpected layer keywords {unknown}; the tensors say the rest (known: {list(LAYER_FIELDS)})")
     head_dim = None

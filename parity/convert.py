@@ -97,7 +97,8 @@ def from_torch(m) -> dict[str, np.ndarray]:
     names = tuple(m.config.weight_shapes())
     check_keys(state.keys(), names, "mha_torch state_dict")
     sd = {name: tensor_to_numpy(state[name]) for name in names}
-    check_variant_state_dict(sd, m.num_heads, m.config.num_kv_heads, **{f: getattr(m.config, f) for f in LAYER_FIELDS})
+    check_variant_state_dict(sd, m.num_heads, m.config.num_kv_heads,
+                             **{f: getattr(m.config, f) for f in (*LAYER_FIELDS, *ROPE_FIELDS)})
     return sd
 
 
@@ -116,7 +117,8 @@ def _module_layer(sd, num_heads: int, num_kv_heads, module_kwargs: dict):
     the fields the tensors cannot say are taken out of module_kwargs (`LAYER_FIELDS`), a head_dim= or
     sinks= there must agree with the tensors (`_refuse_tensor_fields`)."""
     layer = {f: module_kwargs.pop(f) for f in LAYER_FIELDS if f in module_kwargs}
-    cfg, dtype = check_variant_state_dict(sd, num_heads, num_kv_heads, **layer)
+    rope = {f: module_kwargs[f] for f in ROPE_FIELDS if f in module_kwargs}  # read, left for the module
+    cfg, dtype = check_variant_state_dict(sd, num_heads, num_kv_heads, **layer, **rope)
     _refuse_tensor_fields(module_kwargs, cfg)
     return cfg, dtype, dict(layer, num_kv_heads=num_kv_heads, head_dim=cfg.head_dim, qkv_bias=cfg.qkv_bias,
                             out_bias=cfg.out_bias, sinks=cfg.sinks)
@@ -163,7 +165,8 @@ def from_jax(m) -> dict[str, np.ndarray]:
             sd[f"{name}.weight"] = np.array(getattr(m, name).weight[...])
     if m.sinks is not None:
         sd["sinks"] = np.array(m.sinks[...])
-    check_variant_state_dict(sd, m.num_heads, m.config.num_kv_heads, **{f: getattr(m.config, f) for f in LAYER_FIELDS})
+    check_variant_state_dict(sd, m.num_heads, m.config.num_kv_heads,
+                             **{f: getattr(m.config, f) for f in (*LAYER_FIELDS, *ROPE_FIELDS)})
     return sd
 
 

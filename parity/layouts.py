@@ -1555,11 +1555,11 @@ def _layer_read(config) -> dict:
 
 def _check_fits(sd: dict, config, path: str, prefix: str) -> None:
     """The block read must be the layer `config` describes: heads, biases, head_dim, sinks, norm shapes."""
-    from parity.canonical import LAYER_FIELDS, check_variant_state_dict
+    from parity.canonical import LAYER_FIELDS, ROPE_FIELDS, check_variant_state_dict
 
     try:
         cfg, _ = check_variant_state_dict(sd, config.num_heads, config.num_kv_heads,
-                                          **{f: getattr(config, f) for f in LAYER_FIELDS})
+                                          **{f: getattr(config, f) for f in (*LAYER_FIELDS, *ROPE_FIELDS)})
     except (TypeError, ValueError) as e:
         raise type(e)(f"{path} under prefix {prefix!r} does not fit {config}: {e}") from e
     if (cfg.qkv_bias, cfg.out_bias, cfg.embed_dim) != (config.qkv_bias, config.out_bias, config.embed_dim):

@@ -41,11 +41,12 @@ class Intermediates:
     q_norm: np.ndarray | None = None  # (B, N, T, H), q after its RMSNorm (before RoPE); None without qk_norm
     k_norm: np.ndarray | None = None  # (B, K, S, H)
     sink_weights: np.ndarray | None = None  # (B, N, T), the weight each row gives its sink; None without sinks
+    q_temp: np.ndarray | None = None  # (B, N, T, H), q times Llama 4's NoPE temperature; None without it
 
     @property
     def attended_q(self) -> np.ndarray:
-        """The queries the scores are taken with: after the norm and RoPE the layer has (B, N, T, H)."""
-        return next(x for x in (self.q_rot, self.q_norm, self.q) if x is not None)
+        """The queries the scores are taken with: after the norm, RoPE and the temperature the layer has (B, N, T, H)."""
+        return next(x for x in (self.q_temp, self.q_rot, self.q_norm, self.q) if x is not None)
 
     @property
     def attended_k(self) -> np.ndarray:
@@ -72,7 +73,8 @@ def keep_mask(mask, B: int, N: int, T: int, S: int):
 
 def config_of(sd, num_heads: int, *, masked_rows: str = "nan", num_kv_heads=None, rope=None,
               rope_theta: float = 10000.0, qk_norm=None, qk_norm_eps: float = 1e-6, qk_norm_offset: float = 0.0,
-              scale=None, softcap=None, rope_dim=None, rope_scaling=None) -> AttentionConfig:
+              scale=None, softcap=None, rope_dim=None, rope_scaling=None, attn_temperature_tuning: bool = False,
+              floor_scale: float = 8192.0, attn_scale: float = 0.1) -> AttentionConfig:
     """The layer a canonical state dict describes; every key and shape checked (ValueError naming them).
     Biases and sinks are read off the keys; q_norm/k_norm weights need qk_norm (their shapes cannot say
     "head" from "flat" when N = K = 1)."""
@@ -87,7 +89,9 @@ def config_of(sd, num_heads: int, *, masked_rows: str = "nan", num_kv_heads=None
                           qkv_bias=any(f"{p}.bias" in sd for p in ("q_proj", "k_proj", "v_proj")),
                           out_bias="out_proj.bias" in sd, rope=rope, rope_theta=rope_theta, masked_rows=masked_rows,
                           qk_norm=qk_norm, qk_norm_eps=qk_norm_eps, qk_norm_offset=qk_norm_offset, scale=scale,
-                          softcap=softcap, sinks="sinks" in sd, rope_dim=rope_dim, rope_scaling=rope_scaling)
+                          softcap=softcap, sinks="sinks" in sd, rope_dim=rope_dim, rope_scaling=rope_scaling,
+                          attn_temperature_tuning=attn_temperature_tuning, floor_scale=floor_scale,
+                          attn_scale=attn_scale)
     expected = cfg.weight_shapes()
     missing, unexpected = sorted(set(expected) - set(sd)), sorted(set(sd) - set(expected))
     if missing or unexpected:
@@ -254,11 +258,22 @@ def _combined_keep(mask, B: int, N: int, T: int, S: int, structured: dict):
     return built if keep is None else keep & built
 
 
+def _rope_forward(qn, kn, positions, key_positions, sizes, cfg, acc, dtype):
+    """(q_rot, k_rot): q and k rotated (None, None without RoPE), then Llama 4's L2 norm, which follows RoPE."""
+    if cfg.rope is None:
+        return None, None
+    (cq, sq), (ck, sk) = _rope_cos_sin(positions, key_positions, *sizes, cfg, acc)
+    q_rot, k_rot = _round(rotate(qn, cq, sq, cfg.rope), dtype), _round(rotate(kn, ck, sk, cfg.rope), dtype)
+    return _l2_norm(q_rot, cfg, dtype), _l2_norm(k_rot, cfg, dtype)
+
+
 def forward(sd, query, key, value, mask=None, *, num_heads: int, masked_rows: str = "nan", dtype=np.float64,
             num_kv_heads: int | None = None, rope: str | None = None, rope_theta: float = 10000.0,
             positions=None, key_positions=None, is_causal: bool = False, window=None, segment_ids=None,
             key_segment_ids=None, alignment: str = "top-left", qk_norm=None, qk_norm_eps: float = 1e-6,
-            qk_norm_offset: float = 0.0, scale=None, softcap=None, rope_dim=None, rope_scaling=None) -> Intermediates:
+            qk_norm_offset: float = 0.0, scale=None, softcap=None, rope_dim=None, rope_scaling=None,
+            chunk=None, attn_temperature_tuning: bool = False, floor_scale: float = 8192.0,
+            attn_scale: float = 0.1) -> Intermediates:
     """The layer's maths, stage by stage; returns every intermediate as float64 arrays.
 
     The layer (`mha_spec.AttentionConfig`) is read off the state dict's keys and shapes and the
@@ -274,16 +289,18 @@ def forward(sd, query, key, value, mask=None, *, num_heads: int, masked_rows: st
     `rope_scaling` (a `mha_spec.RopeScaling`) scales the frequencies and cos/sin (`rope_inv_freq`,
     `rope_attention_factor`; LongRoPE's long factors when the largest of positions and key_positions
     passes its original context).
+    Llama 4: chunk=C (`structured_keep`); qk_norm="l2" after RoPE (q_rot/k_rot are after it; `_l2_norm`);
+    attn_temperature_tuning on rope=None layers, q times `temperature_factor` at positions= (q_temp).
     """
     cfg = config_of(sd, num_heads, masked_rows=masked_rows, num_kv_heads=num_kv_heads, rope=rope,
                     rope_theta=rope_theta, qk_norm=qk_norm, qk_norm_eps=qk_norm_eps, qk_norm_offset=qk_norm_offset,
-                    scale=scale, softcap=softcap, rope_dim=rope_dim, rope_scaling=rope_scaling)
+                    scale=scale, softcap=softcap, rope_dim=rope_dim, rope_scaling=rope_scaling,
+                    attn_temperature_tuning=attn_temperature_tuning, floor_scale=floor_scale, attn_scale=attn_scale)
     E, N, K, H, G = cfg.embed_dim, cfg.num_heads, cfg.kv_heads, cfg.head_size, cfg.group
     B, T, S = check_qkv_shapes(np.shape(query), np.shape(key), np.shape(value), E)
-    if rope is None and (positions is not None or key_positions is not None):
-        raise ValueError("positions/key_positions are given but rope=None: they would be ignored")
+    _refuse_unread_positions(cfg, positions, key_positions)
     keep = _combined_keep(mask, B, N, T, S, dict(is_causal=is_causal, window=window, segment_ids=segment_ids,
-                                                  key_segment_ids=key_segment_ids, alignment=alignment))
+                                                  key_segment_ids=key_segment_ids, alignment=alignment, chunk=chunk))
     acc = _accumulation_dtype(dtype)
     xq, xk, xv = (_round(np.asarray(x, np.float64), dtype) for x in (query, key, value))
 
@@ -295,19 +312,52 @@ def forward(sd, query, key, value, mask=None, *, num_heads: int, masked_rows: st
     v = heads(_linear(xv, sd, "v_proj", dtype), K)  # (B, K, S, H)
     q_norm, k_norm = _qk_norm(q, sd, "q_norm", cfg, dtype), _qk_norm(k, sd, "k_norm", cfg, dtype)
     qn, kn = (x if y is None else y for x, y in ((q, q_norm), (k, k_norm)))
-    q_rot = k_rot = None
-    if rope is not None:
-        (cq, sq), (ck, sk) = _rope_cos_sin(positions, key_positions, B, T, S, cfg, acc)
-        q_rot, k_rot = _round(rotate(qn, cq, sq, rope), dtype), _round(rotate(kn, ck, sk, rope), dtype)
-    qs = qn if q_rot is None else q_rot
-    ks = kn if k_rot is None else k_rot
-    qg = qs.reshape(B, K, G, T, H)  # query head h = j * G + g uses key/value head j = h // G
+    q_rot, k_rot = _rope_forward(qn, kn, positions, key_positions, (B, T, S), cfg, acc, dtype)
+    qs, ks = (qn if q_rot is None else q_rot), (kn if k_rot is None else k_rot)
+    q_temp = _temperature(qs, _positions(positions, B, T, "positions"), cfg, dtype)  # None without it
+    qg = (qs if q_temp is None else q_temp).reshape(B, K, G, T, H)  # query head h = j * G + g: key/value head h // G
     scores = _logits(np.einsum("BKGTH,BKSH->BKGTS", qg, ks).reshape(B, N, T, S), cfg, acc)
     scores, weights, sink_weights = _softmax(scores, keep, sd.get("sinks"), masked_rows, acc, dtype)
     context = _round(np.einsum("BKGTS,BKSH->BKGTH", weights.reshape(B, K, G, T, S), v), dtype)
     context = context.reshape(B, N, T, H).transpose(0, 2, 1, 3).reshape(B, T, N * H)
     output = _linear(context, sd, "out_proj", dtype)
-    return Intermediates(q, k, v, scores, weights, context, output, q_rot, k_rot, q_norm, k_norm, sink_weights)
+    return Intermediates(q, k, v, scores, weights, context, output, q_rot, k_rot, q_norm, k_norm, sink_weights,
+                         q_temp)
+
+
+def _refuse_unread_positions(cfg: AttentionConfig, positions, key_positions) -> None:
+    """ValueError for positions the layer would not read (key positions without RoPE, query positions without RoPE
+    or the NoPE temperature)."""
+    if cfg.rope is None and key_positions is not None:
+        raise ValueError("positions/key_positions are given but rope=None: key_positions would be ignored")
+    if cfg.rope is None and not cfg.attn_temperature_tuning and positions is not None:
+        raise ValueError("positions/key_positions are given but rope=None (and no attn_temperature_tuning): "
+                         "they would be ignored")
+
+
+def _l2_norm(x, cfg: AttentionConfig, dtype) -> np.ndarray:
+    """Llama 4's L2Norm of x (..., H) with qk_norm="l2" (x unchanged otherwise): x / sqrt(mean(x²) + eps) over the
+    last axis, in `_norm_dtype`, stored in dtype."""
+    if cfg.qk_norm != "l2":
+        return x
+    at = _norm_dtype(dtype)
+    v = _round(x, at)
+    return _round(v / np.sqrt(_round(np.mean(v * v, axis=-1, keepdims=True) + cfg.qk_norm_eps, at)), dtype)
+
+
+def temperature_factor(pos, floor_scale: float, attn_scale: float) -> np.ndarray:
+    """Llama 4's NoPE temperature at positions pos (float64): log(floor((pos + 1) / floor_scale) + 1)·attn_scale + 1."""
+    return np.log(np.floor((np.asarray(pos, np.float64) + 1.0) / floor_scale) + 1.0) * attn_scale + 1.0
+
+
+def _temperature(q, pos, cfg: AttentionConfig, dtype) -> np.ndarray | None:
+    """q (B, N, T, H) times the temperature at its positions pos (B|1, 1, T, 1), in `_norm_dtype`, stored in dtype;
+    None without attn_temperature_tuning."""
+    if not cfg.attn_temperature_tuning:
+        return None
+    at = _norm_dtype(dtype)
+    factor = _round(temperature_factor(pos, cfg.floor_scale, cfg.attn_scale), at)
+    return _round(_round(q, at) * factor, dtype)
 
 
 def _norm_dtype(dtype) -> np.dtype:
@@ -327,7 +377,7 @@ def _per_token(x, cfg: AttentionConfig):
 def _qk_norm(x, sd, name: str, cfg: AttentionConfig, dtype):
     """x (B, n, L, H) after the layer's RMSNorm `name` (q_norm | k_norm) before RoPE, stored in dtype; None
     without qk_norm. x / sqrt(mean(x²) + eps) * (offset + w), computed in `_norm_dtype`."""
-    if cfg.qk_norm is None:
+    if cfg.qk_norm in (None, "l2"):  # "l2" follows RoPE (`_l2_norm`)
         return None
     vectors, back = _per_token(x, cfg)
     at = _norm_dtype(dtype)
@@ -396,7 +446,8 @@ def backward(sd, query, key, value, mask, cotangent, *, num_heads: int, masked_r
              per_query_head: bool = False, is_causal: bool = False, window=None, segment_ids=None,
              key_segment_ids=None, alignment: str = "top-left", qk_norm=None, qk_norm_eps: float = 1e-6,
              qk_norm_offset: float = 0.0, scale=None, softcap=None, rope_dim=None,
-             rope_scaling=None) -> dict[str, np.ndarray]:
+             rope_scaling=None, chunk=None, attn_temperature_tuning: bool = False, floor_scale: float = 8192.0,
+             attn_scale: float = 0.1) -> dict[str, np.ndarray]:
     """Gradients of sum(output * cotangent) w.r.t. query, key, value and every weight ("query", "key",
     "value" and the state dict's own names; the norm weights and the sinks too).
 
@@ -419,10 +470,11 @@ def backward(sd, query, key, value, mask, cotangent, *, num_heads: int, masked_r
         return _round(x, dt)
 
     structured = dict(is_causal=is_causal, window=window, segment_ids=segment_ids, key_segment_ids=key_segment_ids,
-                      alignment=alignment)
+                      alignment=alignment, chunk=chunk)
     layer = dict(num_heads=num_heads, masked_rows=masked_rows, num_kv_heads=num_kv_heads, rope=rope,
                  rope_theta=rope_theta, qk_norm=qk_norm, qk_norm_eps=qk_norm_eps, qk_norm_offset=qk_norm_offset,
-                 scale=scale, softcap=softcap, rope_dim=rope_dim, rope_scaling=rope_scaling)
+                 scale=scale, softcap=softcap, rope_dim=rope_dim, rope_scaling=rope_scaling,
+                 attn_temperature_tuning=attn_temperature_tuning, floor_scale=floor_scale, attn_scale=attn_scale)
     f = forward(sd, query, key, value, mask, dtype=dtype, positions=positions, key_positions=key_positions,
                 **structured, **layer)
     cfg = config_of(sd, **layer)
@@ -430,17 +482,15 @@ def backward(sd, query, key, value, mask, cotangent, *, num_heads: int, masked_r
     W = {k: r(as_float64(v)) for k, v in sd.items()}
     xq, xk, xv = (r(as_float64(x)) for x in (query, key, value))
     g = r(as_float64(cotangent))  # (B, T, E)
-    B, T, _ = g.shape
-    S = xk.shape[1]
-
+    (B, T, _), S = g.shape, xk.shape[1]
     grads, d_context = _out_proj_backward(g, f.context, W, r)
     d_context = d_context.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4)  # (B, K, G, T, H)
     keep = _combined_keep(mask, B, N, T, S, structured)
     d_q, d_k, d_v, d_scores, d_sinks = _core_backward(f, d_context, keep, flow, cfg, acc, r)
-    if d_sinks is not None:
-        grads["sinks"] = d_sinks
+    grads.update({} if d_sinks is None else {"sinks": d_sinks})
+    d_q, d_k = _llama4_backward(d_q, d_k, f, positions, key_positions, cfg, dtype, r)
     d_q, d_k, key_angles = _rope_backward(d_q, d_k, positions, key_positions, (B, T, S), cfg, acc, r)
-    if cfg.qk_norm is not None:  # the projections' gradients, through the norms
+    if cfg.qk_norm in ("head", "flat"):  # the projections' gradients, through the norms
         (d_q, grads["q_norm.weight"]), (d_k, grads["k_norm.weight"]) = (
             _qk_norm_backward(d, x, sd, name, cfg, r) for d, x, name in ((d_q, f.q, "q_norm"), (d_k, f.k, "k_norm")))
     for name, d_heads, x, grad_key in (("q_proj", d_q, xq, "query"), ("k_proj", d_k, xk, "key"), ("v_proj", d_v, xv, "value")):
@@ -448,6 +498,30 @@ def backward(sd, query, key, value, mask, cotangent, *, num_heads: int, masked_r
     if per_query_head:
         grads.update(_shares_of(f, d_scores, d_context, key_angles, rope, sd, cfg, r))
     return grads
+
+
+def _llama4_backward(d_q, d_k, f: Intermediates, positions, key_positions, cfg: AttentionConfig, dtype, r):
+    """d_q, d_k before Llama 4's steps after RoPE (the NoPE temperature, the L2 norm), from those of the attended
+    q (B, N, T, H) and k (B, K, S, H); unchanged without them."""
+    if cfg.attn_temperature_tuning:  # q·factor: d_q times the same factor (as stored in the norm dtype)
+        pos = _positions(positions, f.q.shape[0], f.q.shape[2], "positions")  # (B|1, 1, T, 1)
+        d_q = r(d_q * _round(temperature_factor(pos, cfg.floor_scale, cfg.attn_scale), _norm_dtype(dtype)))
+    if cfg.qk_norm == "l2":  # the norm followed RoPE: its backward comes first
+        d_q, d_k = _l2_backward(d_q, d_k, f, positions, key_positions, cfg, _accumulation_dtype(dtype), r)
+    return d_q, d_k
+
+
+def _l2_backward(d_q, d_k, f: Intermediates, positions, key_positions, cfg: AttentionConfig, acc, r):
+    """d_q (B, N, T, H), d_k (B, K, S, H) before Llama 4's L2 norm, from those after it: with x the rotated q or k
+    (recomputed), n = x / rms, dx = (dy - n·mean(dy·n)) / rms."""
+    B, T, S = f.q.shape[0], f.q.shape[2], f.k.shape[2]
+    (cq, sq), (ck, sk) = _rope_cos_sin(positions, key_positions, B, T, S, cfg, acc)
+    out = []
+    for d, x in ((d_q, rotate(f.q, cq, sq, cfg.rope)), (d_k, rotate(f.k, ck, sk, cfg.rope))):
+        rms = np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + cfg.qk_norm_eps)
+        n = x / rms
+        out.append(r((d - n * np.mean(d * n, axis=-1, keepdims=True)) / rms))
+    return tuple(out)
 
 
 def _out_proj_backward(g, context, W, r) -> tuple[dict, np.ndarray]:
@@ -460,9 +534,11 @@ def _out_proj_backward(g, context, W, r) -> tuple[dict, np.ndarray]:
 
 def _shares_of(f: Intermediates, d_scores, d_context, key_angles, rope, sd, cfg: AttentionConfig, r) -> dict:
     """`_per_query_head_shares`, the key's shares taken through the key norm's backward (linear in them)."""
+    if cfg.qk_norm == "l2":
+        raise ValueError("per_query_head shares of a qk_norm='l2' layer are not derived in the oracle")
     shares = _per_query_head_shares(d_scores, f.attended_q, f.weights.reshape(d_scores.shape), d_context,
                                     key_angles, rope, r)
-    if cfg.qk_norm is not None:
+    if cfg.qk_norm in ("head", "flat"):
         B, K, G, S, H = shares["key.per_query_head"].shape
         per_g = shares["key.per_query_head"].transpose(0, 2, 1, 3, 4).reshape(B * G, K, S, H)
         k_pre = np.repeat(f.k[:, None], G, axis=1).reshape(B * G, K, S, H)  # (B·G, K, S, H)
@@ -618,7 +694,8 @@ def _decode_sizes(x: np.ndarray, E: int, capacity, prefill) -> tuple[int, int, i
 def decode(sd, x, *, starts=None, prefill: int, num_heads: int, masked_rows: str = "nan",
            num_kv_heads: int | None = None, rope: str | None = None, rope_theta: float = 10000.0,
            dtype=np.float64, capacity: int | None = None, qk_norm=None, qk_norm_eps: float = 1e-6,
-           qk_norm_offset: float = 0.0, scale=None, softcap=None, rope_dim=None, rope_scaling=None) -> Decoded:
+           qk_norm_offset: float = 0.0, scale=None, softcap=None, rope_dim=None, rope_scaling=None,
+           attn_temperature_tuning: bool = False, floor_scale: float = 8192.0, attn_scale: float = 0.1) -> Decoded:
     """Self-attention over x (B, L, E) run as a decoder: a prefill of the first `prefill` tokens,
     then one token per call, each call projecting only its new tokens against a cache.
 
@@ -632,11 +709,13 @@ def decode(sd, x, *, starts=None, prefill: int, num_heads: int, masked_rows: str
     `decode_positions` is an independent check of it. A low `dtype` rounds each stage as `forward`.
     qk_norm, scale, softcap, sinks, rope_dim and rope_scaling are `forward`'s (the cache holds the normalised,
     rotated keys). LongRoPE picks its table per call from the largest position of the call's new tokens
-    (over the batch); the keys cached before keep the rotation they were written with.
+    (over the batch); the keys cached before keep the rotation they were written with. Llama 4's qk_norm="l2"
+    (after RoPE) and NoPE temperature (at the new tokens' positions, slot - starts[b]) as `forward` has them.
     """
     cfg = config_of(sd, num_heads, masked_rows=masked_rows, num_kv_heads=num_kv_heads, rope=rope,
                     rope_theta=rope_theta, qk_norm=qk_norm, qk_norm_eps=qk_norm_eps, qk_norm_offset=qk_norm_offset,
-                    scale=scale, softcap=softcap, rope_dim=rope_dim, rope_scaling=rope_scaling)
+                    scale=scale, softcap=softcap, rope_dim=rope_dim, rope_scaling=rope_scaling,
+                    attn_temperature_tuning=attn_temperature_tuning, floor_scale=floor_scale, attn_scale=attn_scale)
     E, N, K, H = cfg.embed_dim, cfg.num_heads, cfg.kv_heads, cfg.head_size
     x = np.asarray(x)
     B, L, C = _decode_sizes(x, E, capacity, prefill)
@@ -654,12 +733,15 @@ def decode(sd, x, *, starts=None, prefill: int, num_heads: int, masked_rows: str
         q = _linear(xs[:, lo:hi], sd, "q_proj", dtype).reshape(B, T, N, H).transpose(0, 2, 1, 3)  # (B, N, T, H)
         k = _linear(xs[:, lo:hi], sd, "k_proj", dtype).reshape(B, T, K, H).transpose(0, 2, 1, 3)  # (B, K, T, H)
         v = _linear(xs[:, lo:hi], sd, "v_proj", dtype).reshape(B, T, K, H).transpose(0, 2, 1, 3)
-        if cfg.qk_norm is not None:
+        if cfg.qk_norm in ("head", "flat"):
             q, k = _qk_norm(q, sd, "q_norm", cfg, dtype), _qk_norm(k, sd, "k_norm", cfg, dtype)
+        pos = _slot_positions(slots, starts).astype(np.float64)[:, None, :, None]  # (B, 1, T, 1)
         if rope is not None:
-            pos = _slot_positions(slots, starts).astype(np.float64)[:, None, :, None]  # (B, 1, T, 1)
             cos, sin = _cos_sin(pos, *_rope_table(cfg, pos.max() if pos.size else -1), acc)  # (B, 1, T, R/2)
             q, k = _round(rotate(q, cos, sin, rope), dtype), _round(rotate(k, cos, sin, rope), dtype)
+        q, k = _l2_norm(q, cfg, dtype), _l2_norm(k, cfg, dtype)  # Llama 4: after RoPE ("l2" only)
+        if cfg.attn_temperature_tuning:
+            q = _temperature(q, pos, cfg, dtype)
         k_cache[:, :, lo:hi], v_cache[:, :, lo:hi] = k, v
         scores, weights, context = _attend_cache(q, k_cache, v_cache, _cache_keep(slots, starts, C), masked_rows,
                                                  dtype, acc, cfg, sd.get("sinks"))
@@ -684,13 +766,15 @@ def _attend_cache(q, k_cache, v_cache, keep, masked_rows: str, dtype, acc, cfg: 
 
 
 def structured_keep(T: int, S: int, *, is_causal: bool = False, window=None, segment_ids=None,
-                    key_segment_ids=None, alignment: str = "top-left") -> np.ndarray | None:
+                    key_segment_ids=None, alignment: str = "top-left", chunk=None) -> np.ndarray | None:
     """The keep-mask the structured keywords stand for (docs/semantics.md, "Packed sequences,
     sliding windows and causal alignment"): bool (B|1, 1, T, S), or None when none is given.
 
     Query t sits at key position a(t) = t (top-left) or t + S - T (bottom-right); is_causal keeps
     s <= a(t); window (left, right) keeps a(t) - left <= s <= a(t) + right; segment_ids (B, T)
     and key_segment_ids (B, S) keep equal ids (key_segment_ids defaults to segment_ids when T = S).
+    chunk C (Llama 4's chunked attention, transformers' chunked_overlay AND causal): keeps s <= a(t) with
+    a(t) // C == s // C; it implies is_causal (a chunk is causal within it).
     """
     if alignment not in ALIGNMENTS:
         raise ValueError(f"alignment={alignment!r} is not one of {ALIGNMENTS}")
@@ -698,7 +782,11 @@ def structured_keep(T: int, S: int, *, is_causal: bool = False, window=None, seg
     keep = None
     a = np.arange(T)[:, None] + (S - T if alignment == "bottom-right" else 0)  # (T, 1)
     s = np.arange(S)[None, :]  # (1, S)
-    if is_causal:
+    if chunk is not None:
+        if isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) or chunk <= 0:
+            raise ValueError(f"chunk must be a positive int, got {chunk!r}")
+        keep = (s <= a) & (a // chunk == s // chunk)
+    elif is_causal:
         keep = s <= a
     if left is not None or right is not None:
         inside = np.ones((T, S), bool)

@@ -18,7 +18,7 @@ import pytest
 
 from mha_spec import VARIANT_FEATURES
 from parity import convert
-from parity.harness.matrix import MODERN_SHAPES, modern_matrix
+from parity.harness.matrix import LLAMA4_SHAPES, MODERN_SHAPES, modern_matrix
 from parity.harness.runner import run
 from parity.impls import Implementation
 from parity.impls.registry import layer_kwargs
@@ -59,18 +59,22 @@ PORTS = {  # port -> (the case it is judged on, the stage it must be named at)
     "softcap-forgotten": (_port("softcap-forgotten", softcap=None), "gemma2", "scores"),
     "default-scale": (_port("default-scale", scale=None), "gemma3", "scores"),
     "norm-eps-ignored": (_port("norm-eps-ignored", qk_norm_eps=0.0), "olmo2", "q_norm"),
+    # Llama 4: the L2 norm after RoPE forgotten; the NoPE layers' temperature forgotten (attn_scale 0: factor 1)
+    "l2-norm-forgotten": (_port("l2-norm-forgotten", qk_norm=None, qk_norm_eps=1e-6), "l2-llama4", "q_rot"),
+    "temperature-forgotten": (_port("temperature-forgotten", attn_scale=0.0), "nope-llama4", "scores"),
 }
 
 
 def test_every_new_feature_has_a_case_and_our_torch_module_passes_them():
-    cases = [c for c in modern_matrix() if c.shape.name in MODERN_SHAPES or c.shape.name.startswith("decode-")]
+    shapes = {**MODERN_SHAPES, **LLAMA4_SHAPES}
+    cases = [c for c in modern_matrix() if c.shape.name in shapes or c.shape.name.startswith("decode-")]
     features = {f for c in cases for f in c.config.features}
     assert set(VARIANT_FEATURES[5:]) <= features
-    report = run(cases="modern", case_filter=tuple(f"{n}*" for n in MODERN_SHAPES), dtypes=("float64", "float32"),
+    report = run(cases="modern", case_filter=tuple(f"{n}*" for n in shapes), dtypes=("float64", "float32"),
                  checks=("forward", "gradient"), impls=("torch", "torch-fused"), device="cpu")
     ran = [r for r in report.rows if r.status != "skip"]
     assert ran and all(r.status == "pass" for r in ran), [r for r in ran if r.status != "pass"][:3]
-    assert {r.case.split("/")[0] for r in ran} == set(MODERN_SHAPES)
+    assert {r.case.split("/")[0] for r in ran} == set(shapes)
 
 
 @pytest.mark.parametrize("port", PORTS)

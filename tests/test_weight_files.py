@@ -385,7 +385,8 @@ def test_a_partial_bias_set_in_a_file_is_named(tmp_path, rng):
 
 
 @pytest.mark.parametrize("layer", [dict(rope="half", rope_dim=2), dict(rope="half", rope_scaling="linear:factor=2"),
-                                   dict(scale=0.3), dict(softcap=30.0), dict(sinks=True), dict(qk_norm="head")])
+                                   dict(scale=0.3), dict(softcap=30.0), dict(sinks=True), dict(qk_norm="head"),
+                                   dict(attn_temperature_tuning=True)])
 def test_save_refuses_a_layer_the_format_cannot_describe(layer, tmp_path):
     """A field the file's metadata does not carry would load as another layer: save names it and writes nothing."""
     from mha_spec import RopeScaling

@@ -302,7 +302,8 @@ def _read_file(path, layout, prefix, num_heads, num_kv_heads, rope_theta):
     if num_kv_heads is None:
         num_kv_heads = kv_rows // (NH // num_heads)  # read_layout checked: a whole number of heads dividing N
     layer = {} if described is None else {f: getattr(described, f) for f in LAYER_FIELDS}  # what the tensors cannot say
-    read, _ = check_variant_state_dict(sd, num_heads, num_kv_heads, **layer)
+    said_rope = {} if described is None else {f: getattr(described, f) for f in ROPE_FIELDS}  # Llama 4's L2 norm needs it
+    read, _ = check_variant_state_dict(sd, num_heads, num_kv_heads, **layer, **said_rope)
     # RoPE's part and scaling are config.json's (a file cannot say them): the described layer's, else none
     rope_kw = {} if described is None else {f: getattr(described, f) for f in ROPE_FIELDS[2:]}
     config = AttentionConfig(E, num_heads, num_kv_heads=num_kv_heads, head_dim=read.head_dim, qkv_bias=read.qkv_bias,

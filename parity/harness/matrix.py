@@ -68,6 +68,9 @@ class Shape:
     sinks: bool = False
     rope_dim: int | None = None
     rope_scaling: RopeScaling | None = None
+    attn_temperature_tuning: bool = False  # Llama 4's NoPE layers: queries scaled by a position's temperature
+    floor_scale: float = 8192.0
+    attn_scale: float = 0.1
 
     def __post_init__(self):
         self.problem  # validates the layer and the sizes (mha_spec raises)
@@ -453,6 +456,24 @@ _MODERN_CASES = (
 )
 
 
+# Llama 4's layers: its RoPE layers' weightless L2 norm of q and k after (interleaved) RoPE, and its NoPE
+# layers' query temperature log(floor((pos + 1) / floor_scale) + 1) * attn_scale + 1 (floor_scale small, so
+# the drawn positions, 1..~80, cross several steps). The chunked mask (`chunk=`) is the modules' and the
+# oracle's (tests/test_llama4.py), not yet a case kind.
+LLAMA4_SHAPES = {
+    s.name: s
+    for s in (
+        Shape("l2-llama4", B=2, T=6, S=6, E=12, N=3, cross=False, num_kv_heads=1, qkv_bias=False, out_bias=False,
+              rope="interleaved", rope_theta=500.0, qk_norm="l2", qk_norm_eps=1e-5),
+        Shape("nope-llama4", B=3, T=5, S=5, E=12, N=3, cross=False, num_kv_heads=1, qkv_bias=False, out_bias=False,
+              attn_temperature_tuning=True, floor_scale=4.0, attn_scale=0.1),
+    )
+}
+_LLAMA4_CASES = (
+    Case(LLAMA4_SHAPES["l2-llama4"], "causal", "nan", jax_eager=False, dtypes=("float64", "float32", "bfloat16")),
+    Case(LLAMA4_SHAPES["nope-llama4"], "padding", "zero", jax_eager=False, dtypes=("float64", "float32")),
+)
+
 _RS = ROPE_SHAPES
 # Each scaling on its family's layer, positions past the original context (`ROPE_SHAPES`), and the partial
 # NeoX layer; together every dtype. GPT-OSS's two cases are its alternating layers: the window, the full one.
@@ -497,6 +518,7 @@ def modern_matrix() -> tuple[Case, ...]:
         Case(_V["llama"], "padding", "uniform", train=True, peers=True, jax_eager=False,
              dtypes=("float64", "float32", "bfloat16")),
         *_MODERN_CASES,
+        *_LLAMA4_CASES,
         *_ROPE_CASES,
         *_DECODE_CASES,
         *_DEFAULT_MASK_CASES,
@@ -717,9 +739,11 @@ def draw_inputs(case: Case, seed: int, state_dict: dict | None = None) -> Inputs
     cotangent = rng.standard_normal((s.B, s.T, s.E)) / np.sqrt(s.B * s.T)
     target = rng.standard_normal((s.B, s.T, s.E))
     positions = key_positions = None
-    if s.rope is not None:  # drawn last: a classic case's numbers are what they always were
+    if s.config.uses_positions:  # drawn last: a classic case's numbers are what they always were
         positions = draw.positions(rng, s.B, s.T)
         key_positions = draw.positions(rng, s.B, s.S) if s.cross else positions.copy()
+        if s.rope is None:  # a NoPE layer's temperature reads the queries' positions only
+            key_positions = None
         if case.positions_from is not None:  # one shift for all: the differences, and so the scores' RoPE, kept
             shift = case.positions_from - min(positions.min(), key_positions.min())
             positions, key_positions = positions + shift, key_positions + shift

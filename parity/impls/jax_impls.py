@@ -144,7 +144,7 @@ class JaxRunner:
         every call, with the padding keep-mask as its mask."""
         dtype = next(iter(sd.values())).dtype
         fn = impl.make(sd, num_heads, masked_rows, self.device, problem)
-        pos = {k: self.a(np.asarray(v, np.int32)) for k, v in (positions or {}).items()}
+        pos = {k: self.a(np.asarray(v, np.int32)) for k, v in (positions or {}).items() if v is not None}
         kw, padding = structure if structure is not None else ({}, None)
         kw = {k: self.a(np.asarray(v, np.int32)) if k.endswith("segment_ids") else v for k, v in kw.items()}
         return Built(impl, fn, {k: self.a(v) for k, v in sd.items()}, num_heads, dtype, positions=pos, structure=kw,

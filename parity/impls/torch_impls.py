@@ -121,7 +121,7 @@ class TorchRunner:
             fn = torch.compile(fn)
             fn.intermediates = getattr(inner, "intermediates", None)
         params = {k: self.t(a) for k, a in sd.items()}
-        pos = {k: self.t(np.asarray(v, np.int64)) for k, v in (positions or {}).items()}
+        pos = {k: self.t(np.asarray(v, np.int64)) for k, v in (positions or {}).items() if v is not None}
         kw, padding = structure if structure is not None else ({}, None)
         kw = {k: self.t(np.asarray(v, np.int64)) if k.endswith("segment_ids") else v for k, v in kw.items()}
         return Built(impl, fn, params, num_heads, dtype, state=dict(sd), positions=pos, structure=kw, padding=padding)
