@@ -28,7 +28,7 @@ jax.tree_util.register_dataclass(Stages, data_fields=[f.name for f in dataclasse
 _STAGE_FIELDS = frozenset(f.name for f in dataclasses.fields(Stages))
 
 
-def _torch_linear_init(fan_in: int):
+def torch_linear_init(fan_in: int):
     """U(-1/√fan_in, 1/√fan_in): torch.nn.Linear's default, for weights and biases alike."""
     bound = 1.0 / math.sqrt(fan_in)
 
@@ -38,7 +38,7 @@ def _torch_linear_init(fan_in: int):
     return init
 
 
-def _keep_mask(mask, B: int, N: int, T: int, S: int):
+def keep_mask_of(mask, B: int, N: int, T: int, S: int):
     """Any bool/int/float keep-mask (0 = masked) -> bool (B|1, N|1, T|1, S|1)."""
     if not isinstance(mask, (jax.Array, np.ndarray)):
         raise TypeError(f"mask must be a jax or numpy array, got {type(mask).__name__}")
@@ -65,7 +65,7 @@ def _check_concrete_mask_values(mask):
     check_mask_values(mask.shape, bool(np.isnan(mask).any()), bool((mask < 0).any()))
 
 
-def _check_dtype(name: str, dtype) -> None:
+def check_dtype(name: str, dtype) -> None:
     """A computation or parameter dtype must be floating, and float64 needs x64 (no silent float32)."""
     if dtype is None:
         return
@@ -127,7 +127,7 @@ def attention_core(q, k, v, keep=None, *, masked_rows="nan", precision=None, ret
     if sinks is not None:
         weights = _sink_softmax(scores, sinks).astype(dtype)
     else:
-        weights = _softmax_by_policy(scores, keep, masked_rows, S).astype(dtype)
+        weights = softmax_by_policy(scores, keep, masked_rows, S).astype(dtype)
     if G == 1:
         context = jnp.einsum("BNTS,BSNH->BTNH", weights, v, precision=precision, preferred_element_type=acc)
     else:
@@ -139,7 +139,7 @@ def attention_core(q, k, v, keep=None, *, masked_rows="nan", precision=None, ret
     return context, weights
 
 
-def _softmax_by_policy(scores, keep, masked_rows: str, S: int):
+def softmax_by_policy(scores, keep, masked_rows: str, S: int):
     """softmax over the keys of scores (B, N, T, S) (-inf where masked); a row that keeps no key follows
     masked_rows."""
     if keep is None:
@@ -317,7 +317,7 @@ def cached_attention(q, k_new, v_new, cache: KVCache, *, masked_rows: str = "nan
     return context, weights, new_cache
 
 
-def _check_positions(pos, batch: int, length: int, name: str):
+def positions_arg(pos, batch: int, length: int, name: str):
     """Integer positions (L,) | (B, L) as given (None stays None); TypeError/ValueError naming them."""
     if pos is None:
         return None
@@ -662,8 +662,8 @@ class MultiHeadAttention(nnx.Module):
                                       attn_temperature_tuning=attn_temperature_tuning, floor_scale=floor_scale,
                                       attn_scale=attn_scale)
         self.head_dim = self.config.head_size
-        _check_dtype("dtype", dtype)
-        _check_dtype("param_dtype", param_dtype)
+        check_dtype("dtype", dtype)
+        check_dtype("param_dtype", param_dtype)
         self.embed_dim = embed_dim
         self.num_heads = num_heads
         self.num_kv_heads = self.config.kv_heads
@@ -674,7 +674,7 @@ class MultiHeadAttention(nnx.Module):
         def linear(n_out, fan_in, use_bias):
             return nnx.Linear(
                 fan_in, n_out, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, precision=precision,
-                kernel_init=_torch_linear_init(fan_in), bias_init=_torch_linear_init(fan_in), rngs=rngs,
+                kernel_init=torch_linear_init(fan_in), bias_init=torch_linear_init(fan_in), rngs=rngs,
             )
 
         width, kv_width = num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -753,9 +753,9 @@ class MultiHeadAttention(nnx.Module):
         if not self.config.uses_positions and positions is not None:
             raise ValueError("positions/key_positions are given but rope=None (and no attn_temperature_tuning): "
                              "they would be ignored")
-        positions = _check_positions(positions, B, T, "positions")
-        key_positions = _check_positions(key_positions, B, S, "key_positions")
-        keep = None if mask is None else _keep_mask(mask, B, self.num_heads, T, S)
+        positions = positions_arg(positions, B, T, "positions")
+        key_positions = positions_arg(key_positions, B, S, "key_positions")
+        keep = None if mask is None else keep_mask_of(mask, B, self.num_heads, T, S)
         structure = _structure(T, S, B, is_causal=is_causal, window=window, segment_ids=segment_ids,
                                key_segment_ids=key_segment_ids, alignment=alignment, chunk=chunk)
         if need_weights:
@@ -814,7 +814,7 @@ class MultiHeadAttention(nnx.Module):
         rope = self.config.rope
         if not self.config.uses_positions and positions is not None:
             raise ValueError("positions are given but rope=None (and no attn_temperature_tuning): they would be ignored")
-        positions = _check_positions(positions, B, T, "positions")
+        positions = positions_arg(positions, B, T, "positions")
         query, key, value = (jnp.asarray(x) for x in (query, key, value))
 
         q_in, q_normed = self._heads(self.q_proj, query, dtype, self.q_norm)  # (B, T, N, H)

@@ -39,7 +39,7 @@ import numpy as np
 from mha_spec import check_cache_shapes
 
 
-def _row_ints(x, batch: int, name: str):
+def row_ints(x, batch: int, name: str):
     """(B,) integer per-row counts as int32; None -> zeros. TypeError/ValueError naming them."""
     if x is None:
         return jnp.zeros((batch,), jnp.int32)
@@ -52,7 +52,7 @@ def _row_ints(x, batch: int, name: str):
     return jnp.asarray(x, jnp.int32)
 
 
-def _concrete(x) -> np.ndarray | None:
+def concrete_values(x) -> np.ndarray | None:
     """x's values where they are known (an array, not a tracer), else None."""
     if isinstance(x, jax.core.Tracer) or not isinstance(x, (jax.Array, np.ndarray)):
         return None
@@ -76,7 +76,7 @@ def _check_fields(cache) -> None:
         x = getattr(cache, name)
         if np.dtype(x.dtype).kind not in "iu":
             raise TypeError(f"KVCache.{name} must be integers (int32), got dtype {x.dtype}")
-        known = _concrete(x)
+        known = concrete_values(x)
         if known is None:
             continue
         bad = (known < 0) | (known > capacity)
@@ -111,7 +111,7 @@ class KVCache:
             raise TypeError(f"KVCache.empty: dtype must be floating, got {dtype}")
         if dtype == jnp.float64 and not jax.config.jax_enable_x64:
             raise TypeError("KVCache.empty: float64 needs jax_enable_x64")
-        starts = _row_ints(starts, batch, "starts")  # its values: checked by the constructor where known
+        starts = row_ints(starts, batch, "starts")  # its values: checked by the constructor where known
         k = jnp.zeros((batch, capacity, num_kv_heads, head_dim), dtype)
         return cls(k, jnp.zeros_like(k), starts, jnp.zeros((batch,), jnp.int32))
 
@@ -126,7 +126,7 @@ class KVCache:
             raise ValueError(f"the cache holds {self.capacity} slots per row: {T} new tokens do not fit in any row "
                              f"(more tokens than slots)")
         fits = self.lengths + T <= self.capacity
-        known = _concrete(self.lengths)
+        known = concrete_values(self.lengths)
         if known is not None and (known + T > self.capacity).any():
             rows = np.nonzero(known + T > self.capacity)[0].tolist()
             raise ValueError(f"the cache holds {self.capacity} slots per row; rows {rows} with lengths "

@@ -26,10 +26,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mha_jax.attention import (QKNorm, _check_dtype, _check_positions, _keep_mask, _softmax_by_policy,
-                               _torch_linear_init, rope_cos_sin, rotate, structured_keep)
+from mha_jax.attention import (QKNorm, check_dtype, positions_arg, keep_mask_of, softmax_by_policy,
+                               torch_linear_init, rope_cos_sin, rotate, structured_keep)
 from mha_jax.chunked import accumulation_dtype
-from mha_jax.kv_cache import KVCache, _concrete, _row_ints
+from mha_jax.kv_cache import KVCache, concrete_values, row_ints
 from mha_spec import MASKED_ROWS_POLICIES, AttentionConfig, LatentAttentionConfig, Stages, refuse_no_new_tokens
 
 
@@ -82,8 +82,8 @@ class LatentCache:
             if isinstance(n, bool) or not isinstance(n, int) or n < (0 if name == "batch" else 1):
                 raise ValueError(f"LatentCache.empty: {name} must be a positive int, got {n!r}")
         dtype = jnp.dtype(dtype)
-        _check_dtype("LatentCache.empty dtype", dtype)
-        starts = _row_ints(starts, batch, "starts")
+        check_dtype("LatentCache.empty dtype", dtype)
+        starts = row_ints(starts, batch, "starts")
         return cls(jnp.zeros((batch, capacity, kv_lora_rank), dtype), jnp.zeros((batch, capacity, rope_dim), dtype),
                    starts, jnp.zeros((batch,), jnp.int32))
 
@@ -146,7 +146,7 @@ def _check_latent_fields(cache: LatentCache) -> None:
             raise TypeError(f"LatentCache.{name} must be integers (int32), got dtype {x.dtype}")
         if tuple(x.shape) != (c[0],):
             raise ValueError(f"LatentCache.{name} must have shape ({c[0]},) (one per batch row), got {tuple(x.shape)}")
-        known = _concrete(x)
+        known = concrete_values(x)
         if known is not None and ((known < 0) | (known > c[1])).any():
             raise ValueError(f"LatentCache.{name} must lie in [0, capacity={c[1]}], got {known.tolist()}")
 
@@ -209,8 +209,8 @@ class MultiHeadLatentAttention(nnx.Module):
             rope_theta=rope_theta, rope_scaling=rope_scaling, norm_eps=norm_eps, bias=bias)
         if masked_rows not in MASKED_ROWS_POLICIES:
             raise ValueError(f"masked_rows={masked_rows!r} is not one of {MASKED_ROWS_POLICIES}")
-        _check_dtype("dtype", dtype)
-        _check_dtype("param_dtype", param_dtype)
+        check_dtype("dtype", dtype)
+        check_dtype("param_dtype", param_dtype)
         self.embed_dim, self.num_heads, self.masked_rows = embed_dim, num_heads, masked_rows
         self.dtype, self.param_dtype, self.precision = dtype, param_dtype, precision
         # RoPE over the Dr features as one head: rope_cos_sin/rotate take an AttentionConfig; the frequencies and
@@ -220,8 +220,8 @@ class MultiHeadLatentAttention(nnx.Module):
 
         def linear(fan_in, n_out, use_bias):
             return nnx.Linear(fan_in, n_out, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
-                              precision=precision, kernel_init=_torch_linear_init(fan_in),
-                              bias_init=_torch_linear_init(fan_in), rngs=rngs)
+                              precision=precision, kernel_init=torch_linear_init(fan_in),
+                              bias_init=torch_linear_init(fan_in), rngs=rngs)
 
         def norm(size):
             return QKNorm(size, eps=norm_eps, offset=0.0, param_dtype=param_dtype)
@@ -301,7 +301,7 @@ class MultiHeadLatentAttention(nnx.Module):
         scores = (nope + pe) * self.config.softmax_scale  # (B, N, T, S)
         if keep is not None:
             scores = jnp.where(keep, scores, -jnp.inf)
-        weights = _softmax_by_policy(scores, keep, self.masked_rows, c.shape[1]).astype(dtype)
+        weights = softmax_by_policy(scores, keep, self.masked_rows, c.shape[1]).astype(dtype)
         if absorb:
             # Heads stay ahead of T here: XLA's CPU dot refuses "BNTS,BSC->BTNC" for 16-bit inputs with a float32
             # result (jax 0.10.2: "Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32").
@@ -349,9 +349,9 @@ class MultiHeadLatentAttention(nnx.Module):
         if S == 0:
             raise ValueError(f"key length S=0: a query must have at least one key to attend to; got key_value "
                              f"{tuple(kv_in.shape)}")
-        positions = _check_positions(positions, B, T, "positions")
-        key_positions = _check_positions(key_positions, B, S, "key_positions")
-        keep = None if mask is None else _keep_mask(mask, B, self.num_heads, T, S)  # (B|1, N|1, T|1, S|1)
+        positions = positions_arg(positions, B, T, "positions")
+        key_positions = positions_arg(key_positions, B, S, "key_positions")
+        keep = None if mask is None else keep_mask_of(mask, B, self.num_heads, T, S)  # (B|1, N|1, T|1, S|1)
         if not isinstance(is_causal, bool):
             raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
         if is_causal:
@@ -384,7 +384,7 @@ class MultiHeadLatentAttention(nnx.Module):
                              f"Dr={cfg.qk_rope_head_dim}")
         if jnp.dtype(cache.c.dtype) != dtype:
             raise TypeError(f"the cache holds {cache.c.dtype} but the module computes in {dtype}")
-        positions = _check_positions(positions, B, T, "positions")
+        positions = positions_arg(positions, B, T, "positions")
         fits = cache.fits(T)  # (B,); a ValueError here where the lengths are known
         if positions is None:
             positions = cache.positions(T)  # (B, T): traced under jit
