@@ -1,4 +1,4 @@
-"""Llama 4's attention features (issue 47): chunked local attention (`chunk=`, a mask structure), the
+"""Llama 4's attention features: chunked local attention (`chunk=`, a mask structure), the
 weightless L2 QK-norm after RoPE (qk_norm="l2") and the NoPE layers' query temperature
 (attn_temperature_tuning, floor_scale, attn_scale), in the spec, both modules and the oracle.
 
