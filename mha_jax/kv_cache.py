@@ -169,19 +169,25 @@ class KVCache:
                           jnp.where(fits, self.lengths + T, self.lengths))
 
 
-def _unchecked(k, v, starts, lengths) -> KVCache:
-    """A KVCache built without the constructor's checks: JAX rebuilding one from its leaves (which may be
-    tracers or JAX's placeholders), and `write`, whose fields follow from a checked cache."""
-    cache = object.__new__(KVCache)
-    for name, x in zip(_FIELDS, (k, v, starts, lengths)):
-        object.__setattr__(cache, name, x)
-    return cache
+def register_cache(cls, fields: tuple[str, ...]):
+    """Make a frozen cache class (KVCache, mha_jax.mla.LatentCache) a JAX pytree of its `fields`, and return
+    its builder without the constructor's checks: JAX rebuilding one from its leaves (which may be tracers or
+    JAX's placeholders), and `write`, whose fields follow from a checked cache."""
+
+    def unchecked(*leaves):
+        cache = object.__new__(cls)
+        for name, x in zip(fields, leaves):
+            object.__setattr__(cache, name, x)
+        return cache
+
+    jax.tree_util.register_pytree_with_keys(
+        cls,
+        lambda c: (tuple((jax.tree_util.GetAttrKey(n), getattr(c, n)) for n in fields), None),
+        lambda _, leaves: unchecked(*leaves),
+        flatten_func=lambda c: (tuple(getattr(c, n) for n in fields), None),
+    )
+    return unchecked
 
 
-jax.tree_util.register_pytree_with_keys(
-    KVCache,
-    lambda c: (tuple((jax.tree_util.GetAttrKey(n), getattr(c, n)) for n in _FIELDS), None),
-    lambda _, leaves: _unchecked(*leaves),
-    flatten_func=lambda c: (tuple(getattr(c, n) for n in _FIELDS), None),
-)
+_unchecked = register_cache(KVCache, _FIELDS)
 

@@ -29,7 +29,7 @@ from flax import nnx
 from mha_jax.attention import (QKNorm, check_dtype, positions_arg, keep_mask_of, softmax_by_policy,
                                torch_linear_init, rope_cos_sin, rotate, structured_keep)
 from mha_jax.chunked import accumulation_dtype
-from mha_jax.kv_cache import KVCache, concrete_values, row_ints
+from mha_jax.kv_cache import KVCache, concrete_values, register_cache, row_ints
 from mha_spec import MASKED_ROWS_POLICIES, AttentionConfig, LatentAttentionConfig, Stages, refuse_no_new_tokens
 
 
@@ -151,20 +151,7 @@ def _check_latent_fields(cache: LatentCache) -> None:
             raise ValueError(f"LatentCache.{name} must lie in [0, capacity={c[1]}], got {known.tolist()}")
 
 
-def _unchecked(c, k_pe, starts, lengths) -> LatentCache:
-    """A LatentCache without the constructor's checks: JAX rebuilding one from its leaves, and `write`."""
-    cache = object.__new__(LatentCache)
-    for name, x in zip(_LATENT_FIELDS, (c, k_pe, starts, lengths)):
-        object.__setattr__(cache, name, x)
-    return cache
-
-
-jax.tree_util.register_pytree_with_keys(
-    LatentCache,
-    lambda c: (tuple((jax.tree_util.GetAttrKey(n), getattr(c, n)) for n in _LATENT_FIELDS), None),
-    lambda _, leaves: _unchecked(*leaves),
-    flatten_func=lambda c: (tuple(getattr(c, n) for n in _LATENT_FIELDS), None),
-)
+_unchecked = register_cache(LatentCache, _LATENT_FIELDS)  # a pytree; the builder `write` uses
 
 
 # ---------------------------------------------------------------------------------------------- the layer
