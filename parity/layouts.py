@@ -1130,6 +1130,9 @@ def read_config_json(source) -> tuple[Mapping, str]:
 
 # What the attention code of a model_type the tool does not read always does, whatever config.json says
 # (read off transformers' modeling files); what config.json can switch is found by `unmodelled_features`.
+_MLA = ("multi-head latent attention: low-rank q and kv projections with their RMSNorms, a rope key "
+                    "shared by all heads, a value head dim of its own (mha_torch/mha_jax MultiHeadLatentAttention; "
+                    "not read from checkpoints yet)",)
 FAMILY_FEATURES: dict[str, tuple[str, ...]] = {
     "qwen3": ("QK-norm: an RMSNorm over each head of q and k before RoPE (q_norm, k_norm)",),
     "qwen3_moe": ("QK-norm: an RMSNorm over each head of q and k before RoPE (q_norm, k_norm)",),
@@ -1137,6 +1140,8 @@ FAMILY_FEATURES: dict[str, tuple[str, ...]] = {
     "gemma3_text": ("QK-norm: Gemma's RMSNorm (scale 1 + w) over each head of q and k before RoPE (q_norm, k_norm)",),
     "olmo2": ("QK-norm: an RMSNorm over the whole q and k projections, all heads at once, before RoPE (q_norm, k_norm)",),
     "gpt_oss": ("attention sinks: a learned logit per head in the softmax's denominator (sinks)",),
+    "deepseek_v2": _MLA,
+    "deepseek_v3": _MLA,
 }
 
 _QK_NORM_FLAGS = ("use_qk_norm", "qk_layernorm", "qk_norm", "use_qk_layernorm")

@@ -239,3 +239,11 @@ def test_a_port_s_rope_slip_is_red_on_the_checkpoint(name, bug, stage, saved, ca
                  "forward", "--dtypes", "float32", "--impls", "torch", "--impl", f"parity.examples.rope_torch:{bug}"])
     out = " ".join(capsys.readouterr().out.split())
     assert code == 1 and f"rope-torch-{bug.replace('_', '-')}" in out and f"(first diverging stage: {stage})" in out, out[-1500:]
+
+
+def test_a_deepseek_config_is_refused_naming_latent_attention():
+    """MLA has modules and an oracle, but no checkpoint reader yet: a DeepSeek config is refused by what it is."""
+    for model_type in ("deepseek_v2", "deepseek_v3"):
+        with pytest.raises(ValueError, match="multi-head latent attention"):
+            layouts.read_hf_config({"model_type": model_type, "hidden_size": 12, "num_attention_heads": 3,
+                                    "kv_lora_rank": 6, "q_lora_rank": 7})
