@@ -64,10 +64,11 @@ def positive_ints(text: str) -> tuple[int, ...]:
 # theta, bias (all | none | qkv | out: which projections have one), and the layers after Llama: qk_norm
 # (none | head | flat) with qk_norm_eps and qk_norm_offset, scale, softcap, sinks (yes | no); RoPE as the models
 # ship it: rope_dim (partial rotary) and rope_scaling, `mha_spec.RopeScaling`'s spelling kind:key=value,...
-# (lists a;b;c), whose own keys follow it up to the next --layer key.
+# (lists a;b;c), whose own keys follow it up to the next --layer key; Llama 4's NoPE temperature: temperature
+# (yes | no) with floor_scale and attn_scale.
 _LAYER_BIASES = {"all": (True, True), "none": (False, False), "qkv": (True, False), "out": (False, True)}
 _LAYER_KEYS = ("E", "N", "K", "H", "rope", "theta", "bias", "qk_norm", "qk_norm_eps", "qk_norm_offset", "scale",
-               "softcap", "sinks", "rope_dim", "rope_scaling")
+               "softcap", "sinks", "rope_dim", "rope_scaling", "temperature", "floor_scale", "attn_scale")
 _SINKS = {"yes": True, "no": False}
 
 
@@ -106,6 +107,10 @@ def _layer_numbers(text: str, fields: dict) -> dict:
             numbers["rope_dim"] = positive_int(fields["rope_dim"])
         if "rope_scaling" in fields:
             numbers["rope_scaling"] = _rope_scaling(fields["rope_scaling"])
+        if "floor_scale" in fields:
+            numbers["floor_scale"] = positive_float(fields["floor_scale"])
+        if "attn_scale" in fields:
+            numbers["attn_scale"] = float(fields["attn_scale"])
     except (argparse.ArgumentTypeError, ValueError) as e:
         raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
     if numbers["num_kv_heads"] == numbers["num_heads"]:
@@ -127,7 +132,8 @@ def parse_layer(text: str):
     """An argparse `type`: 'E=64,N=4,K=2,rope=half,theta=500,bias=none' -> mha_spec.AttentionConfig.
 
     E and N are required; K defaults to N, H to E/N, rope to none, theta to 10000 (only with rope=), bias
-    to all; qk_norm=head|flat (qk_norm_eps=, qk_norm_offset=: Gemma's 1), scale=, softcap=, sinks=yes;
+    to all; qk_norm=head|flat (qk_norm_eps=, qk_norm_offset=: Gemma's 1) or l2 (Llama 4's, after RoPE), scale=,
+    softcap=, sinks=yes; temperature=yes (Llama 4's NoPE layers, rope=none only) with floor_scale=, attn_scale=;
     rope_dim=R (partial rotary, the first R features of each head) and rope_scaling=kind:key=value,...
     (`mha_spec.RopeScaling.parse`: linear, llama3, yarn, longrope; lists a;b;c), both with rope= only. A key
     the layer would ignore (theta= or rope_dim= without rope=, qk_norm_eps= without qk_norm=, a scaling key its
@@ -144,13 +150,19 @@ def parse_layer(text: str):
         raise argparse.ArgumentTypeError(f"{text!r}: theta= is RoPE's base, but the layer has no RoPE "
                                          f"(rope={rope}); add rope=half or rope=interleaved, or drop theta=")
     bias, qk_norm, sinks = fields.get("bias", "all"), fields.get("qk_norm", "none"), fields.get("sinks", "no")
+    temperature = fields.get("temperature", "no")
     for key, value, known in (("bias", bias, _LAYER_BIASES), ("qk_norm", qk_norm, ("none", *QK_NORMS)),
-                              ("sinks", sinks, _SINKS)):
+                              ("sinks", sinks, _SINKS), ("temperature", temperature, _SINKS)):
         if value not in known:
             raise argparse.ArgumentTypeError(f"{text!r}: {key}={value!r} is not one of {', '.join(known)}")
+    given = [k + "=" for k in ("floor_scale", "attn_scale") if k in fields]
+    if given and temperature != "yes":  # even at its default: a key the layer would ignore is not dropped
+        raise argparse.ArgumentTypeError(f"{text!r}: {', '.join(given)} the temperature's, but the layer has none; "
+                                         "add temperature=yes (with rope=none)")
     qkv_bias, out_bias = _LAYER_BIASES[bias]
     try:
         return AttentionConfig(**numbers, qkv_bias=qkv_bias, out_bias=out_bias, rope=None if rope == "none" else rope,
-                               qk_norm=None if qk_norm == "none" else qk_norm, sinks=_SINKS[sinks])
+                               qk_norm=None if qk_norm == "none" else qk_norm, sinks=_SINKS[sinks],
+                               attn_temperature_tuning=_SINKS[temperature])
     except (TypeError, ValueError) as e:
         raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None

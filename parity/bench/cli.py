@@ -3,8 +3,9 @@
     mha-bench [--preset quick|default|long] [--device cpu|gpu|tpu|auto] [--impls PATTERNS]
               [--passes fwd,fwd+bwd] [--dtypes ...] [--seq ...] [--batch ..] [--embed ..] [--heads ..]
               [--kv-heads K,..] [--rope none,half,interleaved] [--bias all|qkv|out|none]
-              [--head-dim H] [--qk-norm none|head|flat] [--qk-norm-eps X] [--qk-norm-offset X]
+              [--head-dim H] [--qk-norm none|head|flat|l2] [--qk-norm-eps X] [--qk-norm-offset X]
               [--scale X] [--softcap X] [--sinks] [--rope-dim R] [--rope-scaling KIND:KEY=VALUE,..]
+              [--attn-temperature-tuning [--floor-scale X] [--attn-scale X]]
               [--kv-seq S,..] [--mask none,causal,padding,window:W,packed:D] [--processes P] [--baseline KEY]
               [--threads K] [--precision highest|default] [--verdict A,B]
               [--json P] [--markdown P] [--plot P.png]
@@ -115,7 +116,7 @@ def _add_modern_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--head-dim", type=positive_int, metavar="H", help="a head dim of its own (N*H need not be E; default E/N)")
     p.add_argument("--qk-norm", choices=("none", *QK_NORMS), default="none",
                    help="RMSNorm of q and k before RoPE: over each head's H (head: Qwen3, Gemma 3) or the whole "
-                   "projection (flat: OLMo 2)")
+                   "projection (flat: OLMo 2); or Llama 4's weightless L2 norm of each head after RoPE (l2)")
     p.add_argument("--qk-norm-eps", type=nonnegative_float, metavar="X", help="the QK-norm's epsilon (default 1e-6)")
     p.add_argument("--qk-norm-offset", type=finite_float, metavar="X",
                    help="the QK-norm's weight is offset + w (Gemma: 1; default 0)")
@@ -128,6 +129,13 @@ def _add_modern_arguments(p: argparse.ArgumentParser) -> None:
                    help="scaled RoPE as mha-parity --layer rope_scaling= spells it: linear, llama3, yarn or longrope "
                    "with transformers' keys, lists a;b;c, e.g. yarn:factor=32,original_max_position_embeddings=4096 "
                    "(needs --rope)")
+    p.add_argument("--attn-temperature-tuning", action="store_true",
+                   help="Llama 4's NoPE layers: queries times log(floor((pos + 1) / floor_scale) + 1)·attn_scale + 1 "
+                   "(needs --rope none)")
+    p.add_argument("--floor-scale", type=positive_float, metavar="X",
+                   help="the temperature's floor_scale (default 8192; needs --attn-temperature-tuning)")
+    p.add_argument("--attn-scale", type=finite_float, metavar="X",
+                   help="the temperature's attn_scale (default 0.1; needs --attn-temperature-tuning)")
 
 
 def _rope_scaling(text: str):
@@ -165,15 +173,23 @@ def modern_layer(args) -> dict:
     qk_norm = None if args.qk_norm == "none" else args.qk_norm
     for flag, value in (("--qk-norm-eps", args.qk_norm_eps), ("--qk-norm-offset", args.qk_norm_offset)):
         if value is not None and qk_norm is None:
-            raise ValueError(f"{flag} {value} is the QK-norm's, but the layer has none: add --qk-norm head|flat")
+            raise ValueError(f"{flag} {value} is the QK-norm's, but the layer has none: add --qk-norm head|flat|l2")
     ropes = args.rope or ("none",)
     for flag, value in (("--rope-dim", args.rope_dim), ("--rope-scaling", args.rope_scaling)):
         if value is not None and "none" in ropes:
             raise ValueError(f"{flag} {value} is RoPE's, but --rope {','.join(ropes)} has a layer without it: "
                              "give --rope half and/or interleaved only")
+    for flag, value in (("--floor-scale", args.floor_scale), ("--attn-scale", args.attn_scale)):
+        if value is not None and not args.attn_temperature_tuning:
+            raise ValueError(f"{flag} {value} is the temperature's, but the layer has none: add --attn-temperature-tuning")
+    if args.attn_temperature_tuning and ropes != ("none",):
+        raise ValueError(f"--attn-temperature-tuning is Llama 4's NoPE layers', but --rope {','.join(ropes)} rotates: "
+                         "give --rope none (or leave --rope out)")
     return {"head_dim": args.head_dim, "qk_norm": qk_norm, "qk_norm_eps": args.qk_norm_eps,
             "qk_norm_offset": args.qk_norm_offset, "scale": args.scale, "softcap": args.softcap, "sinks": args.sinks,
-            "rope_dim": args.rope_dim, "rope_scaling": args.rope_scaling}
+            "rope_dim": args.rope_dim, "rope_scaling": args.rope_scaling,
+            "attn_temperature_tuning": args.attn_temperature_tuning or None, "floor_scale": args.floor_scale,
+            "attn_scale": args.attn_scale}
 
 
 def _add_timing_arguments(p: argparse.ArgumentParser) -> None:

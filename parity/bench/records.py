@@ -130,6 +130,10 @@ class Row:
     sinks: bool | None = _field("layer")
     rope_dim: int | None = _field("layer")  # R < H rotated features of each head; null: the whole head
     rope_scaling: str | None = _field("layer")  # a `mha_spec.RopeScaling` as `RopeScaling.parse` reads it; null: unscaled
+    # Llama 4's NoPE temperature (`spec.TEMPERATURE_FIELDS`): true, or null without it; its constants null then.
+    attn_temperature_tuning: bool | None = _field("layer")
+    floor_scale: float | None = _field("layer")
+    attn_scale: float | None = _field("layer")
     dtype: str = _field("str", key=True)
     need_weights: bool = _field("bool", key=True)
     kernel: str | None = _field("text")  # what ran (`parity.kernel_ran`), a `mha_spec.Kernel` label
@@ -278,6 +282,9 @@ _LAYER_CHECKS = {
     "sinks": lambda x: isinstance(x, bool),
     "rope_dim": lambda x: _count(x) and x % 2 == 0,
     "rope_scaling": lambda x: _scaling_ok(x),
+    "attn_temperature_tuning": lambda x: x is True,
+    "floor_scale": lambda x: finite(x) and x > 0,
+    "attn_scale": finite,
 }
 
 
@@ -291,10 +298,12 @@ def _scaling_ok(text) -> bool:
 
 def layer_problems(row) -> list[str]:
     """The `spec.LAYER_FIELDS` of a row that hold no valid value (each null or as `_LAYER_CHECKS` says;
-    qk_norm_eps and qk_norm_offset only with a qk_norm)."""
+    qk_norm_eps and qk_norm_offset only with a qk_norm, floor_scale and attn_scale only with attn_temperature_tuning)."""
     bad = [k for k in LAYER_FIELDS if row.get(k) is not None and not _LAYER_CHECKS[k](row[k])]
     if row.get("qk_norm") is None:
         bad += [k for k in ("qk_norm_eps", "qk_norm_offset") if row.get(k) is not None and k not in bad]
+    if row.get("attn_temperature_tuning") is None:
+        bad += [k for k in ("floor_scale", "attn_scale") if row.get(k) is not None and k not in bad]
     return bad
 
 

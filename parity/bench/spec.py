@@ -57,7 +57,10 @@ MODERN_FIELDS = ("head_dim", "qk_norm", "qk_norm_eps", "qk_norm_offset", "scale"
 # the whole head), rope_scaling a `mha_spec.RopeScaling` in its parse spelling ("yarn:factor=32.0,..."; null:
 # unscaled). A row without them rotated whole heads, unscaled.
 ROPE_FIELDS = ("rope_dim", "rope_scaling")
-LAYER_FIELDS = (*MODERN_FIELDS, *ROPE_FIELDS)  # every layer field of a row beyond kv_heads, rope and bias
+# Llama 4's NoPE layers: queries times log(floor((pos + 1) / floor_scale) + 1)·attn_scale + 1 (null: no temperature;
+# floor_scale and attn_scale null without attn_temperature_tuning).
+TEMPERATURE_FIELDS = ("attn_temperature_tuning", "floor_scale", "attn_scale")
+LAYER_FIELDS = (*MODERN_FIELDS, *ROPE_FIELDS, *TEMPERATURE_FIELDS)  # every layer field of a row beyond kv_heads, rope, bias
 # --mask: none; causal, bottom-right aligned (query t sees keys up to t + S - T, so a query block
 # is the last T positions of a sequence of S, as in a decoder with a cache); padding, each batch
 # row keeps its first S - floor(b·S / 2B) keys (every row keeps at least half: no row is fully
@@ -196,6 +199,8 @@ def modern_keywords(embed: int, heads: int, modern: dict) -> dict:
         kw["rope_scaling"] = RopeScaling.parse(kw["rope_scaling"])  # a row's spelling
     if kw.get("rope_dim") is not None and kw["rope_dim"] == kw.get("head_dim", embed // heads if heads else None):
         del kw["rope_dim"]  # R = H: the whole head rotates, one case however it is spelled
+    if kw.get("attn_temperature_tuning") is False:
+        del kw["attn_temperature_tuning"]  # no temperature, however it is spelled (its constants then refused)
     return kw
 
 
@@ -209,7 +214,15 @@ def modern_fields(config: AttentionConfig) -> dict:
             "qk_norm_eps": config.qk_norm_eps if norm else None, "qk_norm_offset": config.qk_norm_offset if norm else None,
             "scale": config.scale, "softcap": config.softcap, "sinks": config.sinks,
             "rope_dim": config.rotary_dim if partial else None,
-            "rope_scaling": None if config.rope_scaling is None else str(config.rope_scaling)}
+            "rope_scaling": None if config.rope_scaling is None else str(config.rope_scaling),
+            **temperature_fields(config)}
+
+
+def temperature_fields(config: AttentionConfig) -> dict:
+    """The `TEMPERATURE_FIELDS` of a layer as a row writes them: all null without the temperature."""
+    on = config.attn_temperature_tuning
+    return {"attn_temperature_tuning": True if on else None, "floor_scale": config.floor_scale if on else None,
+            "attn_scale": config.attn_scale if on else None}
 
 
 def bias_name(qkv_bias: bool, out_bias: bool) -> str:
@@ -247,7 +260,8 @@ class BenchCase:
         """A case from the row fields; ValueError/TypeError (from `AttentionConfig`) for a layer that cannot be.
 
         modern: the `LAYER_FIELDS` (head_dim, qk_norm, qk_norm_eps, qk_norm_offset, scale, softcap, sinks,
-        rope_dim, rope_scaling: a RopeScaling or its parse spelling), each None (or absent) for the classic
+        rope_dim, rope_scaling: a RopeScaling or its parse spelling, attn_temperature_tuning, floor_scale,
+        attn_scale), each None (or absent) for the classic
         layer's; a head_dim with N·H = E is the classic layer's, a rope_dim of H the whole head."""
         if bias not in BIASES:
             raise ValueError(f"bias {bias!r} is not one of {tuple(BIASES)}")
@@ -354,7 +368,7 @@ def number_text(x) -> str:
 def modern_label(row: dict) -> str:
     """The label's words for the `LAYER_FIELDS` that differ from the classic layer (`modern_values`):
     ' H=8 qk_norm=head qk_norm_offset=1 scale=0.25 softcap=30 sinks', '' for the classic layer."""
-    H, qk_norm, eps, offset, scale, softcap, sinks, rope_dim, rope_scaling = modern_values(row)
+    H, qk_norm, eps, offset, scale, softcap, sinks, rope_dim, rope_scaling, temperature = modern_values(row)
     words = [f"H={H}"] if H * row["heads"] != row["embed"] else []
     if qk_norm is not None:
         words.append(f"qk_norm={qk_norm}")
@@ -364,14 +378,17 @@ def modern_label(row: dict) -> str:
     words += ["sinks"] if sinks else []
     words += [f"rope_dim={rope_dim}"] if rope_dim is not None else []
     words += [f"rope_scaling={rope_scaling}"] if rope_scaling is not None else []
+    if temperature is not None:
+        words.append("temperature(floor_scale={}, attn_scale={})".format(*map(number_text, temperature)))
     return "".join(f" {w}" for w in words)
 
 
 def modern_values(row: dict) -> tuple:
-    """(head_dim, qk_norm, qk_norm_eps, qk_norm_offset, scale, softcap, sinks, rope_dim, rope_scaling) of a row,
-    resolved: H = E / N where the row has none, the norm's eps and offset their defaults with qk_norm (None
-    without), sinks a bool, rope_dim None for the whole head; a row that predates them is the classic layer
-    (and one that predates rope_dim and rope_scaling the unscaled RoPE on the whole head)."""
+    """(head_dim, qk_norm, qk_norm_eps, qk_norm_offset, scale, softcap, sinks, rope_dim, rope_scaling, temperature)
+    of a row, resolved: H = E / N where the row has none, the norm's eps and offset their defaults with qk_norm
+    (None without), sinks a bool, rope_dim None for the whole head, temperature (floor_scale, attn_scale) with
+    attn_temperature_tuning (None without); a row that predates them is the classic layer (and one that predates
+    rope_dim and rope_scaling the unscaled RoPE on the whole head, one before the temperature none)."""
     H = row.get("head_dim") or row["embed"] // row["heads"]
     qk_norm = row.get("qk_norm")
     eps = offset = None
@@ -380,8 +397,12 @@ def modern_values(row: dict) -> tuple:
         offset = AttentionConfig.qk_norm_offset if row.get("qk_norm_offset") is None else row["qk_norm_offset"]
     rope_dim = row.get("rope_dim")
     rope_dim = None if rope_dim == H else rope_dim  # R = H is the whole head, however a row spells it
+    temperature = None
+    if row.get("attn_temperature_tuning"):
+        temperature = tuple(AttentionConfig.__dataclass_fields__[k].default if row.get(k) is None else row[k]
+                            for k in ("floor_scale", "attn_scale"))
     return (H, qk_norm, eps, offset, row.get("scale"), row.get("softcap"), bool(row.get("sinks")), rope_dim,
-            row.get("rope_scaling"))
+            row.get("rope_scaling"), temperature)
 
 
 def variant_fields(row: dict) -> tuple:
