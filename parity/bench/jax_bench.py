@@ -181,7 +181,8 @@ def jax_mask_path(case: BenchCase, built, made: list) -> str:
     what it was given, the structure (a structured layer of the user's) or a dense mask."""
     if case.mask == "none":
         return "none"
-    band = any(k in built.structure for k in ("is_causal", "window"))
+    # a chunk is no band: the chunked kernel gets its keep-mask dense (`Structure.band` is None with one)
+    band = any(k in built.structure for k in ("is_causal", "window")) and "chunk" not in built.structure
     if built.impl.family != "ours-jax":
         return "structure" if built.structure else "dense"
     kernel = made[0].kernel if made else kernels.EINSUM
