@@ -13,6 +13,7 @@
     mha-bench report RUN.json [--markdown P] [--plot P.png]
     mha-bench sharded [--shards 1,2,4] [--shardings sp,tp] [--seq 4096] [--json P] [--markdown P]
     mha-bench tune [--sizes BxNxTxH,..] [--blocks QxK,..] [--out P] [--show]   (the JAX kernel table)
+    mha-bench latent [--decode S] [--embed E] [--heads N] [--kv-lora-rank C] ...   (DeepSeek's MLA: parity.bench.latent)
 
 Exit codes (a run is a pass only if it measured something and nothing failed):
 
@@ -558,6 +559,10 @@ def main(argv=None, console: Console | None = None, spawn=None) -> int:
             return sharded_cli.main(argv[1:], console)
         if argv[:1] == ["report"]:
             return report_main(argv[1:], console)
+        if argv[:1] == ["latent"]:
+            from parity.bench import latent
+
+            return latent.main(argv[1:], console)
         if argv[:1] == ["tune"]:
             from parity.bench import tune_command
 
