@@ -11,6 +11,7 @@
               [--json P] [--markdown P] [--plot P.png]
     mha-bench compare BASE.json NEW.json [--threshold 0.10]
     mha-bench report RUN.json [--markdown P] [--plot P.png]
+    mha-bench table RUN.json [--markdown P]   (one cross-framework Markdown table of a run)
     mha-bench sharded [--shards 1,2,4] [--shardings sp,tp] [--seq 4096] [--json P] [--markdown P]
     mha-bench tune [--sizes BxNxTxH,..] [--blocks QxK,..] [--out P] [--show]   (the JAX kernel table)
     mha-bench latent [--decode S] [--embed E] [--heads N] [--kv-lora-rank C] ...   (DeepSeek's MLA: parity.bench.latent)
@@ -48,7 +49,7 @@ from dataclasses import replace
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from mha_spec.files import writable_problem
+from mha_spec.files import check_writable, writable_problem, write_atomic
 from parity.bench import report, sweep, verdict
 from parity.bench.measure import CALIBRATION_DRIFT, OTHERS_CPU, OthersCpu
 from parity.bench.records import Key
@@ -438,6 +439,7 @@ def run(argv, console: Console, spawn=None) -> int:
         for it in items:
             line = f"{it.case.label}  {it.pass_:8s} {Key.of(it.impl)}" + (f"  (skip: {it.skip})" if it.skip else "")
             console.print(line, markup=False)
+        console.print(estimate_line(cfg, items), markup=False, soft_wrap=True)
         return EXIT_OK
     if cfg.plan.skip_reason:
         _warn(console, f"mha-bench: {cfg.plan.skip_reason}: every item is a skip row")
@@ -543,6 +545,65 @@ def report_main(argv, console: Console) -> int:
     return EXIT_OK if written else EXIT_WRITE
 
 
+# What --list's estimate adds to the timed calls, measured on a 2-core AMD EPYC (rounded up): a worker process's
+# start (importing torch, JAX and flax: 2.8 s), torch.compile's first compile in a process (~20 s; ~3 s for each
+# further item), and an XLA compile with the warm-up and output/gradient checks of any other item (~1 s).
+WORKER_START_S, COMPILE_FIRST_S, COMPILE_MORE_S, PREPARE_S = 3.0, 20.0, 3.0, 1.0
+
+
+def estimate_s(cfg, items) -> tuple[int, float]:
+    """(timed rows, estimated wall seconds) of a planned run: per (case, pass) group and worker process, the
+    preset's budget for each timed implementation's calls (`Timing.budget_s`: sampling stops there, or earlier once
+    the verdict settles), plus worker starts, compiles and warm-ups (the constants above). An estimate: slow
+    calls past min_repeats, or a verdict that settles early, move it either way."""
+    timed = [it for it in items if not it.skip]
+    groups = collections.Counter((it.case, it.pass_) for it in timed)
+    calls = sum(n * cfg.timing.budget_s for n in groups.values())
+    compiled = [it for it in timed if it.impl.mode == "compile"]
+    workers = (1 if cfg.isolation == "run" else len({it.case for it in timed})) if timed else 0
+    prepare = (len(timed) - len(compiled)) * PREPARE_S + len(compiled) * COMPILE_MORE_S
+    prepare += COMPILE_FIRST_S * (min(1, len(compiled)) if cfg.isolation == "run" else len({it.case for it in compiled}))
+    return len(timed), cfg.processes * (calls + prepare + workers * WORKER_START_S)
+
+
+def estimate_line(cfg, items) -> str:
+    n, seconds = estimate_s(cfg, items)
+    return (f"{len(items)} items: {n} timed, {len(items) - n} skip; estimated wall time ~{seconds / 60:.1f} min "
+            f"({cfg.processes} worker process(es) per group, {cfg.timing.budget_s:g} s of timed calls per timed item, "
+            "plus worker starts, compiles and warm-ups)")
+
+
+def table_main(argv, console: Console) -> int:
+    """`mha-bench table RUN.json [--markdown P]`: the cross-framework table of a saved run (`report.cross_table`)."""
+    p = argparse.ArgumentParser(prog="mha-bench table", description="One saved run as one cross-framework Markdown "
+                                "table: per shape and implementation, fwd and fwd+bwd time, TFLOP/s, % of the measured "
+                                "peak, peak memory, compile time and kernel.",
+                                epilog="Exit: 0 printed (and written), 2 bad input or output path, 3 not written.")
+    p.add_argument("input", metavar="RUN.json")
+    p.add_argument("--markdown", metavar="PATH")
+    args = p.parse_args(argv)
+    try:
+        if args.markdown:
+            check_writable(args.markdown)
+            if os.path.realpath(args.markdown) == os.path.realpath(args.input):
+                raise ValueError(f"--markdown {args.markdown} is the input file: it would overwrite the saved run")
+    except (ValueError, OSError) as e:
+        _error(console, f"mha-bench table: error: {e}")
+        return EXIT_USAGE
+    loaded = _load_inputs((args.input,), console, "mha-bench table")
+    if loaded is None:
+        return EXIT_USAGE
+    text = report.cross_table(loaded[0]["rows"], loaded[0].get("environment", {}))
+    console.print(text, markup=False, soft_wrap=True)
+    if args.markdown:
+        try:
+            write_atomic(args.markdown, text)
+        except OSError as e:
+            _error(console, f"mha-bench table: {args.markdown} could not be written: {e}")
+            return EXIT_WRITE
+    return EXIT_OK
+
+
 def main(argv=None, console: Console | None = None, spawn=None) -> int:
     """Entry point; `spawn` replaces the worker launcher (tests run fake workers through it)."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -559,6 +620,8 @@ def main(argv=None, console: Console | None = None, spawn=None) -> int:
             return sharded_cli.main(argv[1:], console)
         if argv[:1] == ["report"]:
             return report_main(argv[1:], console)
+        if argv[:1] == ["table"]:
+            return table_main(argv[1:], console)
         if argv[:1] == ["latent"]:
             from parity.bench import latent
 

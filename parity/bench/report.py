@@ -236,6 +236,56 @@ def _palette(n: int) -> list:
     return colors[:n]
 
 
+# ---------------------------------------------------------------- the cross-framework table (`mha-bench table`)
+
+
+def _cell(r: dict | None, what: str) -> str:
+    """One number of a row as the table prints it; '' where the row lacks it, its status where it was not timed."""
+    if r is None:
+        return ""
+    if r["status"] not in MEASURED:
+        return r["status"] if what == "ms" else ""
+    value = {"ms": r.get("median_s"), "tflops": r.get("gflops"), "peak": r.get("peak_fraction")}[what]
+    if value is None:
+        return ""
+    return {"ms": f"{1e3 * value:.3g}", "tflops": f"{value / 1e3:.3g}", "peak": f"{100 * value:.0f} %"}[what]
+
+
+def _mib(r: dict | None) -> str:
+    return "–" if r is None or r.get("peak_mem_bytes") is None else f"{r['peak_mem_bytes'] / 2**20:.0f}"
+
+
+TABLE_COLUMNS = ("shape", "implementation", "fwd ms", "fwd TFLOP/s", "fwd % peak", "fwd+bwd ms", "fwd+bwd TFLOP/s",
+                 "fwd+bwd % peak", "peak MiB fwd / fwd+bwd", "compile s fwd / fwd+bwd", "kernel")
+
+
+def cross_table(rows, env: dict) -> str:
+    """One run's rows as one Markdown table: a row per (shape, implementation), the shapes in the run's order, each
+    pass's median time, TFLOP/s and fraction of the run's measured matmul peak, the peak memory and compile time
+    of both passes and the kernel that ran; the FLOP formula and the machine in its header."""
+    peaks = ", ".join(f"{p['dtype']} {p['gflops']:.0f} GFLOP/s" for p in env.get("peaks", []) if p.get("gflops"))
+    threads = env.get("threads")
+    threads = ", ".join(f"{k} {v}" for k, v in threads.items()) if isinstance(threads, dict) else threads
+    lines = [f"# mha-bench table: {env.get('device')} — {env.get('cpu_model')}, threads: {threads}, "
+             f"precision {env.get('precision')}", "",
+             f"FLOPs: {env.get('flops_formula')}. TFLOP/s = FLOPs / median time; % peak = of the run's measured "
+             f"matmul peak ({peaks or 'n/a'}). A pass that was not timed shows its status (skip, error).", "",
+             "| " + " | ".join(TABLE_COLUMNS) + " |", "|" + "---|" * len(TABLE_COLUMNS)]
+    by = collections.defaultdict(dict)  # (shape, key) -> pass -> row
+    for r in rows:
+        by[(_case(r), str(Key.of_row(r)))][r["pass"]] = r
+    shown = None
+    for (shape, key), passes in by.items():
+        f, b = passes.get("fwd"), passes.get("fwd+bwd")
+        kernel = next((x.get("kernel") for x in (f, b) if x is not None and x.get("kernel")), "")
+        comp = " / ".join("–" if x is None or x.get("compile_s") is None else f"{x['compile_s']:.2g}" for x in (f, b))
+        cells = [shape if shape != shown else "", key, _cell(f, "ms"), _cell(f, "tflops"), _cell(f, "peak"),
+                 _cell(b, "ms"), _cell(b, "tflops"), _cell(b, "peak"), f"{_mib(f)} / {_mib(b)}", comp, kernel or ""]
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+        shown = shape
+    return "\n".join(lines) + "\n"
+
+
 # The layer fields a plot title names, with their short names; a field the rows differ in lists its values.
 _TITLE_FIELDS = (("embed", "E"), ("heads", "N"), ("kv_heads", "K"), ("rope", "RoPE"), ("bias", "bias"),
                  ("mask", "mask"), ("batch", "B"), ("seq_q", "T"), ("seq_k", "S"), ("dtype", "dtype"))
@@ -260,32 +310,57 @@ def layer_title(rows) -> str:
     return " ".join(parts)
 
 
-def verdictshort(v: dict) -> str:
-    """A verdict in a plot's words: pass, case, who is faster by how much, the interval, conclusive or why not."""
+TITLE_SIZE = 9  # the plot title's font size (points)
+PASS_WIDTH_IN = 6.5  # the figure's width per pass (inches)
+
+
+def title_chars(width_in: float, fontsize: float = TITLE_SIZE) -> int:
+    """Characters a title line may hold in a figure `width_in` wide: DejaVu Sans averages about 0.6 of the font
+    size per character on this text (measured: the widest title line of tests/test_bench_table.py fits)."""
+    return int(width_in * 72 / (0.6 * fontsize))
+
+
+def verdictshort(v: dict, width: int = 140) -> str:
+    """A verdict in a plot's words: pass, case, who is faster by how much, the interval, conclusive or why not;
+    wrapped at `width` characters, between words (a long reason is shortened at a word: the report has it whole)."""
     ci = v.get("ci")
     span = f"{verdicts.CI_LEVEL:.0%} CI {ci[0]:.3g}-{ci[1]:.3g}" if ci and math.isfinite(ci[1]) else "no interval"
-    reason = v.get("reason") or "see the report"
-    reason = reason if len(reason) <= 90 else reason[:87] + "..."  # the report has it whole
+    reason = textwrap.shorten(v.get("reason") or "see the report", 90, placeholder=" ...")
     state = "conclusive" if v["conclusive"] else f"inconclusive ({reason})"
     text = f"{v['pass']} {v['case']}: {v['faster']} {v['ratio']:.3g}x faster than {v['slower']}, {span}, {state}"
     if v.get("note"):
         text += f"; {v['note']}"
-    return textwrap.fill(text, 140)  # a figure two passes wide holds about 140 characters at this size
+    return textwrap.fill(text, width, break_long_words=False, break_on_hyphens=False)
 
 
-def plot_title(rows, env: dict | None, verdicts_=()) -> str:
-    """The layer, the machine and the run's settings; then one line per verdict."""
+def plot_title(rows, env: dict | None, verdicts_=(), width: int = 140) -> str:
+    """The layer, the machine and the run's settings; then each verdict; every line wrapped at `width`
+    characters between words (`title_chars` of the figure's width)."""
     env = env or {}
     device = env.get("device") or ", ".join(sorted({str(r.get("device")) for r in rows}))
     model = env.get("cpu_model") if device == "cpu" else None
     bits = [f"device {device}" + (f" ({model})" if model else ""), f"preset {env.get('preset', '?')}",
             f"precision {env.get('precision', '?')}"]
     lines = [f"mha-bench: {layer_title(rows)}" if rows else "mha-bench", ", ".join(bits)]
-    return "\n".join([*lines, *(verdictshort(v) for v in verdicts_)])
+    lines = [textwrap.fill(t, width, break_long_words=False, break_on_hyphens=False) for t in lines]
+    return "\n".join([*lines, *(verdictshort(v, width) for v in verdicts_)])
 
 
 def write_plot(path: str, rows, env: dict | None = None, verdicts_=()) -> None:
-    """Time and GFLOP/s, one column per pass, with the spread (IQR) as error bars on the times.
+    """`plot_figure` saved as a PNG at `path`."""
+    import matplotlib.pyplot as plt
+
+    fig = plot_figure(rows, env, verdicts_)
+    try:
+        with atomic_path(path, suffix=".png") as tmp:
+            fig.savefig(tmp, dpi=110)
+    finally:
+        plt.close(fig)
+
+
+def plot_figure(rows, env: dict | None = None, verdicts_=()):
+    """Time and GFLOP/s, one column per pass, with the spread (IQR) as error bars on the times; the title
+    (`plot_title`) wrapped to the figure's width, so every verdict is shown whole.
 
     Several sequence lengths: lines against the length, log-log. One length: a bar per
     implementation (points stacked in one column would hide each other). Rows flagged
@@ -300,7 +375,10 @@ def write_plot(path: str, rows, env: dict | None = None, verdicts_=()) -> None:
     passes = [p for p in PASSES if any(r["pass"] == p for r in timed)] or ["fwd"]
     styles = series_styles(timed)
     bars = len({r["seq_q"] for r in timed}) == 1
-    fig, axes = plt.subplots(2, len(passes), figsize=(6.5 * len(passes), 8.5), squeeze=False)
+    title = plot_title(rows, env, verdicts_, title_chars(PASS_WIDTH_IN * len(passes)))
+    lines = title.count("\n") + 1
+    # the plots keep their 8.5 inches; the title's lines get their own room above them
+    fig, axes = plt.subplots(2, len(passes), figsize=(PASS_WIDTH_IN * len(passes), 8.5 + 0.17 * lines), squeeze=False)
     for col, pass_ in enumerate(passes):
         members = [r for r in timed if r["pass"] == pass_]
         if bars:
@@ -327,18 +405,13 @@ def write_plot(path: str, rows, env: dict | None = None, verdicts_=()) -> None:
                 f" {short}={r0[k]}" for k, short in (("batch", "B"), ("embed", "E"), ("heads", "N"))
                 if len({r[k] for r in members}) == 1)
         axes[0][col].set_title(f"{pass_}{shared}")
-    title = plot_title(rows, env, verdicts_)
-    fig.suptitle(title, fontsize=9)
+    fig.suptitle(title, fontsize=TITLE_SIZE)
     handles, labels = _legend_entries(axes[0])
     if handles and not bars:
         fig.legend(handles, labels, loc="lower center", ncol=2, fontsize=7)
-    top = 0.985 - 0.022 * title.count("\n")  # room for the title's lines (the layer, the run, each verdict)
+    top = 1 - (0.17 * lines + 0.1) / fig.get_figheight()  # the title's lines (the layer, the run, each verdict)
     fig.tight_layout(rect=(0, 0 if bars else 0.04 + 0.018 * math.ceil(len(labels) / 2), 1, top))
-    try:
-        with atomic_path(path, suffix=".png") as tmp:
-            fig.savefig(tmp, dpi=110)
-    finally:
-        plt.close(fig)
+    return fig
 
 
 def _legend_entries(top_axes) -> tuple[list, list[str]]:
