@@ -27,10 +27,7 @@ machine; the processor is in the report.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
-import os
-import subprocess
 import sys
 from dataclasses import asdict, dataclass
 
@@ -38,8 +35,8 @@ import numpy as np
 
 from mha_spec import LatentAttentionConfig
 from mha_spec.files import check_writable, write_atomic
+from parity.bench import stepped
 from parity.bench import verdict as verdicts
-from parity.bench.spec import Timing
 from parity.cli_args import comma_separated, positive_float, positive_int
 
 SCHEMA = "mha-bench-latent/1"
@@ -48,7 +45,6 @@ FRAMEWORKS = ("torch", "jax")
 FORMS = {"fwd": ("eager", "fused"), "fwd+bwd": ("eager", "fused"), "decode": ("latent", "absorbed", "kv")}
 DTYPES = ("float32", "bfloat16")
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
-TIMING = Timing(warmup=2, min_repeats=12, max_repeats=400, budget_s=1.0, round_repeats=4)
 
 
 @dataclass(frozen=True)
@@ -79,6 +75,14 @@ class LatentBench:
         """(key, framework, form) of the implementations a pass times (JAX has no expanded-kv form)."""
         return [(f"ours-{fw}:{form}", fw, form) for fw in self.frameworks for form in FORMS[pass_]
                 if not (fw == "jax" and form == "kv")]
+
+    def label(self, pass_: str) -> str:
+        """The case as rows and verdicts name it."""
+        c = self.layer
+        sizes = f"S={self.decode} (decode)" if pass_ == "decode" else f"T={self.seq}"
+        q = f"Q={c.q_lora_rank}" if c.q_lora_rank is not None else "q_proj"
+        return (f"B={self.batch} {sizes} E={c.embed_dim} N={c.num_heads} {q} C={c.kv_lora_rank} "
+                f"Dn={c.qk_nope_head_dim} Dr={c.qk_rope_head_dim} Dv={c.v_head_dim} rope={c.rope} {self.dtype}")
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -163,19 +167,20 @@ def oracle(spec: LatentBench, pass_: str, w: dict, x: dict) -> dict:
     return out
 
 
-# ---------------------------------------------------------------- the worker: one process's samples
+# ---------------------------------------------------------------- the worker and the run (`parity.bench.stepped`)
 
 
 def _bench(spec: LatentBench, fw: str, form: str, pass_: str, w: dict, x: dict):
-    """(measure.Bench, cache bytes or None) of one implementation."""
+    """(measure.Bench, row fields: the cache's bytes on decode) of one implementation."""
     mod = __import__(f"parity.bench.latent_{fw}", fromlist=["_"])
     if pass_ == "decode":
         S = spec.decode
-        return mod.decode_bench(spec.layer, w, x["tokens"][:, :S], x["tokens"][:, S:], spec.dtype, form)
-    return mod.pass_bench(spec.layer, w, x["x"], x["cotangent"], spec.dtype, form, pass_), None
+        bench, nbytes = mod.decode_bench(spec.layer, w, x["tokens"][:, :S], x["tokens"][:, S:], spec.dtype, form)
+        return bench, {"cache_bytes": nbytes}
+    return mod.pass_bench(spec.layer, w, x["x"], x["cotangent"], spec.dtype, form, pass_), {"cache_bytes": None}
 
 
-def _checked(spec: LatentBench, pass_: str, bench, prepared, ref: dict) -> tuple[float | None, str | None]:
+def _checked(spec: LatentBench, pass_: str, prepared, ref: dict) -> tuple[float | None, str | None]:
     """(max |out - oracle|, why it is not the oracle's) of a prepared bench; fwd+bwd its gradients too."""
     from parity.bench.measure import same_gradients, same_output
 
@@ -187,108 +192,25 @@ def _checked(spec: LatentBench, pass_: str, bench, prepared, ref: dict) -> tuple
 
 
 def work(spec: LatentBench) -> dict:
-    """One worker process: every pass's implementations prepared, checked against the oracle, then timed
-    round-robin. {"rows": [...], "probes": {pass: [...]}}; a row's "rounds" are its samples (seconds)."""
-    from parity.bench import measure
-    from mha_spec import allocator
-
-    measure.pin_threads(spec.threads)
-    allocator.pin_this_process()
+    """One worker process (`stepped.work_passes`)."""
     w, x = weights(spec.layer, spec.seed), inputs(spec)
-    timing = TIMING if spec.budget_s == TIMING.budget_s else Timing(**{**asdict(TIMING), "budget_s": spec.budget_s})
-    rows, probes = [], {}
-    for pass_ in spec.passes:
-        ref = oracle(spec, pass_, w, x)
-        benches, row_of = {}, {}
-        for key, fw, form in spec.keys(pass_):
-            row = {"impl": key, "framework": fw, "form": form, "pass": pass_, "status": "ok", "message": None,
-                   "cache_bytes": None, "compile_s": None, "out_max_diff": None, "rounds": []}
-            rows.append(row)
-            try:
-                bench, row["cache_bytes"] = _bench(spec, fw, form, pass_, w, x)
-                prepared = measure.prepare(bench, timing, measure.time.perf_counter)
-                row["compile_s"] = prepared.compile_s
-                row["out_max_diff"], why = _checked(spec, pass_, bench, prepared, ref)
-            except Exception as e:  # noqa: BLE001 - the row says what failed
-                row["status"], row["message"] = "error", f"{type(e).__name__}: {e}"[:400]
-                continue
-            if why is not None:  # it computes something else: timing it would compare unequal work
-                row["status"], row["message"] = "error", f"not the oracle's result: {why}"
-                continue
-            benches[len(benches)], row_of[len(row_of)] = bench, row
-        probe = measure.InterferenceProbe()
-        rounds, errors, probes[pass_] = measure.sample(benches, timing, probe=probe)
-        for i, row in row_of.items():
-            row["rounds"] = rounds[i]
-            if i in errors:
-                row["status"], row["message"] = "error", f"{type(errors[i]).__name__}: {errors[i]}"[:400]
-    return {"rows": rows, "probes": probes, "threads": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-            else os.cpu_count()}
-
-
-# ---------------------------------------------------------------- the parent: processes, rows, verdicts
+    return stepped.work_passes(spec, lambda key, fw, form, pass_: _bench(spec, fw, form, pass_, w, x),
+                               lambda pass_: oracle(spec, pass_, w, x),
+                               lambda pass_, prepared, ref: _checked(spec, pass_, prepared, ref))
 
 
 def spawn(spec: LatentBench) -> dict:
-    """One worker process (this module's --worker), its JSON result."""
-    proc = subprocess.run([sys.executable, "-m", "parity.bench.latent", "--worker"], input=json.dumps(spec.to_json()),
-                          capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"the worker exited {proc.returncode}: {proc.stderr.strip()[-800:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def combine(spec: LatentBench, results: list[dict]) -> dict:
-    """The run's rows (each implementation's samples over every process) and verdicts (every pair of a pass)."""
-    from parity.bench import measure
-
-    cores = os.cpu_count()
-    rows = []
-    for i, first in enumerate(results[0]["rows"]):
-        per_proc = [r["rows"][i] for r in results]
-        failed = next((r for r in per_proc if r["status"] == "error"), None)
-        row = {k: v for k, v in first.items() if k != "rounds"}
-        row["samples"] = [r["rounds"] for r in per_proc]  # processes -> rounds -> seconds
-        row["out_max_diff"] = max((r["out_max_diff"] for r in per_proc if r["out_max_diff"] is not None), default=None)
-        if failed is not None:
-            row.update(status="error", message=failed["message"], samples=[])
-        else:
-            stats = measure.summarize([t for p in row["samples"] for rd in p for t in rd])
-            row.update(median_s=stats.median_s, iqr_s=stats.iqr_s, min_s=stats.min_s, repeats=stats.repeats,
-                       status="noisy" if stats.noise() else "ok", message=stats.noise())
-            if row["pass"] == "decode":
-                row["tokens_per_s"] = spec.batch / stats.median_s
-                row["cache_bytes_per_token"] = row["cache_bytes"] / (spec.batch * (spec.decode + 1))
-        rows.append(row)
-    interference = {p: [n for r in results for n in measure.interference(r["probes"].get(p, []), cores, r["threads"])]
-                    for p in spec.passes}
-    found = []
-    for pass_ in spec.passes:
-        timed = [r for r in rows if r["pass"] == pass_ and r["samples"]]
-        by_key = {r["impl"]: r for r in rows if r["pass"] == pass_}
-        for a, b in itertools.combinations(timed, 2):
-            v = verdicts.compute(label(spec, pass_), pass_, a["impl"], a["samples"], b["impl"], b["samples"])
-            found.append(verdicts.finalize(v, by_key, interference[pass_]))
-    return {"rows": rows, "verdicts": found, "interference": interference}
-
-
-def label(spec: LatentBench, pass_: str) -> str:
-    c = spec.layer
-    sizes = f"S={spec.decode} (decode)" if pass_ == "decode" else f"T={spec.seq}"
-    q = f"Q={c.q_lora_rank}" if c.q_lora_rank is not None else "q_proj"
-    return (f"B={spec.batch} {sizes} E={c.embed_dim} N={c.num_heads} {q} C={c.kv_lora_rank} Dn={c.qk_nope_head_dim} "
-            f"Dr={c.qk_rope_head_dim} Dv={c.v_head_dim} rope={c.rope} {spec.dtype}")
+    return stepped.spawn("parity.bench.latent", spec)
 
 
 def run(spec: LatentBench, spawn_worker=spawn) -> dict:
     """The whole run: `spec.processes` workers, one after the other, combined; the report as JSON."""
-    from parity.env import cpu_model
+    def derive(row):
+        if row["pass"] == "decode":
+            row["tokens_per_s"] = spec.batch / row["median_s"]
+            row["cache_bytes_per_token"] = row["cache_bytes"] / (spec.batch * (spec.decode + 1))
 
-    results = [spawn_worker(spec) for _ in range(spec.processes)]
-    out = combine(spec, results)
-    return {"schema": SCHEMA, "environment": {"cpu_model": cpu_model(), "cores": os.cpu_count(),
-                                              "threads": results[0]["threads"]},
-            "spec": spec.to_json(), **out}
+    return {"schema": SCHEMA, **stepped.run(spec, spawn_worker, derive)}
 
 
 # ---------------------------------------------------------------- report
@@ -298,21 +220,20 @@ def markdown(report: dict) -> str:
     spec = LatentBench.from_json(report["spec"])
     env = report["environment"]
     lines = [f"# mha-bench latent: {env.get('cpu_model')}, {env.get('threads')} threads", ""]
+
+    def opt(r, k, fmt):
+        return "" if r.get(k) is None else fmt(r[k])
+
+    columns = [("implementation", lambda r: r["impl"]), ("median | IQR / median", stepped.timing_cells),
+               ("cache", lambda r: opt(r, "cache_bytes", lambda b: f"{b / 2**20:.2f} MiB")),
+               ("cache / token", lambda r: opt(r, "cache_bytes_per_token", lambda b: f"{b:.0f} B")),
+               ("tokens/s", lambda r: opt(r, "tokens_per_s", lambda t: f"{t:.0f}")),
+               ("vs oracle", lambda r: opt(r, "out_max_diff", lambda d: f"{d:.2g}")),
+               ("status", lambda r: r.get("message") or r["status"])]  # a noisy or error row's message says why
     for pass_ in spec.passes:
-        lines += [f"## {pass_}: {label(spec, pass_)}", "",
-                  "| implementation | median | IQR / median | cache | cache / token | tokens/s | vs oracle | status |",
-                  "|---|---|---|---|---|---|---|---|"]
-        for r in (r for r in report["rows"] if r["pass"] == pass_):
-            med = r.get("median_s")
-            cache = "" if r.get("cache_bytes") is None else f"{r['cache_bytes'] / 2**20:.2f} MiB"
-            per = "" if r.get("cache_bytes_per_token") is None else f"{r['cache_bytes_per_token']:.0f} B"
-            tps = "" if r.get("tokens_per_s") is None else f"{r['tokens_per_s']:.0f}"
-            diff = "" if r.get("out_max_diff") is None else f"{r['out_max_diff']:.2g}"
-            timing = "" if med is None else f"{1e3 * med:.3f} ms | {100 * r['iqr_s'] / med:.0f} %"
-            timing = timing or " | "
-            status = r.get("message") or r["status"]  # a noisy or error row's message starts with why
-            lines.append(f"| {r['impl']} | {timing} | {cache} | {per} | {tps} | {diff} | {status} |")
-        lines += [""] + [f"- {verdicts.sentence(v)}" for v in report["verdicts"] if v["pass"] == pass_] + [""]
+        rows = [r for r in report["rows"] if r["pass"] == pass_]
+        lines += [f"## {pass_}: {spec.label(pass_)}", "", *stepped.table(rows, columns), "",
+                  *stepped.verdict_lines(report["verdicts"], pass_), ""]
     return "\n".join(lines)
 
 
@@ -335,7 +256,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--frameworks", type=comma_separated(FRAMEWORKS, nonempty=True), default=FRAMEWORKS)
     p.add_argument("--processes", type=positive_int, default=2,
                    help=f"worker processes, one after the other (a verdict needs {verdicts.MIN_PROCESSES})")
-    p.add_argument("--budget", type=positive_float, default=TIMING.budget_s,
+    p.add_argument("--budget", type=positive_float, default=stepped.TIMING.budget_s,
                    help="seconds of timed calls per implementation, pass and process")
     p.add_argument("--threads", type=positive_int, default=None)
     p.add_argument("--seed", type=int, default=0)
