@@ -224,7 +224,8 @@ def markdown(report: dict) -> str:
     def opt(r, k, fmt):
         return "" if r.get(k) is None else fmt(r[k])
 
-    columns = [("implementation", lambda r: r["impl"]), ("median | IQR / median", stepped.timing_cells),
+    columns = [("implementation", lambda r: r["impl"]), ("median", stepped.median_cell),
+               ("IQR / median", stepped.iqr_cell),
                ("cache", lambda r: opt(r, "cache_bytes", lambda b: f"{b / 2**20:.2f} MiB")),
                ("cache / token", lambda r: opt(r, "cache_bytes_per_token", lambda b: f"{b:.0f} B")),
                ("tokens/s", lambda r: opt(r, "tokens_per_s", lambda t: f"{t:.0f}")),
