@@ -14,6 +14,8 @@
     mha-bench table RUN.json [--markdown P]   (one cross-framework Markdown table of a run)
     mha-bench sharded [--shards 1,2,4] [--shardings sp,tp] [--seq 4096] [--json P] [--markdown P]
     mha-bench tune [--sizes BxNxTxH,..] [--blocks QxK,..] [--out P] [--show]   (the JAX kernel table)
+    mha-bench --decode S [--batch B] [--embed E] [--heads N] [--kv-heads K] [--rope ..] [--bias ..] ...
+                                                      (prefill and one-token step: parity.bench.decode)
     mha-bench latent [--decode S] [--embed E] [--heads N] [--kv-lora-rank C] ...   (DeepSeek's MLA: parity.bench.latent)
 
 Exit codes (a run is a pass only if it measured something and nothing failed):
@@ -102,6 +104,9 @@ def _add_grid_arguments(p: argparse.ArgumentParser) -> None:
                    "causal documents per row (T = S, T divisible by D); chunked:C, causal within chunks of C positions "
                    "(Llama 4's attention_chunk_size; bottom-right, T <= S)")
     p.add_argument("--max-seq", type=positive_int, help="drop preset lengths above this")
+    p.add_argument("--decode", type=positive_int, metavar="S",
+                   help="time the inference path instead: the prefill of S tokens and the one-token step after "
+                   "them, for the layer the other flags make (one value each); parity.bench.decode")
     p.add_argument("--batch", type=_ints)
     p.add_argument("--embed", type=_ints)
     p.add_argument("--heads", type=_ints, help="query heads N")
@@ -426,8 +431,64 @@ def exit_code(rows, console: Console) -> int:
     return EXIT_OK
 
 
+def decode_spec(args):
+    """The `--decode S` run (`parity.bench.decode.DecodeBench`) the flags ask for; ValueError naming a flag it
+    cannot take (the sequence and mask flags, or several values of a layer flag: one decode case a run)."""
+    from parity.bench import decode
+
+    given = [f for f, v in (("--seq", args.seq), ("--kv-seq", args.kv_seq), ("--mask", args.mask),
+                            ("--passes", args.passes), ("--max-seq", args.max_seq), ("--list", args.list or None),
+                            ("--plot", args.plot)) if v]
+    if given:
+        raise ValueError(f"--decode S sets the lengths (S cached tokens, one new): {', '.join(given)} cannot be given "
+                         "with it")
+    preset = PRESETS[args.preset]
+    one = {}
+    for flag, values, default in (("--batch", args.batch, (1,)), ("--embed", args.embed, preset.embed),
+                                  ("--heads", args.heads, preset.heads), ("--kv-heads", args.kv_heads, (None,)),
+                                  ("--rope", args.rope, ("none",)), ("--dtypes", args.dtypes, ("float32",))):
+        values = values or default
+        if len(values) != 1:
+            raise ValueError(f"--decode times one layer: {flag} takes one value, got {','.join(map(str, values))}")
+        one[flag] = values[0]
+    heads = one["--heads"]
+    rope = None if one["--rope"] == "none" else one["--rope"]
+    case = BenchCase.of(one["--batch"], 1, args.decode + 1, one["--embed"], heads, one["--dtypes"],
+                        kv_heads=one["--kv-heads"] or heads, rope=rope, bias=args.bias, **modern_layer(args))
+    for user in args.impl:
+        decode.user_impl(user)  # loads, or names what it is not
+    return decode.DecodeBench(case, impls=decode.select(args.impls), user=tuple(args.impl), processes=args.processes,
+                              budget_s=args.budget or PRESETS[args.preset].timing.budget_s, threads=args.threads,
+                              seed=args.seed)
+
+
+def run_decode(args, console: Console, spawn_worker=None) -> int:
+    """`mha-bench --decode S`: `parity.bench.decode`'s run, printed, its JSON and Markdown written."""
+    from parity.bench import decode
+
+    try:
+        spec = decode_spec(args)
+        for path in (args.json, args.markdown):
+            if path:
+                check_writable(path)
+    except (ValueError, TypeError, ImportError) as e:  # an --impl that does not load included
+        _error(console, f"mha-bench: error: {e}")
+        return EXIT_USAGE
+    result = decode.run(spec, spawn_worker or decode.spawn)
+    text = decode.markdown(result)
+    console.print(text, markup=False, soft_wrap=True)
+    if args.json:
+        write_atomic(args.json, json.dumps(result, indent=1) + "\n")
+    if args.markdown:
+        write_atomic(args.markdown, text)
+    measured = [r for r in result["rows"] if r["status"] in MEASURED]
+    return EXIT_OK if measured and not any(r["status"] == "error" for r in result["rows"]) else EXIT_FAIL
+
+
 def run(argv, console: Console, spawn=None) -> int:
     args = run_parser().parse_args(argv)
+    if args.decode is not None:
+        return run_decode(args, console)
     try:
         cfg = build_config(args)
         outputs = check_outputs(args)

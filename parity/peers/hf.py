@@ -367,6 +367,12 @@ def _llama_parts(sd, config, dtype):
     return att, LlamaRotaryEmbedding(hf), names
 
 
+def llama_parts(sd, config, dtype):
+    """(LlamaAttention holding the canonical weights sd, LlamaRotaryEmbedding) of an mha_spec.AttentionConfig,
+    built once (mha-bench --decode times its calls); see `_llama_parts`."""
+    return _llama_parts(sd, config, dtype)[:2]
+
+
 def hf_position_ids(positions, key_positions, B: int, T: int):
     """HF's one position list (B, T) int64: LlamaAttention rotates queries and keys by the same position_ids."""
     import torch
