@@ -65,30 +65,20 @@ def _kv(cache):
 
 def hf_llama(case, sd: dict, tokens: np.ndarray, pass_: str) -> tuple[Bench, dict]:
     """transformers' LlamaAttention (eager) as generate runs it: the prefill into a new DynamicCache with the
-    causal mask, then a step at position S with its 2D attention mask (`parity.peers.hf.hf_llama_decode_step`);
-    every step starts from the prefill's cache (the step builds a new DynamicCache around its tensors and
-    concatenates the new key and value: the copy DynamicCache makes at each step)."""
-    from transformers import DynamicCache
-    from transformers.masking_utils import create_causal_mask
-
-    from parity.peers.hf import HFDecodeCache, hf_llama_decode_step, llama_parts
+    causal mask (`parity.peers.hf.hf_llama_prefill`), then a step at position S with its 2D attention mask
+    (`hf_llama_decode_step`); every step starts from the prefill's cache (the step builds a new DynamicCache
+    around its tensors and concatenates the new key and value: the copy DynamicCache makes at each step)."""
+    from parity.peers.hf import hf_llama_decode_step, hf_llama_prefill, llama_parts
 
     cfg = case.config
     att, rotary = llama_parts(sd, cfg, case.dtype)
     x = torch.from_numpy(np.ascontiguousarray(tokens)).to(DTYPES[case.dtype])
     B, L, _ = x.shape
     pre, new = x[:, :L - 1], x[:, L - 1:]
-    pos = torch.arange(L - 1)[None].expand(B, -1)  # (B, S)
-    mask2d = torch.ones(B, L - 1, dtype=torch.int64)
 
     def prefill():
-        past = DynamicCache()
-        mask = create_causal_mask(config=att.config, inputs_embeds=pre, attention_mask=mask2d, past_key_values=past,
-                                  position_ids=pos)
-        emb = rotary(pre, pos) if cfg.rope is not None else _identity(pre, cfg)
         with torch.inference_mode():
-            out = att(pre, position_embeddings=emb, attention_mask=mask, past_key_values=past)[0]
-        return out, HFDecodeCache(past, mask2d)
+            return hf_llama_prefill(att, rotary, cfg, pre)
 
     if pass_ == "prefill":
         return Bench(step=lambda: prefill()[0], sync=_sync, output=lambda: _numpy(prefill()[0])), {"cache_bytes": None}
@@ -101,11 +91,6 @@ def hf_llama(case, sd: dict, tokens: np.ndarray, pass_: str) -> tuple[Bench, dic
 
     layer = cache.past.layers[0]
     return Bench(step=step, sync=_sync, output=lambda: _numpy(step())), {"cache_bytes": nbytes(layer.keys, layer.values)}
-
-
-def _identity(x, cfg):
-    cos = torch.ones(x.shape[0], x.shape[1], cfg.head_size, dtype=x.dtype)
-    return cos, torch.zeros_like(cos)
 
 
 def protocol(impl, case, sd: dict, tokens: np.ndarray) -> tuple[Bench, dict]:

@@ -38,10 +38,10 @@ from mha_spec.files import check_writable, write_atomic
 from parity.bench import stepped
 from parity.bench import verdict as verdicts
 from parity.cli_args import comma_separated, positive_float, positive_int
+from parity.implementation import FRAMEWORKS
 
 SCHEMA = "mha-bench-latent/1"
 PASSES = ("fwd", "fwd+bwd", "decode")
-FRAMEWORKS = ("torch", "jax")
 FORMS = {"fwd": ("eager", "fused"), "fwd+bwd": ("eager", "fused"), "decode": ("latent", "absorbed", "kv")}
 DTYPES = ("float32", "bfloat16")
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2

@@ -767,6 +767,27 @@ def hf_llama_decode_step(att, rotary, config, x, cache, position, run=_llama_run
     return run(att, x, emb, mask, past), HFDecodeCache(past, mask2d)
 
 
+def hf_llama_prefill(att, rotary, config, x):
+    """The prompt x (B, S, E) torch through `att` (`llama_parts`) into a new DynamicCache, with the causal mask
+    create_causal_mask makes of an all-ones 2D attention mask and position_ids arange(S), as generate prefills
+    a batch without padding: (output (B, S, E), the HFDecodeCache `hf_llama_decode_step` continues)."""
+    import torch
+    from transformers import DynamicCache
+    from transformers.masking_utils import create_causal_mask
+
+    B, S, _ = x.shape
+    past, mask2d = DynamicCache(), torch.ones(B, S, dtype=torch.int64)
+    pos = torch.arange(S)[None].expand(B, -1)  # (B, S)
+    mask = create_causal_mask(config=att.config, inputs_embeds=x, attention_mask=mask2d, past_key_values=past,
+                              position_ids=pos)
+    if config.rope is None:  # no rotary embedding: the identity rotation
+        cos = torch.ones(B, S, config.head_size, dtype=x.dtype)
+        emb = (cos, torch.zeros_like(cos))
+    else:
+        emb = rotary(x, pos)
+    return _llama_run(att, x, emb, mask, past), HFDecodeCache(past, mask2d)
+
+
 def decode_args(name: str, x_t, position, E: int):
     """x_t (B, 1, E) floating tensor and position (B,) integer tensor, checked; position as int64 on CPU."""
     import torch
