@@ -270,7 +270,7 @@ def _mask_kind(keep, structure) -> str:
 
 
 def cached_attention(q, k_new, v_new, cache: KVCache, *, masked_rows: str = "nan", need_weights: bool = False,
-                     precision=None, return_scores: bool = False, scale=None, softcap=None, sinks=None):
+                     precision=None, return_scores: bool = False, scale=None, softcap=None, sinks=None, chunk=None):
     """Attention of T new tokens over a cache that they are written into first.
 
     q (B, T, N, H), k_new and v_new (B, T, K, H) (keys already rotated), cache holding
@@ -281,7 +281,9 @@ def cached_attention(q, k_new, v_new, cache: KVCache, *, masked_rows: str = "nan
     need_weights=True runs `attention_core`, False `fused_attention_core` (whichever kernel it
     picks). T = 0 and T > C are ValueErrors (under jit too). A row without room is a ValueError
     where the lengths are known; under jit its context, weights and scores are NaN and the new
-    cache leaves it as it was. scale, softcap and sinks (N,) as `attention_core` takes them.
+    cache leaves it as it was. scale, softcap and sinks (N,) as `attention_core` takes them. chunk C (Llama 4's
+    chunked layers, a Python int): only the slots of the new token's own chunk of the row's positions
+    (`KVCache.keep_mask`).
     """
     if not isinstance(cache, KVCache):
         raise TypeError(f"cache must be a mha_jax.kv_cache.KVCache, got {type(cache).__name__}")
@@ -298,7 +300,8 @@ def cached_attention(q, k_new, v_new, cache: KVCache, *, masked_rows: str = "nan
     refuse_no_new_tokens(q=qs, k=ks, v=vs)
     T = qs[1]
     fits = cache.fits(T)  # (B,); a ValueError here where the lengths are known
-    keep = cache.keep_mask(T)  # (B, 1, T, C): the old lengths say where the new tokens go
+    # (B, 1, T, C): the old lengths say where the new tokens go
+    keep = cache.keep_mask(T) if chunk is None else cache.keep_mask(T, chunk=chunk)
     new_cache = cache.write(k_new, v_new)
     kw = {"masked_rows": masked_rows, "precision": precision, "scale": scale, "softcap": softcap, "sinks": sinks}
     weights = scores = None
@@ -611,10 +614,10 @@ class MultiHeadAttention(nnx.Module):
     key_segment_ids [B, S] (integers, may be traced; the latter defaults to the former when
     T = S) keep equal ids; alignment "top-left" (a(t) = t) | "bottom-right" (t + S - T). They
     are built as a bool [B|1, 1, T, S] keep-mask inside the program and go through the same
-    kernels as mask= does. With a cache they are a ValueError. `segment_positions(segment_ids)`
+    kernels as mask= does. With a cache they are a ValueError (but chunk=). `segment_positions(segment_ids)`
     gives RoPE positions per document.
     Llama 4: chunk=C keeps only the keys of the query's own chunk, a(t) // C == s // C (implies is_causal;
-    a dense keep-mask on every kernel; not with a cache); qk_norm="l2" a weightless L2 norm of q and k after
+    a dense keep-mask on every kernel; with a cache, the chunks of the cache's positions, `KVCache.keep_mask`); qk_norm="l2" a weightless L2 norm of q and k after
     RoPE (`l2_norm`); attn_temperature_tuning (rope=None layers) scales q at positions= (`temperature`).
 
     Decoding (docs/semantics.md, "Decoding with a KV cache"): with `cache=` (a
@@ -741,11 +744,11 @@ class MultiHeadAttention(nnx.Module):
                  key_positions=None, return_intermediates: bool = False, cache: KVCache | None = None,
                  is_causal: bool = False, window=None, segment_ids=None, key_segment_ids=None,
                  alignment: str = "top-left", chunk=None):
-        if cache is not None:
+        if cache is not None:  # a chunk is the cache's too (Llama 4 decodes its chunked layers); the rest is refused
             Structure.refuse_with_cache(is_causal=is_causal, window=window, segment_ids=segment_ids,
-                                        key_segment_ids=key_segment_ids, alignment=alignment, chunk=chunk)
+                                        key_segment_ids=key_segment_ids, alignment=alignment)
             return self._decode(query, key, value, mask, need_weights, positions, key_positions,
-                                return_intermediates, cache)
+                                return_intermediates, cache, chunk)
         B, T, S, dtype = self._check_inputs(query, key, value)
         rope = self.config.rope
         if rope is None and key_positions is not None:
@@ -796,7 +799,7 @@ class MultiHeadAttention(nnx.Module):
         return output, weights
 
     def _decode(self, query, key, value, mask, need_weights, positions, key_positions, return_intermediates,
-                cache):
+                cache, chunk=None):
         """__call__ with a cache: T new tokens attend the cache after being written into it."""
         if mask is not None:
             raise ValueError("mask= with a cache: the cache's rule is the mask (new token i of row b keeps slots "
@@ -838,7 +841,7 @@ class MultiHeadAttention(nnx.Module):
         q, k = _after_rope(q, k, positions, self.config)  # Llama 4: the L2 norm, the NoPE temperature
         context, weights, new_cache, scores = cached_attention(
             q, k, v, cache, masked_rows=self.masked_rows, need_weights=need_weights, precision=self.precision,
-            return_scores=True, **self._logits(dtype))
+            return_scores=True, chunk=chunk, **self._logits(dtype))
         context = context.reshape(B, T, q.shape[2] * self.head_dim)  # (B, T, N·H)
         output = self._project(self.out_proj, context, dtype)  # (B, T, E)
         if return_intermediates:

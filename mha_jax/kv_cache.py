@@ -4,7 +4,9 @@ Semantics (docs/semantics.md, "Decoding with a KV cache"), the same in `mha_torc
 row b's valid slots are starts[b] <= s < lengths[b]; slots before starts[b] are left padding,
 slots from lengths[b] on are empty. T new tokens of row b go to slots lengths[b] .. lengths[b]+T-1;
 new token i attends the slots starts[b] <= s <= lengths[b] + i; the token in slot s has the RoPE
-position s - starts[b]. Keys are stored after RoPE, with the layer's K key/value heads.
+position s - starts[b]. Keys are stored after RoPE, with the layer's K key/value heads. Llama 4's chunked
+layers (`keep_mask(T, chunk=C)`) keep of those only the slots of the new token's own chunk of C positions
+(position // C), the positions counted from the row's start.
 
 A pytree of fixed shapes: the lengths are data, so one jitted step serves every position
 without recompiling. Writes are `jax.lax.dynamic_update_slice` per row. More new tokens than
@@ -37,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mha_spec import check_cache_shapes
+from mha_spec.structure import check_chunk
 
 
 def row_ints(x, batch: int, name: str):
@@ -141,11 +144,18 @@ class KVCache:
         """(B, T) int32: the default RoPE positions of T new tokens, their slot minus the row's padding."""
         return self.slots(T) - self.starts[:, None]
 
-    def keep_mask(self, T: int) -> jax.Array:
-        """bool (B, 1, T, C): new token i of row b keeps slots starts[b] <= s <= lengths[b] + i."""
+    def keep_mask(self, T: int, chunk: int | None = None) -> jax.Array:
+        """bool (B, 1, T, C): new token i of row b keeps slots starts[b] <= s <= lengths[b] + i. chunk C (Llama 4's
+        chunked layers, a Python int): also only the slots of its own chunk, (s - starts[b]) // C ==
+        (lengths[b] + i - starts[b]) // C -- the chunks of the row's positions, counted from its first token."""
         s = jnp.arange(self.capacity, dtype=jnp.int32)  # (C,)
         last = self.slots(T)[:, None, :, None]  # (B, 1, T, 1)
-        return (s >= self.starts[:, None, None, None]) & (s <= last)
+        start = self.starts[:, None, None, None]  # (B, 1, 1, 1)
+        keep = (s >= start) & (s <= last)
+        if chunk is None:
+            return keep
+        C = check_chunk(chunk)
+        return keep & ((s - start) // C == (last - start) // C)
 
     def write(self, k_new, v_new) -> KVCache:
         """A new cache holding k_new, v_new (B, T, K, H) at each row's next T slots, lengths + T;

@@ -575,7 +575,7 @@ class MultiHeadAttention(nn.Module):
     rotated keys and their values (K heads) go to each row's next T slots of the new cache;
     new token i of row b attends slots starts[b] <= s <= lengths[b] + i. RoPE positions
     default to `cache.positions(T)` (slot minus the row's left padding); positions= (T,) |
-    (B, T) overrides them. mask=, key_positions= and the structured masks with a cache are ValueErrors; a cache
+    (B, T) overrides them. mask=, key_positions= and the structured masks but chunk= with a cache are ValueErrors; a cache
     whose dtype is not the parameters' is a TypeError, one with other K, H or B a ValueError,
     and no room for T tokens in some row a ValueError (eager; not checked under torch.compile);
     T = 0 new tokens with a cache is a ValueError (nothing to write or attend).
@@ -596,7 +596,8 @@ class MultiHeadAttention(nn.Module):
     the new tokens') + 1 passes original_max_position_embeddings: every token of the call, not the
     cached keys, which keep their rotation.
     Llama 4 (`mha_spec.AttentionConfig`): chunk=C keeps, besides the causal order, only the keys of the query's own
-    chunk, a(t) // C == s // C (it implies is_causal; not with a cache); qk_norm="l2" is a weightless
+    chunk, a(t) // C == s // C (it implies is_causal; with a cache, the chunks of the cache's positions,
+    slot - starts[b]: `KVCache.keep_mask`); qk_norm="l2" is a weightless
     x·rsqrt(mean(x²) + eps) of q and k AFTER RoPE (`l2_norm`; Stages q_rot/k_rot are after it, q_norm/k_norm
     None); attn_temperature_tuning (rope=None layers) multiplies q by log(floor((pos + 1) / floor_scale) + 1) ·
     attn_scale + 1 at positions= (default arange(T); with a cache `cache.positions(T)`) (`temperature`).
@@ -727,12 +728,12 @@ class MultiHeadAttention(nn.Module):
                 key_positions=None, return_intermediates: bool = False, cache: KVCache | None = None,
                 is_causal: bool = False, window=None, segment_ids=None, key_segment_ids=None,
                 alignment: str = "top-left", chunk=None):
-        if cache is not None:
+        if cache is not None:  # a chunk is the cache's too (Llama 4 decodes its chunked layers); the rest is refused
             Structure.refuse_with_cache(is_causal=is_causal, window=window, segment_ids=segment_ids,
-                                        key_segment_ids=key_segment_ids, alignment=alignment, chunk=chunk)
+                                        key_segment_ids=key_segment_ids, alignment=alignment)
             return self._forward_cached(query, key, value, cache, mask=mask, need_weights=need_weights,
                                         positions=positions, key_positions=key_positions,
-                                        return_intermediates=return_intermediates)
+                                        return_intermediates=return_intermediates, chunk=chunk)
         B, T, S = self._check_inputs(query, key, value)
         rope = self.config.rope
         _refuse_unread_positions(self.config, positions, key_positions)
@@ -802,7 +803,7 @@ class MultiHeadAttention(nn.Module):
                              f"the new tokens {B}")
 
     def _forward_cached(self, query, key, value, cache, *, mask, need_weights, positions, key_positions,
-                        return_intermediates):
+                        return_intermediates, chunk=None):
         """forward with a cache (see the class docstring): self-attention of T new tokens against it."""
         # Before the S = 0 check, whose words are about keys.
         refuse_no_new_tokens(**{n: getattr(x, "shape", ()) for n, x in (("query", query), ("key", key), ("value", value))})
@@ -827,8 +828,8 @@ class MultiHeadAttention(nn.Module):
         if self.config.uses_positions:
             q, k = self.after_rope(q, k, pos)  # Llama 4: the L2 norm (rope layers), the NoPE temperature
         q_rot, k_rot = (q, k) if rope is not None else (None, None)  # (B, N, T, H), (B, K, T, H)
-        # The old cache's keep-mask: its lengths are where the new tokens went.
-        keep = cache.keep_mask(T)  # (B, 1, T, C)
+        # The old cache's keep-mask: its lengths are where the new tokens went (a chunk: the cache's positions').
+        keep = cache.keep_mask(T) if chunk is None else cache.keep_mask(T, chunk=chunk)  # (B, 1, T, C)
         new_cache = cache.write(k, v_in)
         k_all, v_all = new_cache.k, new_cache.v  # (B, K, C, H)
         group = q.shape[1] // k_all.shape[1]

@@ -4,7 +4,8 @@ Semantics (docs/semantics.md, "Decoding with a KV cache"), the same in `mha_jax.
 row b's valid slots are starts[b] <= s < lengths[b]; slots before starts[b] are left padding,
 slots from lengths[b] on are empty. T new tokens of row b go to slots lengths[b] .. lengths[b]+T-1;
 new token i attends the slots starts[b] <= s <= lengths[b] + i; the token in slot s has the RoPE
-position s - starts[b]. Keys are stored after the QK-norm (if the layer has one) and RoPE, with the
+position s - starts[b]. Llama 4's chunked layers (`keep_mask(T, chunk=C)`) keep of those only the slots of
+the new token's own chunk of C positions (position // C), the positions counted from the row's start. Keys are stored after the QK-norm (if the layer has one) and RoPE, with the
 layer's K key/value heads.
 
 Shapes (legend in `mha_spec`): B batch, K key/value heads, C capacity (slots), H head dim,
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from mha_spec import check_cache_shapes
+from mha_spec.structure import check_chunk
 
 
 def _row_ints(x, batch: int, name: str, device) -> torch.Tensor:
@@ -113,11 +115,18 @@ class KVCache:
         """(B, T) int64: the default RoPE positions of T new tokens, their slot minus the row's padding."""
         return self.slots(T) - self.starts[:, None]
 
-    def keep_mask(self, T: int) -> torch.Tensor:
-        """bool (B, 1, T, C): new token i of row b keeps slots starts[b] <= s <= lengths[b] + i."""
+    def keep_mask(self, T: int, chunk: int | None = None) -> torch.Tensor:
+        """bool (B, 1, T, C): new token i of row b keeps slots starts[b] <= s <= lengths[b] + i. chunk C (Llama 4's
+        chunked layers): also only the slots of its own chunk, (s - starts[b]) // C == (lengths[b] + i -
+        starts[b]) // C -- the chunks of the row's positions (slot - starts[b]), counted from its first token."""
         s = torch.arange(self.capacity, device=self.lengths.device)  # (C,)
         last = self.slots(T)[:, None, :, None]  # (B, 1, T, 1)
-        return (s >= self.starts[:, None, None, None]) & (s <= last)
+        start = self.starts[:, None, None, None]  # (B, 1, 1, 1)
+        keep = (s >= start) & (s <= last)
+        if chunk is None:
+            return keep
+        C = check_chunk(chunk)
+        return keep & (torch.div(s - start, C, rounding_mode="floor") == torch.div(last - start, C, rounding_mode="floor"))
 
     def write(self, k_new: torch.Tensor, v_new: torch.Tensor) -> KVCache:
         """A new cache holding k_new, v_new (B, K, T, H) at each row's next T slots, lengths + T."""

@@ -30,9 +30,10 @@ INPUTS = ("qkv", "self")
 
 
 # The harness's structured mask kinds (docs/semantics.md, "Packed sequences, sliding windows and causal
-# alignment"): packed documents (segment ids, causal within each) and a sliding window. Their home is
-# here, beside RunsOn, which must parse them (parity.harness.matrix imports them from here).
-STRUCTURED_MASKS = ("packed", "window")
+# alignment"): packed documents (segment ids, causal within each), a sliding window and Llama 4's chunked
+# attention (causal within chunks of C positions). Their home is here, beside RunsOn, which must parse them
+# (parity.harness.matrix imports them from here).
+STRUCTURED_MASKS = ("packed", "window", "chunked")
 # What a `runs_on` pattern's parts name: the attention kind, the mask kind (the harness's cases and
 # the benchmark's share `mha_spec.MASK_KINDS`; the harness's cases also `STRUCTURED_MASKS`) and the dtype.
 UNIT_INPUTS = ("self", "cross")
@@ -152,6 +153,9 @@ class Implementation:
                      and alignment="bottom-right" the case uses (segment ids as framework integer arrays: torch
                      int64, JAX int32), and `mask` is then the rest of the case's mask alone (its padding, or
                      None). False: `mask` is the whole mask, dense (`reference.structured_keep` AND the padding)
+    takes_chunk      with structured=True: fn also takes chunk=C (Llama 4's chunked attention, the "chunked" cases'
+                     keyword). A structured implementation without it skips the chunked cases, saying so (it would
+                     be given a keyword it was not written for); one that is not structured gets them dense
     takes_is_causal  fn takes is_causal=True (keyword) with `mask` None in place of a dense causal mask: SDPA's own
                      causal mask, top-left aligned (query t keeps keys 0..t). The benchmark gives it on its causal
                      cases where top-left is the case's causal mask (T = S); elsewhere `mask` is dense, as without it
@@ -184,6 +188,7 @@ class Implementation:
     decode: bool = False
     structured: bool = False
     takes_is_causal: bool = False
+    takes_chunk: bool = False
     # `runs_on` parsed (None: everywhere); set by __post_init__, so `dataclasses.replace` re-parses it.
     runs_on_rules: tuple[RunsOn, ...] | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -241,6 +246,11 @@ class Implementation:
             raise TypeError(f"implementation {self.name!r}: structured must be a bool, got {self.structured!r}")
         if not isinstance(self.takes_is_causal, bool):
             raise TypeError(f"implementation {self.name!r}: takes_is_causal must be a bool, got {self.takes_is_causal!r}")
+        if not isinstance(self.takes_chunk, bool):
+            raise TypeError(f"implementation {self.name!r}: takes_chunk must be a bool, got {self.takes_chunk!r}")
+        if self.takes_chunk and not self.structured:
+            raise ValueError(f"implementation {self.name!r}: takes_chunk=True is a structured keyword: it needs "
+                             "structured=True (otherwise the chunk arrives in the dense mask)")
         if self.structured and self.decode:
             raise ValueError(f"implementation {self.name!r}: a decoder (decode=True) takes no structured masks "
                              "(with a KV cache the cache's own mask applies)")
@@ -279,6 +289,9 @@ class Implementation:
         if cross is not None and mask is not None and not self.runs_unit(cross, mask, dtype):
             return (f"{self.name} runs only where its runs_on matches the <self|cross>/<mask>/<dtype> of the unit "
                     f"({unit_kind(cross, mask, dtype)}): {', '.join(self.runs_on)}")
+        if mask == "chunked" and self.structured and not self.takes_chunk:
+            return (f"{self.name} declares structured=True without takes_chunk: it takes the structured masks as "
+                    "keywords, and chunk= (Llama 4's chunked attention) is not one it declares")
         if self.requires:
             if config is not None and not isinstance(config, AttentionConfig):
                 raise TypeError(f"unsupported: config must be an mha_spec.AttentionConfig, got {type(config).__name__}")

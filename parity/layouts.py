@@ -915,6 +915,9 @@ class HFModel:
     # the others rotate the whole head, so a partial_rotary_factor there is refused (their cos/sin of R features
     # would not even broadcast against q's H).
     partial_rope: bool = False
+    # Llama 4's text attention (`llama4_fields`): per layer, RoPE (interleaved, as apply_rotary_emb's complex
+    # pairs) with the weightless L2 QK-norm, or NoPE with the query temperature; chunked or full attention.
+    llama4: bool = False
 
 
 _BY_LAYER = dict(head_dim=True, qkv_bias="attention_bias", out_bias="attention_bias", layer_types=True)
@@ -945,6 +948,12 @@ HF_MODELS: dict[str, HFModel] = {
                         partial_rope=True),
     # Falcon: q/k/v fused per key/value head (`_falcon_kv_heads` says how many), config's bias on both.
     "falcon": HFModel("hf-falcon", qkv_bias="bias", out_bias="bias"),
+    # Llama 4 (Llama4TextAttention): hf-llama's tensors, attention_bias on all four, a head_dim of its own; each
+    # layer's RoPE/NoPE, norm, temperature and chunk from no_rope_layers and layer_types (`llama4_fields`).
+    # "llama4" is the multimodal config: its text_config's attention.
+    "llama4_text": HFModel("hf-llama", qkv_bias="attention_bias", out_bias="attention_bias", head_dim=True,
+                           llama4=True),
+    "llama4": HFModel("hf-llama", qkv_bias="attention_bias", out_bias="attention_bias", head_dim=True, llama4=True),
 }
 
 _DEFAULT_ROPE_THETA = 10000.0  # transformers' RotaryEmbeddingConfigMixin.default_theta
@@ -1280,7 +1289,8 @@ def hf_model(cfg: Mapping, where: str, tensors: TensorAccount | None = None) -> 
     return HF_MODELS[model_type]
 
 
-def read_hf_config(source, *, masked_rows: str = "nan", ignore_sliding_window: bool = False, layer: int | None = None):
+def read_hf_config(source, *, masked_rows: str = "nan", ignore_sliding_window: bool = False, layer: int | None = None,
+                   ignore_chunk: bool = False):
     """A transformers config.json (a directory holding one, its path, or the parsed dict) ->
     mha_spec.AttentionConfig.
 
@@ -1306,24 +1316,26 @@ def read_hf_config(source, *, masked_rows: str = "nan", ignore_sliding_window: b
     attn_logit_softcapping and sinks as the model_type's attention code has them (`HF_MODELS`);
     layer (L, from the block's prefix: `layer_index`) picks layer_types[L] (a sliding_attention layer
     only with ignore_sliding_window=True) and Gemma 3's per-layer-type RoPE base.
+
+    Llama 4 (llama4_text, and llama4's text_config; `_llama4_layer`): layer L from no_rope_layers[L] (RoPE:
+    interleaved pairs, rope_parameters' RoPE with llama3 scaling, the L2 QK-norm with use_qk_norm; NoPE: the
+    query temperature with attn_temperature_tuning, floor_scale, attn_scale) and layer_types[L] (a
+    chunked_attention layer only with ignore_chunk=True, its chunk `layer_chunk`'s); head_dim, attention_bias.
     """
     cfg, where = read_config_json(source)
     return attention_config(cfg, where, masked_rows=masked_rows, ignore_sliding_window=ignore_sliding_window,
-                            layer=layer)
+                            layer=layer, ignore_chunk=ignore_chunk)
 
 
 def attention_config(cfg: Mapping, where: str, *, masked_rows: str = "nan", ignore_sliding_window: bool = False,
-                     layer: int | None = None):
+                     layer: int | None = None, ignore_chunk: bool = False):
     """`read_hf_config` of a config.json already parsed (`read_config_json`); `where` names it in errors.
-    layer: the block's index L (`layer_index` of its prefix), which a model with layer_types needs."""
+    layer: the block's index L (`layer_index` of its prefix), which a model with layer_types needs.
+    ignore_chunk: a Llama 4 chunked_attention layer is read, the caller applying its chunk (`layer_chunk`)."""
     from mha_spec import AttentionConfig
 
     model = hf_model(cfg, where)
-    if cfg.get("model_type") == "gemma3":  # the multimodal config: its language model's attention
-        text = cfg.get("text_config")
-        if not isinstance(text, Mapping):
-            raise _config_error(where, "model_type 'gemma3' without a text_config mapping: its attention is unknown")
-        cfg = {**text, "model_type": "gemma3"}
+    cfg = _language_config(cfg, where)
     E = _int_field(cfg, "hidden_size", where)
     N = _int_field(cfg, "num_attention_heads", where)
     K = _kv_heads(cfg, N, where)
@@ -1347,12 +1359,139 @@ def attention_config(cfg: Mapping, where: str, *, masked_rows: str = "nan", igno
         flags[name] = rule if isinstance(rule, bool) else cfg.get(rule, model.bias_default)
         if not isinstance(flags[name], bool):
             raise _config_error(where, f"{rule} = {flags[name]!r} is not a bool")
-    rope = _rope(_layer_rope(cfg, layer_type, where), H or E // N, where, model.partial_rope)
+    if model.llama4:
+        position = _llama4_layer(cfg, where, layer, H or E // N, ignore_chunk)
+    else:
+        position = dict(rope="half", **_rope(_layer_rope(cfg, layer_type, where), H or E // N, where, model.partial_rope))
     try:
-        return AttentionConfig(E, N, num_kv_heads=K if K != N else None, head_dim=H, rope="half", **rope,
+        return AttentionConfig(E, N, num_kv_heads=K if K != N else None, head_dim=H, **position,
                                masked_rows=masked_rows, **flags, **_modern_fields(cfg, model, where, H or E // N))
     except (TypeError, ValueError) as e:
         raise _config_error(where, str(e)) from e
+
+
+def _language_config(cfg: Mapping, where: str) -> Mapping:
+    """A multimodal config.json's language model (gemma3's, llama4's text_config, under its text model_type);
+    any other config.json as it is."""
+    own = {"gemma3": "gemma3", "llama4": "llama4_text"}.get(cfg.get("model_type"))
+    if own is None:
+        return cfg
+    text = cfg.get("text_config")
+    if not isinstance(text, Mapping):
+        raise _config_error(where, f"model_type {cfg.get('model_type')!r} without a text_config mapping: its attention "
+                                   f"is unknown")
+    return {**text, "model_type": own}
+
+
+# Llama4TextConfig's defaults for the fields its attention reads, when config.json lacks them.
+LLAMA4_DEFAULTS = dict(use_qk_norm=True, no_rope_layer_interval=4, attention_chunk_size=8192,
+                       attn_temperature_tuning=True, floor_scale=8192, attn_scale=0.1, rms_norm_eps=1e-5)
+
+
+def _llama4_field(cfg: Mapping, name: str):
+    value = cfg.get(name)
+    return LLAMA4_DEFAULTS[name] if value is None and name in LLAMA4_DEFAULTS else value
+
+
+def llama4_rope_layers(cfg: Mapping, where: str) -> list[bool]:
+    """Per layer, whether Llama 4's layer L rotates (Llama4TextAttention.use_rope = no_rope_layers[L], truthy:
+    RoPE; falsy: NoPE). A missing or empty no_rope_layers is Llama4TextConfig's rule: every
+    no_rope_layer_interval-th layer (L + 1 divisible by it) is NoPE, over num_hidden_layers."""
+    given = cfg.get("no_rope_layers")
+    if given:
+        if not isinstance(given, (list, tuple)) or any(isinstance(v, float) or v not in (0, 1) for v in given):
+            raise _config_error(where, f"no_rope_layers = {given!r} is not a list of 0/1 (1: the layer uses RoPE)")
+        return [bool(v) for v in given]
+    interval = _int_field(cfg, "no_rope_layer_interval", where, LLAMA4_DEFAULTS["no_rope_layer_interval"])
+    layers = _int_field(cfg, "num_hidden_layers", where)
+    return [(i + 1) % interval != 0 for i in range(layers)]
+
+
+def llama4_layer_types(cfg: Mapping, where: str) -> list[str]:
+    """Llama 4's layer_types ("chunked_attention" | "full_attention" per layer): config.json's, else
+    Llama4TextConfig's rule (the RoPE layers chunked, the NoPE layers full: `llama4_rope_layers`)."""
+    types = cfg.get("layer_types")
+    if types is None:
+        return ["chunked_attention" if r else "full_attention" for r in llama4_rope_layers(cfg, where)]
+    if not isinstance(types, (list, tuple)) or not types:
+        raise _config_error(where, f"layer_types = {types!r} is not a list of layer types")
+    return list(types)
+
+
+def _llama4_pick(values: list, layer: int | None, field: str, where: str):
+    """values[L] of a per-layer list; with no L (the prefix names no layer) the one value every layer has."""
+    if layer is None:
+        if len(set(values)) == 1:
+            return values[0]
+        raise NotImplementedError(f"{where}: {field} differs between layers ({sorted(set(map(str, values)))}) and "
+                                  f"the prefix does not say the layer's index (…layers.L.…), so which attention the "
+                                  f"block has is unknown")
+    if not 0 <= layer < len(values):
+        raise _config_error(where, f"the prefix names layer {layer}, but {field} has {len(values)} layers")
+    return values[layer]
+
+
+def layer_chunk(cfg: Mapping, where: str, layer: int | None) -> int | None:
+    """Llama 4's chunk C (attention_chunk_size) of block L when layer_types[L] is "chunked_attention" (a query
+    attends to the causal keys of its own chunk of C positions, chunks counted from the sequence's first
+    token); None for a full layer or another model. A C that is not a positive int is a ValueError naming it."""
+    if not isinstance(cfg, Mapping) or not HF_MODELS.get(cfg.get("model_type"), HFModel("", False, False)).llama4:
+        return None
+    cfg = _language_config(cfg, where)
+    types = llama4_layer_types(cfg, where)
+    kind = _llama4_pick(types, layer, "layer_types", where)
+    if kind != "chunked_attention":
+        return None
+    C = _llama4_field(cfg, "attention_chunk_size")
+    if isinstance(C, bool) or not isinstance(C, int) or C < 1:
+        raise _config_error(where, f"attention_chunk_size = {C!r} is not a positive integer (the chunk of layer "
+                                   f"{layer}, a chunked_attention layer)")
+    return C
+
+
+def _llama4_bool(cfg: Mapping, name: str, where: str) -> bool:
+    value = _llama4_field(cfg, name)
+    if not isinstance(value, bool):
+        raise _config_error(where, f"{name} = {value!r} is not a bool")
+    return value
+
+
+def _llama4_layer(cfg: Mapping, where: str, layer: int | None, H: int, ignore_chunk: bool) -> dict:
+    """The AttentionConfig position fields of Llama 4's block L (Llama4TextAttention): a RoPE layer
+    (no_rope_layers[L] truthy) rotates consecutive pairs (apply_rotary_emb's complex multiplication:
+    rope="interleaved") by rope_parameters' RoPE (llama3 scaling included), then, with use_qk_norm, the
+    weightless L2 norm (epsilon rms_norm_eps); a NoPE layer rotates nothing and, with attn_temperature_tuning,
+    scales its queries by the temperature (floor_scale, attn_scale). layer_types[L] is "full_attention" or
+    "chunked_attention" (refused unless ignore_chunk: the caller applies the chunk, `layer_chunk`); any other
+    type is refused by name."""
+    uses_rope = _llama4_pick(llama4_rope_layers(cfg, where), layer, "no_rope_layers", where)
+    kind = _llama4_pick(llama4_layer_types(cfg, where), layer, "layer_types", where)
+    if kind not in ("full_attention", "chunked_attention"):
+        raise NotImplementedError(f"{where}: layer_types[{layer}] = {kind!r}: attention the tool does not model")
+    if kind == "chunked_attention" and not ignore_chunk:
+        raise NotImplementedError(f"{where}: layer_types[{layer}] = 'chunked_attention' (attention_chunk_size="
+                                  f"{_llama4_field(cfg, 'attention_chunk_size')!r}): attention within chunks, which "
+                                  f"read_hf_config does not apply (mha-parity --checkpoint does: layer_chunk)")
+    qk_norm, tuning = _llama4_bool(cfg, "use_qk_norm", where), _llama4_bool(cfg, "attn_temperature_tuning", where)
+    if uses_rope:
+        out = dict(rope="interleaved", **_rope(cfg, H, where, partial=False))
+        if qk_norm:  # Llama4TextL2Norm(rms_norm_eps), on RoPE layers only
+            eps = _llama4_field(cfg, "rms_norm_eps")
+            if not _number(eps) or eps <= 0:
+                raise _config_error(where, f"rms_norm_eps = {eps!r} is not a positive number (the L2 QK-norm's epsilon)")
+            out.update(qk_norm="l2", qk_norm_eps=float(eps))
+        return out
+    out = dict(rope=None)  # a NoPE layer: rope_parameters is the RoPE layers' business
+    if tuning:  # on NoPE layers only
+        for name in ("floor_scale", "attn_scale"):
+            if not _number(_llama4_field(cfg, name)):
+                raise _config_error(where, f"{name} = {_llama4_field(cfg, name)!r} is not a number (the NoPE "
+                                           f"layers' query temperature)")
+        if _llama4_field(cfg, "floor_scale") <= 0:
+            raise _config_error(where, f"floor_scale = {_llama4_field(cfg, 'floor_scale')!r} is not positive")
+        out.update(attn_temperature_tuning=True, floor_scale=float(_llama4_field(cfg, "floor_scale")),
+                   attn_scale=float(_llama4_field(cfg, "attn_scale")))
+    return out
 
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -1506,7 +1645,8 @@ def _modern_fields(cfg: Mapping, model: HFModel, where: str, H: int) -> dict:
 
 
 def read_checkpoint(path, layout: str = "hf-llama", *, prefix: str = "", config=None, masked_rows: str = "nan",
-                    ignore_sliding_window: bool = False, config_json: tuple[Mapping, str] | None = None):
+                    ignore_sliding_window: bool = False, config_json: tuple[Mapping, str] | None = None,
+                    ignore_chunk: bool = False):
     """One attention block of a checkpoint -> (canonical state dict, mha_spec.AttentionConfig).
 
     `path` is a transformers checkpoint directory (config.json with model.safetensors, or
@@ -1514,7 +1654,7 @@ def read_checkpoint(path, layout: str = "hf-llama", *, prefix: str = "", config=
     config=None the layer's description comes from the directory's config.json
     (`read_hf_config`; its layout must be `layout`); a single file carries none, so it
     then needs config=. A given config is used as it is (config.json is not read) and
-    checked against the weights; masked_rows and ignore_sliding_window go to
+    checked against the weights; masked_rows, ignore_sliding_window and ignore_chunk go to
     `read_hf_config` when config.json is read; config_json, the directory's config.json as
     `read_config_json` parsed it (contents, path), is used instead of reading the file again.
     Only the block's tensors are read, and every tensor under the prefix is accounted for
@@ -1535,7 +1675,8 @@ def read_checkpoint(path, layout: str = "hf-llama", *, prefix: str = "", config=
         raise path_error(path, problem, "no such checkpoint directory or weight file")
     if os.path.isdir(path):
         if config is None:
-            config = _directory_config(path, layout, prefix, masked_rows, ignore_sliding_window, config_json)
+            config = _directory_config(path, layout, prefix, masked_rows, ignore_sliding_window, config_json,
+                                       ignore_chunk)
         single, index = _weight_files(path)
         if single is not None:
             sd = read_layout(single, layout, prefix=prefix, num_heads=config.num_heads, **_layer_read(config))
@@ -1551,11 +1692,12 @@ def read_checkpoint(path, layout: str = "hf-llama", *, prefix: str = "", config=
 
 
 def _layer_read(config) -> dict:
-    """The keywords `read_layout` takes from a layer's config: the features whose tensors are read (qk_norm,
-    sinks) and the RoPE a stored inv_freq is checked against (`parity.canonical.ROPE_FIELDS` but rope)."""
+    """The keywords `read_layout` takes from a layer's config: the features whose tensors are read (a qk_norm
+    with weights, sinks) and the RoPE a stored inv_freq is checked against (`parity.canonical.ROPE_FIELDS` but rope)."""
     rope = {"rope_theta": config.rope_theta, "rope_dim": config.rope_dim, "rope_scaling": config.rope_scaling} \
         if config.rope is not None else {}
-    return dict(rope, qk_norm=config.qk_norm, sinks=config.sinks)
+    weighted = config.qk_norm if config.qk_norm in ("head", "flat") else None  # Llama 4's "l2" has no tensors
+    return dict(rope, qk_norm=weighted, sinks=config.sinks)
 
 
 def _check_fits(sd: dict, config, path: str, prefix: str) -> None:
@@ -1577,7 +1719,7 @@ def _check_fits(sd: dict, config, path: str, prefix: str) -> None:
 
 
 def _directory_config(path: str, layout: str, prefix: str, masked_rows: str, ignore_sliding_window: bool,
-                      parsed: tuple[Mapping, str] | None = None):
+                      parsed: tuple[Mapping, str] | None = None, ignore_chunk: bool = False):
     """The AttentionConfig a checkpoint directory's config.json describes for `layout`; a model the tool does
     not model is refused naming what it does, and (given a prefix) the block's tensors the layout would leave
     unread. parsed: the directory's config.json already read (`read_config_json`)."""
@@ -1593,7 +1735,7 @@ def _directory_config(path: str, layout: str, prefix: str, masked_rows: str, ign
     if model.layout != layout:
         raise ValueError(layout_mismatch(cfg, where, model, layout, tensors))
     return attention_config(cfg, where, masked_rows=masked_rows, ignore_sliding_window=ignore_sliding_window,
-                            layer=layer_index(prefix))
+                            layer=layer_index(prefix), ignore_chunk=ignore_chunk)
 
 
 def layout_mismatch(cfg: Mapping, where: str, model: HFModel, layout: str, tensors: TensorAccount | None) -> str:

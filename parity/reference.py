@@ -633,13 +633,25 @@ def _starts(starts, batch: int, top: int) -> np.ndarray:
     return starts.astype(np.int64)
 
 
-def decode_keep(starts, L: int) -> np.ndarray:
+def _check_chunk(chunk) -> None:
+    if isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) or chunk <= 0:
+        raise ValueError(f"chunk must be a positive int, got {chunk!r}")
+
+
+def decode_keep(starts, L: int, chunk=None) -> np.ndarray:
     """bool (B, 1, L, L): keep[b, 0, t, s] = starts[b] <= s <= t, the one causal forward a prefill
-    and decode steps over L tokens equal (a query at a padding column t < starts[b] keeps nothing)."""
+    and decode steps over L tokens equal (a query at a padding column t < starts[b] keeps nothing).
+    chunk C (Llama 4's chunked layers): also (s - starts[b]) // C == (t - starts[b]) // C, the chunks of
+    the row's positions (`decode_positions`), counted from its first token."""
     starts = _starts(starts, np.shape(starts)[0] if starts is not None else 1, L)
     t = np.arange(L)[:, None]  # (L, 1)
     s = np.arange(L)[None, :]  # (1, L)
-    return ((s >= starts[:, None, None]) & (s <= t))[:, None]
+    keep = (s >= starts[:, None, None]) & (s <= t)  # (B, L, L)
+    if chunk is not None:
+        _check_chunk(chunk)
+        p, q = s - starts[:, None, None], t - starts[:, None, None]  # the key's and the query's positions
+        keep &= (p // chunk) == (q // chunk)
+    return keep[:, None]
 
 
 def decode_positions(starts, L: int) -> np.ndarray:
@@ -671,10 +683,13 @@ def _slot_positions(slots: np.ndarray, starts: np.ndarray) -> np.ndarray:
     return slots - starts[:, None]
 
 
-def _cache_keep(slots: np.ndarray, starts: np.ndarray, capacity: int) -> np.ndarray:
-    """bool (B, 1, T, C): the token written to slots[b, i] attends slots starts[b] <= s <= slots[b, i]."""
+def _cache_keep(slots: np.ndarray, starts: np.ndarray, capacity: int, chunk=None) -> np.ndarray:
+    """bool (B, 1, T, C): the token written to slots[b, i] attends slots starts[b] <= s <= slots[b, i]; with
+    chunk C (Llama 4) only those whose position s - starts[b] is in its own chunk of C positions."""
     s = np.arange(capacity)
-    return (s >= starts[:, None, None, None]) & (s <= slots[:, None, :, None])
+    start, last = starts[:, None, None, None], slots[:, None, :, None]
+    keep = (s >= start) & (s <= last)
+    return keep if chunk is None else keep & ((s - start) // chunk == (last - start) // chunk)
 
 
 def _decode_sizes(x: np.ndarray, E: int, capacity, prefill) -> tuple[int, int, int]:
@@ -695,7 +710,8 @@ def decode(sd, x, *, starts=None, prefill: int, num_heads: int, masked_rows: str
            num_kv_heads: int | None = None, rope: str | None = None, rope_theta: float = 10000.0,
            dtype=np.float64, capacity: int | None = None, qk_norm=None, qk_norm_eps: float = 1e-6,
            qk_norm_offset: float = 0.0, scale=None, softcap=None, rope_dim=None, rope_scaling=None,
-           attn_temperature_tuning: bool = False, floor_scale: float = 8192.0, attn_scale: float = 0.1) -> Decoded:
+           attn_temperature_tuning: bool = False, floor_scale: float = 8192.0, attn_scale: float = 0.1,
+           chunk=None) -> Decoded:
     """Self-attention over x (B, L, E) run as a decoder: a prefill of the first `prefill` tokens,
     then one token per call, each call projecting only its new tokens against a cache.
 
@@ -710,8 +726,12 @@ def decode(sd, x, *, starts=None, prefill: int, num_heads: int, masked_rows: str
     qk_norm, scale, softcap, sinks, rope_dim and rope_scaling are `forward`'s (the cache holds the normalised,
     rotated keys). LongRoPE picks its table per call from the largest position of the call's new tokens
     (over the batch); the keys cached before keep the rotation they were written with. Llama 4's qk_norm="l2"
-    (after RoPE) and NoPE temperature (at the new tokens' positions, slot - starts[b]) as `forward` has them.
+    (after RoPE) and NoPE temperature (at the new tokens' positions, slot - starts[b]) as `forward` has them;
+    chunk C (its chunked layers): a new token attends only the slots whose position (slot - starts[b]) is in
+    its own chunk, position // C.
     """
+    if chunk is not None:
+        _check_chunk(chunk)
     cfg = config_of(sd, num_heads, masked_rows=masked_rows, num_kv_heads=num_kv_heads, rope=rope,
                     rope_theta=rope_theta, qk_norm=qk_norm, qk_norm_eps=qk_norm_eps, qk_norm_offset=qk_norm_offset,
                     scale=scale, softcap=softcap, rope_dim=rope_dim, rope_scaling=rope_scaling,
@@ -743,8 +763,9 @@ def decode(sd, x, *, starts=None, prefill: int, num_heads: int, masked_rows: str
         if cfg.attn_temperature_tuning:
             q = _temperature(q, pos, cfg, dtype)
         k_cache[:, :, lo:hi], v_cache[:, :, lo:hi] = k, v
-        scores, weights, context = _attend_cache(q, k_cache, v_cache, _cache_keep(slots, starts, C), masked_rows,
-                                                 dtype, acc, cfg, sd.get("sinks"))
+        keep = _cache_keep(slots, starts, C, chunk)  # (B, 1, T, C)
+        scores, weights, context = _attend_cache(q, k_cache, v_cache, keep, masked_rows, dtype, acc, cfg,
+                                                 sd.get("sinks"))
         outputs.append(_linear(context, sd, "out_proj", dtype))
         all_scores.append(scores)
         all_weights.append(weights)
@@ -783,8 +804,7 @@ def structured_keep(T: int, S: int, *, is_causal: bool = False, window=None, seg
     a = np.arange(T)[:, None] + (S - T if alignment == "bottom-right" else 0)  # (T, 1)
     s = np.arange(S)[None, :]  # (1, S)
     if chunk is not None:
-        if isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) or chunk <= 0:
-            raise ValueError(f"chunk must be a positive int, got {chunk!r}")
+        _check_chunk(chunk)
         keep = (s <= a) & (a // chunk == s // chunk)
     elif is_causal:
         keep = s <= a

@@ -217,7 +217,8 @@ def test_config_json_fields_are_read(cfg, expected):
     ({"model_type": "mistral", "sliding_window": 4096}, NotImplementedError,
      r"sliding_window = 4096 turns on sliding-window attention"),
     ({"model_type": "gemma"}, ValueError, r"model_type 'gemma' is not one of \['falcon', 'gemma2', 'gemma3', 'gemma3_text', "
-     r"'gpt_neox', 'gpt_oss', 'llama', 'mistral', 'mixtral', 'olmo2', 'phi3', 'qwen2', 'qwen3', 'qwen3_moe'\]"),
+     r"'gpt_neox', 'gpt_oss', 'llama', 'llama4', 'llama4_text', 'mistral', 'mixtral', 'olmo2', 'phi3', 'qwen2', "
+     r"'qwen3', 'qwen3_moe'\]"),
     ({"num_key_value_heads": 4}, ValueError, r"num_kv_heads=4 must divide num_heads=6"),
     ({"attention_bias": "yes"}, ValueError, r"attention_bias = 'yes' is not a bool"),
     # transformers reads a set rope_scaling instead of rope_parameters: what the tool does not model there is refused

@@ -2,8 +2,8 @@
 weightless L2 QK-norm after RoPE (qk_norm="l2") and the NoPE layers' query temperature
 (attn_temperature_tuning, floor_scale, attn_scale), in the spec, both modules and the oracle.
 
-The modules are held to the oracle at 1e-12 in float64 (eager and fused paths, a KV cache for the norm and
-the temperature); the chunked mask to its definition (transformers' chunked_overlay AND causal, evaluated
+The modules are held to the oracle at 1e-12 in float64 (eager and fused paths, a KV cache for the norm, the
+temperature and the chunk, the oracle's decode to its one forward); the chunked mask to its definition (transformers' chunked_overlay AND causal, evaluated
 index by index); the oracle to transformers' Llama4TextAttention (float64 module; its RoPE runs in float32:
 apply_rotary_emb takes xq.float(), and its temperature factor is float32: the bars and their measurements at
 FORWARD_BARS), both layers of a Llama4TextConfig with attention_chunk_size, use_qk_norm and temperature tuning.
@@ -191,19 +191,32 @@ def test_chunk_reaches_every_jax_kernel_as_a_mask(data, forced_kernel):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=ATOL, err_msg=kernel)
 
 
-def _jitted_step(m, xs, cache):
+def _jitted_step(m, xs, cache, **chunk):
     """One call of the JAX module with a cache under nnx.jit: two programs (prefill, step), not every op compiled
     one by one (measured: 6.6 s eager, the whole test)."""
     from flax import nnx
 
-    return nnx.jit(lambda m, xs, cache: m(xs, xs, xs, cache=cache, need_weights=False))(m, xs, cache)
+    return nnx.jit(lambda m, xs, cache: m(xs, xs, xs, cache=cache, need_weights=False, **chunk))(m, xs, cache)
 
 
-@pytest.mark.parametrize("name", ["l2", "temperature"])
-def test_a_cache_runs_the_norm_and_the_temperature_as_the_oracle_decodes(name, data):
+@pytest.mark.parametrize("name", ["l2", "temperature", "chunk"])
+def test_a_cache_runs_the_norm_the_temperature_and_the_chunk_as_the_oracle_decodes(name, data):
+    """The oracle's decode (its own cache path) equals one forward with decode_keep and decode_positions, and
+    both modules' caches equal it; the chunk (C = 3 over T = 5, row 1 left-padded by 1) counts positions from
+    each row's start: row 1's chunks are its slots [1, 4), [4, 7)."""
     sd, x, _, _ = data
     starts = np.array([0, 1, 0])
-    dec = reference.decode(sd, x, starts=starts, prefill=3, num_heads=N, num_kv_heads=K, **LAYERS[name])
+    chunk = dict(chunk=C) if name == "chunk" else {}
+    dec = reference.decode(sd, x, starts=starts, prefill=3, num_heads=N, num_kv_heads=K, **LAYERS[name], **chunk)
+    pos = reference.decode_positions(starts, T)
+    one = reference.forward(sd, x, x, x, reference.decode_keep(starts, T, **chunk), num_heads=N, num_kv_heads=K,
+                            positions=pos, **({"key_positions": pos} if name != "temperature" else {}), **LAYERS[name])
+    np.testing.assert_allclose(dec.output, one.output, rtol=0, atol=ATOL)
+    if chunk:  # the chunk binds: row 1's token at slot 4 (position 3) keeps slot 4 alone
+        keep = reference.decode_keep(starts, T, chunk=C)
+        assert keep[1, 0, 4].tolist() == [False, False, False, False, True] and keep[0, 0, 4, 3]
+        plain = reference.decode(sd, x, starts=starts, prefill=3, num_heads=N, num_kv_heads=K, **LAYERS[name])
+        assert np.abs(np.nan_to_num(plain.output - dec.output)).max() > 1e-3
     for framework in ("torch", "jax"):
         if framework == "torch":
             m, arr, to_np = _torch(sd, LAYERS[name]), torch.from_numpy, lambda a: a.detach().numpy()
@@ -211,7 +224,10 @@ def test_a_cache_runs_the_norm_and_the_temperature_as_the_oracle_decodes(name, d
         else:
             m, arr, to_np = _jax(sd, LAYERS[name]), jnp.asarray, np.asarray
             cache = m.init_cache(B, T, starts=jnp.asarray(starts))
-        call = _jitted_step if framework == "jax" else (lambda m, xs, cache: m(xs, xs, xs, cache=cache, need_weights=False))
+        if framework == "jax":
+            call = (lambda m, xs, cache: _jitted_step(m, xs, cache, **chunk))
+        else:
+            call = (lambda m, xs, cache: m(xs, xs, xs, cache=cache, need_weights=False, **chunk))
         outs = []
         for lo, hi in [(0, 3)] + [(t, t + 1) for t in range(3, T)]:
             xs = arr(x[:, lo:hi])
@@ -220,9 +236,9 @@ def test_a_cache_runs_the_norm_and_the_temperature_as_the_oracle_decodes(name, d
         got = np.concatenate(outs, axis=1)
         assert np.isnan(got[1, 0]).all()  # row 1's padding slot attends nothing: NaN in both (equal_nan)
         np.testing.assert_allclose(got, dec.output, rtol=0, atol=ATOL, err_msg=framework)
-    with pytest.raises(ValueError, match="chunk with a cache"):
+    with pytest.raises(ValueError, match="with a cache"):  # the other structured masks are still refused
         _torch(sd, LAYERS["chunk"])(torch.from_numpy(x), torch.from_numpy(x), torch.from_numpy(x),
-                                     cache=_torch(sd, LAYERS["chunk"]).init_cache(B, T), chunk=C)
+                                     cache=_torch(sd, LAYERS["chunk"]).init_cache(B, T), window=(2, 0))
 
 
 def test_temperature_takes_positions_and_the_oracle_backward_is_torch_autograd(data):

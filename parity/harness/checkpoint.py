@@ -46,6 +46,15 @@ with W >= S the window keeps every causal key and the cases are the ones above. 
 attention is Mistral's; its mixture-of-experts MLP is not attention and is not read. Qwen2's
 use_sliding_window slides layers max_window_layers and up (its layer_types): those get the window.
 
+Llama 4 (model_type llama4_text, or llama4's text_config; `parity.layouts.attention_config`): layer L is
+a RoPE layer (interleaved pairs, the L2 QK-norm) or a NoPE one (the query temperature) by no_rope_layers[L],
+and chunked by layer_types[L] (`parity.layouts.layer_chunk`). A chunk C < S gives the cases
+checkpoint/chunked/nan and checkpoint/chunked+padding/uniform -- bottom-right aligned as the window's, the
+chunks counted from the first key as transformers counts cache positions (the RoPE positions drawn apart,
+as position_ids are) -- with the leak check and no decode case; C >= S keeps every causal key: the causal
+cases. A NoPE temperature layer's query positions are cache slots alike in every row
+(`temperature_positions`), which is what Llama4TextAttention counts (it reads no position_ids for it).
+
 Phi-3 (--layout hf-phi3), GPT-NeoX (hf-gpt-neox) and Falcon (hf-falcon) fuse q, k and v in one tensor,
 which their layouts split (`parity.layouts.fuse_qkv`); their RoPE, like Llama 3.1's llama3 scaling and
 GPT-OSS's YaRN, is read from config.json (`parity.layouts.attention_config`: rope_dim from
@@ -106,6 +115,7 @@ class CheckpointLayer:
     # of the block that takes no part in attention (`parity.layouts.account`); none of them is judged.
     other_tensors: tuple[str, ...] = ()
     config_json: str | None = None  # the config.json read (the directory's, or the one beside a single file)
+    chunk: int | None = None  # Llama 4's attention_chunk_size C on a chunked_attention layer (`layouts.layer_chunk`)
 
     @property
     def dtype(self) -> str:
@@ -125,6 +135,10 @@ class CheckpointLayer:
         for name in ("scale", "softcap"):
             if getattr(c, name) is not None:
                 text += f" {name}={getattr(c, name):g}"
+        if c.attn_temperature_tuning:
+            text += f" attn_temperature_tuning=True floor_scale={c.floor_scale:g} attn_scale={c.attn_scale:g}"
+        if self.chunk is not None:
+            text += f" chunk={self.chunk}"
         return text + (" sinks=True" if c.sinks else "")
 
     @property
@@ -134,6 +148,8 @@ class CheckpointLayer:
                "checkpoint_layer": self.layer_text, "checkpoint_dtype": self.dtype}
         if self.sliding_window is not None:
             env["checkpoint_sliding_window"] = self.sliding_window
+        if self.chunk is not None:
+            env["checkpoint_chunk"] = self.chunk
         if self.other_tensors:
             env["checkpoint_other_tensors"] = "; ".join(self.other_tensors)
         env["checkpoint_config"] = self.config_json or "none: the layer is what the flags and the layout say"
@@ -151,6 +167,18 @@ class CheckpointLayer:
                                                     if window_binds(W, S) else
                                                     f"at least the S={S} tokens, so the window keeps every causal key: the "
                                                     f"causal cases are the model's (--shape with S > {W} checks the window)"))
+        C = self.chunk
+        if C is not None:
+            text += (f"\nattention_chunk_size={C}: " + (
+                f"fewer keys than the S={S} tokens, so the cases apply the chunk (is_causal within chunks of {C} "
+                f"tokens counted from the first key, the queries the last T of the keys); no decode case (the decode "
+                f"check does not give the chunk to the decoders)" if chunk_binds(C, S) else
+                f"at least the S={S} tokens, so the chunk keeps every causal key: the causal cases are the model's "
+                f"(--shape with S > {C} checks the chunk)"))
+        if self.config.attn_temperature_tuning:
+            text += (f"\nNoPE query temperature (floor_scale={self.config.floor_scale:g}): the cases' query positions "
+                     f"are cache slots p0, p0 + 1, ... alike in every row, as Llama4TextAttention counts them "
+                     f"(`temperature_positions`)")
         if self.config_json is None:
             text += ("\nno config.json beside the file: the layer is what the flags and the layout say; what a config.json "
                      "would add (soft-capping, a query scale, sliding windows, scaled RoPE) cannot be seen in a weight file")
@@ -207,22 +235,23 @@ def load_layer(path, layout: str = "hf-llama", prefix: str = "", *, num_heads: i
             if extra:
                 raise LoadError(f"--checkpoint {path} is a directory: its config.json gives the layer, so "
                                 f"{', '.join(extra)} {'is' if len(extra) == 1 else 'are'} not taken (a single .safetensors file needs them)")
-            parsed = layouts.read_config_json(path)  # read once: the window, then the layer
+            parsed = layouts.read_config_json(path)  # read once: the window, the chunk, then the layer
             window = sliding_window(*parsed, layer=layouts.layer_index(prefix))
+            chunk = layouts.layer_chunk(*parsed, layouts.layer_index(prefix))
             sd, config = layouts.read_checkpoint(path, layout, prefix=prefix, ignore_sliding_window=window is not None,
-                                                 config_json=parsed)
+                                                 config_json=parsed, ignore_chunk=chunk is not None)
             config_json = parsed[1]
             tensors = layouts.account(layouts.checkpoint_tensor_names(path), layout, prefix, _features(config))
         else:
-            sd, config, window, config_json, tensors = _read_file(path, layout, prefix, num_heads, num_kv_heads,
-                                                                  rope_theta)
+            sd, config, window, config_json, tensors, chunk = _read_file(path, layout, prefix, num_heads, num_kv_heads,
+                                                                         rope_theta)
     except LoadError:
         raise
     except (OSError, ValueError, TypeError, KeyError, NotImplementedError) as e:
         raise _fail(path, layout, prefix, e) from e
     others = (*(f"{k} (a buffer, checked against the layer)" for k in tensors.buffers),
               *(f"{k} (not attention: {why})" for k, why in tensors.not_attention.items()))
-    return CheckpointLayer(str(path), layout, prefix, sd, config, window, others, config_json)
+    return CheckpointLayer(str(path), layout, prefix, sd, config, window, others, config_json, chunk)
 
 
 def default_layout(path) -> str:
@@ -275,13 +304,18 @@ def sliding_window(cfg, where: str, layer: int | None = None) -> int | None:
 
 def _read_file(path, layout, prefix, num_heads, num_kv_heads, rope_theta):
     """(state dict, AttentionConfig, sliding window, the config.json read or None, its tensors under the prefix
-    accounted for) of a single weight file, from the flags; a config.json beside the file is read too
-    (`_beside`), and the flags must agree with it."""
+    accounted for, Llama 4's chunk or None) of a single weight file, from the flags; a config.json beside the
+    file is read too (`_beside`), and the flags must agree with it. A Llama 4 NoPE layer (the config.json
+    beside says so) takes no --rope-theta."""
     from parity import layouts
     from parity.canonical import LAYER_FIELDS, ROPE_FIELDS, check_variant_state_dict
 
     # Hugging Face's convention for the layouts of RoPE models (`_ROPE_LAYOUTS`); the classic layouts have none
     rope = "half" if layout in _ROPE_LAYOUTS else None
+    beside = _beside_json(path)  # read once: whether the layer rotates, then the layer
+    nope = layout == "hf-llama" and _says_nope(beside, prefix)  # a Llama 4 NoPE layer rotates nothing
+    if nope:
+        rope = None
     missing = ["--heads"] if num_heads is None else []
     if rope is not None and rope_theta is None:
         missing.append("--rope-theta")
@@ -289,15 +323,19 @@ def _read_file(path, layout, prefix, num_heads, num_kv_heads, rope_theta):
         raise LoadError(f"--checkpoint {path} is a single weight file, which does not say the layer's heads or RoPE: "
                         f"give {' and '.join(missing)} (or the checkpoint directory holding config.json)")
     if rope is None and rope_theta is not None:
-        raise LoadError(f"--rope-theta: layout {layout!r} has no rotary embedding")
+        raise LoadError(f"--rope-theta: layout {layout!r} has no rotary embedding" if not nope else
+                        f"--rope-theta: the config.json beside the file says {prefix!r} is a NoPE layer (Llama 4's "
+                        f"no_rope_layers): it has no rotary embedding")
     names = layouts.checkpoint_tensor_names(path)
-    described, window, where = _beside(path, layout, layouts.account(names, layout, prefix), prefix)
+    described, window, where, chunk = _beside(path, layout, layouts.account(names, layout, prefix), prefix, beside)
+    if described is not None and layout == "hf-llama" and described.rope != rope:
+        rope = described.rope  # Llama 4: interleaved pairs on its RoPE layers, none on its NoPE layers
     if described is None and layout in _CONFIG_ONLY:
         raise LoadError(f"--checkpoint {path} is a single weight file with no config.json beside it: {_CONFIG_ONLY[layout]}, "
                         f"which only config.json says (give the checkpoint directory)")
     tensors = layouts.account(names, layout, prefix, _features(described))
     sd = layouts.read_layout(path, layout, prefix=prefix, num_heads=num_heads, rope_theta=rope_theta,
-                             qk_norm=getattr(described, "qk_norm", None), sinks=getattr(described, "sinks", False))
+                             qk_norm=_weighted_norm(described), sinks=getattr(described, "sinks", False))
     (NH, E), kv_rows = sd["q_proj.weight"].shape, sd["k_proj.weight"].shape[0]
     if num_kv_heads is None:
         num_kv_heads = kv_rows // (NH // num_heads)  # read_layout checked: a whole number of heads dividing N
@@ -308,32 +346,69 @@ def _read_file(path, layout, prefix, num_heads, num_kv_heads, rope_theta):
     rope_kw = {} if described is None else {f: getattr(described, f) for f in ROPE_FIELDS[2:]}
     config = AttentionConfig(E, num_heads, num_kv_heads=num_kv_heads, head_dim=read.head_dim, qkv_bias=read.qkv_bias,
                              out_bias=read.out_bias, rope=rope, sinks=read.sinks,
-                             rope_theta=10000.0 if rope_theta is None else float(rope_theta), **rope_kw, **layer)
+                             rope_theta=10000.0 if rope_theta is None or rope is None else float(rope_theta),
+                             **rope_kw, **layer)
     if described is not None:
         _agree(path, config, described)
-    return sd, config, window, where, tensors
+    return sd, config, window, where, tensors, chunk
+
+
+def _beside_json(path) -> tuple:
+    """(parsed config.json, its path, the error reading it) of the config.json beside a weight file, read once;
+    (None, None, None) when there is none. An error is kept for `_beside` to raise, after the flags' own."""
+    from mha_spec.files import read_json
+
+    where = os.path.join(os.path.dirname(os.path.abspath(os.fsdecode(path))), "config.json")
+    if not os.path.isfile(where):
+        return None, None, None
+    try:
+        return read_json(where), where, None
+    except (OSError, ValueError) as e:
+        return None, where, e
+
+
+def _says_nope(beside: tuple, prefix: str) -> bool:
+    """Whether the config.json beside a weight file (`_beside_json`) describes the prefix's block as a layer
+    without RoPE (a Llama 4 NoPE layer); False when it does not or cannot say (`_beside` then names why)."""
+    from parity import layouts
+
+    cfg, where, _ = beside
+    model = layouts.HF_MODELS.get(cfg.get("model_type")) if isinstance(cfg, dict) else None
+    if model is None or not model.llama4:
+        return False
+    try:
+        return layouts.attention_config(cfg, where, layer=layouts.layer_index(prefix), ignore_chunk=True).rope is None
+    except (ValueError, TypeError, NotImplementedError):
+        return False
 
 
 def _features(config) -> tuple[str, ...]:
     """The layer features whose tensors the layout reads (`parity.layouts.account`): the config's QK-norm, sinks."""
     if config is None:
         return ()
-    return (*(("qk_norm",) if config.qk_norm else ()), *(("sinks",) if config.sinks else ()))
+    return (*(("qk_norm",) if _weighted_norm(config) else ()), *(("sinks",) if config.sinks else ()))
 
 
-def _beside(path, layout: str, tensors, prefix: str = ""):
-    """(AttentionConfig, sliding window, its path) of the config.json in a single weight file's directory (a
-    save_pretrained directory); (None, None, None) when there is none. For hf-llama its model must be one
+def _weighted_norm(config) -> str | None:
+    """The config's QK-norm when it has weights (q_norm/k_norm: "head", "flat"); None otherwise (Llama 4's "l2"
+    is weightless)."""
+    norm = getattr(config, "qk_norm", None)
+    return norm if norm in ("head", "flat") else None
+
+
+def _beside(path, layout: str, tensors, prefix: str = "", beside: tuple | None = None):
+    """(AttentionConfig, sliding window, its path, Llama 4's chunk) of the config.json in a single weight file's
+    directory (a save_pretrained directory); (None, None, None, None) when there is none. For hf-llama its model must be one
     `parity.layouts.read_hf_config` reads; for every layout, what it sets that the tool does not model
-    (`parity.layouts.unmodelled_features`) is refused by name: a file alone cannot say it."""
-    from mha_spec.files import read_json
+    (`parity.layouts.unmodelled_features`) is refused by name: a file alone cannot say it. beside: the
+    config.json as `_beside_json` read it (None: read here)."""
     from parity import layouts
 
-    directory = os.path.dirname(os.path.abspath(os.fsdecode(path)))
-    where = os.path.join(directory, "config.json")
-    if not os.path.isfile(where):
-        return None, None, None
-    cfg = read_json(where)
+    cfg, where, error = _beside_json(path) if beside is None else beside
+    if where is None:
+        return None, None, None, None
+    if error is not None:
+        raise error
     if not isinstance(cfg, dict):
         raise ValueError(f"{where} (beside the weight file) holds a JSON {type(cfg).__name__}, not an object")
     if layout not in _ROPE_LAYOUTS:
@@ -341,14 +416,15 @@ def _beside(path, layout: str, tensors, prefix: str = ""):
         if features:
             raise ValueError(f"{where} (beside the weight file) describes attention the tool does not model: "
                              f"{'; '.join(features)}")
-        return None, None, where
+        return None, None, where, None
     model = layouts.hf_model(cfg, where, tensors)
     if model.layout != layout:
         raise ValueError(layouts.layout_mismatch(cfg, f"{where} (beside the weight file)", model, layout, tensors))
     layer = layouts.layer_index(prefix)
     window = sliding_window(cfg, where, layer)
-    return (layouts.attention_config(cfg, where, ignore_sliding_window=window is not None, layer=layer), window,
-            where)
+    chunk = layouts.layer_chunk(cfg, where, layer)
+    return (layouts.attention_config(cfg, where, ignore_sliding_window=window is not None, layer=layer,
+                                     ignore_chunk=chunk is not None), window, where, chunk)
 
 
 def _agree(path, config: AttentionConfig, described: AttentionConfig) -> None:
@@ -356,6 +432,7 @@ def _agree(path, config: AttentionConfig, described: AttentionConfig) -> None:
     fields = (("--heads", "num_attention_heads", "num_heads"),
               ("--kv-heads (or k_proj's rows)", "num_key_value_heads", "kv_heads"),
               ("--rope-theta", "rope_theta", "rope_theta"),
+              ("the layout's RoPE", "the layer's RoPE", "rope"),
               ("the file's q/k/v biases", "the model's q/k/v biases", "qkv_bias"),
               ("the file's out_proj bias", "the model's out_proj bias", "out_bias"),
               ("E", "hidden_size", "embed_dim"),
@@ -389,19 +466,45 @@ def constant_tensors(state_dict: dict) -> tuple[str, ...]:
 class DecoderCase(Case):
     """A checkpoint case: its T queries are the newest of its S tokens (T <= S), so with RoPE the
     queries' positions are the last T of the keys' (query t sits at key t + S - T, where the
-    bottom-right causal mask puts it)."""
+    bottom-right causal mask puts it). A NoPE layer with Llama 4's temperature takes its query positions
+    from the cache slots instead (`temperature_positions`)."""
 
     def draw_inputs(self, seed: int, state_dict: dict | None = None) -> Inputs:
-        """The matrix's draw (`draw_inputs`), the query positions then taken from the key positions."""
+        """The matrix's draw (`draw_inputs`), the query positions then taken from the key positions (a
+        temperature layer's: `temperature_positions`)."""
         x = draw_inputs(self, seed, state_dict)
         if x.positions is None:
             return x
+        s = self.shape
+        if s.rope is None and s.attn_temperature_tuning:
+            return dataclasses.replace(x, positions=temperature_positions(self.config, s.B, s.T, s.S))
         return dataclasses.replace(x, positions=x.key_positions[:, self.shape.S - self.shape.T:].copy())
+
+
+def temperature_positions(config: AttentionConfig, B: int, T: int, S: int):
+    """int64 (B, T): the query positions of a checkpoint case of a NoPE layer with Llama 4's temperature.
+    Llama4TextAttention does not read position_ids for it: it counts cache slots, arange(T) plus the tokens
+    the cache has seen, alike for every row. So the cases' positions are slots p0 + S - T + t, one list for
+    every row -- the model's own numbers with p0 tokens seen before the S -- and p0 puts the S tokens across
+    the first step of floor((p + 1) / floor_scale) (p = ceil(floor_scale) - 1) where the sequence reaches it,
+    so the temperature takes two values among them (Llama 4's floor_scale 8192: p0 = 8191 - S // 2)."""
+    import math
+
+    import numpy as np
+
+    first_step = math.ceil(config.floor_scale) - 1  # the smallest p with floor((p + 1) / floor_scale) = 1
+    p0 = max(0, first_step - S // 2)
+    return np.broadcast_to(p0 + np.arange(S - T, S, dtype=np.int64)[None], (B, T)).copy()
 
 
 def window_binds(sliding_window: int | None, S: int) -> bool:
     """Whether a sliding window of W keys masks anything among S tokens (W < S)."""
     return sliding_window is not None and sliding_window < S
+
+
+def chunk_binds(chunk: int | None, S: int) -> bool:
+    """Whether Llama 4's chunks of C tokens mask anything among S tokens (C < S: a second chunk begins)."""
+    return chunk is not None and chunk < S
 
 
 def past_original(config: AttentionConfig) -> int | None:
@@ -414,23 +517,32 @@ def past_original(config: AttentionConfig) -> int | None:
 
 
 def cases(config: AttentionConfig, B: int, T: int, S: int, redraw: tuple = (), decode: bool = False,
-          sliding_window: int | None = None) -> tuple[Case, ...]:
+          sliding_window: int | None = None, chunk: int | None = None) -> tuple[Case, ...]:
     """The checkpoint's cases at B, T, S (see the module docstring); with `redraw` (constant
     tensors), also "checkpoint-redrawn/<mask>/nan": the file's weights with those tensors drawn.
     decode: the decode check is selected (with T < S it gets a case of its own; with T == S the causal
     case is its case either way). sliding_window: config.json's W; with W < S the cases are the window's
-    (window (W - 1, 0), bottom-right aligned), without a decode case."""
+    (window (W - 1, 0), bottom-right aligned), without a decode case. chunk: Llama 4's attention_chunk_size C;
+    with C < S the cases are "checkpoint/chunked/nan" and "checkpoint/chunked+padding/uniform": bottom-right
+    aligned (the T queries are the last of the S tokens) and the chunks counted from the first key, as
+    transformers' chunked mask counts cache positions (the RoPE positions are drawn apart, as position_ids
+    are); no decode case (the decode check does not give the chunk to the decoders: our caches take one,
+    `KVCache.keep_mask`, but the runners' decoders are built from the layer alone)."""
     if T > S:
         raise ValueError(f"--shape {B},{T},{S}: a decoder's queries are the newest of its tokens, so T <= S; got T > S")
     shape = Shape.of("checkpoint", Problem(config, B, T, S), cross=T != S)
     redrawn = Shape.of("checkpoint-redrawn", Problem(config, B, T, S), cross=T != S)
     past = {"positions_from": past_original(config)}  # the decode check's steps run at their cache slots
-    if window_binds(sliding_window, S):
-        window = {"window": (sliding_window - 1, 0), "alignment": "bottom-right", **past}
-        out = tuple(DecoderCase(shape, "window", policy, padded=padded, peers=True, jax_eager=False, **window)
+    if window_binds(sliding_window, S) and chunk_binds(chunk, S):
+        raise ValueError(f"a sliding window ({sliding_window}) and a chunk ({chunk}) on one layer: no model has both")
+    if window_binds(sliding_window, S) or chunk_binds(chunk, S):
+        mask = "window" if window_binds(sliding_window, S) else "chunked"
+        kind = {"window": (sliding_window - 1, 0)} if mask == "window" else {"chunk": chunk}
+        window = {**kind, "alignment": "bottom-right", **past}
+        out = tuple(DecoderCase(shape, mask, policy, padded=padded, peers=True, jax_eager=False, **window)
                     for policy, padded in WINDOW_MASKS)
         if redraw:
-            out += (DecoderCase(redrawn, "window", WINDOW_MASKS[0][0], jax_eager=False, redraw=tuple(redraw), **window),)
+            out += (DecoderCase(redrawn, mask, WINDOW_MASKS[0][0], jax_eager=False, redraw=tuple(redraw), **window),)
         return out
     out = tuple(DecoderCase(shape, mask, policy, peers=True, jax_eager=False, **past,
                             decode=mask == "causal" and T == S and S > 1) for mask, policy in MASKS)
@@ -503,15 +615,16 @@ def prepare(args) -> CheckpointRun:
                        num_kv_heads=args.kv_heads, rope_theta=args.rope_theta)
     B, T, S = args.shape or DEFAULT_SHAPE
     constant = constant_tensors(layer.state_dict)
-    default = WINDOW_CHECKS if window_binds(layer.sliding_window, S) else CHECKS
+    binds = window_binds(layer.sliding_window, S) or chunk_binds(layer.chunk, S)
+    default = WINDOW_CHECKS if binds else CHECKS
     try:
         checks = args.checks if args.checks is not None else default
         chosen = cases(layer.config, B, T, S, redraw=constant, decode="decode" in checks,
-                       sliding_window=layer.sliding_window)
+                       sliding_window=layer.sliding_window, chunk=layer.chunk)
     except ValueError as e:
         raise LoadError(str(e)) from e
     environment = dict(layer.environment)
-    if layer.sliding_window is not None:
+    if layer.sliding_window is not None or layer.chunk is not None:
         environment["checkpoint_tokens"] = S
     if constant:
         environment["checkpoint_constant_tensors"] = ",".join(constant)
@@ -526,5 +639,5 @@ def run_kwargs(args) -> dict:
 
 
 __all__ = ["CheckpointLayer", "CheckpointRun", "DecoderCase", "load_layer", "read_sliding_window", "sliding_window",
-           "window_binds", "cases", "prepare", "run_kwargs",
+           "window_binds", "chunk_binds", "temperature_positions", "cases", "prepare", "run_kwargs",
            "add_arguments", "usage_problem", "CHECKS", "MASKS", "WINDOW_MASKS", "WINDOW_CHECKS", "DEFAULT_SHAPE", "DTYPES_DEFAULT"]

@@ -147,9 +147,9 @@ def _decode_oracle(unit, policy: str, at: str):
     keep = reference.decode_keep(sch.starts, sch.tokens)  # (B, 1, T, T)
     kw = {"num_heads": s.N, "num_kv_heads": s.num_kv_heads, "rope": s.rope, "rope_theta": s.rope_theta,
           "masked_rows": policy, **layer_fields(s)}
-    if s.rope is not None:
+    if s.rope is not None or s.attn_temperature_tuning:  # Llama 4's NoPE temperature reads the queries' positions
         pos = reference.decode_positions(sch.starts, sch.tokens)  # (B, T)
-        kw.update(positions=pos, key_positions=pos)
+        kw.update(positions=pos, **({"key_positions": pos} if s.rope is not None else {}))
     if s.rope_scaling is not None and s.rope_scaling.switches:
         def maths(sd, xs, dt):
             return _switching_oracle(sd, xs[0], dt, sch, keep, kw)

@@ -3,8 +3,8 @@
 A case is a problem (`mha_spec.AttentionConfig` and the sizes B, T, S, with self- or
 cross-attention), a mask kind and a masked-row policy; dtypes are a separate axis of
 the run. Beside the dense kinds (`mha_spec.MASK_KINDS`) a case may have a structured one
-(`STRUCTURED_MASKS`: packed documents, a sliding window; docs/semantics.md, "Packed sequences,
-sliding windows and causal alignment"), optionally ANDed with padding; its inputs then carry
+(`STRUCTURED_MASKS`: packed documents, a sliding window, Llama 4's chunks; docs/semantics.md, "Packed
+sequences, sliding windows and causal alignment"), optionally ANDed with padding; its inputs then carry
 the structure (`Inputs.structure`) beside the dense keep-mask it stands for. Inputs are
 drawn once per case, in float64, from a NumPy generator seeded by (seed, case name), so
 filtering cases never changes another case's numbers; each dtype
@@ -130,6 +130,9 @@ class Case:
     # 2-3 documents per row (`segment_ids`), causal within each in self-attention; in cross-attention the
     # keys have documents of their own (an encoder-decoder pack: no causal order between the two).
     window: tuple | None = None
+    # chunk: C of a "chunked" case (Llama 4's chunked attention: causal within chunks of C tokens, chunks counted
+    # from key 0; with alignment "bottom-right" and T < S the queries are the last T of the S tokens).
+    chunk: int | None = None
     alignment: str = "top-left"
     padded: bool = False
     # RoPE cases: the smallest drawn position (queries' and keys' alike, every row shifted by one amount, so the
@@ -146,6 +149,9 @@ class Case:
         if (self.mask == "window") != (self.window is not None):
             raise ValueError(f"case {label}: window= is given with mask 'window' and only then, got mask={self.mask!r}, "
                              f"window={self.window!r}")
+        if (self.mask == "chunked") != (self.chunk is not None):
+            raise ValueError(f"case {label}: chunk= is given with mask 'chunked' and only then, got mask={self.mask!r}, "
+                             f"chunk={self.chunk!r}")
         try:
             band = self.structure()
         except (TypeError, ValueError) as e:
@@ -182,12 +188,13 @@ class Case:
 
     def structure(self, segment_ids=None, key_segment_ids=None) -> Structure:
         """The case's structured mask (`mha_spec.Structure`) with these drawn segment ids (B, T), (B, S): a
-        window is causal; packed documents are causal within each in self-attention, and in cross-attention
-        the keys' documents are their own (no causal order). A dense case's asks nothing (`Inputs.keep`)."""
+        window is causal, so is a chunk (Llama 4's, `chunk`); packed documents are causal within each in
+        self-attention, and in cross-attention the keys' documents are their own (no causal order). A dense
+        case's asks nothing (`Inputs.keep`)."""
         s = self.shape
         return Structure.of(s.T, s.S, is_causal=self.mask == "window" or (self.mask == "packed" and not s.cross),
                             window=self.window, segment_ids=segment_ids, key_segment_ids=key_segment_ids,
-                            alignment=self.alignment)
+                            alignment=self.alignment, chunk=self.chunk)
 
     @property
     def structured(self) -> bool:
@@ -347,6 +354,10 @@ MASK_SHAPES = {
         Shape("packed-cross", B=3, T=6, S=8, E=10, N=2, cross=True),  # H=5
         # The classic layer (every bias, no RoPE) over packed rows.
         Shape("packed-classic", B=2, T=7, S=7, E=18, N=3, cross=False),  # H=6
+        # Llama 4's chunked layer over a decoder's chunk: T = 4 queries, the last of S = 8 keys, chunks of 3
+        # counted from key 0 (queries at keys 4..7: chunks [3, 6) and [6, 9)); H=10
+        Shape("chunked-cross", B=2, T=4, S=8, E=20, N=2, cross=True, num_kv_heads=1, qkv_bias=False, out_bias=False,
+              rope="interleaved", rope_theta=500.0, qk_norm="l2", qk_norm_eps=1e-5),
     )
 }
 
@@ -429,8 +440,9 @@ def mask_matrix() -> tuple[Case, ...]:
     cases (float32); the window ANDed with padding (a row of padding only: its rows are fully masked,
     "uniform"), in float64, float32 and bfloat16; the classic layer packed (float64); a window over a
     decoder's chunk (T = 5 queries, the last of S = 9 keys, bottom-right; float32); an encoder-decoder
-    pack (query and key documents apart, one query document with no keys: fully masked rows; float64).
-    Every case has the leak check's rows."""
+    pack (query and key documents apart, one query document with no keys: fully masked rows; float64);
+    Llama 4's chunks over a decoder's chunk (T = 4 queries, the last of S = 8 keys, bottom-right, C = 3;
+    float32; the modern set has the self-attention chunked case). Every case has the leak check's rows."""
     return (
         *_DEFAULT_MASK_CASES,
         Case(_M["window-mistral"], "window", "uniform", window=(3, 0), padded=True, peers=True, jax_eager=False,
@@ -439,6 +451,8 @@ def mask_matrix() -> tuple[Case, ...]:
         Case(_M["window-cross"], "window", "zero", window=(2, 0), alignment="bottom-right", jax_eager=False,
              dtypes=("float32",)),
         Case(_M["packed-cross"], "packed", "uniform", jax_eager=False, dtypes=("float64",)),
+        Case(_M["chunked-cross"], "chunked", "zero", chunk=3, alignment="bottom-right", jax_eager=False,
+             dtypes=("float32",)),
     )
 
 
@@ -458,8 +472,9 @@ _MODERN_CASES = (
 
 # Llama 4's layers: its RoPE layers' weightless L2 norm of q and k after (interleaved) RoPE, and its NoPE
 # layers' query temperature log(floor((pos + 1) / floor_scale) + 1) * attn_scale + 1 (floor_scale small, so
-# the drawn positions, 1..~80, cross several steps). The chunked mask (`chunk=`) is the modules' and the
-# oracle's (tests/test_llama4.py), not yet a case kind.
+# the drawn positions, 1..~80, cross several steps); and its chunked layers (RoPE, the L2 norm, the mask kind
+# "chunked": a query keeps the causal keys of its own chunk of C tokens), C = 3 < T = 7, so every query past
+# the first chunk loses keys to it and the last chunk is a partial one.
 LLAMA4_SHAPES = {
     s.name: s
     for s in (
@@ -467,11 +482,16 @@ LLAMA4_SHAPES = {
               rope="interleaved", rope_theta=500.0, qk_norm="l2", qk_norm_eps=1e-5),
         Shape("nope-llama4", B=3, T=5, S=5, E=12, N=3, cross=False, num_kv_heads=1, qkv_bias=False, out_bias=False,
               attn_temperature_tuning=True, floor_scale=4.0, attn_scale=0.1),
+        Shape("chunked-llama4", B=3, T=7, S=7, E=24, N=4, cross=False, num_kv_heads=2, qkv_bias=False,
+              out_bias=False, rope="interleaved", rope_theta=500.0, qk_norm="l2", qk_norm_eps=1e-5),  # H = 6
     )
 }
+LLAMA4_CHUNK = 3  # the chunked case's C: chunks [0, 3), [3, 6), [6, 7)
 _LLAMA4_CASES = (
     Case(LLAMA4_SHAPES["l2-llama4"], "causal", "nan", jax_eager=False, dtypes=("float64", "float32", "bfloat16")),
     Case(LLAMA4_SHAPES["nope-llama4"], "padding", "zero", jax_eager=False, dtypes=("float64", "float32")),
+    Case(LLAMA4_SHAPES["chunked-llama4"], "chunked", "nan", chunk=LLAMA4_CHUNK, train=True, peers=True,
+         jax_eager=False, dtypes=("float64", "float32", "bfloat16")),
 )
 
 _RS = ROPE_SHAPES

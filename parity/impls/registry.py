@@ -50,11 +50,12 @@ attends to something (so -inf, finfo.min or unmasked values at masked places all
 weights, context and output everywhere. A stage of another shape than the oracle's (a
 k with N heads, repeated before it is reported) is named with both shapes.
 
-Structured masks (the harness's packed and window cases, `parity.implementation.STRUCTURED_MASKS`):
+Structured masks (the harness's packed, window and chunked cases, `parity.implementation.STRUCTURED_MASKS`):
 by default `mask` is the whole mask, dense (`reference.structured_keep` of the case's segment ids,
-window and causality, AND its padding). An implementation declaring `structured=True` (ours do) gets
+window, chunk and causality, AND its padding). An implementation declaring `structured=True` (ours do) gets
 the structure as keywords instead -- `is_causal=True`, `window=(left, right)`, `segment_ids=` (B, T),
-`key_segment_ids=` (B, S), `alignment="bottom-right"`, those the case uses, segment ids as framework
+`key_segment_ids=` (B, S), `alignment="bottom-right"`, and `chunk=C` when it also declares `takes_chunk=True`
+(a structured one without it skips the chunked cases), those the case uses, segment ids as framework
 integer arrays (torch int64, JAX int32; NumPy to a peer's `fn.vjp`) -- and `mask` is the rest of the
 case's mask (its padding, or None).
 
@@ -85,7 +86,7 @@ from parity.implementation import (
     import_attr,
     unit_kind,
 )
-from parity.peers import equinox, flax, hf, hf_fused, jax_dpa, keras, pallas, sdpa, torch_mha
+from parity.peers import equinox, flax, hf, hf_fused, hf_llama4, jax_dpa, keras, pallas, sdpa, torch_mha
 
 
 def implementation(**declared):
@@ -170,9 +171,10 @@ _OURS_VARIANTS = {"torch": VARIANT_FEATURES, "jax": VARIANT_FEATURES}
 
 
 def _ours(name, framework, factory, mode, weights, doc, **kw):
-    # structured: our modules take is_causal, window, segment_ids, key_segment_ids and alignment themselves.
+    # structured: our modules take is_causal, window, segment_ids, key_segment_ids, alignment and chunk themselves.
     return Implementation(name, framework, factory, mode, weights, masked_rows=None, role="ours",
-                          family=f"ours-{framework}", doc=doc, variants=_OURS_VARIANTS[framework], structured=True, **kw)
+                          family=f"ours-{framework}", doc=doc, variants=_OURS_VARIANTS[framework], structured=True,
+                          takes_chunk=True, **kw)
 
 
 OURS = (
@@ -196,6 +198,7 @@ PEERS = (
     *jax_dpa.IMPLEMENTATIONS,
     *hf.IMPLEMENTATIONS,
     *hf_fused.IMPLEMENTATIONS,
+    *hf_llama4.IMPLEMENTATIONS,
     *keras.IMPLEMENTATIONS,
     *equinox.IMPLEMENTATIONS,
     *pallas.IMPLEMENTATIONS,
