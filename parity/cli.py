@@ -36,7 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=DEVICES, default="auto", help="where to run (auto = best present; default %(default)s)")
     p.add_argument("--quick", action="store_true", help="a small matrix that takes a few seconds")
     p.add_argument("--cases", type=comma_separated(), default=(), metavar="A,B",
-                   help="case sets or case name prefixes/globs (e.g. 'self/*,cross'); sets: 'modern' (grouped and "
+                   help="case sets or case name prefixes/globs (e.g. 'self/*,cross'); sets: 'latent' (DeepSeek's multi-head "
+                   "latent attention: its own cases and checks, docs/latent.md), 'modern' (grouped and "
                    "multi-query heads, RoPE half/interleaved, projections without bias, a Llama layer, the layers after "
                    "it), 'rope' (partial and scaled RoPE: llama3, yarn, longrope, linear; also in 'modern'), 'masks' "
                    "(packed documents and sliding windows, with padding and T != S), 'default', 'quick'")
@@ -146,7 +147,7 @@ def _usage_problems(args) -> str | None:
     return None
 
 
-def _run(args, console, stop, checkpoint_run=None):
+def _run(args, console, stop, checkpoint_run=None, write: bool = True):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from parity.harness.runner import run
@@ -177,7 +178,8 @@ def _run(args, console, stop, checkpoint_run=None):
         return run(
             **kw, impls=impls, device=args.device,
             seed=args.seed, quick=args.quick, compile=args.compile, framework_defaults=args.framework_defaults,
-            json_path=args.json, markdown_path=args.markdown, plot_path=args.plot, on_start=on_start,
+            **(dict(json_path=args.json, markdown_path=args.markdown, plot_path=args.plot) if write else {}),
+            on_start=on_start,
             on_progress=on_progress, should_stop=lambda: stop.requested, devices=args.devices, shardings=args.shardings,
             job_timeout_s=args.job_timeout,
         )
@@ -211,6 +213,10 @@ def main(argv=None) -> int:
     if problem:  # a usage error: on stderr, as argparse's own
         print(f"mha-parity: {problem}", file=sys.stderr, flush=True)
         return EXIT_USAGE
+    from parity.harness import latent
+
+    if latent.is_latent_checkpoint(args) or "latent" in (args.cases or ()):
+        return _run_latent(args, console, stop)
     checkpoint_run = None
     if args.checkpoint is not None:  # read (or refused) before anything compiles; a refusal goes to stderr
         try:
@@ -231,6 +237,57 @@ def main(argv=None) -> int:
         console.print(f"mha-parity: {type(e).__name__}: {e}", soft_wrap=True, markup=False, style="bold red")
         return EXIT_USAGE
     return _finish(report, args, console, tally.summary(cache_dir))
+
+
+def _run_latent(args, console, stop) -> int:
+    """A DeepSeek --checkpoint, or --cases naming 'latent': the latent harness (`parity.harness.latent`); with other
+    case sets named too, its rows join the report those give."""
+    from parity.harness import latent
+    from parity.harness.runner import write_reports
+
+    others = tuple(c for c in (args.cases or ()) if c != "latent")
+    try:
+        if args.checkpoint is not None:
+            if args.cases:
+                raise ValueError(f"--cases {','.join(args.cases)} with --checkpoint: a checkpoint runs its own cases")
+            what, kw = latent.checkpoint_run(args)
+            console.print(what, soft_wrap=True, markup=False)
+        else:  # with other sets named, the latent run takes the dtypes, checks and --impls names it knows
+            if args.layer is not None:
+                raise ValueError("--cases latent runs its own layers; it takes no --layer")
+            if others and args.impl:
+                raise ValueError("--impl with --cases latent and other sets: a latent layer and an attention layer "
+                                 "are different protocols; run the latent cases apart")
+            dtypes, checks, names = (None if given is None else tuple(x for x in given if x in known or not others)
+                                     for given, known in ((args.dtypes, latent.LATENT_DTYPES),
+                                                          (args.checks, latent.LATENT_CHECKS),
+                                                          (args.impls, [i.name for i in latent.ours()])))
+            if dtypes is not None and (not dtypes or set(dtypes) - set(latent.LATENT_DTYPES)):
+                raise ValueError(f"--dtypes {','.join(args.dtypes)}: the latent cases run "
+                                 f"{','.join(latent.LATENT_DTYPES)}")
+            kw = dict(dtypes=dtypes, checks=checks, seed=args.seed,
+                      impls=(*latent.select_ours(names), *map(latent.load_latent_impl, args.impl),
+                             latent.hf_peer("v3")))
+    except (ValueError, OSError, NotImplementedError, TypeError) as e:
+        print(f"mha-parity: {e}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
+    try:
+        base = None
+        if others:
+            args.cases = others
+            base = _run(args, console, stop, write=False)
+        rows = latent.run_latent(**kw, should_stop=lambda: stop.requested)
+    except (ValueError, TypeError, ImportError) as e:
+        console.print(f"mha-parity: {type(e).__name__}: {e}", soft_wrap=True, markup=False, style="bold red")
+        return EXIT_USAGE
+    report = rows if base is None else base
+    if base is not None:
+        base.rows += rows.rows
+        base.users += rows.users
+        base.interrupted = base.interrupted or rows.interrupted
+        base.elapsed_s += rows.elapsed_s
+    report.write_errors = write_reports(report, args.json, args.markdown, args.plot)
+    return _finish(report, args, console)
 
 
 def _finish(report, args, console, compile_summary: str = "") -> int:

@@ -1141,7 +1141,7 @@ def read_config_json(source) -> tuple[Mapping, str]:
 # (read off transformers' modeling files); what config.json can switch is found by `unmodelled_features`.
 _MLA = ("multi-head latent attention: low-rank q and kv projections with their RMSNorms, a rope key "
                     "shared by all heads, a value head dim of its own (mha_torch/mha_jax MultiHeadLatentAttention; "
-                    "not read from checkpoints yet)",)
+                    "`mha-parity --checkpoint` reads it through parity.latent: docs/latent.md)",)
 FAMILY_FEATURES: dict[str, tuple[str, ...]] = {
     "qwen3": ("QK-norm: an RMSNorm over each head of q and k before RoPE (q_norm, k_norm)",),
     "qwen3_moe": ("QK-norm: an RMSNorm over each head of q and k before RoPE (q_norm, k_norm)",),

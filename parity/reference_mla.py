@@ -98,14 +98,36 @@ def _x(x, E: int) -> np.ndarray:
     return as_float64(x)
 
 
-def _linear(x, W, name):
+def _same(x):
+    return x
+
+
+def _rounding(dtype):
+    """(r, r_acc): round float64 values to `dtype` and back ("stored in dtype"), and to the dtype a layer in it
+    accumulates and normalises in (float32 for 16-bit); identities for float64."""
+    dt = np.dtype(dtype)
+    if dt == np.float64:
+        return _same, _same
+    acc = np.dtype(np.float32) if dt.itemsize < 4 else dt
+
+    def r(x):
+        return np.asarray(x, dt).astype(np.float64)
+
+    def r_acc(x):
+        return np.asarray(x, acc).astype(np.float64)
+
+    return r, r_acc
+
+
+def _linear(x, W, name, r=_same):
     y = x @ W[f"{name}.weight"].T
-    return y + W[f"{name}.bias"] if f"{name}.bias" in W else y
+    return r(y + W[f"{name}.bias"] if f"{name}.bias" in W else y)
 
 
-def _rms_norm(x, w, eps):
-    """w · x / sqrt(mean(x²) + eps) over the last axis (DeepseekV3RMSNorm, float64 here)."""
-    return w * (x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps))
+def _rms_norm(x, w, eps, r=_same, r_acc=_same):
+    """w · x / sqrt(mean(x²) + eps) over the last axis (DeepseekV3RMSNorm, float64 here; with a rounding, the
+    normalised x in the accumulation dtype, the product stored in the dtype)."""
+    return r(w * r_acc(x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)))
 
 
 def _rms_norm_backward(d_y, x, w, eps):
@@ -134,30 +156,30 @@ def _positions(positions, B: int, T: int) -> np.ndarray:
     return p.astype(np.float64).reshape(p.shape[0] if p.ndim == 2 else 1, 1, T, 1)
 
 
-def _query(xs, W, cfg: LatentAttentionConfig):
+def _query(xs, W, cfg: LatentAttentionConfig, r=_same, r_acc=_same):
     """(q (B, N, T, Dn+Dr) before RoPE, the normalised q latent (B, T, Q) or None)."""
     B, T, _ = xs.shape
     if cfg.q_lora_rank is None:
-        q, latent = _linear(xs, W, "q_proj"), None
+        q, latent = _linear(xs, W, "q_proj", r), None
     else:
-        latent = _rms_norm(_linear(xs, W, "q_a_proj"), W["q_a_norm.weight"], cfg.norm_eps)
-        q = _linear(latent, W, "q_b_proj")
+        latent = _rms_norm(_linear(xs, W, "q_a_proj", r), W["q_a_norm.weight"], cfg.norm_eps, r, r_acc)
+        q = _linear(latent, W, "q_b_proj", r)
     return q.reshape(B, T, cfg.num_heads, cfg.qk_head_dim).transpose(0, 2, 1, 3), latent
 
 
-def _latent(xs, W, cfg: LatentAttentionConfig):
+def _latent(xs, W, cfg: LatentAttentionConfig, r=_same, r_acc=_same):
     """(c (B, S, C) after kv_a_norm, k_pe (B, 1, S, Dr) before RoPE)."""
-    kv = _linear(xs, W, "kv_a_proj")  # (B, S, C + Dr)
+    kv = _linear(xs, W, "kv_a_proj", r)  # (B, S, C + Dr)
     C = cfg.kv_lora_rank
-    return _rms_norm(kv[..., :C], W["kv_a_norm.weight"], cfg.norm_eps), kv[:, None, :, C:]
+    return _rms_norm(kv[..., :C], W["kv_a_norm.weight"], cfg.norm_eps, r, r_acc), kv[:, None, :, C:]
 
 
-def _expand(c, k_pe, W, cfg: LatentAttentionConfig):
+def _expand(c, k_pe, W, cfg: LatentAttentionConfig, r=_same):
     """The latent c (B, S, C) and the rotated k_pe (B, 1, S, Dr) -> keys (B, N, S, Dn+Dr), values (B, N, S, Dv):
     kv_b_proj per head (its Dn key rows then its Dv value rows), the one k_pe behind every head's k_nope."""
     B, S, _ = c.shape
     N, Dn = cfg.num_heads, cfg.qk_nope_head_dim
-    kv = (c @ W["kv_b_proj.weight"].T).reshape(B, S, N, Dn + cfg.v_head_dim).transpose(0, 2, 1, 3)
+    kv = r(c @ W["kv_b_proj.weight"].T).reshape(B, S, N, Dn + cfg.v_head_dim).transpose(0, 2, 1, 3)
     k = np.concatenate([kv[..., :Dn], np.broadcast_to(k_pe, (B, N, S, cfg.qk_rope_head_dim))], axis=-1)
     return k, kv[..., Dn:]
 
@@ -177,39 +199,47 @@ def _softmax(scores, keep, masked_rows: str):
     return scores, np.where(row_any, e, fill)
 
 
-def _attend(q_rot, k, v, keep, cfg, masked_rows, W):
-    """(scores, weights (B, N, T, S), context (B, T, N·Dv), output (B, T, E)) of the attended q and k."""
+def _attend(q_rot, k, v, keep, cfg, masked_rows, W, r=_same, r_acc=_same):
+    """(scores, weights (B, N, T, S), context (B, T, N·Dv), output (B, T, E)) of the attended q and k; with a
+    rounding the scores and the softmax in the accumulation dtype, the weights, context and output stored."""
     B, N, T, _ = q_rot.shape
-    scores = np.einsum("BNTD,BNSD->BNTS", q_rot, k) * softmax_scale(cfg)
+    scores = r_acc(np.einsum("BNTD,BNSD->BNTS", q_rot, k) * softmax_scale(cfg))
     scores, weights = _softmax(scores, keep, masked_rows)
-    context = np.einsum("BNTS,BNSD->BTND", weights, v).reshape(B, T, N * cfg.v_head_dim)
-    return scores, weights, context, _linear(context, W, "out_proj")
+    weights = r(r_acc(weights))
+    context = r(np.einsum("BNTS,BNSD->BTND", weights, v).reshape(B, T, N * cfg.v_head_dim))
+    return scores, weights, context, _linear(context, W, "out_proj", r)
 
 
 def forward(sd, x, mask=None, *, num_heads: int, kv_lora_rank: int, qk_nope_head_dim: int, qk_rope_head_dim: int,
             v_head_dim: int, q_lora_rank: int | None = None, rope: str = "interleaved", rope_theta: float = 10000.0,
             rope_scaling=None, norm_eps: float = 1e-6, masked_rows: str = "nan", positions=None,
-            is_causal: bool = False) -> LatentIntermediates:
+            is_causal: bool = False, dtype=np.float64) -> LatentIntermediates:
     """MLA self-attention over x (B, T, E), stage by stage, in float64.
 
     `mask` is a keep-mask as `reference.forward` takes it ((T, S), (B, T, S), (B|1, N|1, T, S), nonzero = keep),
     ANDed with the causal one under `is_causal`; a row that keeps nothing follows `masked_rows`. `positions`
     (T,) | (B, T) integers (default arange(T)) rotate q_pe and the shared k_pe over Dr by the layer's
     convention `rope`, frequencies and attention factor of `rope_scaling` (a `mha_spec.RopeScaling`).
+    `dtype` other than float64 runs the same maths as a layer in that dtype stores it (the three-way judge's
+    yardstick): inputs and weights rounded to it, each stage computed in float64 and rounded -- projections,
+    the norms' product and rotated q_pe/k_pe to the dtype, the normalisation, cos/sin, scores and softmax to
+    its accumulation dtype (float32 for 16-bit) --, the stages returned as float64.
     """
     cfg, W = _layer(sd, num_heads, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, q_lora_rank,
                     rope, rope_theta, rope_scaling, norm_eps, masked_rows)
-    xs = _x(x, cfg.embed_dim)
+    r, r_acc = _rounding(dtype)
+    W = {n: r(w) for n, w in W.items()}
+    xs = r(_x(x, cfg.embed_dim))
     B, T, _ = xs.shape
     keep = _keep(mask, is_causal, B, num_heads, T)
-    cos, sin = _cos_sin(_positions(positions, B, T), cfg)  # (B|1, 1, T, Dr/2)
-    q, q_latent = _query(xs, W, cfg)
-    c, k_pe_raw = _latent(xs, W, cfg)
+    cos, sin = (r_acc(a) for a in _cos_sin(_positions(positions, B, T), cfg))  # (B|1, 1, T, Dr/2)
+    q, q_latent = _query(xs, W, cfg, r, r_acc)
+    c, k_pe_raw = _latent(xs, W, cfg, r, r_acc)
     Dn = cfg.qk_nope_head_dim
-    q_rot = np.concatenate([q[..., :Dn], rotate(q[..., Dn:], cos, sin, rope)], axis=-1)
-    k_pe = rotate(k_pe_raw, cos, sin, rope)  # (B, 1, S, Dr)
-    k, v = _expand(c, k_pe, W, cfg)
-    scores, weights, context, output = _attend(q_rot, k, v, keep, cfg, masked_rows, W)
+    q_rot = np.concatenate([q[..., :Dn], r(rotate(q[..., Dn:], cos, sin, rope))], axis=-1)
+    k_pe = r(rotate(k_pe_raw, cos, sin, rope))  # (B, 1, S, Dr)
+    k, v = _expand(c, k_pe, W, cfg, r)
+    scores, weights, context, output = _attend(q_rot, k, v, keep, cfg, masked_rows, W, r, r_acc)
     return LatentIntermediates(q, c, k_pe, q_rot, k, v, scores, weights, context, output, q_latent)
 
 

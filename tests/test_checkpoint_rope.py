@@ -242,7 +242,7 @@ def test_a_port_s_rope_slip_is_red_on_the_checkpoint(name, bug, stage, saved, ca
 
 
 def test_a_deepseek_config_is_refused_naming_latent_attention():
-    """MLA has modules and an oracle, but no checkpoint reader yet: a DeepSeek config is refused by what it is."""
+    """read_hf_config (the Llama-style reader) refuses a DeepSeek config by what it is; parity.latent reads it."""
     for model_type in ("deepseek_v2", "deepseek_v3"):
         with pytest.raises(ValueError, match="multi-head latent attention"):
             layouts.read_hf_config({"model_type": model_type, "hidden_size": 12, "num_attention_heads": 3,
