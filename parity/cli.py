@@ -23,6 +23,13 @@ from parity.harness.matrix import CHECKS
 EXIT_FAIL, EXIT_USAGE, EXIT_NOTHING, EXIT_INTERRUPTED = 1, 2, 3, 130
 
 
+CASES_HELP = ("case sets or case name prefixes/globs (e.g. 'self/*,cross'); sets: 'latent' (DeepSeek's multi-head "
+              "latent attention: its own cases and checks, docs/latent.md), 'modern' (grouped and multi-query heads, "
+              "RoPE half/interleaved, projections without bias, a Llama layer, the layers after it, Llama 4's), 'rope' "
+              "(partial and scaled RoPE: llama3, yarn, longrope, linear; also in 'modern'), 'masks' (packed documents, "
+              "sliding windows and chunks, with padding and T != S), 'default', 'quick'")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from parity.impls import select
     from parity.harness.sharded.launch import DEFAULT_JOB_TIMEOUT_S
@@ -35,12 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--device", choices=DEVICES, default="auto", help="where to run (auto = best present; default %(default)s)")
     p.add_argument("--quick", action="store_true", help="a small matrix that takes a few seconds")
-    p.add_argument("--cases", type=comma_separated(), default=(), metavar="A,B",
-                   help="case sets or case name prefixes/globs (e.g. 'self/*,cross'); sets: 'latent' (DeepSeek's multi-head "
-                   "latent attention: its own cases and checks, docs/latent.md), 'modern' (grouped and "
-                   "multi-query heads, RoPE half/interleaved, projections without bias, a Llama layer, the layers after "
-                   "it), 'rope' (partial and scaled RoPE: llama3, yarn, longrope, linear; also in 'modern'), 'masks' "
-                   "(packed documents and sliding windows, with padding and T != S), 'default', 'quick'")
+    p.add_argument("--cases", type=comma_separated(), default=(), metavar="A,B", help=CASES_HELP)
     p.add_argument("--dtypes", type=comma_separated(DTYPES), default=None, metavar=",".join(DTYPES),
                    help="default: every dtype each case runs in")
     p.add_argument("--checks", type=comma_separated(CHECKS), default=None, metavar=",".join(CHECKS),

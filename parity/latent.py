@@ -175,24 +175,12 @@ def _rope(cfg: Mapping, source: str) -> tuple[float, RopeScaling | None]:
     return float(theta), scaling
 
 
-def read_deepseek_config(source, layer: int | None = None) -> LatentAttentionConfig:
-    """The `LatentAttentionConfig` of a DeepSeek V2/V3 config.json (a directory, the file, or the parsed dict):
-    hidden_size, num_attention_heads, q_lora_rank (null: a plain q_proj), kv_lora_rank, qk_nope_head_dim,
-    qk_rope_head_dim, v_head_dim, the RoPE (rope_parameters or 4.x rope_scaling, rope_theta; YaRN with mscale and
-    mscale_all_dim), rope_interleave (V3; V2 always interleaved), attention_bias; the norms' eps is 1e-6 (see the
-    module docstring; rms_norm_eps must be a number but is the decoder layer's). Refused by name (ValueError):
-    another model_type, num_key_value_heads != num_attention_heads, attention_dropout != 0, partial RoPE, a RoPE
-    kind the modules do not model, and whatever `parity.layouts.unmodelled_features` finds in the other fields
-    (sliding windows, soft-capping, custom code, ...). `layer` (every DeepSeek layer has the same attention) must
-    be < num_hidden_layers when given."""
-    from parity.layouts import read_config_json, unmodelled_features
+def _refuse_unread(cfg: Mapping, where: str, N: int, Dr: int) -> None:
+    """ValueError naming what a DeepSeek config.json sets that the latent attention does not model or read: grouped
+    expanded heads, attention dropout, a bad rms_norm_eps, a qk_head_dim/head_dim other than transformers derives,
+    and whatever `parity.layouts.unmodelled_features` finds in the fields not read here."""
+    from parity.layouts import unmodelled_features
 
-    cfg, where = read_config_json(source)
-    model_type = cfg.get("model_type")
-    if model_type not in MODEL_TYPES:
-        raise ValueError(f"{where}: model_type {model_type!r} is not one of {sorted(MODEL_TYPES)} (multi-head latent "
-                         f"attention)")
-    E, N = _int(cfg, "hidden_size", where), _int(cfg, "num_attention_heads", where)
     K = cfg.get("num_key_value_heads")
     if K is not None and K != N:
         raise ValueError(f"{where}: num_key_value_heads = {K!r} != num_attention_heads = {N}: transformers' "
@@ -203,6 +191,21 @@ def read_deepseek_config(source, layer: int | None = None) -> LatentAttentionCon
     eps = cfg.get("rms_norm_eps", NORM_EPS)
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or eps < 0:
         raise ValueError(f"{where}: rms_norm_eps = {eps!r} is not a number >= 0")
+    # transformers derives these two (qk_head_dim = Dn + Dr, head_dim = Dr: the RoPE's width) and saves them
+    nope = cfg.get("qk_nope_head_dim")
+    for name, derived in (("qk_head_dim", nope + Dr if isinstance(nope, int) else None), ("head_dim", Dr)):
+        if cfg.get(name) is not None and cfg[name] != derived:
+            raise ValueError(f"{where}: {name} = {cfg[name]!r}, but transformers' DeepSeek attention uses "
+                             f"{derived!r} (qk_nope_head_dim + qk_rope_head_dim, qk_rope_head_dim): the field "
+                             f"would be ignored")
+    rest = {k: v for k, v in cfg.items() if k not in _READ}
+    if unmodelled := unmodelled_features(rest):
+        raise ValueError(f"{where}: config.json sets what the latent attention does not model: "
+                         + "; ".join(unmodelled))
+
+
+def _flags(cfg: Mapping, model_type: str, where: str) -> tuple[bool, bool]:
+    """(rope_interleave, attention_bias), each a bool; V2 always rotates consecutive pairs."""
     interleave = cfg.get("rope_interleave", True)
     if model_type == "deepseek_v2" and interleave is not True and "rope_interleave" in cfg:
         raise ValueError(f"{where}: rope_interleave = {interleave!r} on deepseek_v2, whose attention always rotates "
@@ -212,18 +215,30 @@ def read_deepseek_config(source, layer: int | None = None) -> LatentAttentionCon
     bias = cfg.get("attention_bias", False)
     if not isinstance(bias, bool):
         raise ValueError(f"{where}: attention_bias = {bias!r} is not a bool")
+    return interleave, bias
+
+
+def read_deepseek_config(source, layer: int | None = None) -> LatentAttentionConfig:
+    """The `LatentAttentionConfig` of a DeepSeek V2/V3 config.json (a directory, the file, or the parsed dict):
+    hidden_size, num_attention_heads, q_lora_rank (null: a plain q_proj), kv_lora_rank, qk_nope_head_dim,
+    qk_rope_head_dim, v_head_dim, the RoPE (rope_parameters or 4.x rope_scaling, rope_theta; YaRN with mscale and
+    mscale_all_dim), rope_interleave (V3; V2 always interleaved), attention_bias; the norms' eps is 1e-6 (see the
+    module docstring; rms_norm_eps must be a number but is the decoder layer's). Refused by name (ValueError):
+    another model_type, num_key_value_heads != num_attention_heads, attention_dropout != 0, partial RoPE, a RoPE
+    kind the modules do not model, and whatever `parity.layouts.unmodelled_features` finds in the other fields
+    (sliding windows, soft-capping, custom code, ...). `layer` (every DeepSeek layer has the same attention) must
+    be < num_hidden_layers when given."""
+    from parity.layouts import read_config_json
+
+    cfg, where = read_config_json(source)
+    model_type = cfg.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise ValueError(f"{where}: model_type {model_type!r} is not one of {sorted(MODEL_TYPES)} (multi-head latent "
+                         f"attention)")
+    E, N = _int(cfg, "hidden_size", where), _int(cfg, "num_attention_heads", where)
     Dr = _int(cfg, "qk_rope_head_dim", where)
-    # transformers derives these two (qk_head_dim = Dn + Dr, head_dim = Dr: the RoPE's width) and saves them
-    for name, derived in (("qk_head_dim", cfg.get("qk_nope_head_dim", 0) + Dr if isinstance(cfg.get("qk_nope_head_dim"), int)
-                           else None), ("head_dim", Dr)):
-        if cfg.get(name) is not None and cfg[name] != derived:
-            raise ValueError(f"{where}: {name} = {cfg[name]!r}, but transformers' DeepSeek attention uses "
-                             f"{derived!r} (qk_nope_head_dim + qk_rope_head_dim, qk_rope_head_dim): the field "
-                             f"would be ignored")
-    rest = {k: v for k, v in cfg.items() if k not in _READ}
-    if unmodelled := unmodelled_features(rest):
-        raise ValueError(f"{where}: config.json sets what the latent attention does not model: "
-                         + "; ".join(unmodelled))
+    _refuse_unread(cfg, where, N, Dr)
+    interleave, bias = _flags(cfg, model_type, where)
     theta, scaling = _rope(cfg, where)
     if layer is not None:
         L = cfg.get("num_hidden_layers")
@@ -242,19 +257,19 @@ def read_deepseek_config(source, layer: int | None = None) -> LatentAttentionCon
 def layout_of(source) -> str | None:
     """"hf-deepseek-v3"/"hf-deepseek-v2" for a directory (or a file beside a config.json) whose model_type is
     DeepSeek's; None otherwise (no config.json, another model)."""
-    import json
     import os
+
+    from mha_spec.files import read_json
 
     path = os.fspath(source)
     directory = path if os.path.isdir(path) else os.path.dirname(path)
     cfg_path = os.path.join(directory, "config.json")
     if not os.path.isfile(cfg_path):
         return None
-    try:
-        with open(cfg_path) as f:
-            cfg = json.load(f)
+    try:  # read_json: too deep a nesting is a ValueError naming the file, not a RecursionError
+        cfg = read_json(cfg_path)
     except (OSError, ValueError):
-        return None
+        return None  # not DeepSeek's; the Llama-style reader says what is wrong with it
     return MODEL_TYPES.get(cfg.get("model_type")) if isinstance(cfg, Mapping) else None
 
 

@@ -76,6 +76,26 @@ def _chunk_keep(T: int, S: int, chunk: int, bug, device):
     return (s <= a) & ((s + shift) // chunk == (a + shift) // chunk)
 
 
+def _rope_and_norm(q, k, positions, key_positions, config, bug, acc):
+    """q (B, N, T, H), k (B, K, S, H) rotated (RoPE layers) and L2-normed per head after RoPE (or as the bug has
+    it: before RoPE -- the same numbers, RoPE keeps each head's norm --, or over the whole projection)."""
+    if config.rope is None:
+        return q, k
+    eps = config.qk_norm_eps
+    norm_first = bug == "norm-before-rope" and config.qk_norm == "l2"
+    if norm_first:
+        q, k = _l2(q, eps), _l2(k, eps)
+    q, k = _rotate_pairs(q, positions, config.rope_theta, acc), _rotate_pairs(k, key_positions, config.rope_theta, acc)
+    if config.qk_norm != "l2" or norm_first:
+        return q, k
+    if bug == "norm-over-projection":  # over every head's features at once
+        (B, N, T, H), S, K = q.shape, k.shape[2], k.shape[1]
+        q = _l2(q.transpose(1, 2).reshape(B, T, N * H), eps).view(B, T, N, H).transpose(1, 2)
+        k = _l2(k.transpose(1, 2).reshape(B, S, K * H), eps).view(B, S, K, H).transpose(1, 2)
+        return q, k
+    return _l2(q, eps), _l2(k, eps)
+
+
 def make_attention(config, *, bug: str | None = None):
     """fn(params, query, key, value, keep, *, positions=None, key_positions=None, is_causal=False, chunk=None,
     alignment="top-left") -> (output, weights) for `config` (an `mha_spec.AttentionConfig` of a Llama 4 layer),
@@ -97,20 +117,7 @@ def make_attention(config, *, bug: str | None = None):
         q = _linear(p, "q_proj", query).view(B, T, N, H).transpose(1, 2)  # (B, N, T, H)
         k = _linear(p, "k_proj", key).view(B, S, K, H).transpose(1, 2)  # (B, K, S, H)
         v = _linear(p, "v_proj", value).view(B, S, K, H).transpose(1, 2)  # (B, K, S, H)
-        q_rot, k_rot = q.to(acc), k.to(acc)
-        if config.rope is not None:
-            norm_first = bug == "norm-before-rope" and config.qk_norm == "l2"
-            if norm_first:
-                q_rot, k_rot = _l2(q_rot, config.qk_norm_eps), _l2(k_rot, config.qk_norm_eps)
-            q_rot = _rotate_pairs(q_rot, positions, config.rope_theta, acc)
-            k_rot = _rotate_pairs(k_rot, key_positions, config.rope_theta, acc)
-            if config.qk_norm == "l2" and not norm_first:
-                if bug == "norm-over-projection":  # over every head's features at once
-                    q_rot = _l2(q_rot.transpose(1, 2).reshape(B, T, N * H), config.qk_norm_eps).view(B, T, N, H)
-                    k_rot = _l2(k_rot.transpose(1, 2).reshape(B, S, K * H), config.qk_norm_eps).view(B, S, K, H)
-                    q_rot, k_rot = q_rot.transpose(1, 2), k_rot.transpose(1, 2)
-                else:
-                    q_rot, k_rot = _l2(q_rot, config.qk_norm_eps), _l2(k_rot, config.qk_norm_eps)
+        q_rot, k_rot = _rope_and_norm(q.to(acc), k.to(acc), positions, key_positions, config, bug, acc)
         q_hot = q_rot
         if config.rope is None and config.attn_temperature_tuning:
             q_hot = q_rot * _temperature(positions, config.floor_scale, config.attn_scale, acc)

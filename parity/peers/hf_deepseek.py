@@ -63,6 +63,26 @@ def hf_layer(c: LatentAttentionConfig, version: str = "v3"):
     return Attn(cfg, layer_idx=0), Rotary(cfg), cfg
 
 
+def _additive(keep, is_causal: bool, T: int, S: int, offset: int, td):
+    """(B|1, 1, T, S) additive float mask of `keep` AND causal: query i sits at slot offset + i."""
+    import torch
+
+    allowed = torch.ones(1, 1, T, S, dtype=torch.bool)
+    if is_causal:
+        allowed = allowed & (torch.arange(S)[None, :] <= offset + torch.arange(T)[:, None])[None, None]
+    if keep is not None:
+        allowed = allowed & torch.as_tensor(keep)
+    return torch.zeros(allowed.shape, dtype=td).masked_fill(~allowed, float("-inf"))
+
+
+def _call(version: str, hf, rotary, x, pos, mask, cache=None):
+    """One call of the transformers module: V3 takes (x, position_embeddings, mask), V2 (x, mask, ...)."""
+    pe = rotary(x, pos)
+    if version == "v3":
+        return hf(x, pe, mask, past_key_values=cache)[0]
+    return hf(x, mask, past_key_values=cache, position_embeddings=pe)[0]
+
+
 def hf_deepseek(version: str = "v3") -> dict:
     """The pieces of `parity.harness.latent.LatentImpl` (name, forward, gradient, decode, applies) of transformers'
     Deepseek{V3,V2}Attention as a peer ("hf-deepseek-v3" / "hf-deepseek-v2"), the case's weights
@@ -82,34 +102,22 @@ def hf_deepseek(version: str = "v3") -> dict:
         hf.load_state_dict({k: torch.tensor(v, dtype=td) for k, v in to_hf_deepseek(inputs.sd).items()}, strict=True)
         return hf, rotary, td
 
-    def additive(keep, is_causal, T, S, offset, td):
-        """(B|1, 1, T, S) additive mask: query i sits at slot offset + i."""
-        allowed = torch.ones(1, 1, T, S, dtype=torch.bool)
-        if is_causal:
-            allowed = allowed & (torch.arange(S)[None, :] <= offset + torch.arange(T)[:, None])[None, None]
-        if keep is not None:
-            allowed = allowed & torch.as_tensor(keep)
-        return torch.zeros(allowed.shape, dtype=td).masked_fill(~allowed, float("-inf"))
-
     def call(hf, rotary, x, pos, mask, cache=None):
-        pe = rotary(x, pos)
-        if version == "v3":
-            return hf(x, pe, mask, past_key_values=cache)[0]
-        return hf(x, mask, past_key_values=cache, position_embeddings=pe)[0]
+        return _call(version, hf, rotary, x, pos, mask, cache)
 
     def forward(case, inputs, dtype):
         hf, rotary, td = build(case, inputs, dtype)
         T = case.T
         with torch.no_grad():
             out = call(hf, rotary, torch.tensor(inputs.x).to(td), torch.as_tensor(inputs.positions),
-                       additive(inputs.keep, inputs.is_causal, T, T, 0, td))
+                       _additive(inputs.keep, inputs.is_causal, T, T, 0, td))
         return to_float64(out), None
 
     def gradient(case, inputs, dtype):
         hf, rotary, td = build(case, inputs, dtype)
         x = torch.tensor(inputs.x).to(td).requires_grad_()
         out = call(hf, rotary, x, torch.as_tensor(inputs.positions),
-                   additive(inputs.keep, inputs.is_causal, case.T, case.T, 0, td))
+                   _additive(inputs.keep, inputs.is_causal, case.T, case.T, 0, td))
         (out * torch.tensor(inputs.cotangent).to(td)).sum().backward()
         grads = {"x": to_float64(x.grad)}
         for n, p in hf.named_parameters():
@@ -126,7 +134,7 @@ def hf_deepseek(version: str = "v3") -> dict:
             for lo, hi in [(0, prefill)] + [(t, t + 1) for t in range(prefill, T)]:
                 pos = torch.arange(lo, hi)[None].expand(x.shape[0], -1)
                 outs.append(to_float64(call(hf, rotary, x[:, lo:hi], pos,
-                                             additive(None, True, hi - lo, hi, lo, td), cache)))
+                                             _additive(None, True, hi - lo, hi, lo, td), cache)))
         return np.concatenate(outs, axis=1)
 
     name = f"hf-deepseek-{version}"
