@@ -152,13 +152,14 @@ class Structure:
 
     @staticmethod
     def refuse_with_cache(*, is_causal=False, window=None, segment_ids=None, key_segment_ids=None,
-                          alignment="top-left", chunk=None) -> None:
+                          alignment="top-left") -> None:
         """ValueError naming the structured keywords given beside a KV cache, whose own rule is the mask;
-        read before any check of them (a wrong value is refused as given)."""
+        read before any check of them (a wrong value is refused as given). Not chunk=: Llama 4's chunks are
+        the cache's too (`KVCache.keep_mask(T, chunk=C)`), so the modules pass it to the cache, not here."""
         given = [name for name, asked in (("is_causal", is_causal is not False), ("window", window is not None),
                                           ("segment_ids", segment_ids is not None),
                                           ("key_segment_ids", key_segment_ids is not None),
-                                          ("alignment", alignment != "top-left"), ("chunk", chunk is not None))
+                                          ("alignment", alignment != "top-left"))
                  if asked]
         if given:
             raise ValueError(f"{', '.join(given)} with a cache: {_CACHE_RULE}")

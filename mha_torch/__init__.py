@@ -2,10 +2,10 @@
 
 from mha_torch.attention import (MultiHeadAttention, QKNorm, attention_core, fused_attention_core,
                                  materialised_context, segment_positions, structured_keep)
-from mha_torch.kv_cache import KVCache
+from mha_torch.kv_cache import KVCache, StaticKVCache
 from mha_torch.mla import LatentCache, LatentStages, MultiHeadLatentAttention
 from mha_torch.parallel import tensor_parallel_plan
 
 __all__ = ["KVCache", "LatentCache", "LatentStages", "MultiHeadAttention", "MultiHeadLatentAttention", "QKNorm",
-           "attention_core", "fused_attention_core", "materialised_context", "segment_positions", "structured_keep",
-           "tensor_parallel_plan"]
+           "StaticKVCache", "attention_core", "fused_attention_core", "materialised_context", "segment_positions",
+           "structured_keep", "tensor_parallel_plan"]

@@ -16,7 +16,7 @@ from torch import nn
 from mha_spec import (AttentionConfig, check_cache_shapes, check_mask_values, check_positions, check_qkv_shapes,
                       mask_shape_4d, refuse_no_new_tokens, Stages, Structure)
 from mha_spec.structure import check_segment_shape
-from mha_torch.kv_cache import KVCache
+from mha_torch.kv_cache import KVCache, StaticKVCache
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -568,8 +568,9 @@ class MultiHeadAttention(nn.Module):
     SDPA's is_causal=True. `segment_positions(segment_ids)` gives RoPE positions per document.
 
     Incremental decoding (docs/semantics.md, "Decoding with a KV cache"): with
-    cache=`KVCache` (from `init_cache`), forward(x, x, x, cache=cache) is self-attention over
-    T new tokens x [B, T, E] (key and value [B, S, E] with S = T) against the cache:
+    cache=`KVCache` (from `init_cache`; a `StaticKVCache`, init_cache(..., static=True), is written in
+    place, the same path otherwise: the cache decides how it writes), forward(x, x, x, cache=cache) is
+    self-attention over T new tokens x [B, T, E] (key and value [B, S, E] with S = T) against the cache:
       -> (output [B, T, E], weights [B, N, T, C] or None, new cache)
     and with return_intermediates=True (output, weights, new cache, Stages). The new tokens'
     rotated keys and their values (K heads) go to each row's next T slots of the new cache;
@@ -717,12 +718,16 @@ class MultiHeadAttention(nn.Module):
                 )
         return shapes
 
-    def init_cache(self, batch: int, capacity: int, starts=None) -> KVCache:
+    def init_cache(self, batch: int, capacity: int, starts=None, static: bool = False) -> KVCache:
         """An empty `KVCache` for this layer: K key/value heads of H, the parameters' dtype and device.
-        starts (B,): the left-padding tokens each row's prompt begins with (default 0)."""
+        starts (B,): the left-padding tokens each row's prompt begins with (default 0). static=True: a
+        `StaticKVCache`, preallocated and written in place by every call (no copy of the cache per step; the
+        cache a call was given is spent: its tensors are the returned cache's)."""
+        if not isinstance(static, bool):
+            raise TypeError(f"init_cache: static must be a bool, got {static!r}")
         w = self.k_proj.weight
-        return KVCache.empty(batch, capacity, self.num_kv_heads, self.head_dim, dtype=w.dtype, device=w.device,
-                             starts=starts)
+        return (StaticKVCache if static else KVCache).empty(batch, capacity, self.num_kv_heads, self.head_dim,
+                                                            dtype=w.dtype, device=w.device, starts=starts)
 
     def forward(self, query, key, value, mask=None, need_weights: bool = True, *, positions=None,
                 key_positions=None, return_intermediates: bool = False, cache: KVCache | None = None,

@@ -5,8 +5,11 @@ row b's valid slots are starts[b] <= s < lengths[b]; slots before starts[b] are 
 slots from lengths[b] on are empty. T new tokens of row b go to slots lengths[b] .. lengths[b]+T-1;
 new token i attends the slots starts[b] <= s <= lengths[b] + i; the token in slot s has the RoPE
 position s - starts[b]. Llama 4's chunked layers (`keep_mask(T, chunk=C)`) keep of those only the slots of
-the new token's own chunk of C positions (position // C), the positions counted from the row's start. Keys are stored after the QK-norm (if the layer has one) and RoPE, with the
-layer's K key/value heads.
+the new token's own chunk of C positions (position // C), the positions counted from the row's start. Keys are
+stored after the QK-norm (if the layer has one) and RoPE, with the layer's K key/value heads.
+
+`KVCache` is immutable (`write` returns a new cache: a prefix can be continued twice); `StaticKVCache` is the
+same cache written in place (no copy of the cache per step; the cache a call was given is spent).
 
 Shapes (legend in `mha_spec`): B batch, K key/value heads, C capacity (slots), H head dim,
 T new tokens.
@@ -138,15 +141,47 @@ class KVCache:
             raise TypeError(f"new keys/values are {k_new.dtype}/{v_new.dtype}, the cache holds {self.k.dtype}")
         self.check_room(T)
         index = self.slots(T)[:, None, :, None].expand(B, K, T, H)  # (B, K, T, H)
-        k = self.k.scatter(2, index, k_new)
-        v = self.v.scatter(2, index, v_new)
-        return _checked_elsewhere(k, v, self.starts, self.lengths + T)
+        k, v = self._scatter(index, k_new, v_new)
+        return _checked_elsewhere(type(self), k, v, self.starts, self.lengths + T)
+
+    def _scatter(self, index, k_new, v_new):
+        """(k, v) (B, K, C, H) with the new tokens at `index` (B, K, T, H): new tensors (the old cache is kept)."""
+        return self.k.scatter(2, index, k_new), self.v.scatter(2, index, v_new)
 
 
-def _checked_elsewhere(k, v, starts, lengths) -> KVCache:
-    """A KVCache built without the constructor's checks: `write`'s, whose fields follow from a checked cache
-    and `check_room`; reading the new lengths back would wait for the device at every step."""
-    cache = object.__new__(KVCache)
+@dataclass(frozen=True)
+class StaticKVCache(KVCache):
+    """A `KVCache` whose `write` updates k and v IN PLACE (as Hugging Face's StaticCache and serving loops do):
+    the same fields (k, v (B, K, C, H), starts, lengths (B,) int64), the same slots, keep-masks and checks,
+    preallocated once (`empty`, `MultiHeadAttention.init_cache(..., static=True)`), and no copy of the cache
+    per step: `write` scatters the new keys and values into the tensors it holds (`Tensor.scatter_`, at slots
+    lengths[b] + i) and returns a StaticKVCache sharing those tensors, with lengths + T. No `.item()` and no
+    branch on tensor values in the step, so a step compiles under torch.compile(fullgraph=True) (the room
+    check, eager only, is `KVCache.check_room`'s).
+
+    In place means: the cache a call was given is spent. Its k and v ARE the returned cache's, so it now holds
+    the new tokens too, past its own lengths; continuing it again (a second continuation of one prompt, a beam,
+    a retry) overwrites the first continuation's slots in the shared tensors. Continue a prefix twice with the
+    immutable `KVCache` (or a `clone()` of this one, taken before the step). Under autograd, the in-place write
+    into tensors an earlier step's graph saved is an error: decode under torch.no_grad() (or
+    torch.inference_mode()).
+    """
+
+    def _scatter(self, index, k_new, v_new):
+        self.k.scatter_(2, index, k_new)  # (B, K, C, H), in place: no new cache tensor per step
+        self.v.scatter_(2, index, v_new)
+        return self.k, self.v
+
+    def clone(self) -> StaticKVCache:
+        """A StaticKVCache of its own tensors (a copy of every field): one more prefix to continue."""
+        return _checked_elsewhere(StaticKVCache, self.k.clone(), self.v.clone(), self.starts.clone(),
+                                  self.lengths.clone())
+
+
+def _checked_elsewhere(cls, k, v, starts, lengths) -> KVCache:
+    """A KVCache (cls: it or StaticKVCache) built without the constructor's checks: `write`'s, whose fields follow
+    from a checked cache and `check_room`; reading the new lengths back would wait for the device at every step."""
+    cache = object.__new__(cls)
     for name, x in (("k", k), ("v", v), ("starts", starts), ("lengths", lengths)):
         object.__setattr__(cache, name, x)
     return cache

@@ -750,20 +750,10 @@ def decode(sd, x, *, starts=None, prefill: int, num_heads: int, masked_rows: str
     for lo, hi in calls:
         T = hi - lo
         slots = np.broadcast_to(np.arange(lo, hi), (B, T))  # (B, T): every row has written lo slots
-        q = _linear(xs[:, lo:hi], sd, "q_proj", dtype).reshape(B, T, N, H).transpose(0, 2, 1, 3)  # (B, N, T, H)
-        k = _linear(xs[:, lo:hi], sd, "k_proj", dtype).reshape(B, T, K, H).transpose(0, 2, 1, 3)  # (B, K, T, H)
-        v = _linear(xs[:, lo:hi], sd, "v_proj", dtype).reshape(B, T, K, H).transpose(0, 2, 1, 3)
-        if cfg.qk_norm in ("head", "flat"):
-            q, k = _qk_norm(q, sd, "q_norm", cfg, dtype), _qk_norm(k, sd, "k_norm", cfg, dtype)
-        pos = _slot_positions(slots, starts).astype(np.float64)[:, None, :, None]  # (B, 1, T, 1)
-        if rope is not None:
-            cos, sin = _cos_sin(pos, *_rope_table(cfg, pos.max() if pos.size else -1), acc)  # (B, 1, T, R/2)
-            q, k = _round(rotate(q, cos, sin, rope), dtype), _round(rotate(k, cos, sin, rope), dtype)
-        q, k = _l2_norm(q, cfg, dtype), _l2_norm(k, cfg, dtype)  # Llama 4: after RoPE ("l2" only)
-        if cfg.attn_temperature_tuning:
-            q = _temperature(q, pos, cfg, dtype)
+        q, k, v = _decode_qkv(xs[:, lo:hi], sd, cfg, _slot_positions(slots, starts), dtype, acc)
         k_cache[:, :, lo:hi], v_cache[:, :, lo:hi] = k, v
-        keep = _cache_keep(slots, starts, C, chunk)  # (B, 1, T, C)
+        # (B, 1, T, C); a full layer's call names no chunk (as the modules call keep_mask)
+        keep = _cache_keep(slots, starts, C) if chunk is None else _cache_keep(slots, starts, C, chunk)
         scores, weights, context = _attend_cache(q, k_cache, v_cache, keep, masked_rows, dtype, acc, cfg,
                                                  sd.get("sinks"))
         outputs.append(_linear(context, sd, "out_proj", dtype))
@@ -771,6 +761,26 @@ def decode(sd, x, *, starts=None, prefill: int, num_heads: int, masked_rows: str
         all_weights.append(weights)
     output = np.concatenate(outputs, axis=1) if outputs else np.zeros((B, 0, E))
     return Decoded(output, k_cache, v_cache, starts, np.full(B, L, np.int64), tuple(all_scores), tuple(all_weights))
+
+
+def _decode_qkv(x, sd, cfg: AttentionConfig, positions, dtype, acc):
+    """One decode call's new tokens x (B, T, E) at their positions (B, T) -> q (B, N, T, H) and the k, v
+    (B, K, T, H) the cache stores: projected, QK-normed, rotated, Llama 4's L2 norm and temperature, as `forward`."""
+    B, T = x.shape[:2]
+    N, K, H = cfg.num_heads, cfg.kv_heads, cfg.head_size
+    q = _linear(x, sd, "q_proj", dtype).reshape(B, T, N, H).transpose(0, 2, 1, 3)  # (B, N, T, H)
+    k = _linear(x, sd, "k_proj", dtype).reshape(B, T, K, H).transpose(0, 2, 1, 3)  # (B, K, T, H)
+    v = _linear(x, sd, "v_proj", dtype).reshape(B, T, K, H).transpose(0, 2, 1, 3)
+    if cfg.qk_norm in ("head", "flat"):
+        q, k = _qk_norm(q, sd, "q_norm", cfg, dtype), _qk_norm(k, sd, "k_norm", cfg, dtype)
+    pos = np.asarray(positions).astype(np.float64)[:, None, :, None]  # (B, 1, T, 1)
+    if cfg.rope is not None:
+        cos, sin = _cos_sin(pos, *_rope_table(cfg, pos.max() if pos.size else -1), acc)  # (B, 1, T, R/2)
+        q, k = _round(rotate(q, cos, sin, cfg.rope), dtype), _round(rotate(k, cos, sin, cfg.rope), dtype)
+    q, k = _l2_norm(q, cfg, dtype), _l2_norm(k, cfg, dtype)  # Llama 4: after RoPE ("l2" only)
+    if cfg.attn_temperature_tuning:
+        q = _temperature(q, pos, cfg, dtype)
+    return q, k, v
 
 
 def _attend_cache(q, k_cache, v_cache, keep, masked_rows: str, dtype, acc, cfg: AttentionConfig, sinks=None):

@@ -98,8 +98,11 @@ def test_chunk_is_a_causal_structure_and_no_band():
             Structure.of(T, S, chunk=bad)
     with pytest.raises(ValueError, match="without is_causal"):
         Structure(T, S, chunk=C)
-    with pytest.raises(ValueError, match="chunk with a cache"):
+    # A chunk is the cache's own mask too (KVCache.keep_mask(T, chunk=C)): not among what a cache refuses.
+    with pytest.raises(TypeError, match="chunk"):
         Structure.refuse_with_cache(chunk=C)
+    with pytest.raises(ValueError, match="window with a cache"):
+        Structure.refuse_with_cache(window=(C, 0))
 
 
 def _by_definition(T_, S_, chunk, offset):

@@ -182,9 +182,13 @@ def test_mha_parity_judges_both_layers_green(prefix, saved, tmp_path, capsys):
     ran = {(r["check"], r["impl"]) for r in rows if r["status"] == "pass"}
     assert all(r["status"] in ("pass", "skip") for r in rows)
     assert {("forward", "torch"), ("gradient", "torch")} <= ran
-    if prefix == P0:  # the chunk binds at S = 5: chunked cases, the leak check across the chunk, no decode
+    if prefix == P0:  # the chunk binds at S = 5: chunked cases, the leak check across the chunk, the chunked decode
         assert {r["case"] for r in rows} >= {"checkpoint/chunked/nan", "checkpoint/chunked+padding/uniform"}
-        assert {("leak", "torch"), ("peers", "hf-llama4")} <= ran
+        assert {("leak", "torch"), ("peers", "hf-llama4"), ("decode", "torch")} <= ran
+        decoded = {r["case"] for r in rows if r["check"] == "decode" and r["impl"] == "torch"}
+        assert decoded == {"checkpoint/chunked/nan"}
+        skipped = [r for r in rows if r["check"] == "decode" and r["impl"] == "hf-llama4-decode"]
+        assert skipped and all(r["status"] == "skip" and "given no chunk" in r["message"] for r in skipped)
         assert "attention_chunk_size=3" in capsys.readouterr().out
     else:
         assert {("decode", "torch"), ("peers", "hf-llama4-nope")} <= ran
@@ -242,6 +246,72 @@ def test_the_chunked_case_binds_and_a_structured_implementation_without_chunk_sk
     assert Implementation("dense", "torch", "m:f").unsupported("float32", cross=False, mask="chunked") is None
     with pytest.raises(ValueError, match="structured=True"):
         Implementation("bad", "torch", "m:f", takes_chunk=True)
+
+
+def test_the_chunked_case_decodes_across_a_chunk_and_a_chunk_slip_in_the_cache_is_red(monkeypatch):
+    """chunked-llama4 decodes (a prompt of 4, steps at positions crossing a chunk boundary in every row): ours green,
+    the protocol decoders (given no chunk) skip saying so; the torch caches' chunk keep-mask counted one position
+    late is red at the scores from the prompt on, in torch and torch-static and where jax's prompt is continued by
+    torch, while jax-jit (and torch's prompt continued by jax, whose write is not the mask) stays green."""
+    import torch
+
+    import mha_torch.kv_cache as kv
+    from parity.harness import decode
+    from parity.harness.matrix import Case, LLAMA4_CHUNK, LLAMA4_SHAPES, modern_matrix
+
+    case = next(c for c in modern_matrix() if c.mask == "chunked")
+    assert case.decode and case.chunk == LLAMA4_CHUNK
+    sch = decode.schedule(case.shape)
+    pos = reference.decode_positions(sch.starts, sch.tokens)  # (B, T)
+    first_step = pos[:, sch.prompt - 1:]  # the prompt's last token and the steps, per row
+    crosses = (first_step[:, 1:] // LLAMA4_CHUNK != first_step[:, :-1] // LLAMA4_CHUNK).any(axis=1)
+    assert crosses.all() and len(set(sch.starts.tolist())) == case.shape.B  # every row, each padded apart
+    with pytest.raises(ValueError, match="a decode case"):
+        Case(LLAMA4_SHAPES["chunked-llama4"], "chunked", "nan", chunk=3, padded=True, decode=True)
+
+    green = run(cases=[case], checks=("decode",), dtypes=("float32",), impls=("torch", "torch-static"), device="cpu")
+    ours = [r for r in green.rows if r.impl in ("torch", "torch-static")]
+    assert len(ours) == 10 and all(r.status == "pass" for r in ours)
+    hf = [r for r in green.rows if r.impl == "hf-llama4-decode"]
+    assert hf and all(r.status == "skip" and decode.CHUNK_DECODER_SKIP in r.message for r in hf)
+
+    keep_mask = kv.KVCache.keep_mask
+
+    def late(self, T, chunk=None):  # the chunks counted one position late (from starts[b] + 1)
+        if chunk is None:
+            return keep_mask(self, T)
+        s, last = torch.arange(self.capacity), self.slots(T)[:, None, :, None]
+        start = self.starts[:, None, None, None] + 1
+        return keep_mask(self, T) & (torch.div(s - start, chunk, rounding_mode="floor")
+                                     == torch.div(last - start, chunk, rounding_mode="floor"))
+
+    monkeypatch.setattr(kv.KVCache, "keep_mask", late)
+    report = run(cases=[case], checks=("decode",), dtypes=("float32",), impls=("torch", "torch-static", "jax-jit"),
+                 device="cpu")
+    calls = ("prefill", "step 1", "step 2", "step 3")
+    for impl, red in (("torch", calls), ("torch-static", calls), ("jax->torch", calls[1:]), ("jax-jit", ()),
+                      ("torch->jax", ())):
+        rows = {r.quantity: r for r in report.rows if r.impl == impl and r.quantity in calls}
+        assert set(rows) == set(calls[1:] if "->" in impl else calls), impl  # a continuation has the steps only
+        assert {q for q, r in rows.items() if r.status != "pass"} == set(red), impl
+        assert all(rows[q].status == "fail" and rows[q].stage == "scores" for q in red), impl
+
+
+def test_a_chunked_checkpoint_layer_gets_its_decode_case_and_the_decode_check(saved):
+    """T == S: checkpoint/chunked/nan decodes (not its padded twin); T < S: checkpoint-decode/chunked/nan over the S
+    tokens; a sliding window still has none; the default checks of a binding chunk hold leak and decode."""
+    read = checkpoint.load_layer(saved, "hf-llama", P0)
+    same = {c.name: c for c in checkpoint.cases(read.config, 2, 5, 5, decode=True, chunk=read.chunk)}
+    assert [n for n, c in same.items() if c.decode] == ["checkpoint/chunked/nan"]
+    assert same["checkpoint/chunked/nan"].chunk == C
+    fewer = {c.name: c for c in checkpoint.cases(read.config, 2, 3, 5, decode=True, chunk=read.chunk)}
+    own = fewer["checkpoint-decode/chunked/nan"]
+    assert own.decode and own.chunk == C and (own.shape.T, own.shape.S, own.shape.cross) == (5, 5, False)
+    assert not any(c.decode for n, c in fewer.items() if n != own.name)
+    assert not any(c.decode for c in checkpoint.cases(read.config, 2, 3, 5, decode=True, chunk=read.chunk,
+                                                      redraw=("q_proj.weight",)) if c.name.startswith("checkpoint-r"))
+    assert not any(c.decode for c in checkpoint.cases(read.config, 2, 5, 5, decode=True, sliding_window=3))
+    assert {"leak", "decode"} <= set(checkpoint.CHUNK_CHECKS)
 
 
 def test_the_peer_builds_transformers_chunked_mask_and_refuses_what_it_cannot_be_given():

@@ -51,7 +51,9 @@ a RoPE layer (interleaved pairs, the L2 QK-norm) or a NoPE one (the query temper
 and chunked by layer_types[L] (`parity.layouts.layer_chunk`). A chunk C < S gives the cases
 checkpoint/chunked/nan and checkpoint/chunked+padding/uniform -- bottom-right aligned as the window's, the
 chunks counted from the first key as transformers counts cache positions (the RoPE positions drawn apart,
-as position_ids are) -- with the leak check and no decode case; C >= S keeps every causal key: the causal
+as position_ids are) -- with the leak check and the decode check (checkpoint/chunked/nan decodes when T == S,
+else checkpoint-decode/chunked/nan over the S tokens: our caches' chunked keep-mask, the chunks counted from each
+row's first token; the protocol decoders, given no chunk, skip it); C >= S keeps every causal key: the causal
 cases. A NoPE temperature layer's query positions are cache slots alike in every row
 (`temperature_positions`), which is what Llama4TextAttention counts (it reads no position_ids for it).
 
@@ -79,6 +81,7 @@ import os
 from dataclasses import dataclass
 
 from mha_spec import AttentionConfig, Problem
+from parity.harness.checks import CHECKS as REGISTERED
 from parity.harness.checks import checkpoint_checks
 from parity.harness.matrix import Case, Inputs, Shape, draw_inputs
 from parity.impls.registry import LoadError
@@ -88,6 +91,8 @@ DEFAULT_SHAPE = (2, 5, 5)
 # check our modules on drawn layers; with a sliding window smaller than S the leak check runs and no decode case.
 CHECKS = checkpoint_checks(window=False)
 WINDOW_CHECKS = checkpoint_checks(window=True)
+# A chunk smaller than S: the window's checks (the leak check) and the decode check (a KV cache takes a chunk).
+CHUNK_CHECKS = tuple(n for n in REGISTERED if n in CHECKS or n in WINDOW_CHECKS)
 DTYPES_DEFAULT = ("float64", "float32")  # --dtypes picks others (bfloat16, float16)
 MASKS = (("causal", "nan"), ("padding", "uniform"))  # (mask kind, masked-row policy): see the module docstring
 # With a sliding window smaller than S: (masked-row policy, padding ANDed) of the two window cases.
@@ -171,8 +176,8 @@ class CheckpointLayer:
         if C is not None:
             text += (f"\nattention_chunk_size={C}: " + (
                 f"fewer keys than the S={S} tokens, so the cases apply the chunk (is_causal within chunks of {C} "
-                f"tokens counted from the first key, the queries the last T of the keys); no decode case (the decode "
-                f"check does not give the chunk to the decoders)" if chunk_binds(C, S) else
+                f"tokens counted from the first key, the queries the last T of the keys) and the decode case (the "
+                f"chunks counted from each row's first token)" if chunk_binds(C, S) else
                 f"at least the S={S} tokens, so the chunk keeps every causal key: the causal cases are the model's "
                 f"(--shape with S > {C} checks the chunk)"))
         if self.config.attn_temperature_tuning:
@@ -526,8 +531,9 @@ def cases(config: AttentionConfig, B: int, T: int, S: int, redraw: tuple = (), d
     with C < S the cases are "checkpoint/chunked/nan" and "checkpoint/chunked+padding/uniform": bottom-right
     aligned (the T queries are the last of the S tokens) and the chunks counted from the first key, as
     transformers' chunked mask counts cache positions (the RoPE positions are drawn apart, as position_ids
-    are); no decode case (the decode check does not give the chunk to the decoders: our caches take one,
-    `KVCache.keep_mask`, but the runners' decoders are built from the layer alone)."""
+    are); decode: "checkpoint/chunked/nan" decodes when T == S, else "checkpoint-decode/chunked/nan" (the S
+    tokens) does -- the chunks then counted from each row's first token, as our caches' `keep_mask(T, chunk=C)`
+    and transformers' create_chunked_causal_mask (past the left padding) count them."""
     if T > S:
         raise ValueError(f"--shape {B},{T},{S}: a decoder's queries are the newest of its tokens, so T <= S; got T > S")
     shape = Shape.of("checkpoint", Problem(config, B, T, S), cross=T != S)
@@ -539,8 +545,14 @@ def cases(config: AttentionConfig, B: int, T: int, S: int, redraw: tuple = (), d
         mask = "window" if window_binds(sliding_window, S) else "chunked"
         kind = {"window": (sliding_window - 1, 0)} if mask == "window" else {"chunk": chunk}
         window = {**kind, "alignment": "bottom-right", **past}
-        out = tuple(DecoderCase(shape, mask, policy, padded=padded, peers=True, jax_eager=False, **window)
+        # A chunk decodes (our caches take one: `KVCache.keep_mask(T, chunk=C)`); a window does not.
+        decodes = decode and mask == "chunked"
+        out = tuple(DecoderCase(shape, mask, policy, padded=padded, peers=True, jax_eager=False, **window,
+                                decode=decodes and not padded and T == S)
                     for policy, padded in WINDOW_MASKS)
+        if decodes and T < S:
+            own = Shape.of("checkpoint-decode", Problem(config, B, S, S), cross=False)
+            out += (DecoderCase(own, "chunked", "nan", chunk=chunk, jax_eager=False, decode=True),)
         if redraw:
             out += (DecoderCase(redrawn, mask, WINDOW_MASKS[0][0], jax_eager=False, redraw=tuple(redraw), **window),)
         return out
@@ -615,8 +627,8 @@ def prepare(args) -> CheckpointRun:
                        num_kv_heads=args.kv_heads, rope_theta=args.rope_theta)
     B, T, S = args.shape or DEFAULT_SHAPE
     constant = constant_tensors(layer.state_dict)
-    binds = window_binds(layer.sliding_window, S) or chunk_binds(layer.chunk, S)
-    default = WINDOW_CHECKS if binds else CHECKS
+    default = (WINDOW_CHECKS if window_binds(layer.sliding_window, S) else CHUNK_CHECKS if chunk_binds(layer.chunk, S)
+               else CHECKS)
     try:
         checks = args.checks if args.checks is not None else default
         chosen = cases(layer.config, B, T, S, redraw=constant, decode="decode" in checks,
@@ -640,4 +652,5 @@ def run_kwargs(args) -> dict:
 
 __all__ = ["CheckpointLayer", "CheckpointRun", "DecoderCase", "load_layer", "read_sliding_window", "sliding_window",
            "window_binds", "chunk_binds", "temperature_positions", "cases", "prepare", "run_kwargs",
-           "add_arguments", "usage_problem", "CHECKS", "MASKS", "WINDOW_MASKS", "WINDOW_CHECKS", "DEFAULT_SHAPE", "DTYPES_DEFAULT"]
+           "add_arguments", "usage_problem", "CHECKS", "MASKS", "WINDOW_MASKS", "WINDOW_CHECKS",
+           "CHUNK_CHECKS", "DEFAULT_SHAPE", "DTYPES_DEFAULT"]

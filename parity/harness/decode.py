@@ -9,8 +9,10 @@ layer runs the way generation runs it (docs/semantics.md, "Decoding with a KV ca
 
 and every call's output is judged against the float64 oracle's ONE causal forward over the T
 tokens (`reference.forward` with `reference.decode_keep(starts, T)` and, with RoPE,
-`reference.decode_positions(starts, T)`), by the forward check's judge and bounds (three-way with
-the oracle's own maths in the dtype as the yardstick, in every dtype: `parity.harness.judge`, `parity.tolerances`).
+`reference.decode_positions(starts, T)`; a chunked case, Llama 4's, `decode_keep(starts, T, chunk=C)`:
+the chunks counted from each row's first token, and our decoders are given chunk=C at every call),
+by the forward check's judge and bounds (three-way with the oracle's own maths in the dtype as the
+yardstick, in every dtype: `parity.harness.judge`, `parity.tolerances`).
 Only real tokens are judged: a left-padding query attends nothing, so its output is the masked-row
 policy's, not a token's. A RoPE whose table follows the call (LongRoPE: long factors once the call's largest
 position passes the original context) has no one forward as its truth: each call rotates with its own
@@ -24,12 +26,15 @@ v). RoPE scores see only the difference of two positions, so a cache whose keys 
 wrong positions can still give the right outputs: that row, and the cross-framework rows, tell.
 
   ours         torch and torch-fused (eager), jax-jit and jax-fused (one jax.jit: the prompt and
-               then one compiled step for every position); the prompt is one call
+               then one compiled step for every position); the prompt is one call. torch-static: torch
+               with a StaticKVCache written in place, whose prompt's cache its steps spend, so no
+               cross-framework row continues it (`continues_twice`)
   torch->jax   the prompt by torch, the cache converted (`parity.cache_transfer.torch_to_jax`), the steps
                by jax-jit; jax->torch the reverse (rows for the steps)
   decoders     every Implementation with decode=True (peers and the user's): fn(p, x_t, cache,
                position) -> (out, cache) fed one token per call, prompt included (position -1 for
-               a left-padding token); the other implementations of the user's are skip rows
+               a left-padding token); the other implementations of the user's are skip rows; on a
+               chunked case a skip row (`CHUNK_DECODER_SKIP`: the protocol gives no chunk)
 
 Each row of ours names the kernel of its own call (`kernel`): torch's from the profiler around that
 call, JAX's from the jaxpr of the program that call ran (the prompt's and the step's programs differ,
@@ -76,6 +81,11 @@ CROSS = (("torch->jax", "torch", "jax-jit"), ("jax->torch", "jax-jit", "torch"))
 EAGER_JAX_DECODE_SKIP = ("decode runs our JAX module jitted (jax-jit, jax-fused): one compiled step for every "
                          "position, as a decoder runs it")
 COMPILE_DECODE_SKIP = "decode runs our torch module eager (torch, torch-fused)"
+STATIC_NOTE = ("a StaticKVCache written in place: each call spent the cache it was given, so no cross-framework "
+               "row continues its prompt (that would be a second continuation of one prefix)")
+CHUNK_DECODER_SKIP = ("a decoder fn(p, x_t, cache, position) is given no chunk: the decode protocol has no keyword for "
+                      "Llama 4's chunked attention, so its cache would keep every causal key; our modules decode the "
+                      "chunked case (their caches' chunked keep-mask)")
 
 
 @dataclass(frozen=True)
@@ -141,10 +151,10 @@ def _oracle(unit, policy: str, at: str | None = None):
 
 
 def _decode_oracle(unit, policy: str, at: str):
-    s, sch = unit.case.shape, schedule(unit.case.shape)
+    s, sch, chunk = unit.case.shape, schedule(unit.case.shape), unit.case.chunk
     sd = {k: reference.as_float64(v) for k, v in unit.x.state_dict.items()}
     x = reference.as_float64(unit.x.query)
-    keep = reference.decode_keep(sch.starts, sch.tokens)  # (B, 1, T, T)
+    keep = reference.decode_keep(sch.starts, sch.tokens, chunk=chunk)  # (B, 1, T, T); chunks from each row's start
     kw = {"num_heads": s.N, "num_kv_heads": s.num_kv_heads, "rope": s.rope, "rope_theta": s.rope_theta,
           "masked_rows": policy, **layer_fields(s)}
     if s.rope is not None or s.attn_temperature_tuning:  # Llama 4's NoPE temperature reads the queries' positions
@@ -152,7 +162,7 @@ def _decode_oracle(unit, policy: str, at: str):
         kw.update(positions=pos, **({"key_positions": pos} if s.rope is not None else {}))
     if s.rope_scaling is not None and s.rope_scaling.switches:
         def maths(sd, xs, dt):
-            return _switching_oracle(sd, xs[0], dt, sch, keep, kw)
+            return _switching_oracle(sd, xs[0], dt, sch, keep, kw, chunk)
         exact = maths(sd, (x,), np.float64)
         return exact, envelope(exact, yardstick_runs(maths, sd, (x,), at)), keep
     exact = reference.forward(sd, x, x, x, keep, **kw)
@@ -167,7 +177,7 @@ def _one_table(scaling, long: bool):
     return dataclasses.replace(scaling, short_factor=factors, long_factor=factors, attention_factor=scaling.scale)
 
 
-def _switching_oracle(sd, x, dtype, sch: Schedule, keep, kw: dict):
+def _switching_oracle(sd, x, dtype, sch: Schedule, keep, kw: dict, chunk=None):
     """The decode's truth for a layer whose RoPE table follows the call (LongRoPE): no one forward is it, since
     each call rotates its tokens with the table its largest position picks and the keys cached before keep
     theirs. q, k, v (and the norms) are a forward's; q_rot and k_rot, per call, the forward with that call's
@@ -177,7 +187,8 @@ def _switching_oracle(sd, x, dtype, sch: Schedule, keep, kw: dict):
     fixed = {long: reference.forward(sd, x, x, x, keep, dtype=dtype, **{**kw, "rope_scaling": _one_table(scaling, long)})
              for long in (False, True)}
     dec_kw = {k: v for k, v in kw.items() if k not in ("positions", "key_positions")}
-    dec = reference.decode(sd, x, starts=sch.starts, prefill=sch.prompt, capacity=sch.capacity, dtype=dtype, **dec_kw)
+    dec = reference.decode(sd, x, starts=sch.starts, prefill=sch.prompt, capacity=sch.capacity, dtype=dtype,
+                           chunk=chunk, **dec_kw)
     calls = sch.calls()
     tables = [fixed[scaling.uses_long(int(pos[:, lo:hi].max()))] for _, lo, hi in calls]
     T = sch.tokens
@@ -444,7 +455,8 @@ def _ours(unit, impl: Implementation, sch: Schedule, runs: dict) -> list[Row]:
                      dec.empty(sch.starts.shape[0], sch.capacity, sch.starts), impl)
     except Exception as e:
         return [_error(unit, impl, e)]
-    runs[impl.name] = calls
+    if dec.continues_twice:  # a static cache's prompt is spent by its steps: no other framework continues it
+        runs[impl.name] = calls
     extra, rows = "", []
     if hasattr(dec, "traces"):
         steps = dec.traces[traced:].count(1)
@@ -453,6 +465,8 @@ def _ours(unit, impl: Implementation, sch: Schedule, runs: dict) -> list[Row]:
             rows.append(unit.row("decode", impl, "oracle", "fail", "compiles", kernel=NO_KERNEL, message=(
                 f"the jitted step was traced {steps} times for {sch.steps} single-token steps: one compiled step "
                 "must serve every position (the cache's lengths are data, not shapes)")))
+    if not dec.continues_twice:
+        extra = STATIC_NOTE
     calls = _read_kernels(unit, impl, dec, calls, unit.x.query)  # after the retrace count: a reading traces
     by = unit.runner(impl).decode_how
     rows = _rows_of_calls(unit, impl, sch, calls, exact, low, keep, table, by, extra) + rows
@@ -482,10 +496,12 @@ def _cross(unit, sch: Schedule, runs: dict) -> list[Row]:
 
 
 def _decoder(unit, impl: Implementation, sch: Schedule) -> list[Row]:
-    """A decoder (decode=True) through the protocol, one token per call."""
+    """A decoder (decode=True) through the protocol, one token per call (not on a chunked case: `CHUNK_DECODER_SKIP`)."""
     why = unit.why_not_here(impl)
     if why:
         return [_skip(unit, impl, why)]
+    if unit.case.chunk is not None:
+        return [_skip(unit, impl, f"{impl.name}: {CHUNK_DECODER_SKIP} (chunk={unit.case.chunk})")]
     policy = impl.policy(unit.case.masked_rows)
     exact, low, keep = _oracle(unit, policy, unit.judged(impl))
     table = unit.table(impl)
@@ -543,4 +559,4 @@ def check_decode(unit, impls, peers) -> list[Row]:
 
 
 __all__ = ["check_decode", "schedule", "Schedule", "tokens_problem", "MIN_TOKENS", "DECODE_STAGES", "DECODER_STAGES", "STEPS",
-           "STARTS"]
+           "STARTS", "CHUNK_DECODER_SKIP"]

@@ -113,6 +113,11 @@ class Shape:
         return self.config.features
 
 
+# The masks a decode case (`Case.decode`) may have: causal, or Llama 4's chunks (causal within chunks of C positions
+# counted from each row's first token; the caches' `keep_mask(T, chunk=C)`).
+DECODE_MASKS = ("causal", "chunked")
+
+
 @dataclass(frozen=True)
 class Case:
     shape: Shape
@@ -121,7 +126,8 @@ class Case:
     train: bool = False  # the training check is slow, so only some cases run it
     peers: bool = False  # so are the peers (five more layers), so they run where they say most
     jax_eager: bool = True  # eager jax compiles every op per new shape: ~1 s a (shape, dtype)
-    decode: bool = False  # the decode check runs it too: self-attention, causal (parity.harness.decode)
+    # decode: the decode check runs it too: self-attention, causal or chunked (DECODE_MASKS; parity.harness.decode)
+    decode: bool = False
     dtypes: tuple = DTYPES  # the dtypes this case runs in (intersected with the run's)
     redraw: tuple = ()  # with fixed weights (a checkpoint's): these tensors are the case's own draw instead
     # The structured kinds (STRUCTURED_MASKS). window: (left, right) of a "window" case, causal (Mistral's
@@ -161,10 +167,11 @@ class Case:
         if self.padded and self.mask not in STRUCTURED_MASKS:
             raise ValueError(f"case {label}: padded=True combines padding with a structured mask {STRUCTURED_MASKS}; "
                              f"mask {self.mask!r} has its own kind")
-        if self.decode and (self.shape.cross or self.mask != "causal" or self.shape.T < 2):
+        if self.decode and (self.shape.cross or self.mask not in DECODE_MASKS or self.padded or self.shape.T < 2):
             raise ValueError(f"case {self.name or self.shape.name}: a decode case is causal self-attention over at least "
-                             f"2 tokens (a prompt and a step), got cross={self.shape.cross}, mask={self.mask!r}, "
-                             f"T={self.shape.T}")
+                             f"2 tokens (a prompt and a step), causal or Llama 4's chunks ({'/'.join(DECODE_MASKS)}, "
+                             f"no padding: the decode check pads rows on the left itself), got cross={self.shape.cross}, "
+                             f"mask={self.mask_label!r}, T={self.shape.T}")
         self._check_positions_from(label)
         if not self.name:
             object.__setattr__(self, "name", f"{self.shape.name}/{self.mask_label}/{self.masked_rows}")
@@ -474,7 +481,9 @@ _MODERN_CASES = (
 # layers' query temperature log(floor((pos + 1) / floor_scale) + 1) * attn_scale + 1 (floor_scale small, so
 # the drawn positions, 1..~80, cross several steps); and its chunked layers (RoPE, the L2 norm, the mask kind
 # "chunked": a query keeps the causal keys of its own chunk of C tokens), C = 3 < T = 7, so every query past
-# the first chunk loses keys to it and the last chunk is a partial one.
+# the first chunk loses keys to it and the last chunk is a partial one. It decodes too (decode=True): the decode
+# check's prompt of 4 tokens, then 3 steps, rows left-padded by 0, 2, 1 (chunks counted from each row's first
+# token), so every row's steps cross a chunk boundary (row 0 at position 6, row 1 at 3, row 2 at 3).
 LLAMA4_SHAPES = {
     s.name: s
     for s in (
@@ -491,7 +500,7 @@ _LLAMA4_CASES = (
     Case(LLAMA4_SHAPES["l2-llama4"], "causal", "nan", jax_eager=False, dtypes=("float64", "float32", "bfloat16")),
     Case(LLAMA4_SHAPES["nope-llama4"], "padding", "zero", jax_eager=False, dtypes=("float64", "float32")),
     Case(LLAMA4_SHAPES["chunked-llama4"], "chunked", "nan", chunk=LLAMA4_CHUNK, train=True, peers=True,
-         jax_eager=False, dtypes=("float64", "float32", "bfloat16")),
+         jax_eager=False, decode=True, dtypes=("float64", "float32", "bfloat16")),
 )
 
 _RS = ROPE_SHAPES
@@ -525,7 +534,8 @@ def modern_matrix() -> tuple[Case, ...]:
     cross-attention with T < S (key positions apart from the query positions) and no RoPE layer
     has the base 10000 (`VARIANT_SHAPES`). Partial and scaled RoPE (`rope_matrix`, `ROPE_SHAPES`).
     The decode cases (`DECODE_SHAPES`): the default ones (the
-    Llama layer, the classic one), grouped heads, each RoPE convention and a layer without biases. The default matrix's
+    Llama layer, the classic one), grouped heads, each RoPE convention and a layer without biases; Llama 4's
+    chunked case decodes too (its steps cross a chunk boundary). The default matrix's
     mask cases (grouped, RoPE and bias-free layers too; `mask_matrix` has them all)."""
     return (
         *_DEFAULT_VARIANT_CASES,

@@ -71,20 +71,23 @@ class OursDecoder:
     """Our JAX module decoding with its KV cache under ONE jax.jit: `empty` makes the cache, `call` runs
     T new tokens. The cache is a pytree of fixed shapes whose lengths are data, so every single-token
     step after the first reuses one compiled program; `traces` records each trace's T (a retrace of
-    the step shows there). NumPy in, NumPy out, the cache as the module returns it."""
+    the step shows there). NumPy in, NumPy out, the cache as the module returns it. chunk: Llama 4's chunked
+    layer's C (None: a full layer), a constant of the jitted programs (a shape, never data)."""
 
     framework = "jax"
+    continues_twice = True  # the cache is immutable: a prefix can be continued again
 
-    def __init__(self, impl: Implementation, module, params: dict, device):
-        self.impl, self.module, self.params, self.device = impl, module, params, device
+    def __init__(self, impl: Implementation, module, params: dict, device, chunk: int | None = None):
+        self.impl, self.module, self.params, self.device, self.chunk = impl, module, params, device, chunk
         self.traces: list[int] = []
         graphdef, state = nnx.split(module)
         need_weights = impl.returns_weights
+        kw = {} if chunk is None else {"chunk": chunk}  # closed over: every trace's constant
 
         def step(params, cache, x):
             self.traces.append(x.shape[1])  # runs once per trace
             m = merged(graphdef, state, module_leaves(params))
-            out, _, new, stages = m(x, x, x, cache=cache, need_weights=need_weights, return_intermediates=True)
+            out, _, new, stages = m(x, x, x, cache=cache, need_weights=need_weights, return_intermediates=True, **kw)
             return out, new, stages_dict(impl, stages)
 
         self._step = jax.jit(step)
@@ -338,12 +341,14 @@ class JaxRunner:
             got = self._call(b, fn, b.params, xs, mask)
         return {n: np.asarray(t) for n, t in stages_dict(b.impl, got).items()}
 
-    def decoder(self, impl: Implementation, sd: dict, num_heads: int, masked_rows: str, problem=None) -> OursDecoder:
-        """Our module (impl: "jax-jit" or "jax-fused", whose returns_weights picks the path) as a jitted decoder."""
+    def decoder(self, impl: Implementation, sd: dict, num_heads: int, masked_rows: str, problem=None,
+                chunk: int | None = None) -> OursDecoder:
+        """Our module (impl: "jax-jit" or "jax-fused", whose returns_weights picks the path) as a jitted decoder;
+        chunk: Llama 4's chunked layer's C, a constant of its programs."""
         layer = layer_kwargs(sd, num_heads, problem)
         with jax.default_device(self.device):
             module = convert.to_jax(sd, num_heads, masked_rows=masked_rows, **layer)
-        return OursDecoder(impl, module, {k: self.a(v) for k, v in sd.items()}, self.device)
+        return OursDecoder(impl, module, {k: self.a(v) for k, v in sd.items()}, self.device, chunk)
 
     def decode_tokens(self, b: Built, x, positions) -> np.ndarray:
         """A decoder (decode=True) fed x (B, L, E) one token per call, with position (B,) int32 (-1: left

@@ -182,6 +182,12 @@ OURS = (
     _ours("torch-fused", "torch", f"{_T}:ours_fused", "eager", False, "mha_torch, need_weights=False (SDPA)"),
     _ours("torch-compile", "torch", f"{_T}:ours_weights", "compile", True, "torch.compile(mha_torch.MultiHeadAttention)"),
     _ours("torch-compile-fused", "torch", f"{_T}:ours_fused", "compile", False, "torch.compile(mha_torch), need_weights=False"),
+    # A decoder of ours only (decode=True: the decode check runs it, through TorchRunner.decoder; its factory is the
+    # weights path, which no other check calls): the cache a StaticKVCache written in place.
+    Implementation("torch-static", "torch", f"{_T}:ours_weights", "eager", True, masked_rows=None, role="ours",
+                   family="ours-torch", variants=_OURS_VARIANTS["torch"], decode=True, bench=False,
+                   doc="mha_torch.MultiHeadAttention decoding with a StaticKVCache (init_cache(static=True)): each "
+                   "call writes the preallocated cache in place"),
     _ours("jax", "jax", f"{_J}:ours_weights", "eager", True, "mha_jax.MultiHeadAttention, op by op", bench=False),
     _ours("jax-jit", "jax", f"{_J}:ours_weights", "jit", True, "mha_jax.MultiHeadAttention under jax.jit"),
     _ours("jax-fused", "jax", f"{_J}:ours_fused", "jit", False, "mha_jax, need_weights=False, under jax.jit"),

@@ -46,29 +46,42 @@ def _ours(sd, num_heads, *, dtype, device, masked_rows, need_weights, problem=No
 ours_weights = functools.partial(_ours, need_weights=True)
 ours_fused = functools.partial(_ours, need_weights=False)
 
+# Our implementations whose decoder's cache is a StaticKVCache (written in place); a decoder only (decode=True): the
+# decode check runs it, through `TorchRunner.decoder`, and its factory is the module's weights path.
+STATIC_DECODERS = ("torch-static",)
+
 
 class OursDecoder:
     """Our torch module decoding with its KV cache (eager): `empty` makes the cache, `call` runs T new tokens.
 
-    NumPy in, NumPy out, the cache as the module returns it (mha_torch.kv_cache.KVCache)."""
+    NumPy in, NumPy out, the cache as the module returns it (mha_torch.kv_cache.KVCache). chunk: Llama 4's
+    chunked layer's C, given to every call (None: a full layer). static: the cache is a `StaticKVCache`, written in
+    place, so the cache a call was given is spent (its tensors are the returned one's): a prefix of it is
+    continued once (`continues_twice` False)."""
 
     framework = "torch"
 
-    def __init__(self, impl: Implementation, module, device):
-        self.impl, self.module, self.device = impl, module, device
+    def __init__(self, impl: Implementation, module, device, chunk: int | None = None, static: bool = False):
+        self.impl, self.module, self.device, self.chunk, self.static = impl, module, device, chunk, static
         self.need_weights = impl.returns_weights
+
+    @property
+    def continues_twice(self) -> bool:
+        """Whether a cache this decoder returned can be continued again after a call continued it (immutable)."""
+        return not self.static
 
     def empty(self, batch: int, capacity: int, starts):
         return self.module.init_cache(batch, capacity, starts=torch.as_tensor(np.asarray(starts), dtype=torch.int64,
-                                                                              device=self.device))
+                                                                              device=self.device), static=self.static)
 
     def call(self, cache, x):
         """x (B, T, E) NumPy -> (output (B, T, E), {stage: array} with the new tokens' q..k_rot and the
         scores/weights over the cache's slots, the new cache)."""
         xt = convert.numpy_to_tensor(np.asarray(x), self.device)
+        chunk = {} if self.chunk is None else {"chunk": self.chunk}
         with torch.no_grad():
             out, _, new, stages = self.module(xt, xt, xt, cache=cache, need_weights=self.need_weights,
-                                              return_intermediates=True)
+                                              return_intermediates=True, **chunk)
         return (convert.tensor_to_numpy(out),
                 {n: convert.tensor_to_numpy(t) for n, t in stages_dict(self.impl, stages).items()}, new)
 
@@ -249,11 +262,13 @@ class TorchRunner:
         self._record_changes(b, "intermediates", xs, params, query, key, value)
         return {n: convert.tensor_to_numpy(t) for n, t in stages_dict(b.impl, got).items()}
 
-    def decoder(self, impl: Implementation, sd: dict, num_heads: int, masked_rows: str, problem=None) -> OursDecoder:
-        """Our module (impl: "torch" or "torch-fused", whose returns_weights picks the path) as a decoder."""
+    def decoder(self, impl: Implementation, sd: dict, num_heads: int, masked_rows: str, problem=None,
+                chunk: int | None = None) -> OursDecoder:
+        """Our module (impl: "torch", "torch-fused" or "torch-static", whose returns_weights picks the path) as a
+        decoder; chunk: Llama 4's chunked layer's C (every call's); "torch-static" writes a `StaticKVCache` in place."""
         layer = layer_kwargs(sd, num_heads, problem)
         return OursDecoder(impl, convert.to_torch(sd, num_heads, masked_rows=masked_rows, **layer).to(self.device),
-                           self.device)
+                           self.device, chunk, static=impl.name in STATIC_DECODERS)
 
     def decode_tokens(self, b: Built, x, positions) -> np.ndarray:
         """A decoder (decode=True) fed x (B, L, E) one token per call, with position (B,) int64 (-1: left

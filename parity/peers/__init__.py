@@ -7,6 +7,9 @@
     hf          Hugging Face transformers: BERT, GPT-2, Llama    hf-bert, hf-gpt2, hf-llama
     hf_fused    transformers' fused q/k/v modules: Phi-3,        hf-phi3, hf-gpt-neox, hf-falcon
                 GPT-NeoX, Falcon (through hf's one import)
+    hf_llama4   transformers' Llama4TextAttention: RoPE + L2     hf-llama4, hf-llama4-nope, hf-llama4-decode
+                norm (chunked cases: create_chunked_causal_mask),
+                NoPE + temperature, decoding with a DynamicCache
     keras       Keras 3 MultiHeadAttention, GroupQueryAttention  keras-mha, keras-gqa
     equinox     equinox.nn.MultiheadAttention                    equinox-mha
     pallas      jax's Pallas kernels (interpret mode on CPU)     pallas-gpu-flash, pallas-tpu-flash, pallas-gpu-decode

@@ -9,8 +9,9 @@
                     floor_scale, attn_scale)
     hf-llama4-decode  hf-llama4's module as a decoder (decode=True): one token per call against a DynamicCache,
                     generate's 2D attention mask and position_ids (`parity.peers.hf.hf_llama_decode_step`), its
-                    mask create_causal_mask: a RoPE layer whose chunk keeps every causal key of the decode (the
-                    decode check has no chunked cases). No NoPE decoder: with left padding its temperature counts
+                    mask create_causal_mask: a RoPE layer whose chunk keeps every causal key of the decode (on a
+                    chunked decode case a skip row: the decode protocol fn(p, x_t, cache, position) gives no chunk,
+                    and a decoder cannot declare takes_chunk). No NoPE decoder: with left padding its temperature counts
                     the cache's slots, padding included, where ours (and the oracle) count each row's positions
 
 Llama4TextAttention computes the temperature from arange(T) plus the tokens its cache has seen

@@ -94,11 +94,13 @@ class Unit:
 
     def decoder(self, impl: Implementation, policy: str):
         """Our module of `impl` as a decoder (the decode check), built once per unit: a JAX one keeps its
-        compiled prompt and step for every run of the unit."""
+        compiled prompt and step for every run of the unit. A chunked case's chunk (Llama 4's) goes to every
+        call (`case.chunk`; None elsewhere)."""
         key = (impl.name, policy)
         if key not in self._decoders:
             sd = {k: v.copy() for k, v in self.x.state_dict.items()}
-            self._decoders[key] = self.runner(impl).decoder(impl, sd, self.case.shape.N, policy, self.problem(policy))
+            self._decoders[key] = self.runner(impl).decoder(impl, sd, self.case.shape.N, policy, self.problem(policy),
+                                                            chunk=self.case.chunk)
         return self._decoders[key]
 
     def inputs(self):
