@@ -31,9 +31,9 @@ INPUTS = ("qkv", "self")
 
 # The harness's structured mask kinds (docs/semantics.md, "Packed sequences, sliding windows and causal
 # alignment"): packed documents (segment ids, causal within each), a sliding window and Llama 4's chunked
-# attention (causal within chunks of C positions). Their home is here, beside RunsOn, which must parse them
+# attention (kind "chunk") (causal within chunks of C positions). Their home is here, beside RunsOn, which must parse them
 # (parity.harness.matrix imports them from here).
-STRUCTURED_MASKS = ("packed", "window", "chunked")
+STRUCTURED_MASKS = ("packed", "window", "chunk")
 # What a `runs_on` pattern's parts name: the attention kind, the mask kind (the harness's cases and
 # the benchmark's share `mha_spec.MASK_KINDS`; the harness's cases also `STRUCTURED_MASKS`) and the dtype.
 UNIT_INPUTS = ("self", "cross")
@@ -154,7 +154,7 @@ class Implementation:
                      int64, JAX int32), and `mask` is then the rest of the case's mask alone (its padding, or
                      None). False: `mask` is the whole mask, dense (`reference.structured_keep` AND the padding)
     takes_chunk      with structured=True: fn also takes chunk=C (Llama 4's chunked attention, the "chunked" cases'
-                     keyword). A structured implementation without it skips the chunked cases, saying so (it would
+                     keyword). A structured implementation without it skips the chunk cases, saying so (it would
                      be given a keyword it was not written for); one that is not structured gets them dense
     takes_is_causal  fn takes is_causal=True (keyword) with `mask` None in place of a dense causal mask: SDPA's own
                      causal mask, top-left aligned (query t keeps keys 0..t). The benchmark gives it on its causal
@@ -289,7 +289,7 @@ class Implementation:
         if cross is not None and mask is not None and not self.runs_unit(cross, mask, dtype):
             return (f"{self.name} runs only where its runs_on matches the <self|cross>/<mask>/<dtype> of the unit "
                     f"({unit_kind(cross, mask, dtype)}): {', '.join(self.runs_on)}")
-        if mask == "chunked" and self.structured and not self.takes_chunk:
+        if mask == "chunk" and self.structured and not self.takes_chunk:
             return (f"{self.name} declares structured=True without takes_chunk: it takes the structured masks as "
                     "keywords, and chunk= (Llama 4's chunked attention) is not one it declares")
         if self.requires:

@@ -191,8 +191,8 @@ def test_bench_masks_parse_once_into_kind_and_parameter_and_write_back_the_same_
     assert str(BenchMask.parse("window:032")) == "window:32"  # one spelling in rows and labels
     for text, message in (("window:0", "W .* must be a positive integer"), ("packed:0", "D .* must be a positive"),
                           ("window:x", "parameter must be a positive integer, got 'x'"), ("window:-3", "got '-3'"),
-                          ("window:", "got ''"), ("window", "needs its parameter"), ("causal:2", "only window:W, packed:D and chunked:C"),
-                          ("random", "is not one of none, padding, causal, window:W, packed:D or chunked:C"), ("window:３", "got '３'")):
+                          ("window:", "got ''"), ("window", "needs its parameter"), ("causal:2", "only window:W, packed:D and chunk:C"),
+                          ("random", "is not one of none, padding, causal, window:W, packed:D or chunk:C"), ("window:３", "got '３'")):
         with pytest.raises(ValueError, match=message):
             BenchMask.parse(text)
     case = BenchCase.of(2, 8, 8, 12, 3, "float32", mask=BenchMask("window", 3))

@@ -1,6 +1,6 @@
 """The flags of Llama 4's layers. mha-bench: --qk-norm l2 and --attn-temperature-tuning (--floor-scale,
 --attn-scale) set every case's layer, land in its rows (so rows are compared like with like), and a run with
-them times our module; --mask chunked:C is Llama 4's chunked attention. mha-parity --layer: qk_norm=l2,
+them times our module; --mask chunk:C is Llama 4's chunked attention. mha-parity --layer: qk_norm=l2,
 temperature=yes, floor_scale=, attn_scale=."""
 
 from __future__ import annotations
@@ -118,14 +118,14 @@ def test_a_layer_run_judges_the_temperature(tmp_path, monkeypatch, dropped):
 
 @pytest.mark.parametrize("T, S, C", [(7, 7, 3), (5, 9, 4), (6, 6, 6), (4, 8, 1)])
 def test_the_chunked_mask_is_the_structure_keeps_what_it_counts_and_reads_back(T, S, C):
-    """--mask chunked:C: chunks of C positions counted from the first key, queries bottom-right (query t at
+    """--mask chunk:C: chunks of C positions counted from the first key, queries bottom-right (query t at
     t + S - T); written from the definition here, held to `BenchMask.keep`, `structure` and `kept`."""
     from parity.bench.spec import BenchMask
     from parity.reference import structured_keep
 
     B = 3
-    mask = BenchMask.parse(f"chunked:{C}")
-    assert str(mask) == f"chunked:{C}" and mask.unit_kind == "random"
+    mask = BenchMask.parse(f"chunk:{C}")
+    assert str(mask) == f"chunk:{C}" and mask.unit_kind == "random"
     a = np.arange(T)[:, None] + S - T  # (T, 1) each query's position
     s = np.arange(S)[None, :]  # (1, S)
     want = (s <= a) & (s // C == a // C)  # (T, S)
@@ -136,8 +136,8 @@ def test_the_chunked_mask_is_the_structure_keeps_what_it_counts_and_reads_back(T
     assert mask.kept(B, T, S) == B * int(want.sum())
 
 
-@pytest.mark.parametrize("text, words", [("chunked", "needs its parameter"), ("chunked:0", "C (positions per chunk)"),
-                                         ("chunked:x", "positive integer")])
+@pytest.mark.parametrize("text, words", [("chunk", "needs its parameter"), ("chunk:0", "C (positions per chunk)"),
+                                         ("chunk:x", "positive integer")])
 def test_a_bad_chunked_mask_is_refused_by_name(text, words):
     from parity.bench.spec import BenchMask
 
@@ -145,4 +145,4 @@ def test_a_bad_chunked_mask_is_refused_by_name(text, words):
         BenchMask.parse(text)
     assert words in str(e.value)
     with pytest.raises(ValueError, match="T <= S"):
-        BenchCase.of(1, 6, 4, 16, 2, "float32", mask="chunked:2")
+        BenchCase.of(1, 6, 4, 16, 2, "float32", mask="chunk:2")

@@ -1,5 +1,5 @@
 """Llama 4 judged like the rest: config.json read per layer, `--checkpoint` of a chunked RoPE layer and of a
-NoPE temperature layer, the chunked case kind, the hf-llama4 peers, and a port's slips named at their stage.
+NoPE temperature layer, the chunk case kind, the hf-llama4 peers, and a port's slips named at their stage.
 
 The checkpoint is a tiny save_pretrained Llama4ForCausalLM (E=16, N=4, K=2, head_dim 6, two layers:
 no_rope_layers [1, 0], attention_chunk_size 3, use_qk_norm, the temperature with floor_scale 2, llama3 RoPE
@@ -149,7 +149,7 @@ def test_the_layer_read_computes_what_the_saved_model_does(layer, prefix, saved)
     read = checkpoint.load_layer(saved, "hf-llama", prefix)
     assert read.chunk == (C if layer == 0 else None)
     case = checkpoint.cases(read.config, 2, 5, 5, chunk=read.chunk)[0]
-    assert case.mask == ("chunked" if layer == 0 else "causal")
+    assert case.mask == ("chunk" if layer == 0 else "causal")
     x = case.draw_inputs(0, read.state_dict)
     if layer == 1:  # the cache slots, alike in every row, across floor((p + 1) / 2)'s steps
         assert (x.positions == x.positions[:1]).all() and np.ptp(np.floor((x.positions + 1) / FLOOR)) >= 2
@@ -183,10 +183,10 @@ def test_mha_parity_judges_both_layers_green(prefix, saved, tmp_path, capsys):
     assert all(r["status"] in ("pass", "skip") for r in rows)
     assert {("forward", "torch"), ("gradient", "torch")} <= ran
     if prefix == P0:  # the chunk binds at S = 5: chunked cases, the leak check across the chunk, the chunked decode
-        assert {r["case"] for r in rows} >= {"checkpoint/chunked/nan", "checkpoint/chunked+padding/uniform"}
+        assert {r["case"] for r in rows} >= {"checkpoint/chunk/nan", "checkpoint/chunk+padding/uniform"}
         assert {("leak", "torch"), ("peers", "hf-llama4"), ("decode", "torch")} <= ran
         decoded = {r["case"] for r in rows if r["check"] == "decode" and r["impl"] == "torch"}
-        assert decoded == {"checkpoint/chunked/nan"}
+        assert decoded == {"checkpoint/chunk/nan"}
         skipped = [r for r in rows if r["check"] == "decode" and r["impl"] == "hf-llama4-decode"]
         assert skipped and all(r["status"] == "skip" and "given no chunk" in r["message"] for r in skipped)
         assert "attention_chunk_size=3" in capsys.readouterr().out
@@ -226,8 +226,8 @@ def test_the_chunked_case_binds_and_a_structured_implementation_without_chunk_sk
     from parity.harness.matrix import LLAMA4_CHUNK, draw_inputs, modern_matrix
     from parity.impls import Implementation
 
-    case = next(c for c in modern_matrix() if c.mask == "chunked")
-    assert case.name == "chunked-llama4/chunked/nan" and case.structured and case.train and case.peers
+    case = next(c for c in modern_matrix() if c.mask == "chunk")
+    assert case.name == "chunked-llama4/chunk/nan" and case.structured and case.train and case.peers
     x = draw_inputs(case, 0)
     causal = np.tril(np.ones((case.shape.T, case.shape.S), bool))
     assert LLAMA4_CHUNK < case.shape.T and (x.keep[:, 0] != causal).any()  # the chunk takes keys the causal mask keeps
@@ -241,9 +241,9 @@ def test_the_chunked_case_binds_and_a_structured_implementation_without_chunk_sk
                  impls=("torch",), device="cpu")  # ours across the chunk, bit for bit (gradients: test_modern_cases)
     assert {(r.check, r.status) for r in report.rows if r.impl == "torch"} == {("forward", "pass"), ("leak", "pass")}
     old = Implementation("old-structured", "torch", "m:f", structured=True)
-    assert "takes_chunk" in old.unsupported("float32", cross=False, mask="chunked")
+    assert "takes_chunk" in old.unsupported("float32", cross=False, mask="chunk")
     assert old.unsupported("float32", cross=False, mask="window") is None
-    assert Implementation("dense", "torch", "m:f").unsupported("float32", cross=False, mask="chunked") is None
+    assert Implementation("dense", "torch", "m:f").unsupported("float32", cross=False, mask="chunk") is None
     with pytest.raises(ValueError, match="structured=True"):
         Implementation("bad", "torch", "m:f", takes_chunk=True)
 
@@ -259,7 +259,7 @@ def test_the_chunked_case_decodes_across_a_chunk_and_a_chunk_slip_in_the_cache_i
     from parity.harness import decode
     from parity.harness.matrix import Case, LLAMA4_CHUNK, LLAMA4_SHAPES, modern_matrix
 
-    case = next(c for c in modern_matrix() if c.mask == "chunked")
+    case = next(c for c in modern_matrix() if c.mask == "chunk")
     assert case.decode and case.chunk == LLAMA4_CHUNK
     sch = decode.schedule(case.shape)
     pos = reference.decode_positions(sch.starts, sch.tokens)  # (B, T)
@@ -267,7 +267,7 @@ def test_the_chunked_case_decodes_across_a_chunk_and_a_chunk_slip_in_the_cache_i
     crosses = (first_step[:, 1:] // LLAMA4_CHUNK != first_step[:, :-1] // LLAMA4_CHUNK).any(axis=1)
     assert crosses.all() and len(set(sch.starts.tolist())) == case.shape.B  # every row, each padded apart
     with pytest.raises(ValueError, match="a decode case"):
-        Case(LLAMA4_SHAPES["chunked-llama4"], "chunked", "nan", chunk=3, padded=True, decode=True)
+        Case(LLAMA4_SHAPES["chunked-llama4"], "chunk", "nan", chunk=3, padded=True, decode=True)
 
     green = run(cases=[case], checks=("decode",), dtypes=("float32",), impls=("torch", "torch-static"), device="cpu")
     ours = [r for r in green.rows if r.impl in ("torch", "torch-static")]
@@ -298,14 +298,14 @@ def test_the_chunked_case_decodes_across_a_chunk_and_a_chunk_slip_in_the_cache_i
 
 
 def test_a_chunked_checkpoint_layer_gets_its_decode_case_and_the_decode_check(saved):
-    """T == S: checkpoint/chunked/nan decodes (not its padded twin); T < S: checkpoint-decode/chunked/nan over the S
+    """T == S: checkpoint/chunk/nan decodes (not its padded twin); T < S: checkpoint-decode/chunk/nan over the S
     tokens; a sliding window still has none; the default checks of a binding chunk hold leak and decode."""
     read = checkpoint.load_layer(saved, "hf-llama", P0)
     same = {c.name: c for c in checkpoint.cases(read.config, 2, 5, 5, decode=True, chunk=read.chunk)}
-    assert [n for n, c in same.items() if c.decode] == ["checkpoint/chunked/nan"]
-    assert same["checkpoint/chunked/nan"].chunk == C
+    assert [n for n, c in same.items() if c.decode] == ["checkpoint/chunk/nan"]
+    assert same["checkpoint/chunk/nan"].chunk == C
     fewer = {c.name: c for c in checkpoint.cases(read.config, 2, 3, 5, decode=True, chunk=read.chunk)}
-    own = fewer["checkpoint-decode/chunked/nan"]
+    own = fewer["checkpoint-decode/chunk/nan"]
     assert own.decode and own.chunk == C and (own.shape.T, own.shape.S, own.shape.cross) == (5, 5, False)
     assert not any(c.decode for n, c in fewer.items() if n != own.name)
     assert not any(c.decode for c in checkpoint.cases(read.config, 2, 3, 5, decode=True, chunk=read.chunk,
@@ -324,7 +324,7 @@ def test_the_peer_builds_transformers_chunked_mask_and_refuses_what_it_cannot_be
     from parity.harness.matrix import draw_inputs, modern_matrix
     from parity.impls.registry import builtin
 
-    case = next(c for c in modern_matrix() if c.mask == "chunked")
+    case = next(c for c in modern_matrix() if c.mask == "chunk")
     x = draw_inputs(case, 0)
     fn = builtin("hf-llama4").make({k: v.astype(np.float32) for k, v in x.state_dict.items()}, case.shape.N,
                                    "uniform", torch.device("cpu"), case.problem)

@@ -6,7 +6,7 @@
               [--head-dim H] [--qk-norm none|head|flat|l2] [--qk-norm-eps X] [--qk-norm-offset X]
               [--scale X] [--softcap X] [--sinks] [--rope-dim R] [--rope-scaling KIND:KEY=VALUE,..]
               [--attn-temperature-tuning [--floor-scale X] [--attn-scale X]]
-              [--kv-seq S,..] [--mask none,causal,padding,window:W,packed:D,chunked:C] [--processes P] [--baseline KEY]
+              [--kv-seq S,..] [--mask none,causal,padding,window:W,packed:D,chunk:C] [--processes P] [--baseline KEY]
               [--threads K] [--precision highest|default] [--verdict A,B]
               [--json P] [--markdown P] [--plot P.png]
     mha-bench compare BASE.json NEW.json [--threshold 0.10]
@@ -97,11 +97,11 @@ def _add_grid_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtypes", type=comma_separated(tuple(DTYPES), nonempty=True), help="float32,bfloat16,float16")
     p.add_argument("--seq", type=_ints, help="query lengths T (and key lengths S = T unless --kv-seq), e.g. 256,1024")
     p.add_argument("--kv-seq", type=_ints, metavar="S,..", help="key/value lengths S (default: S = T): T != S cases")
-    p.add_argument("--mask", type=bench_masks, metavar="none,causal,padding,window:W,packed:D,chunked:C",
+    p.add_argument("--mask", type=bench_masks, metavar="none,causal,padding,window:W,packed:D,chunk:C",
                    help="keep-mask of every case: none (default); causal, bottom-right aligned (needs T <= S); "
                    "padding (batch row b keeps its first S - floor(b*S/2B) keys); window:W, causal over the last "
                    "W keys, itself included (Mistral's sliding_window; bottom-right, T <= S); packed:D, D equal "
-                   "causal documents per row (T = S, T divisible by D); chunked:C, causal within chunks of C positions "
+                   "causal documents per row (T = S, T divisible by D); chunk:C, causal within chunks of C positions "
                    "(Llama 4's attention_chunk_size; bottom-right, T <= S)")
     p.add_argument("--max-seq", type=positive_int, help="drop preset lengths above this")
     p.add_argument("--decode", type=positive_int, metavar="S",

@@ -65,19 +65,19 @@ LAYER_FIELDS = (*MODERN_FIELDS, *ROPE_FIELDS, *TEMPERATURE_FIELDS)  # every laye
 # is the last T positions of a sequence of S, as in a decoder with a cache); padding, each batch
 # row keeps its first S - floor(b·S / 2B) keys (every row keeps at least half: no row is fully
 # masked, whose output the implementations' masked-row policies would make differ); and the two
-# parameterised masks of `BenchMask`, window:W, packed:D and chunked:C.
+# parameterised masks of `BenchMask`, window:W, packed:D and chunk:C.
 MASKS = tuple(k for k in MASK_KINDS if k != "random")  # the order of mha_spec.MASK_KINDS
 PARAMETERISED_MASKS = STRUCTURED_MASKS  # spelled KIND:N (`BenchMask`)
 
 
 @dataclass(frozen=True)
 class BenchMask:
-    """One benchmark mask: a plain kind of `MASKS`, or a parameterised one, `window:W`, `packed:D` or `chunked:C`.
+    """One benchmark mask: a plain kind of `MASKS`, or a parameterised one, `window:W`, `packed:D` or `chunk:C`.
 
     - window:W: a causal sliding window of the last W keys, itself included (Mistral's
       sliding_window=W: is_causal with window (W - 1, 0)), bottom-right aligned as causal is;
     - packed:D: D equal-length documents per row, causal within each (T = S, T divisible by D);
-    - chunked:C: Llama 4's chunked attention (attention_chunk_size=C): causal within chunks of C positions,
+    - chunk:C: Llama 4's chunked attention (attention_chunk_size=C): causal within chunks of C positions,
       bottom-right aligned (query t at position a = t + S - T keeps keys s <= a with s // C == a // C).
 
     `parse` is the one place the command line's and a row's string is read; `str()` writes it back
@@ -95,14 +95,14 @@ class BenchMask:
         elif self.kind in PARAMETERISED_MASKS:
             if isinstance(self.param, bool) or not isinstance(self.param, int) or self.param < 1:
                 what = {"window": "W (keys in the window)", "packed": "D (documents per row)",
-                        "chunked": "C (positions per chunk)"}[self.kind]
+                        "chunk": "C (positions per chunk)"}[self.kind]
                 raise ValueError(f"mask {self.kind}:{self.param}: {what} must be a positive integer")
         else:
-            raise ValueError(f"mask {self.kind!r} is not one of {', '.join(MASKS)}, window:W, packed:D or chunked:C")
+            raise ValueError(f"mask {self.kind!r} is not one of {', '.join(MASKS)}, window:W, packed:D or chunk:C")
 
     @classmethod
     def parse(cls, text) -> BenchMask:
-        """'none' | 'causal' | 'padding' | 'window:W' | 'packed:D' | 'chunked:C' -> BenchMask; ValueError naming the text."""
+        """'none' | 'causal' | 'padding' | 'window:W' | 'packed:D' | 'chunk:C' -> BenchMask; ValueError naming the text."""
         if isinstance(text, BenchMask):
             return text
         if not isinstance(text, str):
@@ -111,10 +111,10 @@ class BenchMask:
         if not sep:
             if kind in PARAMETERISED_MASKS:
                 raise ValueError(f"mask {text!r} needs its parameter: window:W (keys), packed:D (documents) or "
-                                 "chunked:C (positions per chunk)")
+                                 "chunk:C (positions per chunk)")
             return cls(kind)
         if kind not in PARAMETERISED_MASKS:
-            raise ValueError(f"mask {text!r}: only window:W, packed:D and chunked:C take a parameter "
+            raise ValueError(f"mask {text!r}: only window:W, packed:D and chunk:C take a parameter "
                              f"(the others: {', '.join(MASKS)})")
         if not (param.isascii() and param.isdigit()):
             raise ValueError(f"mask {text!r}: the parameter must be a positive integer, got {param!r}")
@@ -126,13 +126,13 @@ class BenchMask:
     @property
     def unit_kind(self) -> str:
         """The mask's kind in `mha_spec.MASK_KINDS`, what `runs_on` declarations are written over: the
-        plain kinds are themselves; window, packed and chunked are "random" (an arbitrary dense keep-mask, which
+        plain kinds are themselves; window, packed and chunk are "random" (an arbitrary dense keep-mask, which
         an implementation must apply as given: one that runs only "causal" might apply is_causal)."""
         return self.kind if self.kind in MASKS else "random"
 
     def problem(self, T: int, S: int) -> str | None:
         """Why this mask cannot be a (T, S) case's, or None."""
-        if self.kind in ("causal", "window", "chunked") and T > S:
+        if self.kind in ("causal", "window", "chunk") and T > S:
             return (f"a {self} mask needs T <= S (bottom-right aligned, the first T - S query rows would see "
                     f"no key), got T={T} S={S}")
         if self.kind == "packed":
@@ -156,7 +156,7 @@ class BenchMask:
             return np.ascontiguousarray(keep[:, None])  # (B, 1, T, S)
         if self.kind == "packed":
             keep = structured_keep(T, S, is_causal=True, segment_ids=self.segment_ids(1, T))  # (1, 1, T, S)
-        elif self.kind == "chunked":
+        elif self.kind == "chunk":
             keep = structured_keep(T, S, is_causal=True, chunk=self.param, alignment="bottom-right")  # (1, 1, T, S)
         else:
             window = (min(self.param, S) - 1, 0) if self.kind == "window" else None  # W >= S: all of causal
@@ -164,8 +164,8 @@ class BenchMask:
         return np.ascontiguousarray(np.broadcast_to(keep, (B, 1, T, S)))
 
     def structure(self, B: int, T: int, S: int) -> Structure | None:
-        """causal, window, packed and chunked as an `mha_spec.Structure` (the same mask as `keep`), what an
-        implementation declaring `structured` is given instead of the dense mask (chunked: one that also
+        """causal, window, packed and chunk as an `mha_spec.Structure` (the same mask as `keep`), what an
+        implementation declaring `structured` is given instead of the dense mask (chunk: one that also
         declares `takes_chunk`); None otherwise."""
         if self.kind == "causal":
             return Structure.of(T, S, is_causal=True, alignment="bottom-right")
@@ -173,7 +173,7 @@ class BenchMask:
             return Structure.of(T, S, is_causal=True, window=(min(self.param, S) - 1, 0), alignment="bottom-right")
         if self.kind == "packed":
             return Structure.of(T, S, is_causal=True, segment_ids=self.segment_ids(B, T), batch=B)
-        if self.kind == "chunked":
+        if self.kind == "chunk":
             return Structure.of(T, S, is_causal=True, chunk=self.param, alignment="bottom-right")
         return None
 
@@ -188,7 +188,7 @@ class BenchMask:
             L = T // self.param  # one document's length
             return B * self.param * L * (L + 1) // 2
         a = np.arange(S - T, S, dtype=np.int64)  # (T,): each query's key position, bottom-right
-        if self.kind == "chunked":
+        if self.kind == "chunk":
             return B * int((a % self.param + 1).sum())  # keys s in [a - a % C, a]: the chunk's start to a
         width = a + 1 if self.kind == "causal" else np.minimum(min(self.param, S), a + 1)  # keys s in [a - W + 1, a] ∩ [0, a]
         return B * int(width.sum())
@@ -673,7 +673,7 @@ def structure_for(impl: Implementation, case: BenchCase) -> tuple | None:
     is_causal=, window= and segment_ids= on causal, window and packed cases; an SDPA layer (`takes_is_causal`)
     gets is_causal=True on a causal case whose mask is SDPA's top-left triangle (T = S)."""
     mask = case.bench_mask
-    if impl.structured and (mask.kind != "chunked" or impl.takes_chunk):  # else chunked: dense (registry's contract)
+    if impl.structured and (mask.kind != "chunk" or impl.takes_chunk):  # else chunk: dense (registry's contract)
         structure = mask.structure(case.batch, case.seq_q, case.seq_k)
         return None if structure is None else (structure.keywords(), None)
     if impl.takes_is_causal and mask.kind == "causal" and case.seq_q == case.seq_k:

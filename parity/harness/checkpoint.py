@@ -49,10 +49,10 @@ use_sliding_window slides layers max_window_layers and up (its layer_types): tho
 Llama 4 (model_type llama4_text, or llama4's text_config; `parity.layouts.attention_config`): layer L is
 a RoPE layer (interleaved pairs, the L2 QK-norm) or a NoPE one (the query temperature) by no_rope_layers[L],
 and chunked by layer_types[L] (`parity.layouts.layer_chunk`). A chunk C < S gives the cases
-checkpoint/chunked/nan and checkpoint/chunked+padding/uniform -- bottom-right aligned as the window's, the
+checkpoint/chunk/nan and checkpoint/chunk+padding/uniform -- bottom-right aligned as the window's, the
 chunks counted from the first key as transformers counts cache positions (the RoPE positions drawn apart,
-as position_ids are) -- with the leak check and the decode check (checkpoint/chunked/nan decodes when T == S,
-else checkpoint-decode/chunked/nan over the S tokens: our caches' chunked keep-mask, the chunks counted from each
+as position_ids are) -- with the leak check and the decode check (checkpoint/chunk/nan decodes when T == S,
+else checkpoint-decode/chunk/nan over the S tokens: our caches' chunked keep-mask, the chunks counted from each
 row's first token; the protocol decoders, given no chunk, skip it); C >= S keeps every causal key: the causal
 cases. A NoPE temperature layer's query positions are cache slots alike in every row
 (`temperature_positions`), which is what Llama4TextAttention counts (it reads no position_ids for it).
@@ -528,10 +528,10 @@ def cases(config: AttentionConfig, B: int, T: int, S: int, redraw: tuple = (), d
     decode: the decode check is selected (with T < S it gets a case of its own; with T == S the causal
     case is its case either way). sliding_window: config.json's W; with W < S the cases are the window's
     (window (W - 1, 0), bottom-right aligned), without a decode case. chunk: Llama 4's attention_chunk_size C;
-    with C < S the cases are "checkpoint/chunked/nan" and "checkpoint/chunked+padding/uniform": bottom-right
+    with C < S the cases are "checkpoint/chunk/nan" and "checkpoint/chunk+padding/uniform": bottom-right
     aligned (the T queries are the last of the S tokens) and the chunks counted from the first key, as
     transformers' chunked mask counts cache positions (the RoPE positions are drawn apart, as position_ids
-    are); decode: "checkpoint/chunked/nan" decodes when T == S, else "checkpoint-decode/chunked/nan" (the S
+    are); decode: "checkpoint/chunk/nan" decodes when T == S, else "checkpoint-decode/chunk/nan" (the S
     tokens) does -- the chunks then counted from each row's first token, as our caches' `keep_mask(T, chunk=C)`
     and transformers' create_chunked_causal_mask (past the left padding) count them."""
     if T > S:
@@ -542,17 +542,17 @@ def cases(config: AttentionConfig, B: int, T: int, S: int, redraw: tuple = (), d
     if window_binds(sliding_window, S) and chunk_binds(chunk, S):
         raise ValueError(f"a sliding window ({sliding_window}) and a chunk ({chunk}) on one layer: no model has both")
     if window_binds(sliding_window, S) or chunk_binds(chunk, S):
-        mask = "window" if window_binds(sliding_window, S) else "chunked"
+        mask = "window" if window_binds(sliding_window, S) else "chunk"
         kind = {"window": (sliding_window - 1, 0)} if mask == "window" else {"chunk": chunk}
         window = {**kind, "alignment": "bottom-right", **past}
         # A chunk decodes (our caches take one: `KVCache.keep_mask(T, chunk=C)`); a window does not.
-        decodes = decode and mask == "chunked"
+        decodes = decode and mask == "chunk"
         out = tuple(DecoderCase(shape, mask, policy, padded=padded, peers=True, jax_eager=False, **window,
                                 decode=decodes and not padded and T == S)
                     for policy, padded in WINDOW_MASKS)
         if decodes and T < S:
             own = Shape.of("checkpoint-decode", Problem(config, B, S, S), cross=False)
-            out += (DecoderCase(own, "chunked", "nan", chunk=chunk, jax_eager=False, decode=True),)
+            out += (DecoderCase(own, "chunk", "nan", chunk=chunk, jax_eager=False, decode=True),)
         if redraw:
             out += (DecoderCase(redrawn, mask, WINDOW_MASKS[0][0], jax_eager=False, redraw=tuple(redraw), **window),)
         return out

@@ -7,7 +7,7 @@ drawn and with one part perturbed, with the same program and the same cotangent:
     packed   a row's first document (self-attention: its tokens; cross-attention: its keys and values), in
              the row where that leaves the most of the row's queries unaffected
     window   the first two tokens of every row (cross-attention: the first two keys and values)
-    chunked  the first chunk of every row: its first C tokens (cross-attention: keys and values 0..C-1), the
+    chunk    the first chunk of every row: its first C tokens (cross-attention: keys and values 0..C-1), the
              chunks counted from key 0 as the mask counts them; every query of a later chunk is unaffected
 
 By the case's dense keep-mask, a query is *affected* when it is perturbed itself or keeps a
@@ -38,7 +38,7 @@ EAGER_JAX_SKIP = "our eager JAX is jax-jit's program op by op: jax-jit's leak ro
 def perturbed_tokens(unit) -> tuple[np.ndarray, np.ndarray, str]:
     """(query tokens (B, T) bool, key/value tokens (B, S) bool, in words) the check perturbs. packed: the
     first document of the row where perturbing it leaves the most queries of that row unaffected (the
-    first such row); window: the first two tokens of every row; chunked: the first chunk's C tokens of every
+    first such row); window: the first two tokens of every row; chunk: the first chunk's C tokens of every
     row."""
     s, st = unit.case.shape, unit.x.structure_kw
     pq, pk = np.zeros((s.B, s.T), bool), np.zeros((s.B, s.S), bool)
@@ -55,7 +55,7 @@ def perturbed_tokens(unit) -> tuple[np.ndarray, np.ndarray, str]:
         b = max(range(s.B), key=lambda r: (left_alone(r), -r))
         (pk if s.cross else pq)[b] = seg[b] == seg[b, 0]
         where = f"document {seg[b, 0]} of row {b} ({what} {_span(np.flatnonzero(seg[b] == seg[b, 0]))})"
-    elif unit.case.mask == "chunked":
+    elif unit.case.mask == "chunk":
         C = st["chunk"]
         (pk if s.cross else pq)[:, :C] = True
         where = f"the first chunk ({what} 0-{min(C, s.S if s.cross else s.T) - 1}) of every row"

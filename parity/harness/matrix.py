@@ -115,7 +115,7 @@ class Shape:
 
 # The masks a decode case (`Case.decode`) may have: causal, or Llama 4's chunks (causal within chunks of C positions
 # counted from each row's first token; the caches' `keep_mask(T, chunk=C)`).
-DECODE_MASKS = ("causal", "chunked")
+DECODE_MASKS = ("causal", "chunk")
 
 
 @dataclass(frozen=True)
@@ -126,7 +126,7 @@ class Case:
     train: bool = False  # the training check is slow, so only some cases run it
     peers: bool = False  # so are the peers (five more layers), so they run where they say most
     jax_eager: bool = True  # eager jax compiles every op per new shape: ~1 s a (shape, dtype)
-    # decode: the decode check runs it too: self-attention, causal or chunked (DECODE_MASKS; parity.harness.decode)
+    # decode: the decode check runs it too: self-attention, causal or chunk (DECODE_MASKS; parity.harness.decode)
     decode: bool = False
     dtypes: tuple = DTYPES  # the dtypes this case runs in (intersected with the run's)
     redraw: tuple = ()  # with fixed weights (a checkpoint's): these tensors are the case's own draw instead
@@ -155,8 +155,8 @@ class Case:
         if (self.mask == "window") != (self.window is not None):
             raise ValueError(f"case {label}: window= is given with mask 'window' and only then, got mask={self.mask!r}, "
                              f"window={self.window!r}")
-        if (self.mask == "chunked") != (self.chunk is not None):
-            raise ValueError(f"case {label}: chunk= is given with mask 'chunked' and only then, got mask={self.mask!r}, "
+        if (self.mask == "chunk") != (self.chunk is not None):
+            raise ValueError(f"case {label}: chunk= is given with mask 'chunk' and only then, got mask={self.mask!r}, "
                              f"chunk={self.chunk!r}")
         try:
             band = self.structure()
@@ -458,7 +458,7 @@ def mask_matrix() -> tuple[Case, ...]:
         Case(_M["window-cross"], "window", "zero", window=(2, 0), alignment="bottom-right", jax_eager=False,
              dtypes=("float32",)),
         Case(_M["packed-cross"], "packed", "uniform", jax_eager=False, dtypes=("float64",)),
-        Case(_M["chunked-cross"], "chunked", "zero", chunk=3, alignment="bottom-right", jax_eager=False,
+        Case(_M["chunked-cross"], "chunk", "zero", chunk=3, alignment="bottom-right", jax_eager=False,
              dtypes=("float32",)),
     )
 
@@ -480,7 +480,7 @@ _MODERN_CASES = (
 # Llama 4's layers: its RoPE layers' weightless L2 norm of q and k after (interleaved) RoPE, and its NoPE
 # layers' query temperature log(floor((pos + 1) / floor_scale) + 1) * attn_scale + 1 (floor_scale small, so
 # the drawn positions, 1..~80, cross several steps); and its chunked layers (RoPE, the L2 norm, the mask kind
-# "chunked": a query keeps the causal keys of its own chunk of C tokens), C = 3 < T = 7, so every query past
+# "chunk": a query keeps the causal keys of its own chunk of C tokens), C = 3 < T = 7, so every query past
 # the first chunk loses keys to it and the last chunk is a partial one. It decodes too (decode=True): the decode
 # check's prompt of 4 tokens, then 3 steps, rows left-padded by 0, 2, 1 (chunks counted from each row's first
 # token), so every row's steps cross a chunk boundary (row 0 at position 6, row 1 at 3, row 2 at 3).
@@ -499,7 +499,7 @@ LLAMA4_CHUNK = 3  # the chunked case's C: chunks [0, 3), [3, 6), [6, 7)
 _LLAMA4_CASES = (
     Case(LLAMA4_SHAPES["l2-llama4"], "causal", "nan", jax_eager=False, dtypes=("float64", "float32", "bfloat16")),
     Case(LLAMA4_SHAPES["nope-llama4"], "padding", "zero", jax_eager=False, dtypes=("float64", "float32")),
-    Case(LLAMA4_SHAPES["chunked-llama4"], "chunked", "nan", chunk=LLAMA4_CHUNK, train=True, peers=True,
+    Case(LLAMA4_SHAPES["chunked-llama4"], "chunk", "nan", chunk=LLAMA4_CHUNK, train=True, peers=True,
          jax_eager=False, decode=True, dtypes=("float64", "float32", "bfloat16")),
 )
 

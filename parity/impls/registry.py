@@ -50,12 +50,12 @@ attends to something (so -inf, finfo.min or unmasked values at masked places all
 weights, context and output everywhere. A stage of another shape than the oracle's (a
 k with N heads, repeated before it is reported) is named with both shapes.
 
-Structured masks (the harness's packed, window and chunked cases, `parity.implementation.STRUCTURED_MASKS`):
+Structured masks (the harness's packed, window and chunk cases, `parity.implementation.STRUCTURED_MASKS`):
 by default `mask` is the whole mask, dense (`reference.structured_keep` of the case's segment ids,
 window, chunk and causality, AND its padding). An implementation declaring `structured=True` (ours do) gets
 the structure as keywords instead -- `is_causal=True`, `window=(left, right)`, `segment_ids=` (B, T),
 `key_segment_ids=` (B, S), `alignment="bottom-right"`, and `chunk=C` when it also declares `takes_chunk=True`
-(a structured one without it skips the chunked cases), those the case uses, segment ids as framework
+(a structured one without it skips the chunk cases), those the case uses, segment ids as framework
 integer arrays (torch int64, JAX int32; NumPy to a peer's `fn.vjp`) -- and `mask` is the rest of the
 case's mask (its padding, or None).
 

@@ -2,7 +2,7 @@
 
     hf-llama4       a RoPE layer (no_rope_layers [1]): apply_rotary_emb's complex pairs (our rope="interleaved",
                     no row permutation) from Llama4TextRotaryEmbedding (llama3 scaling included), then the
-                    weightless L2 QK-norm (use_qk_norm); on the "chunked" cases (structured, takes_chunk) the mask
+                    weightless L2 QK-norm (use_qk_norm); on the "chunk" cases (structured, takes_chunk) the mask
                     is transformers' own, create_chunked_causal_mask with attention_chunk_size = the case's chunk
                     (and generate's 2D attention mask for the padding); elsewhere our keep-mask, additive
     hf-llama4-nope  a NoPE layer (no_rope_layers [0]) with the query temperature (attn_temperature_tuning,
