@@ -99,6 +99,15 @@ def _hf_key(canonical: str) -> str:
     return f"{HF_DEEPSEEK_NAMES[module]}.{leaf}"
 
 
+def canonical_name(name: str) -> str:
+    """A transformers DeepSeek attention parameter's canonical name: "kv_a_proj_with_mqa.weight" -> "kv_a_proj.weight";
+    a KeyError naming it where it is none of `HF_DEEPSEEK_NAMES`."""
+    module, _, leaf = name.rpartition(".")
+    if module not in _CANONICAL:
+        raise KeyError(f"{name!r} is not a parameter of transformers' DeepSeek attention ({sorted(_CANONICAL)})")
+    return f"{_CANONICAL[module]}.{leaf}"
+
+
 def to_hf_deepseek(sd: Mapping, prefix: str = "") -> dict:
     """The canonical state dict `sd` under transformers' names (values as given), each key prefixed."""
     return {f"{prefix}{_hf_key(k)}": v for k, v in sd.items()}
@@ -273,8 +282,8 @@ def layout_of(source) -> str | None:
     return MODEL_TYPES.get(cfg.get("model_type")) if isinstance(cfg, Mapping) else None
 
 
-__all__ = ["LATENT_LAYOUTS", "HF_DEEPSEEK_NAMES", "from_hf_deepseek", "to_hf_deepseek", "read_deepseek_config",
-           "layout_of"]
+__all__ = ["LATENT_LAYOUTS", "HF_DEEPSEEK_NAMES", "canonical_name", "from_hf_deepseek", "to_hf_deepseek",
+           "read_deepseek_config", "layout_of"]
 
 
 def _tensors_under(path: str, prefix: str) -> dict[str, np.ndarray]:

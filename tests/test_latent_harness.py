@@ -254,6 +254,22 @@ def test_a_user_latent_layer_through_impl_is_red_at_its_stage(tmp_path, capsys):
     assert "no_such_layer" in capsys.readouterr().err
 
 
+def test_a_user_layer_under_transformers_names_gets_them_and_gives_canonical_gradients(tmp_path):
+    """`hf_named.names = "hf-deepseek-v3"`: its module holds q_a_layernorm, kv_a_proj_with_mqa, o_proj...; green on
+    forward, gradients and decode. The same module declared with canonical names cannot load the state dict."""
+    from parity.examples.mla_torch import hf_named
+
+    code, report = _cli("--cases", "latent", "--dtypes", "float64", "--impls", "torch", "--checks",
+                        "forward,gradient,decode", "--impl", "parity.examples.mla_torch:hf_named", tmp_path=tmp_path)
+    mine = [r for r in report["rows"] if r["impl"] == "hf_named"]
+    assert code == 0 and mine and all(r["status"] in ("pass", "skip") for r in mine)
+    assert {r["check"] for r in mine if r["status"] == "pass"} == {"forward", "gradient", "decode"}
+    assert "d_kv_a_proj.weight" in {r["quantity"] for r in mine}  # its gradients read back under canonical names
+    wrong = run_latent(cases=latent_cases()[:1], dtypes=("float64",), checks=("forward",),
+                       impls=[torch_impl("canonical-declared", hf_named)])
+    assert {r.status for r in wrong.rows if r.impl == "canonical-declared"} == {"error"}
+
+
 def test_checkpoint_cases_start_a_scaled_rope_past_its_original_context_and_decode_the_t_newest():
     from parity.harness.latent import checkpoint_cases
 

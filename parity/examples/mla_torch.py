@@ -25,9 +25,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from torch import nn
 
 from mha_torch import MultiHeadLatentAttention
 from mha_torch.attention import keep_mask_4d, positions_4d, rope_max_position, rotate, structured_keep
+from parity.latent import HF_DEEPSEEK_NAMES
 
 BUGS = ("rope-key-half", "rope-key-per-head", "no-mscale", "cache-raw-latent", "absorb-heads")
 _FORWARD_BUGS = BUGS[:3]
@@ -115,6 +117,42 @@ def planted(bug: str):
     return make
 
 
+class HFNamedLatentAttention(nn.Module):
+    """A port under transformers' names (q_a_layernorm, kv_a_proj_with_mqa, o_proj, ...): our layer's submodules
+    registered under them, its forward and cache as they are. `hf_named` is its factory, declared
+    `names = "hf-deepseek-v3"`: the harness hands it transformers' state dict and reads its gradients back."""
+
+    def __init__(self, inner: MultiHeadLatentAttention):
+        super().__init__()
+        self._inner = [inner]  # not a submodule: its parameters are registered once, under the names below
+        for ours, hf in HF_DEEPSEEK_NAMES.items():
+            if hasattr(inner, ours):
+                self.add_module(hf, getattr(inner, ours))
+
+    def forward(self, *args, **kwargs):
+        return self._inner[0](*args, **kwargs)
+
+    def init_cache(self, *args, **kwargs):
+        return self._inner[0].init_cache(*args, **kwargs)
+
+
+def hf_named(config, state_dict, masked_rows):
+    """`mha-parity --cases latent --impl parity.examples.mla_torch:hf_named`: the correct layer, its tensors under
+    transformers' names."""
+    c = config
+    inner = MultiHeadLatentAttention(c.embed_dim, c.num_heads, kv_lora_rank=c.kv_lora_rank,
+                                     qk_nope_head_dim=c.qk_nope_head_dim, qk_rope_head_dim=c.qk_rope_head_dim,
+                                     v_head_dim=c.v_head_dim, q_lora_rank=c.q_lora_rank, rope=c.rope,
+                                     rope_theta=c.rope_theta, rope_scaling=c.rope_scaling, norm_eps=c.norm_eps,
+                                     bias=c.bias, masked_rows=masked_rows, dtype=next(iter(state_dict.values())).dtype)
+    m = HFNamedLatentAttention(inner)
+    m.load_state_dict(state_dict, strict=True)
+    return m
+
+
+hf_named.names = "hf-deepseek-v3"
+
+
 # `mha-parity --cases latent --impl parity.examples.mla_torch:no_mscale` (or --checkpoint DIR ... --impl ...)
 rope_key_half = planted("rope-key-half")
 rope_key_per_head = planted("rope-key-per-head")
@@ -122,5 +160,5 @@ no_mscale = planted("no-mscale")
 cache_raw_latent = planted("cache-raw-latent")
 absorb_heads = planted("absorb-heads")
 
-__all__ = ["BUGS", "PlantedLatentAttention", "planted", "rope_key_half", "rope_key_per_head", "no_mscale",
+__all__ = ["BUGS", "PlantedLatentAttention", "planted", "HFNamedLatentAttention", "hf_named", "rope_key_half", "rope_key_per_head", "no_mscale",
            "cache_raw_latent", "absorb_heads"]

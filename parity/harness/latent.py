@@ -234,7 +234,8 @@ def _accepts(fn, name: str) -> bool:
     return name in params or any(p.kind == p.VAR_KEYWORD for p in params.values())
 
 
-def torch_impl(name: str, make: Callable, *, fused: bool = False, dtypes: tuple = LATENT_DTYPES) -> LatentImpl:
+def torch_impl(name: str, make: Callable, *, fused: bool = False, dtypes: tuple = LATENT_DTYPES,
+               names: str | None = None) -> LatentImpl:
     """A torch layer as a `LatentImpl`. make(config, state_dict, masked_rows) -> an nn.Module holding the canonical
     `state_dict` (torch tensors of the run's dtype; `mha_spec.MLA_KEYS` names) whose
       forward(x (B, T, E), mask=None, *, positions=None, is_causal=False) -> output or (output, ...)
@@ -242,12 +243,20 @@ def torch_impl(name: str, make: Callable, *, fused: bool = False, dtypes: tuple 
     return_intermediates=True (the last element of the tuple then has `STAGES` attributes, as
     `mha_torch.LatentStages`: the first diverging stage of a failing forward); init_cache(batch, capacity) and
     forward(x, cache=..., absorb=...) -> (output, weights, new cache) (the decode check); named_parameters under
-    the canonical names (the gradient check). fused: call with need_weights=False (SDPA)."""
+    the canonical names (the gradient check). fused: call with need_weights=False (SDPA). names: a layout of
+    `parity.latent.LATENT_LAYOUTS` ("hf-deepseek-v3"): the state dict, and the parameters, under transformers'
+    names (q_a_layernorm, kv_a_proj_with_mqa, o_proj, ...) instead; the gradients come back canonical."""
     import torch
+
+    from parity.latent import LATENT_LAYOUTS, canonical_name, to_hf_deepseek
+
+    if names is not None and names not in LATENT_LAYOUTS:
+        raise ValueError(f"{name}: names={names!r} is not None or one of {LATENT_LAYOUTS}")
 
     def module(case, inputs, dtype):
         td = getattr(torch, dtype)
-        sd = {n: torch.tensor(w, dtype=torch.float64).to(td) for n, w in inputs.sd.items()}
+        sd = to_hf_deepseek(inputs.sd) if names else inputs.sd
+        sd = {n: torch.tensor(np.asarray(w), dtype=torch.float64).to(td) for n, w in sd.items()}
         return make(case.config, sd, case.masked_rows), td
 
     def call(m, case, inputs, x, stages: bool):
@@ -275,7 +284,8 @@ def torch_impl(name: str, make: Callable, *, fused: bool = False, dtypes: tuple 
         (out * torch.tensor(inputs.cotangent).to(td)).sum().backward()
         grads = {"x": to_float64(x.grad)}
         for n, p in m.named_parameters():
-            grads[n] = to_float64(p.grad) if p.grad is not None else np.zeros(tuple(p.shape))
+            grads[canonical_name(n) if names else n] = (to_float64(p.grad) if p.grad is not None
+                                                        else np.zeros(tuple(p.shape)))
         return grads
 
     def decode(case, inputs, dtype, prefill, absorb):
@@ -456,7 +466,8 @@ def load_latent_impl(spec: str) -> LatentImpl:
         return replace(found, user=True)
     if not callable(found):
         raise ValueError(f"--impl {spec!r} is a {type(found).__name__}, not a latent layer factory")
-    return replace(torch_impl(attr, found), user=True)
+    # a factory's `names` attribute (e.g. "hf-deepseek-v3"): its layer holds transformers' names
+    return replace(torch_impl(attr, found, names=getattr(found, "names", None)), user=True)
 
 
 def select_ours(names=None) -> tuple[LatentImpl, ...]:
