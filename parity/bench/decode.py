@@ -4,7 +4,8 @@ for any layer `mha-bench`'s flags make (`--embed/--heads/--kv-heads/--head-dim/-
     mha-bench --decode 2048 --batch 1 --embed 2048 --heads 16 --kv-heads 4 --rope half --bias none
 
 Implementations (`parity.bench.decode_torch`, `decode_jax`): `ours-torch:eager` and `ours-torch:compile`
-(our module with its immutable `KVCache`: every step writes a new cache), `ours-jax:jit` (one program, the
+(our module with its immutable `KVCache`: every step writes a new cache), `ours-torch:static` (its
+`StaticKVCache`, written in place), `ours-jax:jit` (one program, the
 cache's buffers donated: the step writes its slot in place), `hf-llama:dynamic-cache` (transformers'
 LlamaAttention with the DynamicCache generate uses, where the layer is a Llama one), `flax-nnx:decode`
 (flax.nnx.MultiHeadAttention(decode=True), the classic layer only; step only: flax decodes one token per call)
@@ -39,7 +40,7 @@ SCHEMA = "mha-bench-decode/1"
 PASSES = ("prefill", "step")
 # (key, framework, form): what `--decode` times, before the --impls filter and each one's own limits
 BUILTIN = (("ours-torch:eager", "torch", "eager"), ("ours-torch:compile", "torch", "compile"),
-           ("ours-jax:jit", "jax", "jit"), ("hf-llama:dynamic-cache", "torch", "hf"),
+           ("ours-torch:static", "torch", "static"), ("ours-jax:jit", "jax", "jit"), ("hf-llama:dynamic-cache", "torch", "hf"),
            ("flax-nnx:decode", "jax", "flax"))
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 

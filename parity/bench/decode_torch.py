@@ -31,8 +31,10 @@ def nbytes(*tensors) -> int:
 
 def ours(case, sd: dict, tokens: np.ndarray, form: str, pass_: str) -> tuple[Bench, dict]:
     """Our module: prefill (S tokens, causal, into an empty cache of S + 1 slots) or step (token S from the
-    prefilled cache; the cache is immutable, so every call does the same work from the same cache). form "eager"
-    or "compile" (torch.compile of the module)."""
+    prefilled cache). form "eager" or "compile" (torch.compile of the module): the immutable `KVCache`, every
+    step writes a new one, so every call does the same work from the same cache; "static": a `StaticKVCache`,
+    the step writes slot S in place, and every call, given the same cache object (its lengths still S), writes
+    slot S again: the same work too."""
     cfg = case.config
     m = convert.to_torch(sd, cfg.num_heads, masked_rows="nan", **layer_kwargs(sd, cfg.num_heads, case.problem)).eval()
     call = torch.compile(m) if form == "compile" else m
@@ -40,9 +42,11 @@ def ours(case, sd: dict, tokens: np.ndarray, form: str, pass_: str) -> tuple[Ben
     B, L, _ = x.shape  # L = S + 1
     pre, new = x[:, :L - 1], x[:, L - 1:]
 
+    static = form == "static"
+
     def prefill():
         with torch.inference_mode():
-            out, _, cache = call(pre, pre, pre, cache=m.init_cache(B, L), need_weights=False)
+            out, _, cache = call(pre, pre, pre, cache=m.init_cache(B, L, static=static), need_weights=False)
         return out, cache
 
     compiles = form == "compile"
