@@ -608,18 +608,29 @@ def report_main(argv, console: Console) -> int:
 
 # What --list's estimate adds to the timed calls, measured on a 2-core AMD EPYC (rounded up): a worker process's
 # start (importing torch, JAX and flax: 2.8 s), torch.compile's first compile in a process (~20 s; ~3 s for each
-# further item), and an XLA compile with the warm-up and output/gradient checks of any other item (~1 s).
+# further item), and an XLA compile of any other item (~1 s). A call's time is guessed from its FLOPs at
+# ESTIMATE_GFLOPS (our fused layers ran 100-160 GFLOP/s float32 on that EPYC, measured peak 221: the grid of
+# docs/results/bench-grid-epyc.md), so that a slow item's min_repeats count, as they do in a run.
 WORKER_START_S, COMPILE_FIRST_S, COMPILE_MORE_S, PREPARE_S = 3.0, 20.0, 3.0, 1.0
+ESTIMATE_GFLOPS = {"cpu": 100.0, "gpu": 20_000.0, "tpu": 50_000.0}
+CHECK_CALLS = 3  # untimed calls of an item besides its warm-up: the output, the memory probe, the gradients
 
 
 def estimate_s(cfg, items) -> tuple[int, float]:
-    """(timed rows, estimated wall seconds) of a planned run: per (case, pass) group and worker process, the
-    preset's budget for each timed implementation's calls (`Timing.budget_s`: sampling stops there, or earlier once
-    the verdict settles), plus worker starts, compiles and warm-ups (the constants above). An estimate: slow
-    calls past min_repeats, or a verdict that settles early, move it either way."""
+    """(timed rows, estimated wall seconds) of a planned run: per worker process, each timed item's timed calls --
+    the preset's budget (`Timing.budget_s`: sampling stops there, or once the verdict settles), or min_repeats
+    calls where those take longer --, its warm-up and check calls, plus worker starts and compiles (the constants
+    above). A call's time is its FLOPs (`spec.pass_flops`) at ESTIMATE_GFLOPS: an estimate, off by what the
+    implementations' rate is off from it."""
+    from parity.bench.spec import pass_flops
+
     timed = [it for it in items if not it.skip]
-    groups = collections.Counter((it.case, it.pass_) for it in timed)
-    calls = sum(n * cfg.timing.budget_s for n in groups.values())
+    rate = ESTIMATE_GFLOPS.get(cfg.device, ESTIMATE_GFLOPS["cpu"]) * 1e9
+    t = cfg.timing
+    calls = 0.0
+    for it in timed:
+        call = pass_flops(it.case, it.pass_) / rate
+        calls += max(t.budget_s, t.min_repeats * call) + (t.warmup + CHECK_CALLS) * call
     compiled = [it for it in timed if it.impl.mode == "compile"]
     workers = (1 if cfg.isolation == "run" else len({it.case for it in timed})) if timed else 0
     prepare = (len(timed) - len(compiled)) * PREPARE_S + len(compiled) * COMPILE_MORE_S
@@ -630,8 +641,10 @@ def estimate_s(cfg, items) -> tuple[int, float]:
 def estimate_line(cfg, items) -> str:
     n, seconds = estimate_s(cfg, items)
     return (f"{len(items)} items: {n} timed, {len(items) - n} skip; estimated wall time ~{seconds / 60:.1f} min "
-            f"({cfg.processes} worker process(es) per group, {cfg.timing.budget_s:g} s of timed calls per timed item, "
-            "plus worker starts, compiles and warm-ups)")
+            f"({cfg.processes} worker process(es) per group; per timed item {cfg.timing.budget_s:g} s of timed calls "
+            f"or {cfg.timing.min_repeats} calls where longer, a call's time from its FLOPs at "
+            f"{ESTIMATE_GFLOPS.get(cfg.device, ESTIMATE_GFLOPS['cpu']):g} GFLOP/s; plus worker starts, compiles and "
+            "warm-ups)")
 
 
 def table_main(argv, console: Console) -> int:
