@@ -234,6 +234,38 @@ def _accepts(fn, name: str) -> bool:
     return name in params or any(p.kind == p.VAR_KEYWORD for p in params.values())
 
 
+def _torch_call(m, inputs, x, stages: bool, fused: bool):
+    """(output, stages or None) of a torch latent layer's forward over x with the unit's keep-mask, positions and
+    causality; the stages where asked for and its forward takes return_intermediates."""
+    import torch
+
+    kw = {"positions": torch.as_tensor(inputs.positions), "is_causal": inputs.is_causal}
+    if fused:
+        kw["need_weights"] = False
+    if stages and _accepts(m.forward, "return_intermediates"):
+        kw["return_intermediates"] = True
+    keep = None if inputs.keep is None else torch.as_tensor(inputs.keep)
+    out = m(x, keep, **kw)
+    if not isinstance(out, tuple):
+        return out, None
+    return out[0], (out[-1] if kw.get("return_intermediates") else None)
+
+
+def _torch_decode(m, x, prefill: int, absorb: bool, fused: bool) -> np.ndarray:
+    """A torch latent layer decoding x (B, T, E): the prefill of `prefill` tokens, then one token a call, through its
+    own latent cache (`init_cache`); the outputs stacked (B, T, E), float64."""
+    import torch
+
+    B, T = x.shape[:2]
+    cache, outs = m.init_cache(B, T), []
+    kw = {"need_weights": False} if fused else {}
+    with torch.no_grad():
+        for lo, hi in [(0, prefill)] + [(t, t + 1) for t in range(prefill, T)]:
+            out, _, cache = m(x[:, lo:hi], cache=cache, absorb=absorb, **kw)[:3]
+            outs.append(to_float64(out))
+    return np.concatenate(outs, axis=1)
+
+
 def torch_impl(name: str, make: Callable, *, fused: bool = False, dtypes: tuple = LATENT_DTYPES,
                names: str | None = None) -> LatentImpl:
     """A torch layer as a `LatentImpl`. make(config, state_dict, masked_rows) -> an nn.Module holding the canonical
@@ -259,28 +291,16 @@ def torch_impl(name: str, make: Callable, *, fused: bool = False, dtypes: tuple 
         sd = {n: torch.tensor(np.asarray(w), dtype=torch.float64).to(td) for n, w in sd.items()}
         return make(case.config, sd, case.masked_rows), td
 
-    def call(m, case, inputs, x, stages: bool):
-        kw = {"positions": torch.as_tensor(inputs.positions), "is_causal": inputs.is_causal}
-        if fused:
-            kw["need_weights"] = False
-        if stages and _accepts(m.forward, "return_intermediates"):
-            kw["return_intermediates"] = True
-        keep = None if inputs.keep is None else torch.as_tensor(inputs.keep)
-        out = m(x, keep, **kw)
-        if not isinstance(out, tuple):
-            return out, None
-        return out[0], (out[-1] if kw.get("return_intermediates") else None)
-
     def forward(case, inputs, dtype):
         m, td = module(case, inputs, dtype)
         with torch.no_grad():
-            out, stages = call(m, case, inputs, torch.tensor(inputs.x).to(td), True)
+            out, stages = _torch_call(m, inputs, torch.tensor(inputs.x).to(td), True, fused)
         return to_float64(out), None if stages is None else _stages_of(stages, case.config)
 
     def gradient(case, inputs, dtype):
         m, td = module(case, inputs, dtype)
         x = torch.tensor(inputs.x).to(td).requires_grad_()
-        out, _ = call(m, case, inputs, x, False)
+        out, _ = _torch_call(m, inputs, x, False, fused)
         (out * torch.tensor(inputs.cotangent).to(td)).sum().backward()
         grads = {"x": to_float64(x.grad)}
         for n, p in m.named_parameters():
@@ -292,15 +312,7 @@ def torch_impl(name: str, make: Callable, *, fused: bool = False, dtypes: tuple 
         m, td = module(case, inputs, dtype)
         if not hasattr(m, "init_cache"):
             raise NotImplementedError(f"{name} has no init_cache: no latent cache to decode with")
-        x = torch.tensor(inputs.x).to(td)
-        B, T = x.shape[:2]
-        cache, outs = m.init_cache(B, T), []
-        kw = {"need_weights": False} if fused else {}
-        with torch.no_grad():
-            for lo, hi in [(0, prefill)] + [(t, t + 1) for t in range(prefill, T)]:
-                out, _, cache = m(x[:, lo:hi], cache=cache, absorb=absorb, **kw)[:3]
-                outs.append(to_float64(out))
-        return np.concatenate(outs, axis=1)
+        return _torch_decode(m, torch.tensor(inputs.x).to(td), prefill, absorb, fused)
 
     return LatentImpl(name, forward, gradient, decode, dtypes)
 
