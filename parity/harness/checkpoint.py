@@ -580,6 +580,7 @@ def parse_shape(text: str) -> tuple[int, int, int]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The --checkpoint flags of `mha-parity`."""
     from parity.cli_args import add_alias, positive_float, positive_int
+    from parity.latent import LATENT_LAYOUTS
     from parity.layouts import LAYOUTS
 
     g = p.add_argument_group("a checkpoint's layer (--checkpoint)")
@@ -590,8 +591,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(default dtypes float64,float32); a tensor under --prefix the layout does not read, or a model "
                    "whose attention the tool does not model, is refused by name (exit 2)")
     g.add_argument("--layout", default=None, metavar="NAME",
-                   help=f"how the checkpoint names the block's tensors ({', '.join(LAYOUTS)}; default: the one of "
-                   f"config.json's model_type (the directory's, or the one beside a file), else hf-llama)")
+                   help=f"how the checkpoint names the block's tensors ({', '.join(LAYOUTS)}; DeepSeek's latent "
+                   f"attention: {', '.join(LATENT_LAYOUTS)}, docs/latent.md; default: the one of config.json's model_type "
+                   f"(the directory's, or the one beside a file), else hf-llama)")
     g.add_argument("--prefix", default="", metavar="PREFIX", help="the block's key prefix, e.g. model.layers.3.self_attn.")
     g.add_argument("--shape", type=parse_shape, default=None, metavar="B,T,S",
                    help=f"batch, query and key lengths of the --checkpoint or --layer cases (T <= S; T < S is "
