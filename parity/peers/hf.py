@@ -74,7 +74,8 @@ from parity.rope_layout import permute_rope
 SMALL_VOCAB = 11  # the models are built only for their attention block; the vocabulary is never used
 
 
-def _torch_inputs(x, dtype):
+def torch_inputs(x, dtype):
+    """x (NumPy or anything np.asarray takes) as a CPU tensor of the NumPy dtype `dtype`."""
     return numpy_to_tensor(np.asarray(x).astype(dtype))
 
 
@@ -179,7 +180,7 @@ def hf_bert_attention_forward(sd, num_heads: int, query, keep=None, dtype="float
 
     _, call = _hf_bert(sd, num_heads, keep, dtype)
     with torch.no_grad():
-        return tensor_to_numpy(call(_torch_inputs(query, np_dtype(dtype))))
+        return tensor_to_numpy(call(torch_inputs(query, np_dtype(dtype))))
 
 
 def _hf_bert(sd, num_heads: int, keep, dtype):
@@ -220,7 +221,7 @@ def hf_vit_attention_forward(sd, num_heads: int, query, keep=None, dtype="float3
     att.load_state_dict({k: numpy_to_tensor(v) for k, v in tensors.items()}, strict=True)
     mask = None if keep is None else numpy_to_tensor(additive_mask(keep, dt))
     with torch.no_grad():
-        out, _ = att(_torch_inputs(query, dt), attention_mask=mask)
+        out, _ = att(torch_inputs(query, dt), attention_mask=mask)
     return tensor_to_numpy(out)
 
 
@@ -234,7 +235,7 @@ def hf_gpt2_attention_forward(sd, num_heads: int, query, keep=None, dtype="float
 
     _, call = _hf_gpt2(sd, num_heads, np.shape(query), keep, dtype)
     with torch.no_grad():
-        return tensor_to_numpy(call(_torch_inputs(query, np_dtype(dtype))))
+        return tensor_to_numpy(call(torch_inputs(query, np_dtype(dtype))))
 
 
 def _hf_gpt2(sd, num_heads: int, shape, keep, dtype):
@@ -282,9 +283,9 @@ def hf_attention_vjp(library: str, sd, num_heads: int, query, keep, cotangent, d
         att, call = _hf_gpt2(sd, num_heads, np.shape(query), keep, dtype)
     else:
         raise ValueError(f"library must be 'hf-bert' or 'hf-gpt2', got {library!r}")
-    x = _torch_inputs(query, dt).requires_grad_(True)
+    x = torch_inputs(query, dt).requires_grad_(True)
     with torch.enable_grad():
-        (call(x) * _torch_inputs(cotangent, dt)).sum().backward()
+        (call(x) * torch_inputs(cotangent, dt)).sum().backward()
     names = set(to_layout(cast_state_dict(sd, dt), library))
     grads = {n: tensor_to_numpy(p.grad) for n, p in att.named_parameters() if n in names}
     return {"input": tensor_to_numpy(x.grad), **from_layout(grads, library)}
@@ -464,7 +465,7 @@ def hf_llama(sd, num_heads, *, dtype, device, problem):
         att, rotary, _ = _llama_parts(sd, config, dtype)
         call = _llama_call(att, rotary, config, keep, ids, dtype)
         with torch.no_grad():
-            out = call(_torch_inputs(q, np_dtype(dtype)))
+            out = call(torch_inputs(q, np_dtype(dtype)))
         return numpy_to_tensor(tensor_to_numpy(out), device)
 
     def vjp(query, keep, cotangent, *, positions=None, key_positions=None):
@@ -476,9 +477,9 @@ def hf_llama(sd, num_heads, *, dtype, device, problem):
         att, rotary, names = _llama_parts(sd, config, dtype)
         ids = hf_position_ids(positions, key_positions, *query.shape[:2])
         call = _llama_call(att, rotary, config, None if keep is None else np.asarray(keep), ids, dtype)
-        x = _torch_inputs(query, dt).requires_grad_(True)
+        x = torch_inputs(query, dt).requires_grad_(True)
         with torch.enable_grad():
-            (call(x) * _torch_inputs(cotangent, dt)).sum().backward()
+            (call(x) * torch_inputs(cotangent, dt)).sum().backward()
         grads = from_layout({n: tensor_to_numpy(p.grad) for n, p in att.named_parameters()}, "hf-llama")
         if config.rope == "interleaved":  # a row permutation: the gradient's rows go back the same way
             grads = permute_rope(grads, num_heads=config.num_heads, num_kv_heads=config.kv_heads, to="interleaved")
@@ -522,7 +523,7 @@ def mistral_sliding_window(is_causal: bool = False, window=None, segment_ids=Non
     return left + 1
 
 
-def _key_padding_2d(keep, B: int, S: int):
+def key_padding_2d(keep, B: int, S: int):
     """A key-padding keep-mask (B, T, S) as HF's 2D attention mask (B, S) int64; ValueError if its rows differ."""
     import torch
 
@@ -572,7 +573,7 @@ def _mistral_call(sd, config, keep, position_ids, structure: dict, dtype):
         _packed_from_positions(position_ids, structure["segment_ids"])
         mask2d = None  # the training path: documents from position_ids
     else:
-        mask2d = _key_padding_2d(keep, B, T)  # generate's path: a 2D mask, ones where nothing is padded
+        mask2d = key_padding_2d(keep, B, T)  # generate's path: a 2D mask, ones where nothing is padded
     make = create_causal_mask if window is None else create_sliding_window_causal_mask
 
     def call(x):
@@ -589,32 +590,41 @@ def hf_mistral(sd, num_heads, *, dtype, device, problem):
     config = problem.config
     if config.num_heads != num_heads:
         raise ValueError(f"hf-mistral: num_heads={num_heads} but the problem's config has {config.num_heads}")
-    names = tuple(sorted(sd))
 
+    def make_call(keep, positions, key_positions, structure, B, T):
+        return _mistral_call(sd, config, keep, hf_position_ids(positions, key_positions, B, T), structure, dtype)
+
+    return self_attention_peer("HF Mistral", tuple(sorted(sd)), dtype, device, make_call)
+
+
+def self_attention_peer(label: str, names: tuple, dtype, device, make_call):
+    """fn(query, key, value, keep, *, positions=None, key_positions=None, **structure) -> output, with `fn.vjp`
+    (the registry's contract) of a transformers self-attention module whose canonical weights are `names`, under
+    hf-llama's names: make_call(keep (B, T, S) NumPy | None, positions, key_positions, structure {name: NumPy or
+    a number}, B, T) -> (the module, call(x (B, T, E) tensor) -> output). The forward runs without gradients; the
+    vjp gives {"input": d x, canonical weight name: gradient} of sum(output * cotangent), NumPy in and out."""
     def fn(query, key, value, keep, *, positions=None, key_positions=None, **structure):
         import torch
 
         q, k, v = (tensor_to_numpy(x) for x in (query, key, value))
-        check_self_attention(q, k, v, "HF Mistral")
+        check_self_attention(q, k, v, label)
         keep = None if keep is None else tensor_to_numpy(keep)
         structure = {n: tensor_to_numpy(a) if hasattr(a, "detach") else a for n, a in structure.items()}
-        ids = hf_position_ids(positions, key_positions, *q.shape[:2])
-        _, call = _mistral_call(sd, config, keep, ids, structure, dtype)
+        _, call = make_call(keep, positions, key_positions, structure, *q.shape[:2])
         with torch.no_grad():
-            out = call(_torch_inputs(q, np_dtype(dtype)))
+            out = call(torch_inputs(q, np_dtype(dtype)))
         return numpy_to_tensor(tensor_to_numpy(out), device)
 
     def vjp(query, keep, cotangent, *, positions=None, key_positions=None, **structure):
-        """NumPy in and out: {"input": d x, canonical weight name: gradient} of sum(output * cotangent)."""
         import torch
 
         dt = np_dtype(dtype)
         query = np.asarray(query)
-        ids = hf_position_ids(positions, key_positions, *query.shape[:2])
-        att, call = _mistral_call(sd, config, None if keep is None else np.asarray(keep), ids, structure, dtype)
-        x = _torch_inputs(query, dt).requires_grad_(True)
+        att, call = make_call(None if keep is None else np.asarray(keep), positions, key_positions, structure,
+                              *query.shape[:2])
+        x = torch_inputs(query, dt).requires_grad_(True)
         with torch.enable_grad():
-            (call(x) * _torch_inputs(cotangent, dt)).sum().backward()
+            (call(x) * torch_inputs(cotangent, dt)).sum().backward()
         grads = from_layout({n: tensor_to_numpy(p.grad) for n, p in att.named_parameters()}, "hf-llama")
         return {"input": tensor_to_numpy(x.grad), **{n: grads[n] for n in names}}
 
@@ -825,7 +835,7 @@ def hf_llama_decode(sd, num_heads, *, dtype, device, problem):
         params = {k: tensor_to_numpy(v) if hasattr(v, "detach") else np.asarray(v) for k, v in p.items()}
         att, rotary, _ = _llama_parts(params, config, dtype)
         with torch.no_grad():
-            out, cache = hf_llama_decode_step(att, rotary, config, _torch_inputs(tensor_to_numpy(x_t), np_dtype(dtype)),
+            out, cache = hf_llama_decode_step(att, rotary, config, torch_inputs(tensor_to_numpy(x_t), np_dtype(dtype)),
                                               cache, pos)
         return out.to(x_t.device), cache
 
@@ -941,7 +951,7 @@ def _family_peer(name: str, sd, num_heads, *, dtype, device, problem):
         ids = hf_position_ids(positions, key_positions, *q.shape[:2])
         att, rotary, _ = _family_parts(name, sd, config, dtype)
         with torch.no_grad():
-            out = _family_call(name, att, rotary, keep, ids, dtype)(_torch_inputs(q, np_dtype(dtype)))
+            out = _family_call(name, att, rotary, keep, ids, dtype)(torch_inputs(q, np_dtype(dtype)))
         return numpy_to_tensor(tensor_to_numpy(out), device)
 
     def vjp(query, keep, cotangent, *, positions=None, key_positions=None):
@@ -953,9 +963,9 @@ def _family_peer(name: str, sd, num_heads, *, dtype, device, problem):
         att, rotary, names = _family_parts(name, sd, config, dtype)
         ids = hf_position_ids(positions, key_positions, *query.shape[:2])
         call = _family_call(name, att, rotary, None if keep is None else np.asarray(keep), ids, dtype)
-        x = _torch_inputs(query, dt).requires_grad_(True)
+        x = torch_inputs(query, dt).requires_grad_(True)
         with torch.enable_grad():
-            (call(x) * _torch_inputs(cotangent, dt)).sum().backward()
+            (call(x) * torch_inputs(cotangent, dt)).sum().backward()
         grads = from_layout({n: tensor_to_numpy(p.grad) for n, p in att.named_parameters()}, "hf-llama",
                             qk_norm=config.qk_norm, sinks=config.sinks)
         return {"input": tensor_to_numpy(x.grad), **{n: grads[n] for n in names}}

@@ -38,10 +38,10 @@ import numpy as np
 
 from parity.canonical import numpy_to_tensor, tensor_to_numpy, torch_dtype_of
 from parity.implementation import Implementation
-from parity.layouts import from_layout, to_layout
+from parity.layouts import to_layout
 from parity.peers.common import np_dtype, require
-from parity.peers.hf import (SMALL_VOCAB, additive_mask, check_self_attention, decode_args, hf_llama_decode_step,
-                             hf_position_ids, hf_rope_parameters, transformers_module)
+from parity.peers.hf import (SMALL_VOCAB, additive_mask, decode_args, hf_llama_decode_step, hf_position_ids,
+                             hf_rope_parameters, key_padding_2d, self_attention_peer, torch_inputs, transformers_module)
 
 # The module no other file of parity/ names (tests/test_house.py); transformers itself through hf's one door.
 OWNS = ("Llama4TextAttention",)
@@ -122,24 +122,6 @@ def _parts(sd, config, dtype, chunk: int | None):
     return att, modeling.Llama4TextRotaryEmbedding(hf), hf, names
 
 
-def _as_tensor(x, dtype):
-    return numpy_to_tensor(np.asarray(x).astype(dtype))
-
-
-def key_padding_2d(keep, B: int, S: int):
-    """A key-padding keep-mask (B, T, S) as generate's 2D attention mask (B, S) int64 (ones without one); a
-    ValueError when its rows differ (a 2D mask masks keys for every query alike)."""
-    import torch
-
-    if keep is None:
-        return torch.ones(B, S, dtype=torch.int64)
-    keep = np.asarray(keep, bool)
-    if not (keep == keep[:, :1]).all():
-        raise ValueError("HF's 2D attention_mask masks keys for every query alike: the padding must be the same for "
-                         "every query of a row")
-    return torch.from_numpy(keep[:, 0].astype(np.int64))
-
-
 def _chunk_of(structure: dict) -> int | None:
     """The chunk of a chunked case's structured keywords; anything else structured is a ValueError naming it."""
     if not structure:
@@ -180,40 +162,13 @@ def hf_llama4(sd, num_heads, *, dtype, device, problem):
     if config.num_heads != num_heads:
         raise ValueError(f"hf-llama4: num_heads={num_heads} but the problem's config has {config.num_heads}")
     hf_llama4_config(config)  # a layer it cannot be is refused when built
-    names = tuple(sorted(sd))
 
-    def fn(query, key, value, keep, *, positions=None, key_positions=None, **structure):
-        import torch
-
-        q, k, v = (tensor_to_numpy(x) for x in (query, key, value))
-        check_self_attention(q, k, v, "HF Llama 4")
-        keep = None if keep is None else tensor_to_numpy(keep)
+    def make_call(keep, positions, key_positions, structure, B, T):
         if config.rope is None:  # NoPE: the queries' positions only (the temperature's)
             key_positions = positions
-        ids = hf_position_ids(positions, key_positions, *q.shape[:2])
-        _, call = _call(sd, config, keep, ids, structure, dtype)
-        with torch.no_grad():
-            out = call(_as_tensor(q, np_dtype(dtype)))
-        return numpy_to_tensor(tensor_to_numpy(out), device)
+        return _call(sd, config, keep, hf_position_ids(positions, key_positions, B, T), structure, dtype)
 
-    def vjp(query, keep, cotangent, *, positions=None, key_positions=None, **structure):
-        """NumPy in and out: {"input": d x, canonical weight name: gradient} of sum(output * cotangent)."""
-        import torch
-
-        dt = np_dtype(dtype)
-        query = np.asarray(query)
-        if config.rope is None:
-            key_positions = positions
-        ids = hf_position_ids(positions, key_positions, *query.shape[:2])
-        att, call = _call(sd, config, None if keep is None else np.asarray(keep), ids, structure, dtype)
-        x = _as_tensor(query, dt).requires_grad_(True)
-        with torch.enable_grad():
-            (call(x) * _as_tensor(cotangent, dt)).sum().backward()
-        grads = from_layout({n: tensor_to_numpy(p.grad) for n, p in att.named_parameters()}, "hf-llama")
-        return {"input": tensor_to_numpy(x.grad), **{n: grads[n] for n in names}}
-
-    fn.vjp = vjp
-    return fn
+    return self_attention_peer("HF Llama 4", tuple(sorted(sd)), dtype, device, make_call)
 
 
 # float64 only where no row is fully masked (none, causal); no packed documents or windows (Llama 4 has neither).
@@ -238,7 +193,7 @@ def hf_llama4_decode(sd, num_heads, *, dtype, device, problem):
         params = {k: tensor_to_numpy(v) if hasattr(v, "detach") else np.asarray(v) for k, v in p.items()}
         att, rotary, _, _ = _parts(params, config, dtype, None)
         with torch.no_grad():
-            out, cache = hf_llama_decode_step(att, rotary, config, _as_tensor(tensor_to_numpy(x_t), np_dtype(dtype)),
+            out, cache = hf_llama_decode_step(att, rotary, config, torch_inputs(tensor_to_numpy(x_t), np_dtype(dtype)),
                                               cache, pos)
         return out.to(x_t.device), cache
 
