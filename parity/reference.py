@@ -619,7 +619,7 @@ def as_float64(x) -> np.ndarray:
 # ---------------------------------------------------------------- decoding with a KV cache
 
 
-def _starts(starts, batch: int, top: int) -> np.ndarray:
+def check_starts(starts, batch: int, top: int) -> np.ndarray:
     """(B,) int64 left-padding counts in [0, top]; None -> zeros. TypeError/ValueError naming them."""
     if starts is None:
         return np.zeros(batch, np.int64)
@@ -643,7 +643,7 @@ def decode_keep(starts, L: int, chunk=None) -> np.ndarray:
     and decode steps over L tokens equal (a query at a padding column t < starts[b] keeps nothing).
     chunk C (Llama 4's chunked layers): also (s - starts[b]) // C == (t - starts[b]) // C, the chunks of
     the row's positions (`decode_positions`), counted from its first token."""
-    starts = _starts(starts, np.shape(starts)[0] if starts is not None else 1, L)
+    starts = check_starts(starts, np.shape(starts)[0] if starts is not None else 1, L)
     t = np.arange(L)[:, None]  # (L, 1)
     s = np.arange(L)[None, :]  # (1, L)
     keep = (s >= starts[:, None, None]) & (s <= t)  # (B, L, L)
@@ -657,7 +657,7 @@ def decode_keep(starts, L: int, chunk=None) -> np.ndarray:
 def decode_positions(starts, L: int) -> np.ndarray:
     """(B, L) int64: the RoPE position of the token in column t of row b, t - starts[b] (negative
     on left padding, which nothing attends)."""
-    starts = _starts(starts, np.shape(starts)[0] if starts is not None else 1, L)
+    starts = check_starts(starts, np.shape(starts)[0] if starts is not None else 1, L)
     return np.arange(L, dtype=np.int64)[None, :] - starts[:, None]
 
 
@@ -739,7 +739,7 @@ def decode(sd, x, *, starts=None, prefill: int, num_heads: int, masked_rows: str
     E, N, K, H = cfg.embed_dim, cfg.num_heads, cfg.kv_heads, cfg.head_size
     x = np.asarray(x)
     B, L, C = _decode_sizes(x, E, capacity, prefill)
-    starts = _starts(starts, B, C)
+    starts = check_starts(starts, B, C)
     acc = _accumulation_dtype(dtype)
     xs = _round(x.astype(np.float64), dtype)
 

@@ -20,7 +20,8 @@ import numpy as np
 
 from mha_spec import MASKED_ROWS_POLICIES, check_positions
 from mha_spec.mla import LatentAttentionConfig
-from parity.reference import as_float64, keep_mask, rope_attention_factor, rope_inv_freq, rotate, structured_keep
+from parity.reference import (as_float64, check_starts, keep_mask, rope_attention_factor, rope_inv_freq, rotate,
+                              structured_keep)
 
 MLA_STAGES = ("q", "c", "k_pe", "q_rot", "k", "v", "scores", "weights", "context", "output")
 """The stages of `forward` in the order the data flows."""
@@ -351,18 +352,6 @@ class LatentDecoded:
     starts: np.ndarray  # (B,) int64
 
 
-def _starts(starts, B: int, L: int) -> np.ndarray:
-    """(B,) int64 left-padding counts in [0, L]; None -> zeros."""
-    if starts is None:
-        return np.zeros(B, np.int64)
-    starts = np.asarray(starts)
-    if not np.issubdtype(starts.dtype, np.integer):
-        raise TypeError(f"starts must be integers, got dtype {starts.dtype}")
-    if starts.shape != (B,) or ((starts < 0) | (starts > L)).any():
-        raise ValueError(f"starts must be {B} ints in [0, {L}] (one per batch row), got {starts.tolist()}")
-    return starts.astype(np.int64)
-
-
 def decode(sd, x, *, prefill: int, starts=None, num_heads: int, kv_lora_rank: int, qk_nope_head_dim: int,
            qk_rope_head_dim: int, v_head_dim: int, q_lora_rank: int | None = None, rope: str = "interleaved",
            rope_theta: float = 10000.0, rope_scaling=None, norm_eps: float = 1e-6, masked_rows: str = "nan",
@@ -384,7 +373,7 @@ def decode(sd, x, *, prefill: int, starts=None, num_heads: int, kv_lora_rank: in
     B, L, _ = xs.shape
     if isinstance(prefill, bool) or not isinstance(prefill, (int, np.integer)) or not 0 <= prefill <= L:
         raise ValueError(f"prefill must be an int in [0, L={L}], got {prefill!r}")
-    starts = _starts(starts, B, L)
+    starts = check_starts(starts, B, L)
     c_cache, pe_cache = np.zeros((B, L, kv_lora_rank)), np.zeros((B, 1, L, qk_rope_head_dim))
     outputs = []
     for lo, hi in ([(0, prefill)] if prefill else []) + [(t, t + 1) for t in range(prefill, L)]:
