@@ -80,7 +80,7 @@ def test_list_says_how_many_rows_are_timed_and_how_long_the_run_takes():
     # never below the budget the timed calls may spend, per worker process
     assert timed == n_items - skips and seconds >= cfg.processes * timed * cfg.timing.budget_s
     # a slow item counts its min_repeats calls, each its FLOPs at the assumed rate (the grid of
-    # docs/results/bench-grid-epyc.md: estimated 16.1 min, measured 15.7)
+    # docs/results/bench-grid-epyc-before-tune.md: estimated 16.1 min, measured 15.7; after the tune 13.2)
     from parity.bench.spec import pass_flops
     big = cli.build_config(cli.run_parser().parse_args([*FAST, "--seq", "4096", "--batch", "4", "--embed", "512",
                                                         "--heads", "8"]))
@@ -104,5 +104,25 @@ def test_the_plot_title_fits_its_figure_and_wraps_between_words():
     words = set(" ".join(report.verdictshort(v, 10**6).split()).split())
     assert all(w in words or w in report.plot_title(rows, ENV, width=10**6).split() for ln in lines
                for w in ln.split())  # every line is made of whole words
+    import matplotlib.pyplot as plt
+    plt.close(fig)
+
+
+def test_many_verdicts_leave_the_plots_their_height_below_the_title():
+    """A verdict per case (16 in the B=1,4 grid) makes a tall title; the plots keep their room under it
+    (tight_layout once reserved the title's height twice: the axes shrank to the bottom 1.5 inches)."""
+    pytest.importorskip("matplotlib")
+    rows = _rows()
+    v = {"case": "B=1 T=512 S=512 E=64 N=4 float32", "pass": "fwd", "faster": "ours-torch:eager:fused",
+         "slower": "ours-jax:jit:fused", "ratio": 1.01, "ci": [0.98, 1.04], "conclusive": False,
+         "reason": "the interval contains 1 (no measurable difference at this noise)"}
+    fig = report.plot_figure(rows, ENV, [v] * 16)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    title = fig._suptitle.get_window_extent(renderer)
+    boxes = [ax.get_tightbbox(renderer) for ax in fig.axes]
+    assert max(b.y1 for b in boxes) <= title.y0  # no plot under the title's lines
+    inches = (max(b.y1 for b in boxes) - min(b.y0 for b in boxes)) / fig.dpi
+    assert inches >= 6.5, inches  # of the 8.5 the plots are given
     import matplotlib.pyplot as plt
     plt.close(fig)

@@ -405,12 +405,14 @@ def plot_figure(rows, env: dict | None = None, verdicts_=()):
                 f" {short}={r0[k]}" for k, short in (("batch", "B"), ("embed", "E"), ("heads", "N"))
                 if len({r[k] for r in members}) == 1)
         axes[0][col].set_title(f"{pass_}{shared}")
-    fig.suptitle(title, fontsize=TITLE_SIZE)
     handles, labels = _legend_entries(axes[0])
     if handles and not bars:
         fig.legend(handles, labels, loc="lower center", ncol=2, fontsize=7)
     top = 1 - (0.17 * lines + 0.1) / fig.get_figheight()  # the title's lines (the layer, the run, each verdict)
     fig.tight_layout(rect=(0, 0 if bars else 0.04 + 0.018 * math.ceil(len(labels) / 2), 1, top))
+    # The title after the layout: tight_layout would reserve a suptitle's height again below `top`, and
+    # with a verdict per case that squeezed the plots into the bottom third of the figure.
+    fig.suptitle(title, fontsize=TITLE_SIZE, y=1 - 0.05 / fig.get_figheight(), va="top")
     return fig
 
 
