@@ -196,13 +196,29 @@ EPYC_AVX2 = Processor("cpu", "AMD EPYC", "avx2")
 # `python -m mha_jax.tune` (float32, H=64, precision "highest") on 2-core VMs shared with
 # other jobs; each comment gives scores (1.00 = fastest in every run and pass that measured it).
 BUILTIN: dict[str, tuple[Measured, ...]] = {
-    # Four runs combined with --combine (load average 2-11); times in docs/results/flash-blocks-cpu.run{1,2,3,4}.json.
+    # One quiet run each (only the tune running; load average 0.6-2.1, its own two threads), glibc's
+    # allocator thresholds pinned: batch 1 and 4 (N=8, T = S = 512..4096) in
+    # docs/results/kernel-table-epyc-avx512.json, grouped layers (K=2 of N=8: kernel rows G·T = 4·T
+    # against S = T) in kernel-table-epyc-avx512-gqa.json. The rows they replace (measured under load 2-11,
+    # no head steps among the candidates) chose 256x256 at B·N=32 T=2048: 527 ms forward against 237 ms
+    # at 2048x512/h1 in a forward-only tune of that size just before.
     EPYC.key: (
-        Measured(BN=32, T=256, S=256, fastest=CHUNKED, blocks=(256, 256)),  # 1.07; einsum 1.29, dpa-xla 1.34
-        Measured(BN=32, T=512, S=512, fastest=CHUNKED, blocks=(256, 256)),  # 1.00; 128x256 1.05, einsum 1.59
-        Measured(BN=32, T=1024, S=1024, fastest=CHUNKED, blocks=(128, 256)),  # 1.17; 256x256 1.27, einsum 2.42
-        Measured(BN=32, T=2048, S=2048, fastest=CHUNKED, blocks=(256, 256)),  # 1.03; 256x512 1.13, 512x1024 1.31, 256x2048 1.63
-        Measured(BN=8, T=8192, S=8192, fastest=CHUNKED, blocks=(512, 512)),  # 1.00; 256x512 1.19, 512x1024 1.29
+        Measured(BN=8, T=512, S=512, fastest=CHUNKED, blocks=(256, 512)),  # 1.00; 512x512/h4 1.02, 512x512 1.04
+        Measured(BN=8, T=1024, S=1024, fastest=CHUNKED, blocks=(1024, 1024), head_chunk=1),  # 1.00; 1024x1024/h2 1.06
+        Measured(BN=8, T=2048, S=2048, fastest=CHUNKED, blocks=(2048, 1024), head_chunk=1),  # 1.02; 2048x512/h1 1.04
+        Measured(BN=8, T=4096, S=4096, fastest=CHUNKED, blocks=(1024, 1024), head_chunk=1),  # 1.00; 2048x512/h1 1.01
+        Measured(BN=32, T=512, S=512, fastest=CHUNKED, blocks=(512, 512), head_chunk=2),  # 1.02; 512x512/h4 1.03, all at once 256x512 1.47
+        Measured(BN=32, T=1024, S=1024, fastest=CHUNKED, blocks=(1024, 1024), head_chunk=1),  # 1.00; all at once 256x512 1.34
+        Measured(BN=32, T=2048, S=2048, fastest=CHUNKED, blocks=(2048, 1024), head_chunk=1),  # 1.01; all at once 256x512 1.36
+        Measured(BN=32, T=4096, S=4096, fastest=CHUNKED, blocks=(1024, 1024), head_chunk=1),  # 1.01; all at once 256x512 1.33
+        Measured(BN=2, T=2048, S=512, fastest=CHUNKED, blocks=(1024, 512)),  # 1.04; 2048x512/h1 1.06, 512x512 1.07
+        Measured(BN=2, T=4096, S=1024, fastest=CHUNKED, blocks=(1024, 1024)),  # 1.00; 1024x1024/h1 1.03
+        Measured(BN=2, T=8192, S=2048, fastest=CHUNKED, blocks=(1024, 1024), head_chunk=1),  # 1.01; 2048x512/h1 1.02
+        Measured(BN=2, T=16384, S=4096, fastest=CHUNKED, blocks=(1024, 1024), head_chunk=1),  # 1.01; 2048x512/h1 1.02
+        Measured(BN=8, T=2048, S=512, fastest=CHUNKED, blocks=(2048, 512), head_chunk=1),  # 1.00; all at once 256x512 1.13
+        Measured(BN=8, T=4096, S=1024, fastest=CHUNKED, blocks=(1024, 1024), head_chunk=1),  # 1.00; all at once 256x512 1.11
+        Measured(BN=8, T=8192, S=2048, fastest=CHUNKED, blocks=(1024, 1024), head_chunk=1),  # 1.00; all at once 256x512 1.08
+        Measured(BN=8, T=16384, S=4096, fastest=CHUNKED, blocks=(2048, 512), head_chunk=1),  # 1.00; all at once 256x512 1.15
     ),
     # Two runs each, combined (--combine), glibc's allocator thresholds pinned (`mha_spec.allocator`), on
     # an otherwise idle machine (load average 0.7 before the first, the runs' own ~1.9 during): batch 1
