@@ -126,3 +126,24 @@ def test_many_verdicts_leave_the_plots_their_height_below_the_title():
     assert inches >= 6.5, inches  # of the 8.5 the plots are given
     import matplotlib.pyplot as plt
     plt.close(fig)
+
+
+@pytest.mark.parametrize("lengths", [(512,), (512, 1024)], ids=["bars", "lines"])
+def test_the_rate_plots_draw_the_measured_peak_of_each_dtype(lengths):
+    """How close to the machine: the GFLOP/s axes carry the run's measured matmul peak (a line at its value,
+    named), beside the rows' rates."""
+    pytest.importorskip("matplotlib")
+    rows = []
+    for T in lengths:
+        for n, impl in enumerate((FWD_ONLY, JAX)):
+            case = BenchCase.of(1, T, T, 64, 4, "float32")
+            rows.append(empty_row(impl, case, "fwd", status="ok", median_s=1e-3 * (n + 1), iqr_s=0.0,
+                                  gflops=50.0 + n, peak_gflops=221.0, peak_fraction=0.2, kernel="k"))
+    fig = report.plot_figure(rows, ENV)
+    rate = fig.axes[1]
+    values = {float(v) for ln in rate.get_lines() if ln.get_linestyle() == ":"
+              for v in (ln.get_xdata() if len(lengths) == 1 else ln.get_ydata())}
+    assert values == {221.0}
+    assert any(t.get_text() == "float32 matmul peak 221" for t in rate.texts)
+    import matplotlib.pyplot as plt
+    plt.close(fig)

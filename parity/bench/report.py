@@ -405,6 +405,7 @@ def plot_figure(rows, env: dict | None = None, verdicts_=()):
                 f" {short}={r0[k]}" for k, short in (("batch", "B"), ("embed", "E"), ("heads", "N"))
                 if len({r[k] for r in members}) == 1)
         axes[0][col].set_title(f"{pass_}{shared}")
+        _plot_peaks(axes[1][col], members, vertical=bars)
     handles, labels = _legend_entries(axes[0])
     if handles and not bars:
         fig.legend(handles, labels, loc="lower center", ncol=2, fontsize=7)
@@ -462,6 +463,19 @@ def _plot_series(ax_time, ax_rate, members, style) -> None:
         errs = [(r["seq_q"], r[field_]) for r in bad if r.get(field_)]
         if errs:
             ax.plot(*zip(*errs), linestyle="none", color=style["color"], label=_ERROR_LABEL, **_ERROR_MARKER)
+
+
+def _plot_peaks(ax_rate, members, vertical: bool) -> None:
+    """The measured matmul peak of each dtype among `members` as a dotted line on the GFLOP/s axes, named at
+    its end: how far each row is from what the machine's own matmul reached in the same run."""
+    for dtype, peak in sorted({(r["dtype"], r["peak_gflops"]) for r in members if r.get("peak_gflops")}):
+        line = ax_rate.axvline if vertical else ax_rate.axhline
+        line(peak, linestyle=":", color="black", linewidth=1)
+        text = f"{dtype} matmul peak {peak:.0f}"
+        if vertical:
+            ax_rate.text(peak, 1.0, text, transform=ax_rate.get_xaxis_transform(), ha="right", va="bottom", fontsize=7)
+        else:
+            ax_rate.text(1.0, peak, text, transform=ax_rate.get_yaxis_transform(), ha="right", va="bottom", fontsize=7)
 
 
 def _plot_bars(ax_time, ax_rate, members, styles) -> None:
