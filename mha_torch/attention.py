@@ -291,7 +291,15 @@ def fused_attention_core(q, k, v, keep, *, masked_rows: str = "nan", scale=None,
     if softcap is not None or sinks is not None:
         return materialised_context(q, k, v, keep, masked_rows=masked_rows, scale=scale, softcap=softcap,
                                     sinks=sinks)
-    return _fused_core(q, k, v, keep, masked_rows=masked_rows, causal=_is_causal(keep, q.shape[-2], k.shape[-2]),
+    B, N, T, _ = q.shape
+    if k.shape[1] == 1 < N and (keep is None or keep.shape[1] == keep.shape[2] == 1):
+        # One key/value head (multi-query; MLA's absorbed form) and a mask alike for every query: the N heads are
+        # N·T query rows of that one head. SDPA's enable_gqa on a CPU repeats K and V once per query head
+        # (MLA's absorbed decode step, N=8, S=1025, C+Dr=144: 476 us against 132 us folded, 2-core AMD EPYC).
+        context = _fused_core(q.reshape(B, 1, N * T, q.shape[-1]), k, v, keep, masked_rows=masked_rows,
+                              causal=False, scale=scale)  # (B, 1, N·T, H)
+        return context.reshape(B, N, T, context.shape[-1])
+    return _fused_core(q, k, v, keep, masked_rows=masked_rows, causal=_is_causal(keep, T, k.shape[-2]),
                        scale=scale)
 
 

@@ -320,3 +320,29 @@ def test_causal_recognition_is_exact(rng):
                     assert attention._is_causal(t, T, S_) == expected, (T, S_, lead, flip, name)
                 seen[expected] += 1
     assert min(seen.values()) > 10
+
+
+@pytest.mark.parametrize("T", [1, S.T])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_one_key_head_runs_its_query_heads_as_rows_of_that_head(T, policy, monkeypatch, rng):
+    """One key/value head (multi-query; MLA's absorbed form) and a mask alike for every query: SDPA gets one head
+    of N·T query rows instead of enable_gqa (whose CPU path copies K and V per query head), with the numbers of
+    the materialised core given K and V per head, fully masked rows and every policy included."""
+    seen = []
+    real = F.scaled_dot_product_attention
+
+    def spy(q, k, v, **kwargs):
+        seen.append((tuple(q.shape), bool(kwargs.get("enable_gqa", False))))
+        return real(q, k, v, **kwargs)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
+    H = 4
+    q = torch.from_numpy(rng.standard_normal((S.B, S.N, T, H)))
+    k, v = (torch.from_numpy(rng.standard_normal((S.B, 1, S.S, H))) for _ in range(2))
+    keep = torch.from_numpy(rng.random((S.B, 1, 1, S.S)) < 0.6)
+    keep[1] = False  # batch row 1 keeps no key: the policy's rows
+    out = attention.fused_attention_core(q, k, v, keep, masked_rows=policy)
+    assert seen == [((S.B, 1, S.N * T, H), False)]
+    want, _ = attention.attention_core(q, k.expand(-1, S.N, -1, -1), v.expand(-1, S.N, -1, -1), keep, masked_rows=policy)
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12, equal_nan=True)
+    assert out.isnan().any() == (policy == "nan")
