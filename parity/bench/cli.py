@@ -610,7 +610,8 @@ def report_main(argv, console: Console) -> int:
 # start (importing torch, JAX and flax: 2.8 s), torch.compile's first compile in a process (~20 s; ~3 s for each
 # further item), and an XLA compile of any other item (~1 s). A call's time is guessed from its FLOPs at
 # ESTIMATE_GFLOPS (our fused layers ran 100-160 GFLOP/s float32 on that EPYC, measured peak 221: the grid of
-# docs/results/bench-grid-epyc-before-tune.md; 110-170 after the tune, bench-grid-epyc.md), so that a slow item's min_repeats count, as they do in a run.
+# docs/results/bench-grid-epyc-before-tune.md; 110-170 after the tune, bench-grid-epyc.md), so that a slow item's
+# min_repeats count, as they do in a run.
 WORKER_START_S, COMPILE_FIRST_S, COMPILE_MORE_S, PREPARE_S = 3.0, 20.0, 3.0, 1.0
 ESTIMATE_GFLOPS = {"cpu": 100.0, "gpu": 20_000.0, "tpu": 50_000.0}
 CHECK_CALLS = 3  # untimed calls of an item besides its warm-up: the output, the memory probe, the gradients

@@ -467,8 +467,13 @@ def _plot_series(ax_time, ax_rate, members, style) -> None:
 
 def _plot_peaks(ax_rate, members, vertical: bool) -> None:
     """The measured matmul peak of each dtype among `members` as a dotted line on the GFLOP/s axes, named at
-    its end: how far each row is from what the machine's own matmul reached in the same run."""
-    for dtype, peak in sorted({(r["dtype"], r["peak_gflops"]) for r in members if r.get("peak_gflops")}):
+    its end: how far each row is from what the machine's own matmul reached in the same run (the highest, where
+    a row's peak was measured again: the roof)."""
+    peaks = {}
+    for r in members:
+        if r.get("peak_gflops"):
+            peaks[r["dtype"]] = max(peaks.get(r["dtype"], 0.0), r["peak_gflops"])
+    for dtype, peak in sorted(peaks.items()):
         line = ax_rate.axvline if vertical else ax_rate.axhline
         line(peak, linestyle=":", color="black", linewidth=1)
         text = f"{dtype} matmul peak {peak:.0f}"
